@@ -1,0 +1,59 @@
+"""Architecture adapters, keyed by ``config.model_type``.
+
+One explicit registry (no registration by import side effect); it refuses duplicate model types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UnsupportedArchitectureError
+from ..symmetry import SymmetryGraph
+from . import bert, clip, gpt2, llama, vit
+from .base import ArchitectureSpec
+
+
+class AdapterRegistry:
+    def __init__(self) -> None:
+        self._by_type: dict[str, ArchitectureSpec] = {}
+
+    def register(self, spec: ArchitectureSpec) -> None:
+        for model_type in spec.model_types:
+            if not model_type or model_type != model_type.strip():
+                raise ValueError(f"bad model_type {model_type!r} in adapter {spec.family!r}")
+            if model_type in self._by_type:
+                raise ValueError(
+                    f"model_type {model_type!r} is registered twice "
+                    f"({self._by_type[model_type].family!r} and {spec.family!r})"
+                )
+            self._by_type[model_type] = spec
+
+    @property
+    def model_types(self) -> list[str]:
+        return sorted(self._by_type)
+
+    def get(self, model_type: str | None) -> ArchitectureSpec:
+        spec = self._by_type.get(model_type or "")
+        if spec is None:
+            raise UnsupportedArchitectureError(
+                f"model_type {model_type!r} is not supported; supported: {', '.join(self.model_types)}. "
+                "Adding one is a small declarative file in hf_rebasin/adapters/."
+            )
+        return spec
+
+
+REGISTRY = AdapterRegistry()
+for _spec in (bert.BERT, bert.ROBERTA, gpt2.SPEC, vit.SPEC, llama.SPEC, clip.SPEC):
+    REGISTRY.register(_spec)
+
+
+def get_adapter(model_type: str | None) -> ArchitectureSpec:
+    return REGISTRY.get(model_type)
+
+
+def graph_for(config: Any, keys: Any) -> SymmetryGraph:
+    """The symmetry graph of a model given its config and its state-dict keys."""
+    return get_adapter(getattr(config, "model_type", None)).graph(config, keys)
+
+
+__all__ = ["REGISTRY", "AdapterRegistry", "ArchitectureSpec", "get_adapter", "graph_for"]

@@ -1,0 +1,202 @@
+"""Declarative architecture specs and their expansion into a :class:`SymmetryGraph`.
+
+An adapter is data: space templates, tensor templates (``{i}`` loops over layers, ``{base}`` is the
+base-model prefix such as ``"transformer."``, empty for a bare base model), norms with the tensors
+that read them, ties and tensors that carry no hidden axis. The one Python escape hatch is ``dims``:
+reading sizes from a config.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ..symmetry import AxisRef, Binding, Fused, HeadSpace, Norm, Space, SymmetryGraph, TransformClass
+
+_VAR = re.compile(r"\{(\w+)\}")
+
+
+@dataclass(frozen=True)
+class SpaceT:
+    """Template of a :class:`Space`; ``size`` names a key of the dims."""
+
+    name: str
+    size: str
+    max_class: TransformClass = "permutation"
+    centered: bool = False
+    kind: str = "plain"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class HeadsT:
+    """Template of a :class:`HeadSpace`; sizes name keys of the dims."""
+
+    name: str
+    heads: str = "heads"
+    kv_heads: str = "heads"
+    head_dim: str = "head_dim"
+    rotary: bool = False
+
+
+@dataclass(frozen=True)
+class NormT:
+    """A norm (``prefix.weight`` / ``prefix.bias``) on ``space``; ``readers`` are the weights that
+    read its output only (empty when the norm sits on the residual path itself)."""
+
+    prefix: str
+    space: str
+    readers: tuple[str, ...] = ()
+    bias: bool = True
+    # the model's last norm: in a bare base model its output is the model's output, so not foldable
+    final: bool = False
+
+
+Inputs = Literal["text", "image", "text-image"]
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    family: str
+    model_types: tuple[str, ...]
+    base_prefix: str
+    dims: Callable[[Any], dict[str, int]]
+    loops: Mapping[str, str]
+    spaces: tuple[SpaceT | HeadsT, ...]
+    tensors: Mapping[str, tuple[AxisRef, ...]]
+    norms: tuple[NormT, ...] = ()
+    ties: Mapping[str, str] = field(default_factory=dict)
+    invariant: tuple[str, ...] = ()
+    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
+    inputs: Inputs = "text"
+    # output key -> space of its last axis (None: basis free, e.g. logits)
+    outputs: Mapping[str, str | None] = field(default_factory=lambda: {"logits": None})
+    # Optional escape hatch: tensor templates that depend on which other tensors exist.
+    alternatives: Callable[[Collection[str]], Mapping[str, tuple[AxisRef, ...]]] | None = None
+
+    def graph(self, config: Any, keys: Collection[str]) -> SymmetryGraph:
+        """The symmetry graph of a concrete model (its config and state-dict keys)."""
+        return _build(self, config, set(keys))
+
+
+def _expansions(strings: list[str], loops: Mapping[str, str], dims: Mapping[str, int]) -> list[dict[str, str]]:
+    names = sorted({v for s in strings for v in _VAR.findall(s) if v in loops})
+    ranges = [range(dims[loops[v]]) for v in names]
+    return [dict(zip(names, (str(i) for i in combo), strict=False)) for combo in itertools.product(*ranges)]
+
+
+def _fmt(s: str, env: Mapping[str, str]) -> str:
+    return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), s)
+
+
+def _fmt_ref(ref: AxisRef, env: Mapping[str, str]) -> AxisRef:
+    if ref is None:
+        return None
+    if isinstance(ref, Fused):
+        return Fused(tuple(_fmt(p, env) for p in ref.parts))
+    return _fmt(ref, env)
+
+
+def _ref_strings(ref: AxisRef) -> list[str]:
+    if ref is None:
+        return []
+    return list(ref.parts) if isinstance(ref, Fused) else [ref]
+
+
+def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph:
+    dims = spec.dims(config)
+    base = spec.base_prefix if any(k.startswith(spec.base_prefix) for k in keys) else ""
+    env0 = {"base": base}
+
+    spaces: dict[str, Space | HeadSpace] = {}
+    for st in spec.spaces:
+        for env in _expansions([st.name], spec.loops, dims):
+            name = _fmt(st.name, env)
+            if isinstance(st, HeadsT):
+                spaces[name] = HeadSpace(name, dims[st.heads], dims[st.kv_heads], dims[st.head_dim], st.rotary)
+            else:
+                spaces[name] = Space(name, dims[st.size], st.max_class, st.centered, st.kind, st.reason)
+
+    templates = dict(spec.tensors)
+    if spec.alternatives is not None:
+        templates.update(spec.alternatives(keys))
+    bindings: dict[str, Binding] = {}
+    for tmpl, axes in templates.items():
+        strings = [tmpl] + [s for ref in axes for s in _ref_strings(ref)]
+        for env in _expansions(strings, spec.loops, dims):
+            env = {**env0, **env}
+            name = _fmt(tmpl, env)
+            if name in keys:
+                bindings[name] = Binding(name, tuple(_fmt_ref(r, env) for r in axes))
+
+    norms: list[Norm] = []
+    for nt in spec.norms:
+        strings = [nt.prefix, nt.space, *nt.readers]
+        for env in _expansions(strings, spec.loops, dims):
+            env = {**env0, **env}
+            weight = _fmt(nt.prefix, env) + ".weight"
+            if weight not in keys:
+                continue
+            bias = _fmt(nt.prefix, env) + ".bias" if nt.bias else None
+            bias = bias if bias in keys else None
+            space = _fmt(nt.space, env)
+            readers = tuple(r for r in (_fmt(x, env) for x in nt.readers) if r in keys)
+            if nt.final and spec.base_prefix and not base:
+                readers = ()
+            bindings[weight] = Binding(weight, (space,), norm_scale=True)
+            if bias is not None:
+                bindings[bias] = Binding(bias, (space,))
+            norms.append(Norm(weight, bias, space, readers))
+
+    ties: dict[str, str] = {}
+    tie_on = getattr(config, "tie_word_embeddings", True) is not False
+    for alias, source in spec.ties.items():
+        alias, source = _fmt(alias, env0), _fmt(source, env0)
+        if tie_on and alias in keys and source in keys:
+            ties[alias] = source
+
+    invariant = set()
+    for tmpl in spec.invariant:
+        for env in _expansions([tmpl], spec.loops, dims):
+            invariant.add(_fmt(tmpl, {**env0, **env}))
+
+    graph = SymmetryGraph(spec.family, spaces, bindings, ties, norms, frozenset(invariant), spec.norm_type)
+    used = {name for name in spaces if graph.users(name)}
+    graph.spaces = {k: v for k, v in spaces.items() if k in used}
+    _limit_unfoldable(graph)
+    return graph
+
+
+def _limit_unfoldable(graph: SymmetryGraph) -> None:
+    """A space whose norm has no reader (a bare base model's final norm, a norm on the residual
+    path) cannot be rotated: downgrade it to permutations and say why."""
+    for norm in graph.norms:
+        space = graph.spaces.get(norm.space)
+        if isinstance(space, Space) and space.max_class == "orthogonal" and not norm.readers:
+            graph.spaces[norm.space] = Space(
+                space.name,
+                space.size,
+                "permutation",
+                space.centered,
+                space.kind,
+                f"norm {norm.weight!r} has no linear reader to fold its scale into",
+            )
+
+
+def token_inputs(
+    vocab: int, max_len: int, generator: torch.Generator, batch: int = 2, length: int = 12
+) -> dict[str, torch.Tensor]:
+    n = min(length, max_len)
+    ids = torch.randint(0, vocab, (batch, n), generator=generator)
+    mask = torch.ones(batch, n, dtype=torch.long)
+    mask[-1, n - 3 :] = 0  # one padded row: padding must not matter either
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def image_inputs(channels: int, size: int, generator: torch.Generator, batch: int = 2) -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(batch, channels, size, size, generator=generator)}

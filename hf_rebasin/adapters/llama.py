@@ -1,0 +1,64 @@
+"""Llama family (Llama, Mistral, Qwen2): pre-RMSNorm, rotary embeddings, grouped-query attention,
+SwiGLU MLP. Qwen2 adds q/k/v biases; any of them may tie the LM head to the embeddings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import ArchitectureSpec, HeadsT, NormT, SpaceT
+
+ATTN = "layers.{i}.attn"
+MLP = "layers.{i}.mlp"
+L = "{base}layers.{i}"
+
+
+def _dims(c: Any) -> dict[str, int]:
+    d, heads = c.hidden_size, c.num_attention_heads
+    return {
+        "d": d,
+        "layers": c.num_hidden_layers,
+        "heads": heads,
+        "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(c, "head_dim", None) or d // heads,
+        "ff": c.intermediate_size,
+    }
+
+
+SPEC = ArchitectureSpec(
+    family="llama",
+    model_types=("llama", "mistral", "qwen2"),
+    base_prefix="model.",
+    dims=_dims,
+    loops={"i": "layers"},
+    spaces=(
+        SpaceT("res", "d", "orthogonal", kind="residual"),
+        HeadsT(ATTN, kv_heads="kv_heads", rotary=True),
+        SpaceT(MLP, "ff", kind="mlp"),
+    ),
+    tensors={
+        "{base}embed_tokens.weight": (None, "res"),
+        **{f"{L}.self_attn.{p}_proj.weight": (f"{ATTN}:{p}", "res") for p in "qkv"},
+        **{f"{L}.self_attn.{p}_proj.bias": (f"{ATTN}:{p}",) for p in "qkv"},
+        f"{L}.self_attn.o_proj.weight": ("res", f"{ATTN}:o"),
+        f"{L}.self_attn.o_proj.bias": ("res",),
+        f"{L}.mlp.gate_proj.weight": (MLP, "res"),
+        f"{L}.mlp.gate_proj.bias": (MLP,),
+        f"{L}.mlp.up_proj.weight": (MLP, "res"),
+        f"{L}.mlp.up_proj.bias": (MLP,),
+        f"{L}.mlp.down_proj.weight": ("res", MLP),
+        f"{L}.mlp.down_proj.bias": ("res",),
+        "lm_head.weight": (None, "res"),
+        "score.weight": (None, "res"),
+    },
+    norms=(
+        NormT(f"{L}.input_layernorm", "res", tuple(f"{L}.self_attn.{p}_proj.weight" for p in "qkv"), bias=False),
+        NormT(
+            f"{L}.post_attention_layernorm", "res", (f"{L}.mlp.gate_proj.weight", f"{L}.mlp.up_proj.weight"), bias=False
+        ),
+        NormT("{base}norm", "res", ("lm_head.weight", "score.weight"), bias=False, final=True),
+    ),
+    ties={"lm_head.weight": "{base}embed_tokens.weight"},
+    invariant=("score.bias",),
+    norm_type="rmsnorm",
+    outputs={"logits": None, "last_hidden_state": "res"},
+)

@@ -1,0 +1,44 @@
+"""Typed errors.
+
+Every error a user can cause derives from :class:`RebasinUserError`; the CLI turns those into a
+one-paragraph message and exit code 2. Anything else is a bug in hf-rebasin (exit code 1).
+Messages say what is wrong, where (file, field, tensor) and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class RebasinError(Exception):
+    """Base class of every error raised on purpose by hf-rebasin."""
+
+
+class RebasinUserError(RebasinError):
+    """A problem with the user's input: exit code 2, no traceback."""
+
+
+class ModelNotFoundError(RebasinUserError, OSError):
+    """A model reference points at nothing usable (missing folder, missing config.json)."""
+
+
+class CheckpointError(RebasinUserError, ValueError):
+    """A checkpoint does not match its config (shape, missing or extra tensors)."""
+
+
+class PickleRefusedError(RebasinUserError, ValueError):
+    """A checkpoint is only available as pickle (.bin) and pickle was not allowed."""
+
+
+class UnsupportedArchitectureError(RebasinUserError, ValueError):
+    """`config.model_type` has no adapter."""
+
+
+class IncompatibleModelsError(RebasinUserError, ValueError):
+    """Two models that should share an architecture do not (names the first differing tensor)."""
+
+
+class TransformError(RebasinUserError, ValueError):
+    """A transform that is not allowed for a space, or that needs the canonical form first."""
+
+
+class AdapterError(RebasinError):
+    """An adapter does not describe the model it was given: a bug in hf-rebasin (exit code 1)."""

@@ -1,0 +1,502 @@
+"""The symmetry graph: which hidden-feature spaces a model has and which tensor axes live in them.
+
+A *space* is a feature axis shared by several tensors (the residual stream, the MLP units of a
+layer, the heads of an attention layer). A transform assigns each space an invertible map; every
+tensor axis bound to that space is contracted with it. For permutations and orthogonal maps the
+inverse is the transpose, so output axes (``T W``) and input axes (``W Tᵀ``) obey one rule:
+``new[..., i, ...] = Σ_j T[i, j] · old[..., j, ...]``. That is why a binding needs nothing but the
+space name per axis, as in git re-basin's ``axes_to_perm``.
+
+This module imports torch only: no transformers, no hub.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .errors import AdapterError, CheckpointError, TransformError
+
+TransformClass = Literal["permutation", "orthogonal"]
+TRANSFORM_CLASSES: tuple[TransformClass, ...] = ("permutation", "orthogonal")
+ROLES = ("q", "k", "v", "o")
+
+
+# --------------------------------------------------------------------------------------------
+# Spaces
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Space:
+    """A plain feature space (residual stream, MLP units, pooler, joint embedding).
+
+    ``max_class`` is the richest transform that is exact. ``centered`` marks a LayerNorm residual
+    stream: orthogonal maps must fix the all-ones vector (LayerNorm subtracts the mean).
+    ``reason`` says why the class is limited, for messages.
+    """
+
+    name: str
+    size: int
+    max_class: TransformClass = "permutation"
+    centered: bool = False
+    kind: str = "plain"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class HeadSpace:
+    """The heads of one attention layer (multi-head or grouped-query).
+
+    Roles: ``q`` and ``o`` have ``num_heads * head_dim`` features, ``k`` and ``v`` have
+    ``num_kv_heads * head_dim``. Heads never mix, so a transform is a permutation of KV heads, a
+    permutation of query heads inside each group, and one inner map per KV head for Q/K and another
+    for V/O. Under rotary embeddings the Q/K inner map may only rotate each rotary plane.
+    """
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary: bool = False
+    kind: str = "attention"
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def role_size(self, role: str) -> int:
+        heads = self.num_heads if role in ("q", "o") else self.num_kv_heads
+        return heads * self.head_dim
+
+
+AnySpace = Space | HeadSpace
+
+
+# --------------------------------------------------------------------------------------------
+# Transforms
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AxisMap:
+    """An orthogonal map of one axis, stored compactly.
+
+    First ``index`` reorders the axis (``new[i] = old[index[i]]``), then ``blocks`` (shape
+    ``[nb, bs, bs]``) multiplies each consecutive block of ``bs`` features. A permutation has no
+    blocks; a dense orthogonal map is one block; a head permutation with rotated heads has one block
+    per head.
+    """
+
+    size: int
+    index: Tensor | None = None
+    blocks: Tensor | None = None
+
+    @property
+    def is_permutation(self) -> bool:
+        return self.blocks is None
+
+    def matrix(self, dtype: torch.dtype = torch.float64) -> Tensor:
+        """The dense ``[size, size]`` matrix (for solvers and tests; apply never builds it)."""
+        return self.apply(torch.eye(self.size, dtype=dtype), 0)
+
+    def apply(self, t: Tensor, axis: int) -> Tensor:
+        if t.shape[axis] != self.size:
+            raise TransformError(f"axis of size {t.shape[axis]} cannot take a map of size {self.size}")
+        if self.index is not None:
+            t = t.index_select(axis, self.index.to(t.device))
+        if self.blocks is not None:
+            nb, bs, _ = self.blocks.shape
+            work = torch.promote_types(t.dtype, torch.float32)
+            moved = t.movedim(axis, -1)
+            shape = moved.shape
+            x = moved.to(work).reshape(*shape[:-1], nb, bs)
+            x = torch.einsum("...bj,bij->...bi", x, self.blocks.to(device=t.device, dtype=work))
+            t = x.reshape(shape).to(t.dtype).movedim(-1, axis)
+        return t
+
+    def is_identity(self, atol: float = 1e-6) -> bool:
+        if self.index is not None and not torch.equal(self.index.cpu(), torch.arange(self.size)):
+            return False
+        if self.blocks is not None:
+            eye = torch.eye(self.blocks.shape[-1], dtype=self.blocks.dtype)
+            return bool(torch.allclose(self.blocks.cpu(), eye.expand_as(self.blocks), atol=atol))
+        return True
+
+
+@dataclass(frozen=True)
+class HeadMap:
+    """A transform of a :class:`HeadSpace`, indexed by the *new* position of each head.
+
+    ``kv_perm[g]``: which old KV head goes to KV slot g. ``q_perm[g, j]``: which old query head
+    (index inside its group) goes to query slot j of group g. ``qk`` / ``vo``: inner maps per new KV
+    slot, either ``[G, dh]`` index tensors (permutations) or ``[G, dh, dh]`` orthogonal matrices.
+    """
+
+    kv_perm: Tensor
+    q_perm: Tensor
+    qk: Tensor
+    vo: Tensor
+
+    def expand(self, space: HeadSpace, role: str) -> AxisMap:
+        dh, r = space.head_dim, space.group_size
+        inner = self.qk if role in ("q", "k") else self.vo
+        if role in ("k", "v"):
+            heads = self.kv_perm
+            inner_per_head = inner
+        else:
+            heads = (self.kv_perm[:, None] * r + self.q_perm).reshape(-1)
+            inner_per_head = inner.repeat_interleave(r, dim=0)
+        base = heads[:, None] * dh
+        if inner_per_head.dtype == torch.long:
+            return AxisMap(len(heads) * dh, index=(base + inner_per_head).reshape(-1))
+        index = (base + torch.arange(dh)).reshape(-1)
+        return AxisMap(len(heads) * dh, index=index, blocks=inner_per_head)
+
+    def is_identity(self) -> bool:
+        g, r = self.q_perm.shape
+        if not torch.equal(self.kv_perm, torch.arange(g)):
+            return False
+        if not torch.equal(self.q_perm, torch.arange(r).expand(g, r)):
+            return False
+        for inner in (self.qk, self.vo):
+            if inner.dtype == torch.long:
+                if not torch.equal(inner, torch.arange(inner.shape[1]).expand_as(inner)):
+                    return False
+            else:
+                eye = torch.eye(inner.shape[-1], dtype=inner.dtype).expand_as(inner)
+                if not torch.allclose(inner, eye, atol=1e-6):
+                    return False
+        return True
+
+
+SpaceMap = AxisMap | HeadMap
+Transform = dict[str, SpaceMap]
+
+
+# --------------------------------------------------------------------------------------------
+# Bindings
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fused:
+    """An axis that concatenates several spaces (GPT-2 ``c_attn``: q | k | v)."""
+
+    parts: tuple[str, ...]
+
+
+AxisRef = str | Fused | None
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One tensor: per axis the space (``"res"``, ``"h.0.attn:q"``) or ``None``.
+
+    ``norm_scale`` marks a norm's γ: it is a diagonal, not a vector, so it permutes but cannot be
+    rotated; orthogonal maps need it folded away first (:mod:`hf_rebasin.canonical`).
+    """
+
+    name: str
+    axes: tuple[AxisRef, ...]
+    norm_scale: bool = False
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A norm whose output is read only by ``readers`` (weight names); foldable into them."""
+
+    weight: str
+    bias: str | None
+    space: str
+    readers: tuple[str, ...]
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    space, _, role = ref.partition(":")
+    return space, (role or None)
+
+
+# --------------------------------------------------------------------------------------------
+# The graph
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SymmetryGraph:
+    """All spaces of one concrete model and the binding of every tensor to them."""
+
+    family: str
+    spaces: dict[str, AnySpace]
+    bindings: dict[str, Binding]
+    ties: dict[str, str] = field(default_factory=dict)
+    norms: list[Norm] = field(default_factory=list)
+    invariant: frozenset[str] = frozenset()
+    norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
+
+    # ---- structure -------------------------------------------------------------------------
+
+    def ref_size(self, ref: str) -> int:
+        name, role = split_ref(ref)
+        space = self.spaces[name]
+        if isinstance(space, HeadSpace):
+            if role not in ROLES:
+                raise AdapterError(f"head space {name!r} needs a role q/k/v/o, got {ref!r}")
+            return space.role_size(role)
+        return space.size
+
+    def axis_size(self, ref: AxisRef) -> int | None:
+        if ref is None:
+            return None
+        if isinstance(ref, Fused):
+            return sum(self.ref_size(p) for p in ref.parts)
+        return self.ref_size(ref)
+
+    def users(self, space: str) -> list[tuple[str, int, str | None, int]]:
+        """Reverse index: ``(tensor, axis, role, offset)`` for every axis touching ``space``."""
+        out = []
+        for b in self.bindings.values():
+            if b.name in self.ties:
+                continue  # a tied alias is its source: count it once
+            for axis, ref in enumerate(b.axes):
+                parts = ref.parts if isinstance(ref, Fused) else (ref,)
+                offset = 0
+                for part in parts:
+                    if part is None:
+                        continue
+                    name, role = split_ref(part)
+                    if name == space:
+                        out.append((b.name, axis, role, offset))
+                    offset += self.ref_size(part)
+        return out
+
+    def check(self, state_dict: Mapping[str, Tensor], source: str = "checkpoint") -> None:
+        """Every tensor is described and has the shape its spaces imply."""
+        known = set(self.bindings) | set(self.invariant) | set(self.ties)
+        unknown = sorted(k for k in state_dict if k not in known)
+        if unknown:
+            raise AdapterError(
+                f"adapter {self.family!r} does not describe tensor(s) {unknown[:5]} of {source}: "
+                "a transformers version with other parameter names? Please report it."
+            )
+        for name, b in self.bindings.items():
+            if name not in state_dict:
+                raise CheckpointError(f"{source}: tensor {name!r} is missing")
+            t = state_dict[name]
+            if t.dim() != len(b.axes):
+                raise CheckpointError(
+                    f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {len(b.axes)} axes"
+                )
+            for axis, ref in enumerate(b.axes):
+                want = self.axis_size(ref)
+                if want is not None and t.shape[axis] != want:
+                    raise CheckpointError(
+                        f"{source}: tensor {name!r} has shape {tuple(t.shape)}; axis {axis} should "
+                        f"have {want} features (space {ref}) according to its config.json"
+                    )
+
+    # ---- transforms ------------------------------------------------------------------------
+
+    def axis_map(self, transform: Mapping[str, SpaceMap], ref: str) -> AxisMap | None:
+        name, role = split_ref(ref)
+        m = transform.get(name)
+        if m is None:
+            return None
+        if isinstance(m, HeadMap):
+            space = self.spaces[name]
+            assert isinstance(space, HeadSpace) and role is not None
+            return m.expand(space, role)
+        return m
+
+    def apply(self, state_dict: Mapping[str, Tensor], transform: Mapping[str, SpaceMap]) -> dict[str, Tensor]:
+        """Return a new state dict with every bound axis transformed. Tied aliases follow their
+        source; invariant tensors are copied by reference."""
+        self._check_transform(transform, state_dict)
+        cache: dict[str, AxisMap | None] = {}
+
+        def get(ref: str) -> AxisMap | None:
+            if ref not in cache:
+                cache[ref] = self.axis_map(transform, ref)
+            return cache[ref]
+
+        out: dict[str, Tensor] = {}
+        for name, t in state_dict.items():
+            if name in self.ties:
+                continue
+            b = self.bindings.get(name)
+            if b is None:
+                out[name] = t
+                continue
+            for axis, ref in enumerate(b.axes):
+                if ref is None:
+                    continue
+                if isinstance(ref, Fused):
+                    sizes = [self.ref_size(p) for p in ref.parts]
+                    chunks = list(t.split(sizes, dim=axis))
+                    for i, part in enumerate(ref.parts):
+                        m = get(part)
+                        if m is not None:
+                            chunks[i] = m.apply(chunks[i], axis)
+                    t = torch.cat(chunks, dim=axis)
+                else:
+                    m = get(ref)
+                    if m is not None:
+                        if b.norm_scale and not m.is_permutation:
+                            continue  # isotropic (checked), so any orthogonal map leaves it alone
+                        t = m.apply(t, axis)
+            out[name] = t
+        for alias, source in self.ties.items():
+            if alias in state_dict:
+                out[alias] = out[source]
+        return {k: out[k] for k in state_dict}
+
+    def _check_transform(self, transform: Mapping[str, SpaceMap], state_dict: Mapping[str, Tensor]) -> None:
+        for name, m in transform.items():
+            space = self.spaces.get(name)
+            if space is None:
+                raise TransformError(f"transform names space {name!r}, which {self.family!r} models do not have")
+            if isinstance(space, HeadSpace) != isinstance(m, HeadMap):
+                raise TransformError(
+                    f"space {name!r} needs a {'HeadMap' if isinstance(space, HeadSpace) else 'AxisMap'}"
+                )
+            if isinstance(space, Space) and isinstance(m, AxisMap) and not m.is_permutation:
+                if space.max_class != "orthogonal":
+                    raise TransformError(
+                        f"space {name!r} admits only permutations ({space.reason or 'post-norm'}); "
+                        "an orthogonal map would change the model's outputs"
+                    )
+                for tensor, _axis, _role, _off in self.users(name):
+                    b = self.bindings[tensor]
+                    if b.norm_scale and tensor in state_dict:
+                        g = state_dict[tensor]
+                        if not torch.allclose(g, g.flatten()[0].expand_as(g)):
+                            raise TransformError(
+                                f"norm scale {tensor!r} is not uniform, so an orthogonal map of space "
+                                f"{name!r} is not exact: bring the model to canonical form first "
+                                "(hf_rebasin.canonical.canonicalize)"
+                            )
+
+    def identity(self) -> Transform:
+        out: Transform = {}
+        for name, space in self.spaces.items():
+            if isinstance(space, HeadSpace):
+                g, r, dh = space.num_kv_heads, space.group_size, space.head_dim
+                inner = torch.arange(dh).expand(g, dh).clone()
+                out[name] = HeadMap(torch.arange(g), torch.arange(r).expand(g, r).clone(), inner, inner.clone())
+            else:
+                out[name] = AxisMap(space.size)
+        return out
+
+    def classes(self, requested: TransformClass) -> dict[str, str]:
+        """The class each space gets when ``requested`` is asked for (after fallbacks)."""
+        out = {}
+        for name, space in self.spaces.items():
+            if isinstance(space, HeadSpace):
+                if requested == "orthogonal":
+                    out[name] = "head-permutation + inner rotations" + (
+                        " (rotary planes for Q/K)" if space.rotary else ""
+                    )
+                else:
+                    out[name] = "head-permutation" + (" (V/O inner only: rotary)" if space.rotary else "")
+            elif requested == "orthogonal" and space.max_class == "orthogonal":
+                out[name] = "orthogonal" + (" (fixing 1)" if space.centered else "")
+            else:
+                out[name] = "permutation"
+        return out
+
+    def fallbacks(self, requested: TransformClass) -> list[str]:
+        """Human-readable notes for spaces that cannot take ``requested``."""
+        if requested != "orthogonal":
+            return []
+        return [
+            f"space {name!r} admits only permutations ({space.reason}); using a permutation there"
+            for name, space in self.spaces.items()
+            if isinstance(space, Space) and space.kind == "residual" and space.max_class != "orthogonal"
+        ]
+
+    def random_transform(
+        self, cls: TransformClass = "permutation", generator: torch.Generator | None = None
+    ) -> Transform:
+        """A transform drawn at random from the allowed classes (richest up to ``cls``)."""
+        if cls not in TRANSFORM_CLASSES:
+            raise TransformError(f"transform class must be one of {TRANSFORM_CLASSES}, got {cls!r}")
+        g = generator if generator is not None else torch.Generator().manual_seed(0)
+        out: Transform = {}
+        for name, space in self.spaces.items():
+            if isinstance(space, HeadSpace):
+                out[name] = random_head_map(space, cls, g)
+            elif cls == "orthogonal" and space.max_class == "orthogonal":
+                out[name] = AxisMap(space.size, blocks=random_orthogonal(space.size, g, fix_ones=space.centered)[None])
+            else:
+                out[name] = AxisMap(space.size, index=torch.randperm(space.size, generator=g))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Random elements of the allowed groups
+# --------------------------------------------------------------------------------------------
+
+
+def random_orthogonal(n: int, generator: torch.Generator, fix_ones: bool = False, batch: int | None = None) -> Tensor:
+    """Haar-random orthogonal matrix (float64), or ``[batch, n, n]`` of them in one batched QR;
+    with ``fix_ones`` it maps 1 to 1."""
+    if fix_ones:
+        if n == 1:
+            return torch.ones(1, 1, dtype=torch.float64)
+        basis = ones_complement_basis(n)
+        inner = random_orthogonal(n - 1, generator)
+        return basis @ inner @ basis.T + torch.full((n, n), 1.0 / n, dtype=torch.float64)
+    a = torch.randn(batch or 1, n, n, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[:, None, :]
+    return q if batch is not None else q[0]
+
+
+def ones_complement_basis(n: int) -> Tensor:
+    """An orthonormal basis ``[n, n-1]`` of the subspace orthogonal to the all-ones vector."""
+    a = torch.eye(n, dtype=torch.float64)
+    a[:, 0] = 1.0
+    q, _ = torch.linalg.qr(a)
+    return q[:, 1:]
+
+
+def rotary_plane_rotations(angles: Tensor) -> Tensor:
+    """Block matrices ``[G, dh, dh]`` rotating each rotary plane (j, j + dh/2) by ``angles[g, j]``.
+
+    HF's ``rotate_half`` pairs feature j with j + dh/2; rotations in one plane commute with RoPE's
+    position-dependent rotation of that plane, so Q·K is unchanged when Q and K share them.
+    """
+    g, half = angles.shape
+    dh = 2 * half
+    m = torch.zeros(g, dh, dh, dtype=torch.float64)
+    c, s = torch.cos(angles), torch.sin(angles)
+    j = torch.arange(half)
+    m[:, j, j] = c
+    m[:, j + half, j + half] = c
+    m[:, j, j + half] = -s
+    m[:, j + half, j] = s
+    return m
+
+
+def random_head_map(space: HeadSpace, cls: TransformClass, g: torch.Generator) -> HeadMap:
+    G, r, dh = space.num_kv_heads, space.group_size, space.head_dim
+    kv = torch.randperm(G, generator=g)
+    q = torch.stack([torch.randperm(r, generator=g) for _ in range(G)])
+    if cls == "orthogonal":
+        if space.rotary:
+            qk = rotary_plane_rotations(torch.rand(G, dh // 2, generator=g, dtype=torch.float64) * 2 * math.pi)
+        else:
+            qk = random_orthogonal(dh, g, batch=G)
+        vo = random_orthogonal(dh, g, batch=G)
+    else:
+        if space.rotary:
+            qk = torch.arange(dh).expand(G, dh).clone()
+        else:
+            qk = torch.stack([torch.randperm(dh, generator=g) for _ in range(G)])
+        vo = torch.stack([torch.randperm(dh, generator=g) for _ in range(G)])
+    return HeadMap(kv, q, qk, vo)

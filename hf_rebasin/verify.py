@@ -1,0 +1,117 @@
+"""Function preservation: a random allowed transform must leave the model's outputs unchanged.
+
+This is the proof that an adapter is right, and what ``hf-rebasin verify`` runs on a user's model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .adapters import get_adapter
+from .adapters.base import ArchitectureSpec, image_inputs, token_inputs
+from .canonical import canonicalize
+from .models import rebuild
+from .symmetry import SymmetryGraph, Transform, TransformClass
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+TOLERANCE = 1e-4
+
+
+@dataclass
+class VerifyReport:
+    max_abs_diff: float
+    compared: list[str]
+    transform_class: TransformClass
+    classes: dict[str, str]
+    fallbacks: list[str] = field(default_factory=list)
+    untied: list[str] = field(default_factory=list)
+    tolerance: float = TOLERANCE
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+
+def example_inputs(spec: ArchitectureSpec, config: Any, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A small fixed batch the model accepts (token ids with one padded row, and/or pixels)."""
+    inputs: dict[str, torch.Tensor] = {}
+    if spec.inputs in ("text", "text-image"):
+        t = getattr(config, "text_config", None) or config
+        max_len = int(getattr(t, "max_position_embeddings", None) or getattr(t, "n_positions", None) or 64)
+        # RoBERTa reserves padding_idx + 1 positions
+        inputs.update(token_inputs(t.vocab_size, max_len - 2, generator))
+    if spec.inputs in ("image", "text-image"):
+        v = getattr(config, "vision_config", None) or config
+        inputs.update(image_inputs(v.num_channels, v.image_size, generator))
+    if spec.inputs == "image":
+        inputs.pop("attention_mask", None)
+    return inputs
+
+
+@torch.no_grad()
+def outputs_of(
+    model: PreTrainedModel, spec: ArchitectureSpec, inputs: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    out = model(**inputs)
+    return {k: out[k] for k in spec.outputs if k in out and isinstance(out[k], torch.Tensor)}
+
+
+def compare(
+    spec: ArchitectureSpec,
+    graph: SymmetryGraph,
+    transform: Transform,
+    before: dict[str, torch.Tensor],
+    after: dict[str, torch.Tensor],
+) -> float:
+    """Max |Δ| between outputs, mapping outputs that live in a space (hidden states) through it."""
+    worst = 0.0
+    for key, ref in before.items():
+        expected = ref
+        space = spec.outputs[key]
+        if space is not None:
+            if space not in graph.spaces:
+                continue
+            m = graph.axis_map(transform, space)
+            if m is not None:
+                expected = m.apply(ref, ref.dim() - 1)
+        worst = max(worst, (after[key] - expected).abs().max().item())
+    return worst
+
+
+def transformed_model(
+    model: PreTrainedModel, transform_class: TransformClass, seed: int
+) -> tuple[PreTrainedModel, SymmetryGraph, Transform, list[str]]:
+    """``model`` under a random allowed transform (after canonical form when orthogonal)."""
+    spec = get_adapter(model.config.model_type)
+    sd = model.state_dict()
+    graph = spec.graph(model.config, sd.keys())
+    untied: list[str] = []
+    if transform_class == "orthogonal":
+        sd, graph, untied = canonicalize(graph, sd)
+    transform = graph.random_transform(transform_class, torch.Generator().manual_seed(seed))
+    new = rebuild(model, graph.apply(sd, transform), untie=bool(untied))
+    return new, graph, transform, untied
+
+
+def verify_model(
+    model: PreTrainedModel, transform_class: TransformClass = "permutation", seed: int = 0
+) -> VerifyReport:
+    spec = get_adapter(model.config.model_type)
+    model.eval()
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(seed + 1))
+    before = outputs_of(model, spec, inputs)
+    new, graph, transform, untied = transformed_model(model, transform_class, seed)
+    after = outputs_of(new, spec, inputs)
+    return VerifyReport(
+        max_abs_diff=compare(spec, graph, transform, before, after),
+        compared=sorted(before),
+        transform_class=transform_class,
+        classes=graph.classes(transform_class),
+        fallbacks=graph.fallbacks(transform_class),
+        untied=untied,
+    )

@@ -1,0 +1,40 @@
+"""Shared test setup: `import tiny` from any test, and tiny models saved to folders."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+import tiny  # noqa: E402
+
+SaveModel = Callable[..., Path]
+
+
+@pytest.fixture
+def saved_model(tmp_path: Path) -> SaveModel:
+    """Factory: ``saved_model("gpt2")`` (a `tiny.FACTORIES` name) or ``saved_model(model)`` -> folder.
+
+    The folder is what ``save_pretrained`` writes (config.json + model.safetensors), the same
+    thing a user hands to the CLI.
+    """
+    count = 0
+
+    def save(model: str | torch.nn.Module, *, seed: int = 0, name: str | None = None) -> Path:
+        nonlocal count
+        label = model if isinstance(model, str) else type(model).__name__
+        module: Any = tiny.FACTORIES[model](seed) if isinstance(model, str) else model
+        count += 1
+        folder = tmp_path / (name or f"{label}-{count}")
+        module.save_pretrained(str(folder))
+        return folder
+
+    return save
