@@ -13,29 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from .symmetry import Fused, SpaceMap, SymmetryGraph
-
-
-def _other_axes_mapped(
-    graph: SymmetryGraph, name: str, t: Tensor, skip_axis: int, transform: Mapping[str, SpaceMap]
-) -> Tensor:
-    b = graph.bindings[name]
-    for axis, ref in enumerate(b.axes):
-        if axis == skip_axis or ref is None:
-            continue
-        if isinstance(ref, Fused):
-            sizes = [graph.ref_size(p) for p in ref.parts]
-            chunks = list(t.split(sizes, dim=axis))
-            for i, part in enumerate(ref.parts):
-                m = graph.axis_map(transform, part)
-                if m is not None:
-                    chunks[i] = m.apply(chunks[i], axis)
-            t = torch.cat(chunks, dim=axis)
-        else:
-            m = graph.axis_map(transform, ref)
-            if m is not None and not (b.norm_scale and not m.is_permutation):
-                t = m.apply(t, axis)
-    return t
+from .symmetry import AxisMap, SpaceMap, SymmetryGraph
 
 
 def weight_view(
@@ -47,9 +25,10 @@ def weight_view(
 ) -> dict[str | None, Tensor]:
     """Cross-correlation matrices of ``space`` keyed by role (``None`` for a plain space)."""
     out: dict[str | None, Tensor] = {}
+    cache: dict[str, AxisMap | None] = {}
     for tensor, axis, role, offset in graph.users(space):
-        a, b = sd_a[tensor], sd_b[tensor]
-        b = _other_axes_mapped(graph, tensor, b, axis, transform)
+        a = sd_a[tensor]
+        b = graph.map_tensor(tensor, sd_b[tensor], transform, skip_axis=axis, cache=cache)
         size = graph.ref_size(f"{space}:{role}" if role else space)
         a = a.narrow(axis, offset, size).to(torch.float64)
         b = b.narrow(axis, offset, size).to(torch.float64)

@@ -313,43 +313,53 @@ class SymmetryGraph:
             return m.expand(space, role)
         return m
 
-    def apply(self, state_dict: Mapping[str, Tensor], transform: Mapping[str, SpaceMap]) -> dict[str, Tensor]:
-        """Return a new state dict with every bound axis transformed. Tied aliases follow their
-        source; invariant tensors are copied by reference."""
-        self._check_transform(transform, state_dict)
-        cache: dict[str, AxisMap | None] = {}
+    def map_tensor(
+        self,
+        name: str,
+        t: Tensor,
+        transform: Mapping[str, SpaceMap],
+        *,
+        skip_axis: int | None = None,
+        cache: dict[str, AxisMap | None] | None = None,
+    ) -> Tensor:
+        """Tensor ``name`` with every bound axis mapped (except ``skip_axis``). ``cache`` shares
+        expanded axis maps across calls with the same transform."""
+        cache = {} if cache is None else cache
 
         def get(ref: str) -> AxisMap | None:
             if ref not in cache:
                 cache[ref] = self.axis_map(transform, ref)
             return cache[ref]
 
+        b = self.bindings[name]
+        for axis, ref in enumerate(b.axes):
+            if ref is None or axis == skip_axis:
+                continue
+            if isinstance(ref, Fused):
+                sizes = [self.ref_size(p) for p in ref.parts]
+                chunks = list(t.split(sizes, dim=axis))
+                for i, part in enumerate(ref.parts):
+                    m = get(part)
+                    if m is not None:
+                        chunks[i] = m.apply(chunks[i], axis)
+                t = torch.cat(chunks, dim=axis)
+            else:
+                m = get(ref)
+                if m is None or (b.norm_scale and not m.is_permutation):
+                    continue  # a norm scale is isotropic (checked), so any orthogonal map leaves it alone
+                t = m.apply(t, axis)
+        return t
+
+    def apply(self, state_dict: Mapping[str, Tensor], transform: Mapping[str, SpaceMap]) -> dict[str, Tensor]:
+        """Return a new state dict with every bound axis transformed. Tied aliases follow their
+        source; invariant tensors are copied by reference."""
+        self._check_transform(transform, state_dict)
+        cache: dict[str, AxisMap | None] = {}
         out: dict[str, Tensor] = {}
         for name, t in state_dict.items():
             if name in self.ties:
                 continue
-            b = self.bindings.get(name)
-            if b is None:
-                out[name] = t
-                continue
-            for axis, ref in enumerate(b.axes):
-                if ref is None:
-                    continue
-                if isinstance(ref, Fused):
-                    sizes = [self.ref_size(p) for p in ref.parts]
-                    chunks = list(t.split(sizes, dim=axis))
-                    for i, part in enumerate(ref.parts):
-                        m = get(part)
-                        if m is not None:
-                            chunks[i] = m.apply(chunks[i], axis)
-                    t = torch.cat(chunks, dim=axis)
-                else:
-                    m = get(ref)
-                    if m is not None:
-                        if b.norm_scale and not m.is_permutation:
-                            continue  # isotropic (checked), so any orthogonal map leaves it alone
-                        t = m.apply(t, axis)
-            out[name] = t
+            out[name] = self.map_tensor(name, t, transform, cache=cache) if name in self.bindings else t
         for alias, source in self.ties.items():
             if alias in state_dict:
                 out[alias] = out[source]
