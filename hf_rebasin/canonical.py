@@ -52,11 +52,11 @@ def canonicalize(
     with broken ties removed, and the tied aliases that had to be untied."""
     sd = dict(state_dict)
     spaces = [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.max_class == "orthogonal"]
+    norm_params = {p for n in graph.norms for p in (n.weight, n.bias) if p is not None}
     touched: set[str] = set()
     for name in spaces:
         norms = [n for n in graph.norms if n.space == name and n.readers]
         readers = {r for n in norms for r in n.readers}
-        norm_params = {p for n in graph.norms for p in (n.weight, n.bias) if p is not None}
         for norm in norms:
             gamma = sd[norm.weight].to(torch.float64)
             beta = sd[norm.bias].to(torch.float64) if norm.bias else None
@@ -97,8 +97,7 @@ def canonicalize(
                 t64 = t.to(torch.float64)
                 sd[tensor] = (t64 - t64.mean(dim=axis, keepdim=True)).to(t.dtype)
                 touched.add(tensor)
+    # a touched tensor is a new object, so an untied alias already has storage of its own
     untied = [alias for alias, source in graph.ties.items() if alias in touched or source in touched]
-    for alias in untied:
-        sd[alias] = sd[alias].clone() if sd[alias] is sd[graph.ties[alias]] else sd[alias]
     ties = {a: s for a, s in graph.ties.items() if a not in untied}
     return sd, dataclasses.replace(graph, ties=ties), untied

@@ -152,8 +152,9 @@ def load_model(path: str | Path, *, allow_pickle: bool = False, dtype: torch.dty
     finally:
         logging.getLogger("transformers").setLevel(prev)
     model.eval()
-    graph = spec.graph(model.config, model.state_dict().keys())
-    graph.check(model.state_dict(), source=str(folder))
+    state_dict = model.state_dict()
+    graph = spec.graph(model.config, state_dict.keys())
+    graph.check(state_dict, source=str(folder))
     return LoadedModel(model, graph, folder)
 
 

@@ -48,8 +48,6 @@ def example_inputs(spec: ArchitectureSpec, config: Any, generator: torch.Generat
     if spec.inputs in ("image", "text-image"):
         v = getattr(config, "vision_config", None) or config
         inputs.update(image_inputs(v.num_channels, v.image_size, generator))
-    if spec.inputs == "image":
-        inputs.pop("attention_mask", None)
     return inputs
 
 

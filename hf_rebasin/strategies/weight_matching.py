@@ -80,14 +80,15 @@ def solve_heads(space: HeadSpace, views: Mapping[str | None, Tensor], cls: Trans
         return tau, qk, vo
 
     cost = torch.zeros(G, G, dtype=torch.float64)
+    pairs = {}
     for a in range(G):
         for b in range(G):
-            _tau, qk, vo = pair(a, b)
+            pairs[a, b] = tau, qk, vo = pair(a, b)
             cost[a, b] = inner_value(qk, qk_kind) + inner_value(vo, vo_kind)
     kv, total = lap(cost)
     taus, qks, vos = [], [], []
     for a in range(G):
-        tau, qk, vo = pair(a, int(kv[a]))
+        tau, qk, vo = pairs[a, int(kv[a])]
         taus.append(tau)
         qks.append(best_inner(qk, qk_kind)[0])
         vos.append(best_inner(vo, vo_kind)[0])
