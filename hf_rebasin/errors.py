@@ -40,5 +40,13 @@ class TransformError(RebasinUserError, ValueError):
     """A transform that is not allowed for a space, or that needs the canonical form first."""
 
 
+class StrategyOptionError(RebasinUserError, ValueError):
+    """A strategy name or option that does not exist or does not apply to the models at hand."""
+
+
+class MissingDataError(RebasinUserError, ValueError):
+    """A strategy (or one of its options) needs alignment data and none was given."""
+
+
 class AdapterError(RebasinError):
     """An adapter does not describe the model it was given: a bug in hf-rebasin (exit code 1)."""

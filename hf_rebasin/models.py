@@ -9,14 +9,16 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from .adapters import get_adapter
-from .errors import CheckpointError, ModelNotFoundError, PickleRefusedError
+from .errors import CheckpointError, IncompatibleModelsError, ModelNotFoundError, PickleRefusedError
 from .symmetry import SymmetryGraph
 
 if TYPE_CHECKING:
@@ -167,3 +169,40 @@ def rebuild(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], *, unti
     new.load_state_dict(state_dict, strict=True)
     new.to(dtype=next(model.parameters()).dtype)  # type: ignore[call-arg]  # transformers wraps .to
     return new.eval()
+
+
+def check_same_shapes(
+    sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], label_a: str = "model A", label_b: str = "model B"
+) -> None:
+    """Two state dicts of one architecture: same tensor names and shapes, or an error naming the
+    first difference (in A's order) and both shapes."""
+    for name, t in sd_a.items():
+        other = sd_b.get(name)
+        if other is None:
+            raise IncompatibleModelsError(
+                f"tensor {name!r} (shape {tuple(t.shape)}) of {label_a} is missing from {label_b}: "
+                "the models have different architectures or heads"
+            )
+        if other.shape != t.shape:
+            raise IncompatibleModelsError(
+                f"tensor {name!r} has shape {tuple(t.shape)} in {label_a} but {tuple(other.shape)} in {label_b}: "
+                "only models of one architecture and size can be aligned"
+            )
+    extra = [k for k in sd_b if k not in sd_a]
+    if extra:
+        raise IncompatibleModelsError(
+            f"tensor {extra[0]!r} (shape {tuple(sd_b[extra[0]].shape)}) of {label_b} does not exist in {label_a}: "
+            "the models have different architectures or heads"
+        )
+
+
+def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
+    """``b`` can be aligned to ``a``: same model type, class and tensor shapes."""
+    type_a, type_b = a.model.config.model_type, b.model.config.model_type
+    cls_a, cls_b = type(a.model).__name__, type(b.model).__name__
+    if type_a != type_b or cls_a != cls_b:
+        raise IncompatibleModelsError(
+            f"{str(b.path)!r} is a {cls_b} (model_type {type_b!r}) but the reference {str(a.path)!r} is a "
+            f"{cls_a} (model_type {type_a!r}): only models of one architecture can be aligned"
+        )
+    check_same_shapes(a.model.state_dict(), b.model.state_dict(), repr(str(a.path)), repr(str(b.path)))

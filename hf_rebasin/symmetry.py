@@ -12,6 +12,7 @@ This module imports torch only: no transformers, no hub.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -468,11 +469,18 @@ def random_orthogonal(n: int, generator: torch.Generator, fix_ones: bool = False
 
 
 def ones_complement_basis(n: int) -> Tensor:
-    """An orthonormal basis ``[n, n-1]`` of the subspace orthogonal to the all-ones vector."""
-    a = torch.eye(n, dtype=torch.float64)
-    a[:, 0] = 1.0
-    q, _ = torch.linalg.qr(a)
-    return q[:, 1:]
+    """An orthonormal basis ``[n, n-1]`` of the subspace orthogonal to the all-ones vector (the
+    Helmert basis: closed form, O(n²), no factorisation)."""
+    return _helmert(n).clone()
+
+
+@functools.lru_cache(maxsize=8)
+def _helmert(n: int) -> Tensor:
+    k = torch.arange(1, n, dtype=torch.float64)  # column k-1 averages the first k entries against entry k
+    rows = torch.arange(n, dtype=torch.float64)[:, None]
+    norm = torch.sqrt(k * (k + 1))
+    basis = torch.where(rows < k, 1.0 / norm, torch.where(rows == k, -k / norm, torch.zeros(())))
+    return basis
 
 
 def rotary_plane_rotations(angles: Tensor) -> Tensor:

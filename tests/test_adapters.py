@@ -13,7 +13,7 @@ from hf_rebasin.adapters import REGISTRY, graph_for
 from hf_rebasin.canonical import canonicalize, is_canonical
 from hf_rebasin.errors import TransformError, UnsupportedArchitectureError
 from hf_rebasin.models import rebuild
-from hf_rebasin.strategies import weight_matching
+from hf_rebasin.strategies.weight_matching import weight_matching
 from hf_rebasin.symmetry import AxisMap, HeadMap, random_orthogonal
 from hf_rebasin.verify import TOLERANCE, example_inputs, outputs_of, transformed_model, verify_model
 

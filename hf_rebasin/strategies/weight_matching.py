@@ -1,113 +1,26 @@
-"""Weight matching (Ainsworth et al., git re-basin), generalised to the symmetry graph.
+"""Weight matching (Ainsworth et al., "Git Re-Basin", ICLR 2023), on the symmetry graph.
 
 Randomized coordinate descent over spaces: for each space, with every other space fixed, pick the
-map that maximizes ``Σ ⟨W_A, T_out W_B T_inᵀ⟩`` over all tensors touching it (weights, biases,
-norm parameters); stop when a full pass improves nothing. Plain spaces solve one LAP (or one
-Procrustes for an orthogonal residual); head spaces solve a two-level assignment so heads never mix.
+permutation that maximizes ``Σ ⟨W_A, T_out W_B T_inᵀ⟩`` over all tensors touching it (weights,
+biases, norm parameters); stop when a full pass improves nothing. Head spaces solve a two-level
+assignment so heads never mix.
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-import torch
+from pydantic import Field
 from torch import Tensor
 
-from ..features import weight_view
-from ..solvers import best_inner, inner_value, lap, procrustes
-from ..symmetry import AxisMap, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, Transform, TransformClass
+from ..symmetry import SymmetryGraph, Transform, TransformClass
+from .base import Alignment, Options, Pair, Progress, Strategy, timed
+from .descent import anchor_init, descend, space_solver, view_graph
 
 
-def map_value(graph: SymmetryGraph, space: str, m: SpaceMap, views: Mapping[str | None, Tensor]) -> float:
-    """``Σ T[i, j] M[i, j]`` over the roles of a space: the objective restricted to that space."""
-    sp = graph.spaces[space]
-    if isinstance(m, HeadMap):
-        assert isinstance(sp, HeadSpace)
-        return sum(_axis_value(m.expand(sp, role), v) for role, v in views.items() if role is not None)
-    return _axis_value(m, views[None])
-
-
-def _axis_value(m: AxisMap, v: Tensor) -> float:
-    cols = v if m.index is None else v[:, m.index]
-    if m.blocks is None:
-        return float(torch.diagonal(cols).sum())
-    nb, bs, _ = m.blocks.shape
-    diag = cols.reshape(nb, bs, nb, bs)[torch.arange(nb), :, torch.arange(nb), :]
-    return float((m.blocks.to(torch.float64) * diag).sum())
-
-
-def inner_kinds(space: HeadSpace, cls: TransformClass) -> tuple[str, str]:
-    """Which inner maps a head space allows for Q/K and for V/O under ``cls``."""
-    if cls == "orthogonal":
-        return ("planes" if space.rotary else "orth"), "orth"
-    return ("fixed" if space.rotary else "perm"), "perm"
-
-
-def solve_heads(space: HeadSpace, views: Mapping[str | None, Tensor], cls: TransformClass) -> tuple[HeadMap, float]:
-    """Two-level assignment: score every (A KV head, B KV head) pair by its best inner maps (with
-    query heads assigned inside the group by a LAP), pair KV heads by an outer LAP, keep the inner
-    maps of the chosen pairs."""
-    G, r, dh = space.num_kv_heads, space.group_size, space.head_dim
-    qk_kind, vo_kind = inner_kinds(space, cls)
-
-    def blocks(role: str, heads: int) -> Tensor:
-        v = views.get(role)
-        if v is None:
-            return torch.zeros(heads, dh, heads, dh, dtype=torch.float64)
-        return v.reshape(heads, dh, heads, dh)
-
-    bq = blocks("q", G * r).reshape(G, r, dh, G, r, dh)
-    bo = blocks("o", G * r).reshape(G, r, dh, G, r, dh)
-    bk, bv = blocks("k", G), blocks("v", G)
-
-    def pair(a: int, b: int) -> tuple[Tensor, Tensor, Tensor]:
-        if r == 1:
-            tau = torch.zeros(1, dtype=torch.long)
-        else:
-            score = torch.tensor(
-                [
-                    [
-                        inner_value(bq[a, i, :, b, j, :], qk_kind) + inner_value(bo[a, i, :, b, j, :], vo_kind)
-                        for j in range(r)
-                    ]
-                    for i in range(r)
-                ]
-            )
-            tau, _ = lap(score)
-        qk = bk[a, :, b, :] + sum(bq[a, i, :, b, int(tau[i]), :] for i in range(r))
-        vo = bv[a, :, b, :] + sum(bo[a, i, :, b, int(tau[i]), :] for i in range(r))
-        return tau, qk, vo
-
-    cost = torch.zeros(G, G, dtype=torch.float64)
-    pairs = {}
-    for a in range(G):
-        for b in range(G):
-            pairs[a, b] = tau, qk, vo = pair(a, b)
-            cost[a, b] = inner_value(qk, qk_kind) + inner_value(vo, vo_kind)
-    kv, total = lap(cost)
-    taus, qks, vos = [], [], []
-    for a in range(G):
-        tau, qk, vo = pairs[a, int(kv[a])]
-        taus.append(tau)
-        qks.append(best_inner(qk, qk_kind)[0])
-        vos.append(best_inner(vo, vo_kind)[0])
-    return HeadMap(kv, torch.stack(taus), torch.stack(qks), torch.stack(vos)), total
-
-
-def solve_space(
-    graph: SymmetryGraph, space: str, views: Mapping[str | None, Tensor], cls: TransformClass
-) -> tuple[SpaceMap, float]:
-    sp = graph.spaces[space]
-    if isinstance(sp, HeadSpace):
-        return solve_heads(sp, views, cls)
-    assert isinstance(sp, Space)
-    m = views[None]
-    if cls == "orthogonal" and sp.max_class == "orthogonal":
-        o, value = procrustes(m, fix_ones=sp.centered)
-        return AxisMap(sp.size, blocks=o[None]), value
-    perm, value = lap(m)
-    return AxisMap(sp.size, index=perm), value
+class WeightMatchingOptions(Options):
+    max_iter: int = Field(100, ge=1, description="passes over all spaces at most")
+    seed: int = Field(0, description="seed of the random visiting order")
 
 
 def weight_matching(
@@ -119,25 +32,29 @@ def weight_matching(
     max_iter: int = 100,
     seed: int = 0,
     init: Transform | None = None,
-    on_pass: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> Transform:
     """The transform of B's spaces that best matches A's weights (B's state dict must be in the
     same form as A's: both canonical when ``transform_class`` is orthogonal)."""
-    transform = dict(init) if init is not None else graph.identity()
-    rng = random.Random(seed)
-    names = list(graph.spaces)
-    for it in range(max_iter):
-        rng.shuffle(names)
-        improved = 0
-        for name in names:
-            views = weight_view(graph, sd_a, sd_b, transform, name)
-            old = map_value(graph, name, transform[name], views)
-            new_map, new = solve_space(graph, name, views, transform_class)
-            if new > old + 1e-9 * max(1.0, abs(old)):
-                transform[name] = new_map
-                improved += 1
-        if on_pass is not None:
-            on_pass(it, improved)
-        if not improved:
-            break
+    views = view_graph(graph, transform_class)
+    solve = space_solver(graph, transform_class)
+    start = init if init is not None else anchor_init(views, sd_a, sd_b, graph.identity(), solve)
+    transform, _ = descend(views, sd_a, sd_b, solve, init=start, max_iter=max_iter, seed=seed, progress=progress)
     return transform
+
+
+def run(pair: Pair, options: WeightMatchingOptions, progress: Progress | None) -> Alignment:
+    with timed() as timings:
+        transform = weight_matching(
+            pair.graph, pair.sd_a, pair.sd_b, max_iter=options.max_iter, seed=options.seed, progress=progress
+        )
+    return Alignment("weight-matching", pair.graph, pair.sd_a, pair.sd_b, transform, timings=timings)
+
+
+STRATEGY = Strategy(
+    name="weight-matching",
+    paper="Ainsworth, Hayase & Srinivasa, Git Re-Basin: Merging Models modulo Permutation Symmetries (ICLR 2023)",
+    options=WeightMatchingOptions,
+    run=run,
+    summary="data-free: permutations of units, heads and the residual stream maximizing weight similarity",
+)

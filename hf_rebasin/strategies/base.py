@@ -1,0 +1,158 @@
+"""What every strategy takes and returns, and the registry that names them.
+
+A strategy is a function ``run(pair, options, progress) -> Alignment`` plus a pydantic options
+model (``extra="forbid"``: recipes validate against it) and a few facts the runner needs before
+loading anything: whether the options need alignment data, and whether they preserve the function.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from torch import Tensor
+
+from ..errors import MissingDataError, StrategyOptionError
+from ..solvers import solver_clock
+from ..symmetry import SymmetryGraph, Transform
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+Progress = Callable[[str, int, int], None]
+"""``progress(stage, done, total)``: the CLI turns it into progress bars."""
+
+
+class Options(BaseModel):
+    """Base of every strategy's options: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class AlignmentData:
+    """Alignment data, already tokenized: model-keyword batches (``input_ids``, ``attention_mask``,
+    ``pixel_values``, ``labels``…), and the token ids that count as special tokens."""
+
+    batches: Sequence[Mapping[str, Tensor]]
+    special_ids: frozenset[int] = frozenset()
+    description: str = "alignment data"
+
+
+@dataclass
+class Pair:
+    """The reference model A and the model B to bring into A's basis (same architecture)."""
+
+    graph: SymmetryGraph
+    sd_a: Mapping[str, Tensor]
+    sd_b: Mapping[str, Tensor]
+    model_a: PreTrainedModel | None = None
+    model_b: PreTrainedModel | None = None
+    data: AlignmentData | None = None
+
+    def __post_init__(self) -> None:
+        from ..models import check_same_shapes
+
+        check_same_shapes(self.sd_a, self.sd_b)
+
+
+@dataclass
+class Alignment:
+    """A transform of B in A's basis, with the form (original or canonical) it applies to.
+
+    ``sd_a`` / ``sd_b`` are the state dicts the transform refers to: canonical forms for orthogonal
+    strategies (γ folded; merged models are built from them, with ``untied`` aliases stored apart).
+    ``exact`` is False for experimental options that change B's function (flagged in reports).
+    """
+
+    strategy: str
+    graph: SymmetryGraph
+    sd_a: Mapping[str, Tensor]
+    sd_b: Mapping[str, Tensor]
+    transform: Transform
+    exact: bool = True
+    canonical: bool = False
+    untied: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def aligned_b(self) -> dict[str, Tensor]:
+        """B's state dict in A's basis."""
+        return self.graph.apply(self.sd_b, self.transform)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One registered strategy. ``run`` does the work; the rest is what reports and recipes need."""
+
+    name: str
+    paper: str
+    options: type[Options]
+    run: Callable[[Pair, Any, Progress | None], Alignment]
+    needs_data: Callable[[Any], bool] = lambda _o: False
+    exact: Callable[[Any], bool] = lambda _o: True
+    summary: str = ""
+
+    def parse(self, options: Mapping[str, Any] | Options | None) -> Options:
+        """Options from a mapping (a recipe's ``strategy`` section minus ``name``)."""
+        if isinstance(options, self.options):
+            return options
+        try:
+            return self.options.model_validate(dict(options or {}))
+        except ValidationError as e:
+            problems = "; ".join(f"strategy.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
+            raise StrategyOptionError(f"invalid options for strategy {self.name!r}: {problems}") from None
+
+
+class StrategyRegistry:
+    """Explicit registry: refuses duplicate and malformed names."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Strategy] = {}
+
+    def register(self, strategy: Strategy) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9-]*", strategy.name):
+            raise ValueError(f"bad strategy name {strategy.name!r}: lowercase words joined by '-'")
+        if strategy.name in self._by_name:
+            raise ValueError(f"strategy {strategy.name!r} is registered twice")
+        self._by_name[strategy.name] = strategy
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def get(self, name: str) -> Strategy:
+        found = self._by_name.get(name)
+        if found is None:
+            raise StrategyOptionError(f"unknown strategy {name!r}; choose one of: {', '.join(self.names)}")
+        return found
+
+
+def require_data(pair: Pair, strategy: str, why: str) -> AlignmentData:
+    """The alignment data, or a user error saying how to provide it."""
+    if pair.data is None or not pair.data.batches:
+        raise MissingDataError(
+            f"strategy {strategy!r} {why}, so it needs alignment data: add a `data:` section to the recipe "
+            "(a `datasets` builder or Hub dataset id and a split), or choose a data-free strategy "
+            "(weight-matching, transfusion, or generalized-orthogonal without `learned`)"
+        )
+    if pair.model_a is None or pair.model_b is None:
+        raise MissingDataError(f"strategy {strategy!r} {why}: it needs both loaded models, not only state dicts")
+    return pair.data
+
+
+@contextmanager
+def timed() -> Iterator[dict[str, float]]:
+    """Wall time (``total``) and time inside the solvers (``solver``) of the block, plus any stage
+    times the block adds itself; filled in when the block ends."""
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    with solver_clock() as clock:
+        yield timings
+    timings["solver"] = clock.seconds
+    timings["total"] = time.perf_counter() - start

@@ -1,0 +1,333 @@
+"""Coordinate descent over the spaces of a symmetry graph: the engine behind weight matching,
+TransFusion and generalized-orthogonal.
+
+Each step fixes every space but one, builds that space's weight view (cross-correlations of A with B
+mapped on all other axes) and asks a space solver for a new map. Strategies differ only in their
+solvers: how heads are paired (best inner maps, singular-value spectra, QK/OV circuits) and which
+class each space gets (permutation or orthogonal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..features import WeightViews, neighbours, weight_view
+from ..solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
+from ..symmetry import AxisMap, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, Transform, TransformClass
+from .base import Progress
+
+Views = Mapping[str | None, Tensor]
+SpaceSolver = Callable[[str, Views], SpaceMap]
+Ranking = Literal["inner", "circuit"]
+
+
+# --------------------------------------------------------------------------------------------
+# Objective
+# --------------------------------------------------------------------------------------------
+
+
+def map_value(graph: SymmetryGraph, space: str, m: SpaceMap, views: Views) -> float:
+    """``Σ T[i, j] M[i, j]`` over the roles of a space: the objective restricted to that space."""
+    sp = graph.spaces[space]
+    if isinstance(m, HeadMap):
+        assert isinstance(sp, HeadSpace)
+        return sum(_axis_value(m.expand(sp, role), v) for role, v in views.items() if role is not None)
+    return _axis_value(m, views[None])
+
+
+def _axis_value(m: AxisMap, v: Tensor) -> float:
+    cols = v if m.index is None else v[:, m.index]
+    if m.blocks is None:
+        return float(torch.diagonal(cols).sum())
+    nb, bs, _ = m.blocks.shape
+    diag = cols.reshape(nb, bs, nb, bs)[torch.arange(nb), :, torch.arange(nb), :]
+    return float((m.blocks.to(torch.float64) * diag).sum())
+
+
+def same_map(x: SpaceMap, y: SpaceMap, atol: float = 1e-7) -> bool:
+    """True when two maps of one space are equal (matrices up to ``atol``)."""
+    if isinstance(x, HeadMap) and isinstance(y, HeadMap):
+        return (
+            torch.equal(x.kv_perm, y.kv_perm)
+            and torch.equal(x.q_perm, y.q_perm)
+            and _same_tensor(x.qk, y.qk, atol)
+            and _same_tensor(x.vo, y.vo, atol)
+        )
+    if isinstance(x, AxisMap) and isinstance(y, AxisMap):
+        if x.blocks is None and y.blocks is None:
+            return _same_index(x, y)
+        if x.blocks is not None and y.blocks is not None and _same_index(x, y):
+            return _same_tensor(x.blocks.to(torch.float64), y.blocks.to(torch.float64), atol)
+        return bool(torch.allclose(x.matrix(), y.matrix(), atol=atol))
+    return False
+
+
+def _same_index(x: AxisMap, y: AxisMap) -> bool:
+    ix = x.index if x.index is not None else torch.arange(x.size)
+    iy = y.index if y.index is not None else torch.arange(y.size)
+    return torch.equal(ix, iy)
+
+
+def _same_tensor(a: Tensor, b: Tensor, atol: float) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a, b) if a.dtype == torch.long else bool(torch.allclose(a, b, atol=atol))
+
+
+# --------------------------------------------------------------------------------------------
+# Head spaces
+# --------------------------------------------------------------------------------------------
+
+
+def inner_kinds(space: HeadSpace, cls: TransformClass) -> tuple[str, str]:
+    """Which inner maps a head space allows for Q/K and for V/O under ``cls``."""
+    if cls == "orthogonal":
+        return ("planes" if space.rotary else "orth"), "orth"
+    return ("fixed" if space.rotary else "perm"), "perm"
+
+
+@dataclasses.dataclass
+class HeadPairs:
+    """Every (A KV head, B KV head) pairing of one attention layer, as ``[G, G, …]`` stacks:
+    ``q``/``o`` hold ``[G, G, r, r, dh, dh]`` blocks (query head i of group a against j of b),
+    ``k``/``v`` hold ``[G, G, dh, dh]``."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    o: Tensor
+
+    @classmethod
+    def from_views(cls, space: HeadSpace, views: Views) -> HeadPairs:
+        G, r, dh = space.num_kv_heads, space.group_size, space.head_dim
+
+        def get(role: str, heads: int) -> Tensor:
+            v = views.get(role)
+            if v is None:
+                return torch.zeros(heads * dh, heads * dh, dtype=torch.float64)
+            return v.to(torch.float64)
+
+        q = get("q", G * r).reshape(G, r, dh, G, r, dh).permute(0, 3, 1, 4, 2, 5)
+        o = get("o", G * r).reshape(G, r, dh, G, r, dh).permute(0, 3, 1, 4, 2, 5)
+        k = get("k", G).reshape(G, dh, G, dh).permute(0, 2, 1, 3)
+        v = get("v", G).reshape(G, dh, G, dh).permute(0, 2, 1, 3)
+        return cls(q, k, v, o)
+
+
+def _rotation_part(m: Tensor) -> tuple[Tensor, Tensor]:
+    """Per rotary plane, the part of a 2×2 block that commutes with rotations (α I + β J)."""
+    h = m.shape[-1] // 2
+    j = torch.arange(h)
+    alpha = (m[..., j, j] + m[..., j + h, j + h]) / 2
+    beta = (m[..., j + h, j] - m[..., j, j + h]) / 2
+    return alpha, beta
+
+
+def circuit_similarity(pairs: HeadPairs, rotary: bool) -> Tensor:
+    """``[G, G, r, r]`` similarity of query heads' QK circuits (W_Qᵀ W_K) plus OV circuits (W_O W_V).
+
+    ``⟨W_Qᵃᵀ W_Kᵃ, W_Qᵇᵀ W_Kᵇ⟩ = ⟨W_Qᵃ W_Qᵇᵀ, W_Kᵃ W_Kᵇᵀ⟩``, so the d×d circuits are never built: the
+    ``dh×dh`` blocks of the weight views suffice. Under RoPE the QK circuit depends on the relative
+    position; averaging over it keeps, per rotary plane, the rotation-commuting part of each block.
+    """
+    k = pairs.k[:, :, None, None]
+    if rotary:
+        aq, bq = _rotation_part(pairs.q)
+        ak, bk = _rotation_part(k)
+        qk = 2 * (aq * ak + bq * bk).sum(-1)
+    else:
+        qk = (pairs.q * k).sum((-1, -2))
+    ov = (pairs.o * pairs.v[:, :, None, None]).sum((-1, -2))
+    return qk + ov
+
+
+def solve_heads(
+    space: HeadSpace,
+    views: Views,
+    cls: TransformClass,
+    *,
+    ranking: Ranking = "inner",
+    outer: tuple[Tensor, Tensor] | None = None,
+) -> HeadMap:
+    """Two-level assignment; heads never mix.
+
+    Query heads are assigned inside each (A group, B group) pair, KV heads are paired by an outer
+    LAP, then each chosen pair gets its best inner maps (LAP, Procrustes, or rotary-plane rotations).
+    ``ranking`` scores pairs by the value of their best inner maps (weight matching) or by QK/OV
+    circuit similarity (invariant to the inner maps); ``outer`` fixes the pairing (TransFusion).
+    """
+    G, r = space.num_kv_heads, space.group_size
+    qk_kind, vo_kind = inner_kinds(space, cls)
+    pairs = HeadPairs.from_views(space, views)
+    a_idx = torch.arange(G)
+    if outer is not None:
+        kv, q_perm = outer
+        b_idx = kv
+        tau = q_perm[:, None, :].expand(G, G, r)  # only [a, kv[a]] is read below
+    else:
+        b_idx = None
+        if ranking == "circuit":
+            score = circuit_similarity(pairs, space.rotary)
+        else:
+            score = inner_values(pairs.q, qk_kind) + inner_values(pairs.o, vo_kind)
+        tau = (
+            lap_batch(score.reshape(G * G, r, r)).reshape(G, G, r) if r > 1 else torch.zeros(G, G, 1, dtype=torch.long)
+        )
+    # blocks summed over the assigned query heads: [G, G, dh, dh]
+    gi = torch.arange(G)[:, None, None]
+    gj = torch.arange(G)[None, :, None]
+    ii = torch.arange(r)[None, None, :]
+    qk = pairs.k + pairs.q[gi, gj, ii, tau].sum(2)
+    vo = pairs.v + pairs.o[gi, gj, ii, tau].sum(2)
+    if b_idx is None:
+        if ranking == "circuit":
+            cost = score[gi, gj, ii, tau].sum(2)
+        else:
+            cost = inner_values(qk, qk_kind) + inner_values(vo, vo_kind)
+        b_idx, _ = lap(cost)
+    chosen_tau = tau[a_idx, b_idx]
+    return HeadMap(
+        b_idx.clone(),
+        chosen_tau.clone(),
+        best_inners(qk[a_idx, b_idx], qk_kind),
+        best_inners(vo[a_idx, b_idx], vo_kind),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Plain spaces and the descent
+# --------------------------------------------------------------------------------------------
+
+
+def solve_plain(space: Space, view: Tensor, cls: TransformClass) -> AxisMap:
+    """LAP, or Procrustes (inside 1⊥ for a LayerNorm stream) where the space admits rotations."""
+    if cls == "orthogonal" and space.max_class == "orthogonal":
+        o, _ = procrustes(view, fix_ones=space.centered)
+        return AxisMap(space.size, blocks=o[None])
+    perm, _ = lap(view)
+    return AxisMap(space.size, index=perm)
+
+
+def view_graph(graph: SymmetryGraph, cls: TransformClass) -> SymmetryGraph:
+    """The graph whose tensors inform matching. A norm scale on a rotated space is a scaled identity
+    (all ones in canonical form), not a vector of that space, so it is left out: as a vector it
+    would pull the solution towards maps that fix the all-ones direction."""
+    if cls != "orthogonal":
+        return graph
+    rotated = {n for n, s in graph.spaces.items() if isinstance(s, Space) and s.max_class == "orthogonal"}
+    keep = {k: b for k, b in graph.bindings.items() if not (b.norm_scale and set(b.axes) & rotated)}
+    return dataclasses.replace(graph, bindings=keep)
+
+
+def anchor_init(
+    graph: SymmetryGraph,
+    sd_a: Mapping[str, Tensor],
+    sd_b: Mapping[str, Tensor],
+    transform: Transform,
+    solve: SpaceSolver,
+) -> Transform:
+    """Start each residual space from its *anchors*: tensors with no other symmetric axis
+    (embeddings, LM head, biases). Their view does not depend on any other space, so when the
+    anchors determine the map (full rank) the descent starts at the right residual basis instead of
+    the identity, where it can stall in a poor local optimum."""
+    out = dict(transform)
+    for name, space in graph.spaces.items():
+        if not isinstance(space, Space) or space.kind != "residual":
+            continue
+        anchors = {
+            t: b
+            for t, b in graph.bindings.items()
+            if t not in graph.ties and all(ref is None or ref == name for ref in b.axes) and name in b.axes
+        }
+        sub = dataclasses.replace(graph, bindings=anchors)
+        if not sub.users(name):
+            continue
+        view = weight_view(sub, sd_a, sd_b, transform, name)[None]
+        s = svdvals(view)
+        if s.numel() == 0 or s[-1] <= 1e-6 * s[0]:
+            continue  # too few anchors to pin the basis down
+        out[name] = solve(name, {None: view})
+    return out
+
+
+def descend(
+    graph: SymmetryGraph,
+    sd_a: Mapping[str, Tensor],
+    sd_b: Mapping[str, Tensor],
+    solve: SpaceSolver,
+    *,
+    init: Transform | None = None,
+    max_iter: int = 100,
+    order: Sequence[str] | None = None,
+    seed: int = 0,
+    accept: Literal["improve", "changed"] = "improve",
+    progress: Progress | None = None,
+    stage: str = "matching",
+) -> tuple[Transform, int]:
+    """Coordinate descent; returns the transform and the number of passes.
+
+    ``accept="improve"`` keeps a new map only when it raises the weight-matching objective and stops
+    after a pass without improvement (git re-basin); ``"changed"`` trusts the solver (its own
+    criterion, e.g. circuit similarity) and stops after a pass in which no map changed.
+    ``order=None`` visits spaces in a random order per pass.
+    """
+    transform = dict(init) if init is not None else graph.identity()
+    rng = random.Random(seed)
+    names = list(order) if order is not None else list(graph.spaces)
+    views_of = WeightViews(graph, sd_a, sd_b)
+    near = neighbours(graph)
+    version = dict.fromkeys(graph.spaces, 0)
+    solved_at: dict[str, tuple[int, ...]] = {}  # neighbours' versions when a space was last solved
+    passes = 0
+    for _ in range(max_iter):
+        passes += 1
+        if order is None:
+            rng.shuffle(names)
+        changed = 0
+        for k, name in enumerate(names):
+            state = tuple(version[n] for n in sorted(near[name]))
+            if solved_at.get(name) == state:
+                continue  # nothing it depends on moved: same view, same answer
+            solved_at[name] = state
+            views = views_of(transform, name)
+            new_map = solve(name, views)
+            if accept == "improve":
+                old = map_value(graph, name, transform[name], views)
+                new = map_value(graph, name, new_map, views)
+                better = new > old + 1e-9 * max(1.0, abs(old))
+            else:
+                better = not same_map(new_map, transform[name])
+            if better:
+                transform[name] = new_map
+                version[name] += 1
+                changed += 1
+            if progress is not None:
+                progress(f"{stage} (pass {passes})", k + 1, len(names))
+        if not changed:
+            break
+    return transform, passes
+
+
+def space_solver(
+    graph: SymmetryGraph,
+    cls: TransformClass,
+    *,
+    ranking: Ranking = "inner",
+    outer: Mapping[str, tuple[Tensor, Tensor]] | None = None,
+) -> SpaceSolver:
+    """The per-space solver of a strategy: heads by :func:`solve_heads`, others by :func:`solve_plain`."""
+
+    def solve(name: str, views: Views) -> SpaceMap:
+        sp = graph.spaces[name]
+        if isinstance(sp, HeadSpace):
+            fixed = outer.get(name) if outer is not None else None
+            return solve_heads(sp, views, cls, ranking=ranking, outer=fixed)
+        return solve_plain(sp, views[None], cls)
+
+    return solve

@@ -1,0 +1,259 @@
+"""Activation matching with head permutations (Verma & Elbayad, "Merging Text Transformer Models
+from Different Initializations", TMLR 2024).
+
+Alignment data are streamed through both models; features are matched by the correlation of their
+activations (running float64 moments, never the activations themselves). MLP units: LAP on the
+correlation of post-activation features. Attention: the correlation of the attention output before
+W_O, one LAP inside every (A head, B head) block gives that pair's cost, an outer LAP picks the
+pairing (``heads: head-perm``); the Q/K inner permutation comes from the correlation of query and
+key features. Residual: a permutation from the stream read by the layers (``first``, ``last`` or
+``all`` reading sites), or none (``identity``). ``ignore-heads`` and ``residual: separate`` do not
+preserve the function of model B; they are there for experiments and reports flag them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+from torch import Tensor
+
+from ..errors import StrategyOptionError
+from ..features import ActivationStats, activation_stats
+from ..solvers import lap
+from ..symmetry import AxisMap, Binding, Fused, HeadMap, HeadSpace, Space, SymmetryGraph, Transform, split_ref
+from .base import Alignment, Options, Pair, Progress, Strategy, require_data, timed
+from .descent import solve_heads
+
+Heads = Literal["head-perm", "monotonic", "ignore-heads", "vanilla-attention"]
+Residual = Literal["identity", "first", "last", "all", "separate"]
+Component = Literal["ff", "attn", "residual"]
+
+
+class HeadPermOptions(Options):
+    heads: Heads = Field("head-perm", description="how attention heads are matched")
+    residual: Residual = Field("identity", description="which residual features give the residual permutation")
+    components: tuple[Component, ...] = Field(("ff", "attn", "residual"), description="which spaces to align")
+    special_tokens: bool = Field(True, description="count special tokens ([CLS], [SEP], padding ids) in the statistics")
+
+    @field_validator("components")
+    @classmethod
+    def _no_duplicates(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(v)) != len(v) or not v:
+            raise ValueError("list each of ff, attn, residual at most once, and at least one")
+        return v
+
+
+def exact(options: HeadPermOptions) -> bool:
+    return options.heads != "ignore-heads" and not (options.residual == "separate" and "residual" in options.components)
+
+
+def _check_applicable(graph: SymmetryGraph, options: HeadPermOptions, batches_have_tokens: bool) -> None:
+    if not options.special_tokens and not batches_have_tokens:
+        raise StrategyOptionError(
+            "strategy.special_tokens: false applies to text models (it drops special token ids); "
+            f"this {graph.family!r} model's alignment data has no input_ids"
+        )
+    if options.heads == "ignore-heads":
+        gqa = [n for n, s in graph.spaces.items() if isinstance(s, HeadSpace) and s.num_kv_heads != s.num_heads]
+        if gqa:
+            raise StrategyOptionError(
+                f"strategy.heads: ignore-heads needs as many key/value heads as query heads (one permutation "
+                f"of all features), but {gqa[0]!r} uses grouped-query attention; use head-perm or monotonic"
+            )
+
+
+def _residual_names(graph: SymmetryGraph) -> list[str]:
+    return [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"]
+
+
+def _spaces_to_collect(graph: SymmetryGraph, options: HeadPermOptions) -> list[str]:
+    names: list[str] = []
+    for n, s in graph.spaces.items():
+        if isinstance(s, HeadSpace):
+            if "attn" in options.components and options.heads != "vanilla-attention":
+                names.append(n)
+        elif s.kind == "residual":
+            if "residual" in options.components and options.residual != "identity":
+                names.append(n)
+        elif "ff" in options.components:
+            names.append(n)  # MLP units and pooler-like dense spaces
+    return names
+
+
+def _solve_attention(space: HeadSpace, corr: Mapping[str | None, Tensor], heads: Heads) -> HeadMap:
+    """Pair heads on the attention-output correlation, then Q/K inner maps on query/key correlation."""
+    G, r = space.num_kv_heads, space.group_size
+    o_only: dict[str | None, Tensor] = {"o": corr["o"]} if "o" in corr else {}
+    fixed = (torch.arange(G), torch.arange(r).expand(G, r).clone()) if heads == "monotonic" else None
+    vo = solve_heads(space, o_only, "permutation", outer=fixed)
+    qk_views: dict[str | None, Tensor] = {k: v for k, v in corr.items() if k in ("q", "k")}
+    if not qk_views:
+        return vo
+    qk = solve_heads(space, qk_views, "permutation", outer=(vo.kv_perm, vo.q_perm))
+    return HeadMap(vo.kv_perm, vo.q_perm, qk.qk, vo.vo)
+
+
+def flatten_heads(graph: SymmetryGraph, names: list[str]) -> SymmetryGraph:
+    """The graph where each listed head space is one plain space shared by Q, K, V and O (features
+    may move across heads: not function preserving; ``ignore-heads``)."""
+    spaces = dict(graph.spaces)
+    for n in names:
+        sp = graph.spaces[n]
+        assert isinstance(sp, HeadSpace)
+        spaces[n] = Space(n, sp.num_heads * sp.head_dim, kind="attention (heads ignored)")
+
+    def fix(ref: str) -> str:
+        space, _role = split_ref(ref)
+        return space if space in names else ref
+
+    bindings = {
+        k: dataclasses.replace(
+            b,
+            axes=tuple(
+                None if a is None else Fused(tuple(fix(p) for p in a.parts)) if isinstance(a, Fused) else fix(a)
+                for a in b.axes
+            ),
+        )
+        for k, b in graph.bindings.items()
+    }
+    return dataclasses.replace(graph, spaces=spaces, bindings=bindings)
+
+
+def _module_positions(model: torch.nn.Module, batch: Mapping[str, Tensor]) -> dict[str, int]:
+    """Forward order of every module that owns parameters (one probe pass of model A)."""
+    order: dict[str, int] = {}
+    handles = []
+
+    def note(name: str) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, _args: object) -> None:
+            order.setdefault(name, len(order))
+
+        return hook
+
+    for name, mod in model.named_modules():
+        if any(True for _ in mod.parameters(recurse=False)):
+            handles.append(mod.register_forward_pre_hook(note(name)))
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return order
+
+
+def split_residual(
+    graph: SymmetryGraph, space: str, groups: list[list[str]], positions: Mapping[str, int]
+) -> tuple[SymmetryGraph, dict[str, str]]:
+    """The graph with one residual space per reading site (``residual: separate``). A tensor joins
+    the first site read at or after its module in forward order: readers their own site, writers and
+    post-norms the site that reads their output next, embeddings the first."""
+    starts = [min(positions.get(m, 10**9) for m in group) for group in groups]
+    site_names = [f"{space}@{k}" for k in range(len(groups))]
+    member = {m: k for k, group in enumerate(groups) for m in group}
+
+    def site_of(tensor: str) -> int:
+        module = tensor.rsplit(".", 1)[0]
+        if module in member:
+            return member[module]
+        pos = positions.get(module)
+        if pos is None:
+            return len(groups) - 1
+        later = [k for k, s in enumerate(starts) if s >= pos]
+        return later[0] if later else len(groups) - 1
+
+    base = graph.spaces[space]
+    assert isinstance(base, Space)
+    spaces = {k: v for k, v in graph.spaces.items() if k != space}
+    for n in site_names:
+        spaces[n] = dataclasses.replace(base, name=n, max_class="permutation")
+    bindings: dict[str, Binding] = {}
+    assignment: dict[str, str] = {}
+    for k, b in graph.bindings.items():
+        if space in b.axes:
+            assignment[k] = site_names[site_of(k)]
+            b = dataclasses.replace(b, axes=tuple(assignment[k] if a == space else a for a in b.axes))
+        bindings[k] = b
+    return dataclasses.replace(graph, spaces=spaces, bindings=bindings), assignment
+
+
+def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alignment:
+    data = require_data(pair, "head-perm", "matches features by the correlation of their activations")
+    assert pair.model_a is not None and pair.model_b is not None
+    graph = pair.graph
+    _check_applicable(graph, options, any("input_ids" in b for b in data.batches))
+    notes: list[str] = []
+    with timed() as timings:
+        collect = _spaces_to_collect(graph, options)
+        residual_mode = options.residual if "residual" in options.components else "identity"
+        stats: ActivationStats = activation_stats(
+            pair.model_a,
+            pair.model_b,
+            graph,
+            data.batches,
+            spaces=collect,
+            residual="none" if residual_mode == "identity" else residual_mode,
+            special_ids=None if options.special_tokens else data.special_ids,
+            progress=(lambda n: progress("activation statistics", n, 0)) if progress is not None else None,
+        )
+        timings["features"] = stats.seconds
+        corr = {key: m.correlation() for key, m in stats.moments.items()}
+        transform: Transform = graph.identity()
+        out_graph = graph
+        flat: list[str] = []
+        for name in collect:
+            sp = graph.spaces[name]
+            if isinstance(sp, HeadSpace):
+                roles: dict[str | None, Tensor] = {
+                    role: corr[f"{name}:{role}"] for role in ("q", "k", "o") if f"{name}:{role}" in corr
+                }
+                if options.heads == "ignore-heads":
+                    flat.append(name)
+                    total = sum(roles.values())
+                    assert isinstance(total, Tensor)
+                    transform[name] = AxisMap(total.shape[0], index=lap(total)[0])
+                else:
+                    transform[name] = _solve_attention(sp, roles, options.heads)
+            elif sp.kind == "residual":
+                if residual_mode in ("first", "last", "all"):
+                    transform[name] = AxisMap(sp.size, index=lap(corr[name])[0])
+            elif name in corr:
+                transform[name] = AxisMap(sp.size, index=lap(corr[name])[0])
+        if flat:
+            out_graph = flatten_heads(out_graph, flat)
+            notes.append(
+                "heads: ignore-heads moves features across heads: the aligned model B computes a different function"
+            )
+        if residual_mode == "separate":
+            positions = _module_positions(pair.model_a, data.batches[0])
+            for res in _residual_names(graph):
+                groups = [g for g, sp in zip(stats.residual_groups, stats.residual_spaces, strict=True) if sp == res]
+                keys = [f"{res}@{k}" for k in range(len(groups))]
+                if not groups or any(k not in corr for k in keys):
+                    continue
+                out_graph, _ = split_residual(out_graph, res, groups, positions)
+                transform.pop(res, None)
+                for k in keys:
+                    transform[k] = AxisMap(corr[k].shape[0], index=lap(corr[k])[0])
+            notes.append(
+                "residual: separate gives each residual reading site its own permutation, so residual connections "
+                "no longer line up: the aligned model B computes a different function"
+            )
+    return Alignment(
+        "head-perm", out_graph, pair.sd_a, pair.sd_b, transform, exact=exact(options), notes=notes, timings=timings
+    )
+
+
+STRATEGY = Strategy(
+    name="head-perm",
+    paper="Verma & Elbayad, Merging Text Transformer Models from Different Initializations (TMLR 2024)",
+    options=HeadPermOptions,
+    run=run,
+    needs_data=lambda _o: True,
+    exact=exact,
+    summary="activation matching: correlation of features on alignment data, heads permuted as units",
+)

@@ -1,0 +1,96 @@
+"""TransFusion (Rinaldi et al., "Update Your Transformer to the Latest Release: Re-Basin of Task
+Vectors", ICML 2025): data-free weight matching with a two-level solve of attention.
+
+Heads are paired by their singular-value spectra, ``Σ_roles ‖σ(head_i^B) − σ(head_j^A)‖``, which
+no permutation of the residual stream or inside a head can change: the pairing is fixed once, before
+the descent. Inside each matched pair a LAP on row inner products picks the inner permutation,
+alternating with the residual and MLP spaces until a pass improves nothing. Everything stays a
+permutation, so the result is a stock model (one residual permutation, no per-site matrices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from ..solvers import lap, lap_batch, singular_values
+from ..symmetry import HeadMap, HeadSpace, SymmetryGraph
+from .base import Alignment, Options, Pair, Progress, Strategy, timed
+from .descent import anchor_init, descend, space_solver
+
+
+class TransfusionOptions(Options):
+    max_iter: int = Field(100, ge=1, description="passes over all spaces at most")
+    seed: int = Field(0, description="seed of the random visiting order")
+
+
+def head_spectra(graph: SymmetryGraph, sd: Mapping[str, Tensor], space: str) -> dict[str, Tensor]:
+    """Singular values of every head's weights per role, ``[heads, k]`` (weights and bias together)."""
+    sp = graph.spaces[space]
+    assert isinstance(sp, HeadSpace)
+    parts: dict[str, list[Tensor]] = {}
+    for tensor, axis, role, offset in graph.users(space):
+        assert role is not None
+        size = sp.role_size(role)
+        t = sd[tensor].narrow(axis, offset, size).to(torch.float64).movedim(axis, 0)
+        parts.setdefault(role, []).append(t.reshape(size // sp.head_dim, sp.head_dim, -1))
+    return {role: singular_values(torch.cat(blocks, dim=-1)) for role, blocks in parts.items()}
+
+
+def spectral_pairing(space: HeadSpace, spec_a: Mapping[str, Tensor], spec_b: Mapping[str, Tensor]) -> HeadMap:
+    """KV heads and query heads of B paired with A's by spectral distance; inner maps left identity."""
+    G, r, dh = space.num_kv_heads, space.group_size, space.head_dim
+
+    def dist(role: str, heads: int) -> Tensor:
+        if role not in spec_a:
+            return torch.zeros(heads, heads, dtype=torch.float64)
+        return torch.cdist(spec_a[role], spec_b[role])
+
+    kv_cost = dist("k", G) + dist("v", G)
+    q_cost = (dist("q", G * r) + dist("o", G * r)).reshape(G, r, G, r).permute(0, 2, 1, 3)  # [a, b, i, j]
+    if r > 1:
+        tau = lap_batch(-q_cost.reshape(G * G, r, r)).reshape(G, G, r)
+    else:
+        tau = torch.zeros(G, G, 1, dtype=torch.long)
+    chosen = q_cost.gather(-1, tau[..., None])[..., 0].sum(-1)
+    kv, _ = lap(-(kv_cost + chosen))
+    inner = torch.arange(dh).expand(G, dh).clone()
+    return HeadMap(kv, tau[torch.arange(G), kv].clone(), inner, inner.clone())
+
+
+def run(pair: Pair, options: TransfusionOptions, progress: Progress | None) -> Alignment:
+    graph = pair.graph
+    with timed() as timings:
+        init = graph.identity()
+        outer: dict[str, tuple[Tensor, Tensor]] = {}
+        for name, sp in graph.spaces.items():
+            if isinstance(sp, HeadSpace):
+                hm = spectral_pairing(sp, head_spectra(graph, pair.sd_a, name), head_spectra(graph, pair.sd_b, name))
+                init[name] = hm
+                outer[name] = (hm.kv_perm, hm.q_perm)
+        solve = space_solver(graph, "permutation", outer=outer)
+        init = anchor_init(graph, pair.sd_a, pair.sd_b, init, solve)
+        transform, _ = descend(
+            graph,
+            pair.sd_a,
+            pair.sd_b,
+            solve,
+            init=init,
+            max_iter=options.max_iter,
+            seed=options.seed,
+            progress=progress,
+            stage="transfusion",
+        )
+    return Alignment("transfusion", graph, pair.sd_a, pair.sd_b, transform, timings=timings)
+
+
+STRATEGY = Strategy(
+    name="transfusion",
+    paper="Rinaldi et al., Update Your Transformer to the Latest Release: Re-Basin of Task Vectors (ICML 2025)",
+    options=TransfusionOptions,
+    run=run,
+    summary="data-free: heads paired by singular-value spectra, then permutations inside heads and of units",
+)

@@ -1,0 +1,257 @@
+"""Every function-preserving strategy recovers a known transform, exactly and under noise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny
+from hf_rebasin.adapters import get_adapter, graph_for
+from hf_rebasin.canonical import canonicalize
+from hf_rebasin.errors import IncompatibleModelsError, MissingDataError, StrategyOptionError
+from hf_rebasin.models import rebuild
+from hf_rebasin.strategies import REGISTRY, AlignmentData, Pair, align, get_strategy
+from hf_rebasin.strategies.base import Strategy, StrategyRegistry
+from hf_rebasin.strategies.vanilla import VanillaOptions
+from hf_rebasin.verify import example_inputs
+
+CASES = ["gpt2", "bert-mlm", "roberta-cls", "vit", "llama-gqa", "qwen2-tied", "mistral", "clip"]
+DATA_FREE = ["weight-matching", "transfusion", "generalized-orthogonal"]
+
+
+def _setup(case: str, strategy: str, seed: int = 0):
+    """(model, graph, A's state dict in the strategy's form, B = a random allowed transform of it)."""
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    g = torch.Generator().manual_seed(seed)
+    if strategy == "generalized-orthogonal":
+        ref, cgraph, _ = canonicalize(graph, sd)
+        return model, graph, sd, ref, cgraph.apply(ref, cgraph.random_transform("orthogonal", g))
+    return model, graph, sd, sd, graph.apply(sd, graph.random_transform("permutation", g))
+
+
+def _noisy(sd: dict[str, torch.Tensor], scale: float, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.is_floating_point() and v.numel() > 1 else v
+        for k, v in sd.items()
+    }
+
+
+def _max_diff(a, b) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _rel_dist(a, b) -> float:
+    num = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a if a[k].is_floating_point())
+    den = sum(float((a[k].double() ** 2).sum()) for k in a if a[k].is_floating_point())
+    return (num / den) ** 0.5
+
+
+@pytest.mark.parametrize("strategy", DATA_FREE)
+@pytest.mark.parametrize("case", CASES)
+def test_data_free_strategy_recovers_a_random_transform(case, strategy):
+    _model, graph, sd, ref, sd_b = _setup(case, strategy)
+    assert _max_diff(sd_b, ref) > 1e-2  # the transform really moved B
+    alignment = align(strategy, Pair(graph, sd, sd_b))  # GO brings A to canonical form itself
+    assert alignment.exact
+    assert _max_diff(alignment.aligned_b(), alignment.sd_a) < 1e-5
+    assert _max_diff(alignment.sd_a, ref) < 1e-6
+
+
+@pytest.mark.parametrize("strategy", DATA_FREE)
+@pytest.mark.parametrize("case", ["gpt2", "bert-mlm", "llama-gqa", "vit"])
+def test_recovery_survives_noise(case, strategy):
+    model, graph, sd, _ref, sd_b = _setup(case, strategy, seed=4)
+    noisy = _noisy(sd_b, 1e-3)
+    noise = _rel_dist(noisy, sd_b)
+    alignment = align(strategy, Pair(graph, sd, noisy))
+    aligned = alignment.aligned_b()
+    # within a small multiple of the noise itself: the transform was found, not merely approached
+    assert _rel_dist(aligned, alignment.sd_a) < 3 * noise
+    # and the midpoint of A and aligned B computes what A computes (barrier ~ 0)
+    mid = {k: (v + aligned[k]) / 2 if v.is_floating_point() else v for k, v in alignment.sd_a.items()}
+    a_model = rebuild(model, dict(alignment.sd_a), untie=bool(alignment.untied))
+    m_model = rebuild(model, mid, untie=bool(alignment.untied))
+    inputs = example_inputs(get_adapter(model.config.model_type), model.config, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        la, lm = a_model(**inputs).logits, m_model(**inputs).logits
+    assert (la - lm).abs().max().item() < 0.05 * la.abs().max().item()
+
+
+@pytest.mark.parametrize("strategy", DATA_FREE)
+def test_aligning_a_model_to_itself_is_the_identity(strategy):
+    model = tiny.FACTORIES["gpt2"](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    alignment = align(strategy, Pair(graph, sd, sd))
+    for name, m in alignment.transform.items():
+        assert m.is_identity() or (
+            hasattr(m, "matrix") and torch.allclose(m.matrix(), torch.eye(m.size, dtype=torch.float64), atol=1e-6)
+        ), name
+
+
+def test_vanilla_is_the_identity_and_reports_timings():
+    model = tiny.FACTORIES["bert-mlm"](0)
+    sd = model.state_dict()
+    other = tiny.FACTORIES["bert-mlm"](1).state_dict()
+    alignment = align("vanilla", Pair(graph_for(model.config, sd.keys()), sd, other))
+    assert all(m.is_identity() for m in alignment.transform.values())
+    assert _max_diff(alignment.aligned_b(), other) == 0
+    assert {"total", "solver"} <= set(alignment.timings)
+
+
+def test_generalized_orthogonal_beats_permutations_on_a_rotated_model():
+    # B is A rotated (not permuted): permutation strategies cannot undo it, the orthogonal one can.
+    _model, graph, sd, ref, sd_b = _setup("gpt2", "generalized-orthogonal", seed=7)
+    go = align("generalized-orthogonal", Pair(graph, sd, sd_b))
+    wm = align("weight-matching", Pair(graph, ref, sd_b))
+    assert _rel_dist(go.aligned_b(), go.sd_a) < 1e-6
+    assert _rel_dist(wm.aligned_b(), ref) > 0.3
+
+
+def test_generalized_orthogonal_notes_post_norm_fallback():
+    model = tiny.FACTORIES["bert-mlm"](0)
+    sd = model.state_dict()
+    alignment = align("generalized-orthogonal", Pair(graph_for(model.config, sd.keys()), sd, sd))
+    assert any("admits only permutations" in n for n in alignment.notes)
+
+
+def _text_data(n: int = 3, seed: int = 0) -> AlignmentData:
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        ids = torch.randint(0, tiny.V, (4, 12), generator=g)
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return AlignmentData(batches)
+
+
+@pytest.mark.parametrize("sinkhorn", [False, True])
+def test_learned_refinement_lowers_the_midpoint_loss(sinkhorn):
+    a, b = tiny.FACTORIES["gpt2"](0), tiny.FACTORIES["gpt2"](1)
+    sd_a, sd_b = a.state_dict(), b.state_dict()
+    pair = Pair(graph_for(a.config, sd_a.keys()), sd_a, sd_b, a, b, _text_data())
+    options = {"learned": True, "steps": 12, "lr": 0.05, "sinkhorn": sinkhorn}
+    alignment = align("generalized-orthogonal", pair, options)
+    note = next(n for n in alignment.notes if n.startswith("learned matching"))
+    assert "→" in note
+    # whatever was kept is a valid transform: orthogonal residual, permutations elsewhere
+    res = alignment.transform["res"].matrix()
+    torch.testing.assert_close(res @ res.T, torch.eye(res.shape[0], dtype=torch.float64), atol=1e-6, rtol=0)
+    assert alignment.transform["h.0.mlp"].is_permutation
+
+
+def test_learned_without_data_is_a_user_error():
+    model = tiny.FACTORIES["gpt2"](0)
+    sd = model.state_dict()
+    with pytest.raises(MissingDataError, match="data:"):
+        align("generalized-orthogonal", Pair(graph_for(model.config, sd.keys()), sd, sd), {"learned": True})
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "match"),
+    [
+        ("generalized-orthogonal", {"sinkhorn": True}, "only apply with `learned: true`"),
+        ("generalized-orthogonal", {"iterations": 0}, r"strategy\.iterations"),
+        ("weight-matching", {"residual": "all"}, r"strategy\.residual: Extra inputs"),
+        ("nonsense", {}, "choose one of: vanilla, weight-matching"),
+    ],
+)
+def test_bad_options_are_user_errors_naming_the_field(name, options, match):
+    model = tiny.FACTORIES["gpt2"](0)
+    sd = model.state_dict()
+    with pytest.raises(StrategyOptionError, match=match):
+        align(name, Pair(graph_for(model.config, sd.keys()), sd, sd), options)
+
+
+def test_models_of_different_shapes_name_the_first_differing_tensor():
+    small = tiny.FACTORIES["gpt2"](0)
+    sd = small.state_dict()
+    import transformers as T
+
+    cfg = T.GPT2Config(**{**small.config.to_dict(), "n_inner": 40})
+    other = T.GPT2LMHeadModel(cfg).state_dict()
+    with pytest.raises(
+        IncompatibleModelsError,
+        match=r"'transformer\.h\.0\.mlp\.c_fc\.weight' has shape \(32, 128\) in model A but \(32, 40\)",
+    ):
+        Pair(graph_for(small.config, sd.keys()), sd, other)
+
+
+def test_registry_lists_every_strategy_and_refuses_duplicates():
+    assert {"vanilla", "weight-matching", "transfusion", "generalized-orthogonal", "head-perm"} <= set(REGISTRY.names)
+    reg = StrategyRegistry()
+    reg.register(get_strategy("vanilla"))
+    with pytest.raises(ValueError, match="twice"):
+        reg.register(get_strategy("vanilla"))
+    with pytest.raises(ValueError, match="bad strategy name"):
+        reg.register(Strategy("Bad Name", "", VanillaOptions, get_strategy("vanilla").run))
+
+
+def _transformed_pair(case: str, seed: int = 3, noise: float = 0.0):
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    sd_b = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(seed)))
+    if noise:
+        sd_b = _noisy(sd_b, noise)
+    spec = get_adapter(model.config.model_type)
+    batches = [example_inputs(spec, model.config, torch.Generator().manual_seed(i)) for i in range(4)]
+    return model, graph, sd, sd_b, rebuild(model, sd_b), AlignmentData(batches, frozenset({0}))
+
+
+@pytest.mark.parametrize("residual", ["all", "first", "last"])
+@pytest.mark.parametrize("case", ["gpt2", "bert-mlm", "llama-gqa", "vit", "clip"])
+def test_head_perm_recovers_a_random_permutation(case, residual):
+    model, graph, sd, sd_b, model_b, data = _transformed_pair(case)
+    alignment = align("head-perm", Pair(graph, sd, sd_b, model, model_b, data), {"residual": residual})
+    assert alignment.exact and not alignment.notes
+    assert _max_diff(alignment.aligned_b(), sd) < 1e-6
+
+
+def test_head_perm_under_noise_and_without_special_tokens():
+    model, graph, sd, sd_b, model_b, data = _transformed_pair("gpt2", noise=1e-3)
+    alignment = align(
+        "head-perm", Pair(graph, sd, sd_b, model, model_b, data), {"residual": "all", "special_tokens": False}
+    )
+    assert _rel_dist(alignment.aligned_b(), sd) < 3 * _rel_dist(sd_b, _transformed_pair("gpt2")[3])
+
+
+def test_head_perm_components_and_residual_identity_leave_other_spaces_alone():
+    model, graph, sd, sd_b, model_b, data = _transformed_pair("bert-mlm")
+    pair = Pair(graph, sd, sd_b, model, model_b, data)
+    only_ff = align("head-perm", pair, {"components": ["ff"], "residual": "all"})
+    assert only_ff.transform["res"].is_identity() and only_ff.transform["layer.0.attn"].is_identity()
+    assert not only_ff.transform["layer.0.mlp"].is_identity()
+    identity_res = align("head-perm", pair, {"residual": "identity"})
+    assert identity_res.transform["res"].is_identity()
+    monotonic = align("head-perm", pair, {"heads": "monotonic", "residual": "all"})
+    hm = monotonic.transform["layer.0.attn"]
+    assert torch.equal(hm.kv_perm, torch.arange(hm.kv_perm.numel()))
+
+
+@pytest.mark.parametrize("option", [{"heads": "ignore-heads"}, {"residual": "separate"}])
+def test_experimental_head_perm_options_are_flagged(option):
+    model, graph, sd, sd_b, model_b, data = _transformed_pair("gpt2")
+    alignment = align("head-perm", Pair(graph, sd, sd_b, model, model_b, data), option)
+    assert not alignment.exact
+    assert any("different function" in n for n in alignment.notes)
+    assert not get_strategy("head-perm").exact(get_strategy("head-perm").parse(option))
+    alignment.aligned_b()  # still applies (to the rewritten graph)
+
+
+def test_head_perm_needs_data_and_checks_applicability():
+    model = tiny.FACTORIES["gpt2"](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    with pytest.raises(MissingDataError, match="head-perm"):
+        align("head-perm", Pair(graph, sd, sd))
+    llama, graph_l, sd_l, sd_lb, llama_b, data = _transformed_pair("llama-gqa")
+    with pytest.raises(StrategyOptionError, match="grouped-query"):
+        align("head-perm", Pair(graph_l, sd_l, sd_lb, llama, llama_b, data), {"heads": "ignore-heads"})
+    vit, graph_v, sd_v, sd_vb, vit_b, data_v = _transformed_pair("vit")
+    with pytest.raises(StrategyOptionError, match="special_tokens"):
+        align("head-perm", Pair(graph_v, sd_v, sd_vb, vit, vit_b, data_v), {"special_tokens": False})
+    with pytest.raises(StrategyOptionError, match="at most once"):
+        align("head-perm", Pair(graph, sd, sd), {"components": ["ff", "ff"]})
