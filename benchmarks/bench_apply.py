@@ -35,7 +35,7 @@ def bench(arch: str) -> None:
         t0 = time.perf_counter()
         graph = graph_for(model.config, sd.keys())
         t1 = time.perf_counter()
-        src, g2, untied = (canonicalize(graph, sd) if cls == "orthogonal" else (sd, graph, []))
+        src, g2, untied = canonicalize(graph, sd) if cls == "orthogonal" else (sd, graph, [])
         t2 = time.perf_counter()
         transform = g2.random_transform(cls, torch.Generator().manual_seed(1))
         t3 = time.perf_counter()
@@ -43,8 +43,10 @@ def bench(arch: str) -> None:
         t4 = time.perf_counter()
         with torch.no_grad():
             diff = (rebuild(model, out, untie=bool(untied))(ids).logits - ref).abs().max().item()
-        print(f"{arch:5s} {n_params / 1e6:6.1f}M {cls:12s} graph {t1 - t0:6.3f}s  canonical {t2 - t1:6.3f}s  "
-              f"sample {t3 - t2:6.3f}s  apply {t4 - t3:6.3f}s  max|Δlogits| {diff:.1e}")
+        print(
+            f"{arch:5s} {n_params / 1e6:6.1f}M {cls:12s} graph {t1 - t0:6.3f}s  canonical {t2 - t1:6.3f}s  "
+            f"sample {t3 - t2:6.3f}s  apply {t4 - t3:6.3f}s  max|Δlogits| {diff:.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -89,6 +89,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="load pytorch_model.bin checkpoints (pickle can run code: only for sources you trust)",
     )
     verify.set_defaults(func=cmd_verify)
+
+    al = sub.add_parser(
+        "align",
+        help="bring model B into model A's basis with one strategy and report how far apart they are",
+        description=(
+            "Align model B to model A (same architecture) with a data-free strategy, print the distance "
+            "between their weights before and after, and optionally save aligned B as a standard model folder. "
+            "Recipes (`hf-rebasin RECIPE.yaml`) add alignment data, merging and barriers."
+        ),
+    )
+    al.add_argument("model_a", metavar="MODEL_A", help="reference model folder")
+    al.add_argument("model_b", metavar="MODEL_B", help="model folder to align to MODEL_A")
+    al.add_argument("--strategy", default="weight-matching", help="strategy name (default weight-matching)")
+    al.add_argument(
+        "--set",
+        dest="options",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a strategy option (YAML value), e.g. --set iterations=5; repeatable",
+    )
+    al.add_argument("--output", metavar="DIR", help="save aligned B here (refused if it exists)")
+    al.add_argument("--allow-pickle", action="store_true", help="load pytorch_model.bin checkpoints")
+    al.set_defaults(func=cmd_align)
     return parser
 
 
@@ -156,6 +180,58 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         report = verify_model(model, args.transform_class, args.seed)
     print_verify_report(console, report, desc, args.seed)
     return EXIT_OK if report.ok else EXIT_INTERNAL
+
+
+def _parse_options(items: Sequence[str]) -> dict[str, Any]:
+    import yaml
+
+    from .errors import StrategyOptionError
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise StrategyOptionError(f"--set {item!r}: expected KEY=VALUE, e.g. --set iterations=5")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def cmd_align(args: argparse.Namespace, console: Console) -> int:
+    """``hf-rebasin align``: load two folders, align B to A, report distances, optionally save B."""
+    _quiet_libraries()
+    from .models import check_compatible, check_output_folder, load_model, save_model
+    from .strategies import Pair, get_strategy
+    from .strategies.base import relative_distance
+
+    strategy = get_strategy(args.strategy)
+    options = strategy.parse(_parse_options(args.options))
+    if args.output:
+        check_output_folder(args.output)
+    a = load_model(args.model_a, allow_pickle=args.allow_pickle)
+    b = load_model(args.model_b, allow_pickle=args.allow_pickle)
+    check_compatible(a, b)
+    pair = Pair(a.graph, a.model.state_dict(), b.model.state_dict(), a.model, b.model)
+    with console.status(f"aligning with {strategy.name}…"):
+        alignment = strategy.run(pair, options, None)
+        aligned = alignment.aligned_b()
+    table = Table(title=f"{strategy.name}: {strategy.paper}", title_justify="left")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("‖A − B‖ / ‖A‖ before", f"{relative_distance(alignment.sd_a, alignment.sd_b):.4f}")
+    table.add_row("‖A − B‖ / ‖A‖ after", f"{relative_distance(alignment.sd_a, aligned):.4f}")
+    table.add_row(
+        "seconds (of which in solvers)", f"{alignment.timings['total']:.2f} ({alignment.timings['solver']:.2f})"
+    )
+    table.add_row("function preserving", "yes" if alignment.exact else "[red]no[/] (experimental option)")
+    console.print(table)
+    for note in alignment.notes:
+        console.print(f"note: {escape(note)}", soft_wrap=True)
+    if alignment.untied:
+        console.print("untied for the canonical form: " + escape(", ".join(alignment.untied)), soft_wrap=True)
+    if args.output:
+        folder = save_model(b.model, aligned, args.output, untie=bool(alignment.untied))
+        console.print(f"aligned B saved to {escape(str(folder))}")
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,6 +40,10 @@ class TransformError(RebasinUserError, ValueError):
     """A transform that is not allowed for a space, or that needs the canonical form first."""
 
 
+class OutputExistsError(RebasinUserError, FileExistsError):
+    """The output folder exists already (nothing is overwritten without being asked)."""
+
+
 class StrategyOptionError(RebasinUserError, ValueError):
     """A strategy name or option that does not exist or does not apply to the models at hand."""
 

@@ -156,3 +156,13 @@ def timed() -> Iterator[dict[str, float]]:
         yield timings
     timings["solver"] = clock.seconds
     timings["total"] = time.perf_counter() - start
+
+
+def relative_distance(sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor]) -> float:
+    """``‖A − B‖ / ‖A‖`` over all floating-point tensors: how far apart two models' weights are."""
+    num = den = 0.0
+    for k, a in sd_a.items():
+        if a.is_floating_point():
+            num += float((a.double() - sd_b[k].double()).pow(2).sum())
+            den += float(a.double().pow(2).sum())
+    return (num / den) ** 0.5 if den else 0.0

@@ -1,0 +1,107 @@
+"""Loss barriers of trained models: two tiny GPT-2 (character-level Shakespeare) and two tiny ViT
+(digits) trained from different seeds by ``hf_rebasin.train``, aligned by every strategy.
+
+    python benchmarks/bench_barriers.py            # both kinds (trains 4 models on first use, ~5 min)
+    python benchmarks/bench_barriers.py --kind vit
+
+Prints one Markdown table per kind: both barrier definitions (nats, held-out data, 21 λ) and the
+alignment time. ``tests/test_trained.py`` runs the same code and checks the claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from hf_rebasin import data as hdata
+from hf_rebasin.evaluate import barrier, lambdas, loss_curve, task_of
+from hf_rebasin.models import load_model, rebuild
+from hf_rebasin.strategies import AlignmentData, Pair, align
+from hf_rebasin.train import cached_model, held_out_batches, training_record
+
+# (row label, strategy, options)
+STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
+    ("vanilla", "vanilla", {}),
+    ("weight-matching", "weight-matching", {}),
+    ("transfusion", "transfusion", {}),
+    ("head-perm", "head-perm", {"residual": "all"}),
+    ("generalized-orthogonal", "generalized-orthogonal", {}),
+    ("generalized-orthogonal + learned", "generalized-orthogonal", {"learned": True, "steps": 150, "lr": 0.01}),
+]
+
+
+def alignment_data(kind: str, folder: Any, batches: int = 8) -> AlignmentData:
+    """Training-split data (never the held-out evaluation data)."""
+    if kind == "vit":
+        images, labels = hdata.digits_dataset("train")
+        return AlignmentData(list(hdata.image_batches(images, labels, 64))[:batches], description="digits (train)")
+    from transformers import PreTrainedTokenizerFast
+
+    record = training_record(folder)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    text = hdata.shakespeare_text(tuple(record["config"]["plays"]), split="train")
+    blocks = hdata.text_blocks(tokenizer, text, record["config"]["block_size"], max_tokens=batches * 16 * 64)
+    pad = int(tokenizer.pad_token_id)
+    return AlignmentData(
+        list(hdata.batches(blocks, 16, pad_token_id=pad)), frozenset(tokenizer.all_special_ids), "Shakespeare (train)"
+    )
+
+
+def barrier_table(kind: str, seeds: tuple[int, int] = (0, 1), points: int = 21) -> list[dict[str, Any]]:
+    """One row per strategy: barriers of A = seed 0 and B = seed 1 aligned to A."""
+    folder_a, folder_b = cached_model(kind, seeds[0]), cached_model(kind, seeds[1])  # type: ignore[arg-type]
+    a, b = load_model(folder_a), load_model(folder_b)
+    sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
+    evaluation = held_out_batches(folder_a)
+    task = task_of(a.model)
+    data = alignment_data(kind, folder_a)
+    rows = []
+    for label, name, options in STRATEGIES:
+        start = time.perf_counter()
+        alignment = align(name, Pair(a.graph, sd_a, sd_b, a.model, b.model, data), options)
+        seconds = time.perf_counter() - start
+        model = rebuild(a.model, dict(alignment.sd_a), untie=bool(alignment.untied))
+        curve = loss_curve(model, alignment.sd_a, alignment.aligned_b(), evaluation, task, lambdas(points))
+        rows.append(
+            {
+                "strategy": label,
+                **barrier(curve.lambdas, curve.losses),
+                "loss_a": curve.losses[-1],
+                "loss_b": curve.losses[0],
+                "loss_mid": curve.losses[len(curve.losses) // 2],
+                "metric_mid": {k: v[len(v) // 2] for k, v in curve.metrics.items()},
+                "seconds": seconds,
+            }
+        )
+    return rows
+
+
+def markdown(kind: str, rows: list[dict[str, Any]]) -> str:
+    metric = next(iter(rows[0]["metric_mid"]), None)
+    head = "| strategy | midpoint barrier | linear barrier | loss at λ=½ |" + (f" {metric} at λ=½ |" if metric else "")
+    head += " align s |"
+    lines = [f"**{kind}** (A: loss {rows[0]['loss_a']:.3f}, B: loss {rows[0]['loss_b']:.3f} nats)", "", head]
+    lines.append("|---" * (head.count("|") - 1) + "|")
+    for r in rows:
+        line = f"| {r['strategy']} | {r['midpoint']:.3f} | {r['linear']:.3f} | {r['loss_mid']:.3f} |"
+        if metric:
+            line += f" {r['metric_mid'][metric]:.3f} |"
+        lines.append(line + f" {r['seconds']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kind", choices=("gpt2", "vit", "both"), default="both")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    for kind in ("gpt2", "vit") if args.kind == "both" else (args.kind,):
+        print(markdown(kind, barrier_table(kind)))
+        print()
+
+
+if __name__ == "__main__":
+    main()

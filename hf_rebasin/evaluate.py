@@ -1,0 +1,242 @@
+"""Losses along the line between two models, and the loss barrier (DESIGN.md §5).
+
+All losses are in nats. A curve reuses one model object: each λ loads an interpolated state dict
+into it in place, and the batches are materialised once, so a 21-point curve costs 21 forward
+passes over the same tensors and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+from torch import Tensor
+
+from .data import DataError
+from .errors import IncompatibleModelsError, UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+Task = Literal["causal-lm", "masked-lm", "sequence-classification", "image-classification"]
+TASKS: tuple[Task, ...] = get_args(Task)
+Batch = Mapping[str, Tensor]
+StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (storage, offset, shape, stride)
+
+# class-name suffix -> task; GPT-2's causal LM is the odd one out ("LMHeadModel")
+_SUFFIXES: tuple[tuple[str, Task], ...] = (
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+    ("ForMaskedLM", "masked-lm"),
+    ("ForSequenceClassification", "sequence-classification"),
+    ("ForImageClassification", "image-classification"),
+)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Mean loss (nats) over ``count`` predictions: tokens for language models, examples otherwise."""
+
+    loss: float
+    metric: dict[str, float]
+    count: int
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Loss (nats) and metrics at each λ, the weight on model A (λ = 1 is A, λ = 0 is B)."""
+
+    lambdas: list[float]
+    losses: list[float]
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``curves.<name>`` entry of ``rebasin.json`` (DESIGN.md §9)."""
+        return {"lambdas": list(self.lambdas), "loss": list(self.losses), "metric": dict(self.metrics)}
+
+
+def task_of(model: nn.Module) -> Task:
+    """The evaluation task implied by a model's class (``GPT2LMHeadModel`` → ``causal-lm``)."""
+    name = type(model).__name__
+    for suffix, task in _SUFFIXES:
+        if name.endswith(suffix):
+            return task
+    raise UnsupportedArchitectureError(
+        f"cannot tell which loss to evaluate for a {name}: supported heads are "
+        f"{', '.join(s for s, _ in _SUFFIXES)} (tasks {', '.join(TASKS)}); set `evaluate.task` "
+        "and load the model with a matching head"
+    )
+
+
+def _check_task(task: str) -> None:
+    if task not in TASKS:
+        raise UnsupportedArchitectureError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def evaluate_loss(model: nn.Module, batches: Iterable[Batch], task: Task) -> EvalResult:
+    """Cross-entropy of ``model`` over ``batches``: the sum of per-prediction losses / their count.
+
+    Summing (instead of averaging batch means) makes the result independent of how the data were
+    batched and of padding. Causal LM: every non-pad next token (labels -100 are skipped); masked
+    LM: positions whose label is not -100; classification: every example, plus accuracy.
+    The model is put in eval mode; no gradients are kept.
+    """
+    _check_task(task)
+    device = _device(model)
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    correct = 0
+    with torch.no_grad():
+        for batch in batches:
+            if "labels" not in batch:
+                raise DataError(f"a {task} batch needs `labels` (-100 where nothing is predicted); got {sorted(batch)}")
+            inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
+            labels = batch["labels"].to(device)
+            logits = model(**inputs).logits.float()
+            if task == "causal-lm":
+                logits, labels = logits[:, :-1], labels[:, 1:]
+            flat = logits.reshape(-1, logits.shape[-1])
+            target = labels.reshape(-1)
+            loss = torch.nn.functional.cross_entropy(flat, target, ignore_index=-100, reduction="sum")
+            total += loss.double().cpu()
+            keep = target != -100
+            count += int(keep.sum())
+            if task in ("sequence-classification", "image-classification"):
+                correct += int((flat.argmax(-1)[keep] == target[keep]).sum())
+    if count == 0:
+        raise DataError("no predictions to evaluate: the data are empty or every label is -100")
+    mean = float(total) / count
+    metric: dict[str, float]
+    if task == "causal-lm":
+        metric = {"perplexity": _exp(mean)}
+    elif task == "masked-lm":
+        metric = {"pseudo_perplexity": _exp(mean)}
+    else:
+        metric = {"accuracy": correct / count}
+    return EvalResult(loss=mean, metric=metric, count=count)
+
+
+def _exp(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float64).exp())
+
+
+def _storage_key(t: Tensor) -> StorageKey:
+    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
+
+
+def interpolate(sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], lam: float) -> dict[str, Tensor]:
+    """λ·A + (1−λ)·B for every floating tensor; other tensors (int buffers) are taken from A.
+
+    Exact at the ends (`torch.lerp`): λ = 1 returns A's values, λ = 0 B's. Tied aliases (the same
+    storage under two names in A and in B, e.g. ``lm_head.weight`` / ``wte.weight``) are computed
+    once and stay one tensor in the result.
+    """
+    if sd_a.keys() != sd_b.keys():
+        only_a = sorted(set(sd_a) - set(sd_b))
+        only_b = sorted(set(sd_b) - set(sd_a))
+        raise IncompatibleModelsError(
+            f"the state dicts hold different tensors: only in A {only_a[:5]}, only in B {only_b[:5]}"
+        )
+    out: dict[str, Tensor] = {}
+    done: dict[tuple[StorageKey, StorageKey], Tensor] = {}
+    for name, a in sd_a.items():
+        b = sd_b[name]
+        if a.shape != b.shape:
+            raise IncompatibleModelsError(f"tensor {name!r} has shape {tuple(a.shape)} in A and {tuple(b.shape)} in B")
+        if not a.is_floating_point():
+            out[name] = a
+            continue
+        key = (_storage_key(a), _storage_key(b))
+        if key not in done:
+            wide = a.dtype in (torch.float16, torch.bfloat16)
+            start, end = (b.float(), a.float()) if wide else (b.to(a.dtype), a)
+            done[key] = torch.lerp(start, end, float(lam)).to(a.dtype)
+        out[name] = done[key]
+    return out
+
+
+def _own_copy(model: nn.Module, sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``sd`` with every tensor that shares storage with ``model`` cloned (aliases stay aliases).
+
+    ``model.state_dict()`` returns views of the live parameters: loading an interpolated state
+    into the model would silently rewrite them (and every later λ would be wrong).
+    """
+    live = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    clones: dict[StorageKey, Tensor] = {}
+    out: dict[str, Tensor] = {}
+    for name, t in sd.items():
+        if t.untyped_storage().data_ptr() in live:
+            key = _storage_key(t)
+            if key not in clones:
+                clones[key] = t.detach().clone()
+            out[name] = clones[key]
+        else:
+            out[name] = t
+    return out
+
+
+def loss_curve(
+    model: nn.Module,
+    sd_a: Mapping[str, Tensor],
+    sd_b: Mapping[str, Tensor],
+    batches: Iterable[Batch],
+    task: Task,
+    lambdas: Sequence[float],
+    *,
+    progress: Callable[[int, float, EvalResult], None] | None = None,
+) -> Curve:
+    """Evaluate θ(λ) = λ·A + (1−λ)·B at every λ, reusing ``model`` (same architecture as A and B).
+
+    Each λ loads the interpolated state into ``model`` in place (``load_state_dict``, strict);
+    afterwards ``model`` holds θ(last λ). ``batches`` is consumed once into a list.
+    ``progress(i, λ, result)`` is called after each point.
+    """
+    _check_task(task)
+    data = list(batches)
+    sd_a, sd_b = _own_copy(model, sd_a), _own_copy(model, sd_b)
+    losses: list[float] = []
+    metrics: dict[str, list[float]] = {}
+    for i, lam in enumerate(lambdas):
+        model.load_state_dict(interpolate(sd_a, sd_b, lam), strict=True)
+        result = evaluate_loss(model, data, task)
+        losses.append(result.loss)
+        for k, v in result.metric.items():
+            metrics.setdefault(k, []).append(v)
+        if progress is not None:
+            progress(i, float(lam), result)
+    return Curve(lambdas=[float(x) for x in lambdas], losses=losses, metrics=metrics)
+
+
+def barrier(lambdas: Sequence[float], losses: Sequence[float]) -> dict[str, float]:
+    """Both loss barriers (nats) of a curve whose λ include 0 (model B) and 1 (model A).
+
+    ``midpoint`` = max_λ L(λ) − ½(L_A + L_B) (Frankle & Carbin; Verma & Elbayad);
+    ``linear`` = max_λ [L(λ) − (λ·L_A + (1−λ)·L_B)] (Frankle et al. 2020; Theus et al.).
+    """
+    lam = [float(x) for x in lambdas]
+    loss = [float(x) for x in losses]
+    if len(lam) != len(loss):
+        raise ValueError(f"{len(lam)} lambdas but {len(loss)} losses")
+    if 0.0 not in lam or 1.0 not in lam:
+        raise ValueError("a barrier needs the end points: lambdas must contain 0.0 (B) and 1.0 (A)")
+    loss_a, loss_b = loss[lam.index(1.0)], loss[lam.index(0.0)]
+    return {
+        "midpoint": max(loss) - 0.5 * (loss_a + loss_b),
+        "linear": max(v - (x * loss_a + (1 - x) * loss_b) for x, v in zip(lam, loss, strict=True)),
+    }
+
+
+def lambdas(points: int = 21) -> list[float]:
+    """``points`` evenly spaced weights on model A, from 0 (B) to 1 (A) inclusive."""
+    if points < 2:
+        raise ValueError(f"a curve needs at least 2 points (its ends), not {points}")
+    return [i / (points - 1) for i in range(points)]

@@ -1,0 +1,418 @@
+"""A zoo of tiny trained models: GPT-2 on Shakespeare characters, ViT on 8×8 digits.
+
+Re-basin needs pairs of models that compute the same kind of function from different seeds.
+These are trained by the project's own code (no Hub, no network) in about a minute each on one
+CPU thread, cached on disk, and saved exactly as ``save_pretrained`` writes models (safetensors),
+so every other part of hf-rebasin reads them like any user's folder. The seed sets both the
+initialisation and the data order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+from torch import Tensor
+
+from . import data
+from .errors import ModelNotFoundError, UnsupportedArchitectureError
+from .evaluate import evaluate_loss
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+Kind = Literal["gpt2", "vit"]
+KINDS: tuple[Kind, ...] = get_args(Kind)
+Progress = Callable[[int, float], None]
+
+RECIPE_VERSION = 1  # bump when training code changes what a config produces: invalidates caches
+TRAINING_FILE = "training.json"
+
+
+@dataclass(frozen=True)
+class GPT2TrainConfig:
+    """Model size and training schedule of the tiny GPT-2 (character-level Shakespeare)."""
+
+    steps: int = 2500  # ≈ 1 min on one CPU thread; held-out loss ≈ 1.7 nats (unigram ≈ 3.3)
+    batch_size: int = 16
+    block_size: int = 64
+    n_embd: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    lr: float = 6e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    plays: tuple[str, ...] = data.DEFAULT_PLAYS
+    eval_tokens: int = 65536  # held-out tokens scored after training (recorded in training.json)
+
+
+@dataclass(frozen=True)
+class ViTTrainConfig:
+    """Model size and training schedule of the tiny ViT (8×8 digits, 10 classes)."""
+
+    steps: int = 1500  # ≈ 30 s on one CPU thread; test accuracy ≈ 98 %
+    batch_size: int = 64
+    patch_size: int = 2
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    intermediate_size: int = 128
+    lr: float = 2e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+
+
+TrainConfig = GPT2TrainConfig | ViTTrainConfig
+_DEFAULTS: dict[Kind, TrainConfig] = {"gpt2": GPT2TrainConfig(), "vit": ViTTrainConfig()}
+
+
+@contextlib.contextmanager
+def _training_context(seed: int, threads: int | None) -> Iterator[None]:
+    """Seed torch's RNG and pin the intra-op thread count, restoring both afterwards.
+
+    One thread by default: these models are too small to gain much from more, and on a shared
+    machine spinning OpenMP threads slow a step down ten-fold or worse. A fixed count also keeps
+    the floating-point summation order, hence the weights, the same from run to run.
+    """
+    previous = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No transformers warnings or progress bars while the zoo trains and saves its own models.
+
+    Library code does not print: progress goes to the caller's callback instead.
+    """
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    if bars:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(level)
+
+
+def _schedule(step: int, warmup: int, steps: int) -> float:
+    """Linear warm-up, then cosine decay to 10 % of the peak rate."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def _endless(make: Callable[[int], Iterator[dict[str, Tensor]]], seed: int) -> Iterator[dict[str, Tensor]]:
+    """Epoch after epoch, each in a fresh order drawn from (seed, epoch)."""
+    epoch = 0
+    while True:
+        yield from make(seed * 100_003 + epoch)
+        epoch += 1
+
+
+def _fit(
+    model: torch.nn.Module,
+    stream: Iterator[dict[str, Tensor]],
+    *,
+    steps: int,
+    lr: float,
+    warmup: int,
+    weight_decay: float,
+    progress: Progress | None,
+) -> float:
+    """AdamW on the model's own loss; returns the mean loss of the last 50 steps."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices; not biases, norms
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, warmup, steps))
+    model.train()
+    recent: list[float] = []
+    for step in range(steps):
+        loss = model(**next(stream)).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        value = float(loss.detach())
+        recent = [*recent[-49:], value]
+        if progress is not None:
+            progress(step, value)
+    model.eval()
+    return sum(recent) / max(1, len(recent))
+
+
+def _save(model: PreTrainedModel, out_dir: Path, record: dict[str, Any], tokenizer: Any = None) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))  # safetensors by default
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    (out_dir / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return out_dir
+
+
+def _record(
+    kind: Kind, seed: int, config: TrainConfig, seconds: float, train_loss: float, **held_out: Any
+) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "seed": seed,
+        "config": dataclasses.asdict(config),
+        "config_hash": config_hash(kind, config),
+        "recipe_version": RECIPE_VERSION,
+        "train_seconds": round(seconds, 2),
+        "train_loss": train_loss,
+        "held_out": held_out,
+    }
+
+
+def gpt2_data(config: GPT2TrainConfig) -> tuple[Any, Tensor, Tensor]:
+    """(tokenizer, train blocks, held-out blocks) of a GPT-2 zoo config.
+
+    The tokenizer covers the characters of all the plays (both splits), so held-out text has no
+    unknown characters.
+    """
+    tokenizer = data.char_tokenizer(data.shakespeare_text(config.plays))
+    train = data.text_blocks(tokenizer, data.shakespeare_text(config.plays, split="train"), config.block_size)
+    test = data.text_blocks(
+        tokenizer, data.shakespeare_text(config.plays, split="test"), config.block_size, max_tokens=config.eval_tokens
+    )
+    return tokenizer, train, test
+
+
+def _run(
+    kind: Kind,
+    seed: int,
+    cfg: TrainConfig,
+    out_dir: Path,
+    build: Callable[[], PreTrainedModel],
+    epoch: Callable[[int], Iterator[dict[str, Tensor]]],
+    held_out: Iterable[dict[str, Tensor]],
+    *,
+    progress: Progress | None,
+    threads: int | None,
+    tokenizer: Any = None,
+) -> Path:
+    """Build (seeded), train, score on held-out data, save with a ``training.json`` record."""
+    with _quiet_transformers(), _training_context(seed, threads):
+        model = build()
+        start = time.perf_counter()
+        train_loss = _fit(
+            model,
+            _endless(epoch, seed),
+            steps=cfg.steps,
+            lr=cfg.lr,
+            warmup=cfg.warmup,
+            weight_decay=cfg.weight_decay,
+            progress=progress,
+        )
+        seconds = time.perf_counter() - start
+        result = evaluate_loss(model, held_out, "causal-lm" if kind == "gpt2" else "image-classification")
+        count = {"tokens" if kind == "gpt2" else "examples": result.count}
+        record = _record(kind, seed, cfg, seconds, train_loss, loss=result.loss, **count, **result.metric)
+        return _save(model, Path(out_dir), record, tokenizer)
+
+
+def train_tiny_gpt2(
+    seed: int,
+    out_dir: Path,
+    config: GPT2TrainConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Train a small character-level GPT2LMHeadModel on Shakespeare; save it with its tokenizer.
+
+    ``seed`` sets the initialisation and the order of the training blocks. Deterministic given
+    ``seed``, ``config`` and ``threads`` on one machine; ``progress(step, loss)`` after each step.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = config or GPT2TrainConfig()
+    tokenizer, train, test = gpt2_data(cfg)
+    pad = int(tokenizer.pad_token_id)
+    model_config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=cfg.block_size,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad,
+    )
+    return _run(
+        "gpt2",
+        seed,
+        cfg,
+        out_dir,
+        lambda: GPT2LMHeadModel(model_config),
+        lambda s: data.batches(train, cfg.batch_size, pad_token_id=pad, seed=s, drop_last=True),
+        list(data.batches(test, 64, pad_token_id=pad)),
+        progress=progress,
+        threads=threads,
+        tokenizer=tokenizer,
+    )
+
+
+def train_tiny_vit(
+    seed: int,
+    out_dir: Path,
+    config: ViTTrainConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Train a small ViTForImageClassification on the 8×8 digits and save it.
+
+    ``seed`` sets the initialisation and the order of the training images; the train/test split
+    itself is fixed (``digits_dataset`` default), so every seed is tested on the same images.
+    """
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = config or ViTTrainConfig()
+    images, labels = data.digits_dataset("train")
+    test_images, test_labels = data.digits_dataset("test")
+    model_config = ViTConfig(
+        image_size=8,
+        patch_size=cfg.patch_size,
+        num_channels=1,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        intermediate_size=cfg.intermediate_size,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        id2label={i: str(i) for i in range(10)},
+        label2id={str(i): i for i in range(10)},
+    )
+    return _run(
+        "vit",
+        seed,
+        cfg,
+        out_dir,
+        lambda: ViTForImageClassification(model_config),
+        lambda s: data.image_batches(images, labels, cfg.batch_size, seed=s, drop_last=True),
+        list(data.image_batches(test_images, test_labels, 256)),
+        progress=progress,
+        threads=threads,
+    )
+
+
+_TRAINERS: dict[Kind, Callable[..., Path]] = {"gpt2": train_tiny_gpt2, "vit": train_tiny_vit}
+
+
+def _check_kind(kind: str) -> Kind:
+    if kind not in KINDS:
+        raise UnsupportedArchitectureError(f"unknown zoo model kind {kind!r}; available: {', '.join(KINDS)}")
+    return kind  # type: ignore[return-value]  # narrowed by the membership test
+
+
+def config_hash(kind: Kind, config: TrainConfig) -> str:
+    """12 hex digits identifying (kind, config, training code version): the cache key."""
+    blob = json.dumps(
+        {"kind": kind, "config": dataclasses.asdict(config), "version": RECIPE_VERSION}, sort_keys=True, default=list
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    """``$HF_REBASIN_CACHE`` if set, else ``~/.cache/hf-rebasin``; the zoo lives in ``<root>/zoo``."""
+    env = os.environ.get("HF_REBASIN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hf-rebasin"
+
+
+def cached_model(
+    kind: Kind,
+    seed: int,
+    cache_dir: Path | None = None,
+    *,
+    config: TrainConfig | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """The folder of zoo model ``kind`` trained from ``seed``: trained on first use, reused after.
+
+    Lives in ``<cache_dir>/<kind>-seed<seed>-<config hash>``; ``cache_dir`` defaults to
+    ``cache_root() / "zoo"``. Training writes to a temporary sibling folder that is renamed into
+    place when complete, so an interrupted run leaves no half-written model behind and two
+    processes racing for the same model both end with one complete folder.
+    """
+    kind = _check_kind(kind)
+    cfg = config if config is not None else _DEFAULTS[kind]
+    if not isinstance(cfg, type(_DEFAULTS[kind])):
+        raise UnsupportedArchitectureError(
+            f"a {kind} zoo model needs a {type(_DEFAULTS[kind]).__name__}, not a {type(cfg).__name__}"
+        )
+    zoo = Path(cache_dir) if cache_dir is not None else cache_root() / "zoo"
+    final = zoo / f"{kind}-seed{seed}-{config_hash(kind, cfg)}"
+    if (final / TRAINING_FILE).is_file():
+        return final
+    zoo.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=zoo))
+    try:
+        _TRAINERS[kind](seed, tmp, cfg, progress=progress)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not (final / TRAINING_FILE).is_file():  # not a finished twin from another process
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def training_record(folder: Path) -> dict[str, Any]:
+    """What ``training.json`` in a zoo folder says: kind, seed, config, time, held-out loss."""
+    path = Path(folder) / TRAINING_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{str(path)!r} not found: {str(folder)!r} is not a zoo model folder")
+    record: dict[str, Any] = json.loads(path.read_text())
+    return record
+
+
+def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tensor]]:
+    """The held-out evaluation batches of a zoo model (text or digits it was not trained on)."""
+    record = training_record(folder)
+    kind = _check_kind(record["kind"])
+    if kind == "vit":
+        images, labels = data.digits_dataset("test")
+        return list(data.image_batches(images, labels, batch_size))
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = GPT2TrainConfig(**{**record["config"], "plays": tuple(record["config"]["plays"])})
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    text = data.shakespeare_text(cfg.plays, split="test")
+    blocks = data.text_blocks(tokenizer, text, cfg.block_size, max_tokens=cfg.eval_tokens)
+    return list(data.batches(blocks, batch_size, pad_token_id=int(tokenizer.pad_token_id)))
