@@ -30,7 +30,7 @@ ResidualMode = Literal["none", "first", "last", "all", "separate"]
 RESIDUAL_MODES: tuple[ResidualMode, ...] = ("none", "first", "last", "all", "separate")
 
 
-def _spaces_of(graph: SymmetryGraph, tensor: str, skip_axis: int | None = None) -> set[str]:
+def spaces_of(graph: SymmetryGraph, tensor: str, skip_axis: int | None = None) -> set[str]:
     """Spaces bound to ``tensor``'s axes (all parts of fused axes), except ``skip_axis``."""
     out: set[str] = set()
     for axis, ref in enumerate(graph.bindings[tensor].axes):
@@ -62,7 +62,7 @@ class WeightViews:
         out: dict[str | None, Tensor] = {k: v.clone() for k, v in static.items()}
         cache: dict[str, AxisMap | None] = {}
         for tensor, axis, role, offset in graph.users(space):
-            fixed = not _spaces_of(graph, tensor, skip_axis=axis)
+            fixed = not spaces_of(graph, tensor, skip_axis=axis)
             if fixed and known is not None:
                 continue
             a = self.sd_a[tensor]
@@ -97,7 +97,7 @@ def neighbours(graph: SymmetryGraph) -> dict[str, set[str]]:
     for tensor in graph.bindings:
         if tensor in graph.ties:
             continue
-        spaces = _spaces_of(graph, tensor)
+        spaces = spaces_of(graph, tensor)
         for s in spaces:
             if s in out:
                 out[s] |= spaces - {s}

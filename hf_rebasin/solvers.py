@@ -130,32 +130,11 @@ def plane_rotations(m: Tensor) -> tuple[Tensor, float]:
     return r, float((r * m).sum())
 
 
-def best_inner(m: Tensor, kind: str) -> tuple[Tensor, float]:
-    """The best inner map of one head block. ``kind``: ``perm`` (LAP), ``fixed`` (identity only),
-    ``orth`` (Procrustes) or ``planes`` (rotary-plane rotations)."""
-    if kind == "perm":
-        return lap(m)
-    if kind == "fixed":
-        return torch.arange(m.shape[0]), float(torch.diagonal(m).sum())
-    if kind == "orth":
-        return procrustes(m)
-    if kind == "planes":
-        return plane_rotations(m)
-    raise ValueError(f"unknown inner map kind {kind!r}")
-
-
-@_timed
-def inner_value(m: Tensor, kind: str) -> float:
-    """Value of the best inner map without building it (the ranking cost between two heads)."""
-    if kind == "orth":
-        return float(svdvals(m).sum())
-    return best_inner(m, kind)[1]
-
-
 @_timed
 def inner_values(m: Tensor, kind: str) -> Tensor:
-    """Best inner-map value of every ``[dh, dh]`` block of a stack ``[..., dh, dh]`` (batched
-    :func:`inner_value`): ranks many head pairs at once."""
+    """Best inner-map value of every ``[dh, dh]`` block of a stack ``[..., dh, dh]`` without building
+    the maps: ranks many head pairs at once. ``kind``: ``perm`` (LAP), ``fixed`` (identity only),
+    ``orth`` (Procrustes) or ``planes`` (rotary-plane rotations)."""
     m = m.detach().to("cpu", torch.float64)
     if kind == "orth":
         return svdvals(m).sum(-1)
@@ -208,12 +187,6 @@ def lap_values(scores: Tensor) -> Tensor:
         rows, cols = linear_sum_assignment(flat[i], maximize=True)
         vals[i] = flat[i][rows, cols].sum()
     return torch.from_numpy(vals).reshape(s.shape[:-2])
-
-
-@_timed
-def nuclear_norms(m: Tensor) -> Tensor:
-    """Sum of singular values of every matrix of a stack: the value of the best orthogonal inner map."""
-    return svdvals(m).sum(-1)
 
 
 @_timed

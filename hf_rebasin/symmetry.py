@@ -351,10 +351,14 @@ class SymmetryGraph:
                 t = m.apply(t, axis)
         return t
 
-    def apply(self, state_dict: Mapping[str, Tensor], transform: Mapping[str, SpaceMap]) -> dict[str, Tensor]:
+    def apply(
+        self, state_dict: Mapping[str, Tensor], transform: Mapping[str, SpaceMap], *, check: bool = True
+    ) -> dict[str, Tensor]:
         """Return a new state dict with every bound axis transformed. Tied aliases follow their
-        source; invariant tensors are copied by reference."""
-        self._check_transform(transform, state_dict)
+        source; invariant tensors are copied by reference. ``check=False`` skips the class checks
+        (learned matching applies dense, relaxed permutations while it optimizes)."""
+        if check:
+            self._check_transform(transform, state_dict)
         cache: dict[str, AxisMap | None] = {}
         out: dict[str, Tensor] = {}
         for name, t in state_dict.items():

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ..features import WeightViews, neighbours, weight_view
+from ..features import WeightViews, neighbours, spaces_of, weight_view
 from ..solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
 from ..symmetry import AxisMap, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, Transform, TransformClass
 from .base import Progress
@@ -240,11 +240,7 @@ def anchor_init(
     for name, space in graph.spaces.items():
         if not isinstance(space, Space) or space.kind != "residual":
             continue
-        anchors = {
-            t: b
-            for t, b in graph.bindings.items()
-            if t not in graph.ties and all(ref is None or ref == name for ref in b.axes) and name in b.axes
-        }
+        anchors = {t: b for t, b in graph.bindings.items() if t not in graph.ties and spaces_of(graph, t) == {name}}
         sub = dataclasses.replace(graph, bindings=anchors)
         if not sub.users(name):
             continue

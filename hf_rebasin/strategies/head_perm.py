@@ -26,7 +26,7 @@ from ..features import ActivationStats, activation_stats
 from ..solvers import lap
 from ..symmetry import AxisMap, Binding, Fused, HeadMap, HeadSpace, Space, SymmetryGraph, Transform, split_ref
 from .base import Alignment, Options, Pair, Progress, Strategy, require_data, timed
-from .descent import solve_heads
+from .descent import solve_heads, solve_plain
 
 Heads = Literal["head-perm", "monotonic", "ignore-heads", "vanilla-attention"]
 Residual = Literal["identity", "first", "last", "all", "separate"]
@@ -148,7 +148,7 @@ def _module_positions(model: torch.nn.Module, batch: Mapping[str, Tensor]) -> di
 
 def split_residual(
     graph: SymmetryGraph, space: str, groups: list[list[str]], positions: Mapping[str, int]
-) -> tuple[SymmetryGraph, dict[str, str]]:
+) -> SymmetryGraph:
     """The graph with one residual space per reading site (``residual: separate``). A tensor joins
     the first site read at or after its module in forward order: readers their own site, writers and
     post-norms the site that reads their output next, embeddings the first."""
@@ -172,13 +172,12 @@ def split_residual(
     for n in site_names:
         spaces[n] = dataclasses.replace(base, name=n, max_class="permutation")
     bindings: dict[str, Binding] = {}
-    assignment: dict[str, str] = {}
     for k, b in graph.bindings.items():
         if space in b.axes:
-            assignment[k] = site_names[site_of(k)]
-            b = dataclasses.replace(b, axes=tuple(assignment[k] if a == space else a for a in b.axes))
+            site = site_names[site_of(k)]
+            b = dataclasses.replace(b, axes=tuple(site if a == space else a for a in b.axes))
         bindings[k] = b
-    return dataclasses.replace(graph, spaces=spaces, bindings=bindings), assignment
+    return dataclasses.replace(graph, spaces=spaces, bindings=bindings)
 
 
 def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alignment:
@@ -218,11 +217,8 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
                     transform[name] = AxisMap(total.shape[0], index=lap(total)[0])
                 else:
                     transform[name] = _solve_attention(sp, roles, options.heads)
-            elif sp.kind == "residual":
-                if residual_mode in ("first", "last", "all"):
-                    transform[name] = AxisMap(sp.size, index=lap(corr[name])[0])
-            elif name in corr:
-                transform[name] = AxisMap(sp.size, index=lap(corr[name])[0])
+            elif name in corr:  # MLP units, pooler, and the residual unless `separate` (keyed per site)
+                transform[name] = solve_plain(sp, corr[name], "permutation")
         if flat:
             out_graph = flatten_heads(out_graph, flat)
             notes.append(
@@ -235,7 +231,7 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
                 keys = [f"{res}@{k}" for k in range(len(groups))]
                 if not groups or any(k not in corr for k in keys):
                     continue
-                out_graph, _ = split_residual(out_graph, res, groups, positions)
+                out_graph = split_residual(out_graph, res, groups, positions)
                 transform.pop(res, None)
                 for k in keys:
                     transform[k] = AxisMap(corr[k].shape[0], index=lap(corr[k])[0])

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from ..errors import MissingDataError
+from ..evaluate import interpolate
 from ..models import rebuild
 from ..solvers import lap, procrustes, sinkhorn, svd
 from ..symmetry import AxisMap, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, Transform
@@ -118,21 +119,6 @@ class _Maps(torch.nn.Module):
         return out
 
 
-def _mapped(graph: SymmetryGraph, sd: Mapping[str, Tensor], maps: Mapping[str, SpaceMap]) -> dict[str, Tensor]:
-    """``graph.apply`` without its class checks: during optimisation permutations are dense
-    (straight-through or soft) matrices."""
-    cache: dict[str, AxisMap | None] = {}
-    out = {
-        k: graph.map_tensor(k, t, maps, cache=cache) if k in graph.bindings else t
-        for k, t in sd.items()
-        if k not in graph.ties
-    }
-    for alias, source in graph.ties.items():
-        if alias in sd:
-            out[alias] = out[source]
-    return out
-
-
 def _loss(model: Any, params: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Tensor:
     out = functional_call(model, dict(params), args=(), kwargs=dict(batch), strict=False)
     loss = getattr(out, "loss", None)
@@ -160,25 +146,22 @@ def refine(
     model = rebuild(pair.model_a, dict(sd_a), untie=bool(untied)).train(False)
     for p in model.parameters():
         p.requires_grad_(False)
-    a = {k: v.detach().float() for k, v in sd_a.items()}
-    b = {k: v.detach().float() for k, v in sd_b.items()}
+    a = {k: v.detach().float() if v.is_floating_point() else v for k, v in sd_a.items()}
+    b = {k: v.detach().float() if v.is_floating_point() else v for k, v in sd_b.items()}
     maps = _Maps(graph, transform, options.sinkhorn, options.temperature)
     opt = torch.optim.Adam(maps.parameters(), lr=options.lr)
     rng = random.Random(options.seed)
 
     def midpoint(t: Mapping[str, SpaceMap]) -> float:
         with torch.no_grad():
-            mapped = _mapped(graph, b, t)
-            mixed = {k: 0.5 * a[k] + 0.5 * mapped[k] if a[k].is_floating_point() else a[k] for k in a}
+            mixed = interpolate(a, graph.apply(b, t, check=False), 0.5)
             return sum(float(_loss(model, mixed, x)) for x in batches) / len(batches)
 
     before = midpoint(transform)
     for step in range(options.steps):
         lam = rng.uniform(0.4, 0.6)
         batch = batches[step % len(batches)]
-        mapped = _mapped(graph, b, maps.current())
-        mixed = {k: lam * a[k] + (1 - lam) * mapped[k] if a[k].is_floating_point() else a[k] for k in a}
-        loss = _loss(model, mixed, batch)
+        loss = _loss(model, interpolate(a, graph.apply(b, maps.current(), check=False), lam), batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
