@@ -164,9 +164,16 @@ def _order(n: int, seed: int | None) -> Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
 
 
-def _check_batch(batch_size: int) -> None:
+def _index_batches(n: int, batch_size: int, seed: int | None, drop_last: bool) -> Iterator[Tensor]:
+    """Row indices of each batch over ``n`` examples, in order or shuffled by ``seed``."""
     if batch_size < 1:
         raise DataError(f"batch_size must be positive, not {batch_size}")
+    order = _order(n, seed)
+    for start in range(0, n, batch_size):
+        idx = order[start : start + batch_size]
+        if drop_last and idx.numel() < batch_size:
+            return
+        yield idx
 
 
 def batches(
@@ -183,12 +190,7 @@ def batches(
     keeps the block order (evaluation); a seed shuffles it reproducibly (training). Every batch
     holds ``batch_size`` blocks except possibly the last, which ``drop_last`` removes.
     """
-    _check_batch(batch_size)
-    order = _order(blocks.shape[0], seed)
-    for start in range(0, order.numel(), batch_size):
-        idx = order[start : start + batch_size]
-        if drop_last and idx.numel() < batch_size:
-            return
+    for idx in _index_batches(blocks.shape[0], batch_size, seed, drop_last):
         ids = blocks[idx]
         mask = ids != pad_token_id
         yield {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(~mask, -100)}
@@ -230,12 +232,7 @@ def image_batches(
     drop_last: bool = False,
 ) -> Iterator[dict[str, Tensor]]:
     """Image-classification batches ``{"pixel_values", "labels"}``; ordering as in `batches`."""
-    _check_batch(batch_size)
     if images.shape[0] != labels.shape[0]:
         raise DataError(f"{images.shape[0]} images but {labels.shape[0]} labels")
-    order = _order(labels.numel(), seed)
-    for start in range(0, order.numel(), batch_size):
-        idx = order[start : start + batch_size]
-        if drop_last and idx.numel() < batch_size:
-            return
+    for idx in _index_batches(labels.numel(), batch_size, seed, drop_last):
         yield {"pixel_values": images[idx], "labels": labels[idx]}
