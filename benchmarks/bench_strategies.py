@@ -3,8 +3,9 @@
     python benchmarks/bench_strategies.py                 # both models, all strategies (~15 min, 2 cores)
     python benchmarks/bench_strategies.py --model gpt2 --layers 2   # quicker
 
-Prints, per strategy: wall seconds, seconds inside the LAP/SVD solvers and their share, peak extra
-memory (each strategy runs in a fresh process so peaks do not mix). Then the activation statistics:
+Prints, per strategy: wall seconds, seconds inside the LAP/SVD solvers and their share, the peak
+resident memory of the process and, beside it, the size of the two models' weights (each strategy
+runs in a fresh process so peaks do not mix; building the random models also counts). Then the activation statistics:
 time of the forward passes alone vs. the full collection, and the size of the statistics for two
 numbers of tokens (it must not grow with them).
 """
@@ -44,7 +45,7 @@ def _run_strategy(model: str, layers: int | None, strategy: str, queue: Any) -> 
     a, b = build(model, 0, layers), build(model, 1, layers)
     sd_a, sd_b = a.state_dict(), b.state_dict()
     graph = graph_for(a.config, sd_a.keys())
-    base = _rss_mb()
+    models_mb = sum(t.numel() * t.element_size() for sd in (sd_a, sd_b) for t in sd.values()) / 2**20
     start = time.perf_counter()
     alignment = align(strategy, Pair(graph, sd_a, sd_b))
     seconds = time.perf_counter() - start
@@ -53,7 +54,8 @@ def _run_strategy(model: str, layers: int | None, strategy: str, queue: Any) -> 
             "strategy": strategy,
             "seconds": seconds,
             "solver": alignment.timings["solver"],
-            "peak_mb": _rss_mb() - base,
+            "peak_mb": _rss_mb(),
+            "models_mb": models_mb,
             "rounds": alignment.timings.get("rounds"),
         }
     )
@@ -66,8 +68,10 @@ def strategy_rows(model: str, layers: int | None, strategies: tuple[str, ...] = 
         queue = ctx.Queue()
         proc = ctx.Process(target=_run_strategy, args=(model, layers, strategy, queue))
         proc.start()
-        rows.append(queue.get())
         proc.join()
+        if proc.exitcode != 0:
+            raise RuntimeError(f"{strategy} on {model} failed (exit code {proc.exitcode}); see the traceback above")
+        rows.append(queue.get())
     return rows
 
 
@@ -129,12 +133,12 @@ def main(argv: list[str] | None = None) -> None:
         size = "full size" if args.layers is None else f"{args.layers} layers"
         if not args.skip_strategies:
             print(f"\n{model} ({size}), random pair, data-free strategies")
-            print("| strategy | seconds | in LAP/SVD | share | peak extra MB | rounds |")
+            print("| strategy | seconds | in LAP/SVD | share | peak RSS MB (both models) | rounds |")
             print("|---|---|---|---|---|---|")
             for r in strategy_rows(model, args.layers):
                 print(
                     f"| {r['strategy']} | {r['seconds']:.1f} | {r['solver']:.1f} | {r['solver'] / r['seconds']:.0%} "
-                    f"| {r['peak_mb']:.0f} | {r['rounds'] or '-'} |"
+                    f"| {r['peak_mb']:.0f} ({r['models_mb']:.0f}) | {r['rounds'] or '-'} |"
                 )
         s = stats_rows(model, args.layers, args.batches, args.batch, args.length)
         print(f"\n{model} ({size}), activation statistics over {s['tokens']} tokens, {s['keys']} keys")

@@ -65,14 +65,21 @@ def canonicalize(
             for reader, bias in zip(norm.readers, biases, strict=False):
                 w = sd[reader]
                 axis = _axis_of(graph, reader, name)
-                w64 = w.to(torch.float64)
                 if fold_beta and bias is not None:
-                    shift = torch.tensordot(w64, beta, dims=([axis], [0]))
+                    shift = torch.tensordot(w.to(torch.float64), beta, dims=([axis], [0]))
                     sd[bias] = (sd[bias].to(torch.float64) + shift).to(sd[bias].dtype)
                     touched.add(bias)
                 shape = [1] * w.dim()
                 shape[axis] = -1
-                sd[reader] = (w64 * gamma.reshape(shape)).to(w.dtype)
+                # one product per weight, rounded once: in w's dtype when γ is exact in it (the usual
+                # case), which gives the same bits as a float64 product without a float64 copy of w
+                g = gamma.to(w.dtype)
+                scaled = (
+                    w * g.reshape(shape)
+                    if torch.equal(g.to(torch.float64), gamma)
+                    else w.double() * gamma.reshape(shape)
+                )
+                sd[reader] = scaled.to(w.dtype)
                 touched.add(reader)
             sd[norm.weight] = torch.ones_like(sd[norm.weight])
             if fold_beta and norm.bias is not None:

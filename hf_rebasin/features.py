@@ -46,37 +46,51 @@ class WeightViews:
 
     A tensor's term depends only on the maps of its *other* axes; terms with no other symmetric
     axis (embeddings, LM head, biases) never change, so they are computed once. The rest is
-    recomputed per call: caching every term would hold O(layers · d²) matrices. Products run in
-    the weights' dtype (float32 GEMMs are twice as fast on CPU) and are summed in float64.
+    recomputed per call: caching every term would hold O(layers · d²) matrices. Products and sums
+    run in the weights' dtype (at least float32: float32 GEMMs are twice as fast on CPU).
     """
 
     def __init__(self, graph: SymmetryGraph, sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor]) -> None:
         self.graph, self.sd_a, self.sd_b = graph, sd_a, sd_b
         self._static: dict[str, dict[str | None, Tensor]] = {}
 
-    def __call__(self, transform: Mapping[str, SpaceMap], space: str) -> dict[str | None, Tensor]:
-        """Cross-correlation matrices of ``space`` keyed by role (``None`` for a plain space)."""
-        graph = self.graph
+    def _term(
+        self,
+        transform: Mapping[str, SpaceMap],
+        space: str,
+        use: tuple[str, int, str | None, int],
+        cache: dict[str, AxisMap | None],
+    ) -> Tensor:
+        tensor, axis, role, offset = use
+        a = self.sd_a[tensor]
+        b = self.graph.map_tensor(tensor, self.sd_b[tensor], transform, skip_axis=axis, cache=cache)
+        size = self.graph.ref_size(f"{space}:{role}" if role else space)
+        work = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+        a2 = a.narrow(axis, offset, size).movedim(axis, 0).reshape(size, -1).to(work)
+        b2 = b.narrow(axis, offset, size).movedim(axis, 0).reshape(size, -1).to(work)
+        return a2 @ b2.T
+
+    def static(self, space: str) -> dict[str | None, Tensor]:
+        """The terms of tensors with no other symmetric axis (anchors), computed once per space."""
         known = self._static.get(space)
-        static: dict[str | None, Tensor] = {} if known is None else known
-        out: dict[str | None, Tensor] = {k: v.clone() for k, v in static.items()}
+        if known is None:
+            known = {}
+            for use in self.graph.users(space):
+                if not spaces_of(self.graph, use[0], skip_axis=use[1]):
+                    m = self._term({}, space, use, {})
+                    known[use[2]] = known[use[2]] + m if use[2] in known else m
+            self._static[space] = known
+        return known
+
+    def __call__(self, transform: Mapping[str, SpaceMap], space: str) -> dict[str | None, Tensor]:
+        """Cross-correlation matrices of ``space`` keyed by role (``None`` for a plain space), float64."""
+        out = {k: v.clone() for k, v in self.static(space).items()}
         cache: dict[str, AxisMap | None] = {}
-        for tensor, axis, role, offset in graph.users(space):
-            fixed = not spaces_of(graph, tensor, skip_axis=axis)
-            if fixed and known is not None:
-                continue
-            a = self.sd_a[tensor]
-            b = graph.map_tensor(tensor, self.sd_b[tensor], transform, skip_axis=axis, cache=cache)
-            size = graph.ref_size(f"{space}:{role}" if role else space)
-            work = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-            a2 = a.narrow(axis, offset, size).movedim(axis, 0).reshape(size, -1).to(work)
-            b2 = b.narrow(axis, offset, size).movedim(axis, 0).reshape(size, -1).to(work)
-            m = (a2 @ b2.T).to(torch.float64)
-            out[role] = out[role] + m if role in out else m
-            if fixed:
-                static[role] = static[role] + m if role in static else m
-        self._static[space] = static
-        return out
+        for use in self.graph.users(space):
+            if spaces_of(self.graph, use[0], skip_axis=use[1]):
+                m = self._term(transform, space, use, cache)
+                out[use[2]] = out[use[2]] + m if use[2] in out else m
+        return {k: v.to(torch.float64) for k, v in out.items()}
 
 
 def weight_view(
@@ -161,10 +175,11 @@ class CrossMoments:
         cy = (sy / n).to(work)
         xc, yc = x - cx, y - cy
         cx64, cy64 = cx.to(torch.float64), cy.to(torch.float64)
-        # Σ x yᵀ = Σ (x − c)(y − d)ᵀ + c (Σy)ᵀ + (Σx) dᵀ − n c dᵀ   (exact for any shift c, d)
-        self.cross += (
-            (xc.T @ yc).to(torch.float64) + torch.outer(cx64, sy) + torch.outer(sx, cy64) - n * torch.outer(cx64, cy64)
-        )
+        # Σ x yᵀ = Σ (x − c)(y − d)ᵀ + c (Σy)ᵀ + (Σx − n c) dᵀ   (exact for any shift c, d), added in
+        # place: a d×d float64 temporary per term would cost more than the product itself
+        self.cross.add_(xc.T @ yc)
+        self.cross.addr_(cx64, sy)
+        self.cross.addr_(sx - n * cx64, cy64)
         self.sq_a += (xc * xc).sum(0, dtype=torch.float64) + 2 * cx64 * sx - n * cx64 * cx64
         self.sq_b += (yc * yc).sum(0, dtype=torch.float64) + 2 * cy64 * sy - n * cy64 * cy64
         self.sum_a += sx

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ..features import WeightViews, neighbours, spaces_of, weight_view
+from ..features import WeightViews, neighbours
 from ..solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
 from ..symmetry import AxisMap, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, Transform, TransformClass
 from .base import Progress
@@ -42,42 +42,16 @@ def map_value(graph: SymmetryGraph, space: str, m: SpaceMap, views: Views) -> fl
 
 
 def _axis_value(m: AxisMap, v: Tensor) -> float:
-    cols = v if m.index is None else v[:, m.index]
     if m.blocks is None:
-        return float(torch.diagonal(cols).sum())
+        if m.index is None:
+            return float(torch.diagonal(v).sum())
+        return float(v.gather(1, m.index[:, None]).sum())
     nb, bs, _ = m.blocks.shape
-    diag = cols.reshape(nb, bs, nb, bs)[torch.arange(nb), :, torch.arange(nb), :]
+    if m.index is None:
+        diag = v.reshape(nb, bs, nb, bs)[torch.arange(nb), :, torch.arange(nb), :]
+    else:  # the diagonal blocks of v[:, index], without gathering every column
+        diag = v.reshape(nb, bs, -1).gather(2, m.index.reshape(nb, 1, bs).expand(nb, bs, bs))
     return float((m.blocks.to(torch.float64) * diag).sum())
-
-
-def same_map(x: SpaceMap, y: SpaceMap, atol: float = 1e-7) -> bool:
-    """True when two maps of one space are equal (matrices up to ``atol``)."""
-    if isinstance(x, HeadMap) and isinstance(y, HeadMap):
-        return (
-            torch.equal(x.kv_perm, y.kv_perm)
-            and torch.equal(x.q_perm, y.q_perm)
-            and _same_tensor(x.qk, y.qk, atol)
-            and _same_tensor(x.vo, y.vo, atol)
-        )
-    if isinstance(x, AxisMap) and isinstance(y, AxisMap):
-        if x.blocks is None and y.blocks is None:
-            return _same_index(x, y)
-        if x.blocks is not None and y.blocks is not None and _same_index(x, y):
-            return _same_tensor(x.blocks.to(torch.float64), y.blocks.to(torch.float64), atol)
-        return bool(torch.allclose(x.matrix(), y.matrix(), atol=atol))
-    return False
-
-
-def _same_index(x: AxisMap, y: AxisMap) -> bool:
-    ix = x.index if x.index is not None else torch.arange(x.size)
-    iy = y.index if y.index is not None else torch.arange(y.size)
-    return torch.equal(ix, iy)
-
-
-def _same_tensor(a: Tensor, b: Tensor, atol: float) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a, b) if a.dtype == torch.long else bool(torch.allclose(a, b, atol=atol))
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,26 +199,20 @@ def view_graph(graph: SymmetryGraph, cls: TransformClass) -> SymmetryGraph:
     return dataclasses.replace(graph, bindings=keep)
 
 
-def anchor_init(
-    graph: SymmetryGraph,
-    sd_a: Mapping[str, Tensor],
-    sd_b: Mapping[str, Tensor],
-    transform: Transform,
-    solve: SpaceSolver,
-) -> Transform:
+def anchor_init(views: WeightViews, transform: Transform, solve: SpaceSolver) -> Transform:
     """Start each residual space from its *anchors*: tensors with no other symmetric axis
     (embeddings, LM head, biases). Their view does not depend on any other space, so when the
     anchors determine the map (full rank) the descent starts at the right residual basis instead of
-    the identity, where it can stall in a poor local optimum."""
+    the identity, where it can stall in a poor local optimum. Pass the same ``views`` to
+    :func:`descend`: the anchor terms are computed once."""
     out = dict(transform)
-    for name, space in graph.spaces.items():
+    for name, space in views.graph.spaces.items():
         if not isinstance(space, Space) or space.kind != "residual":
             continue
-        anchors = {t: b for t, b in graph.bindings.items() if t not in graph.ties and spaces_of(graph, t) == {name}}
-        sub = dataclasses.replace(graph, bindings=anchors)
-        if not sub.users(name):
+        view = views.static(name).get(None)
+        if view is None:
             continue
-        view = weight_view(sub, sd_a, sd_b, transform, name)[None]
+        view = view.to(torch.float64)
         s = svdvals(view)
         if s.numel() == 0 or s[-1] <= 1e-6 * s[0]:
             continue  # too few anchors to pin the basis down
@@ -262,21 +230,22 @@ def descend(
     max_iter: int = 100,
     order: Sequence[str] | None = None,
     seed: int = 0,
-    accept: Literal["improve", "changed"] = "improve",
     progress: Progress | None = None,
     stage: str = "matching",
+    views: WeightViews | None = None,
 ) -> tuple[Transform, int]:
     """Coordinate descent; returns the transform and the number of passes.
 
-    ``accept="improve"`` keeps a new map only when it raises the weight-matching objective and stops
-    after a pass without improvement (git re-basin); ``"changed"`` trusts the solver (its own
-    criterion, e.g. circuit similarity) and stops after a pass in which no map changed.
-    ``order=None`` visits spaces in a random order per pass.
+    A new map is kept only when it raises the weight-matching objective, and the descent stops
+    after a pass without improvement (git re-basin): monotone whatever the solver ranks by (head
+    pairings chosen by circuit similarity are accepted only when they also match better).
+    ``order=None`` visits spaces in a random order per pass. ``views`` shares cached anchor terms
+    with :func:`anchor_init`.
     """
     transform = dict(init) if init is not None else graph.identity()
     rng = random.Random(seed)
     names = list(order) if order is not None else list(graph.spaces)
-    views_of = WeightViews(graph, sd_a, sd_b)
+    views_of = views if views is not None else WeightViews(graph, sd_a, sd_b)
     near = neighbours(graph)
     version = dict.fromkeys(graph.spaces, 0)
     solved_at: dict[str, tuple[int, ...]] = {}  # neighbours' versions when a space was last solved
@@ -291,15 +260,11 @@ def descend(
             if solved_at.get(name) == state:
                 continue  # nothing it depends on moved: same view, same answer
             solved_at[name] = state
-            views = views_of(transform, name)
-            new_map = solve(name, views)
-            if accept == "improve":
-                old = map_value(graph, name, transform[name], views)
-                new = map_value(graph, name, new_map, views)
-                better = new > old + 1e-9 * max(1.0, abs(old))
-            else:
-                better = not same_map(new_map, transform[name])
-            if better:
+            view = views_of(transform, name)
+            new_map = solve(name, view)
+            old = map_value(graph, name, transform[name], view)
+            new = map_value(graph, name, new_map, view)
+            if new > old + 1e-12 * max(1.0, abs(old)):
                 transform[name] = new_map
                 version[name] += 1
                 changed += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from ..canonical import canonicalize
+from ..features import WeightViews
 from ..symmetry import HeadSpace, Space
 from .base import Alignment, Options, Pair, Progress, Strategy, require_data, timed
 from .descent import anchor_init, descend, space_solver, view_graph
@@ -29,7 +30,7 @@ class GeneralizedOrthogonalOptions(Options):
     lr: float = Field(1e-2, gt=0, description="learned: Adam learning rate")
     sinkhorn: bool = Field(False, description="learned: soft (Sinkhorn) permutations during optimisation")
     temperature: float = Field(0.05, gt=0, description="learned + sinkhorn: temperature of the soft permutations")
-    seed: int = Field(0, description="learned: seed of the sampled interpolation weights")
+    seed: int = Field(0, description="seed of the permutation stage's visiting order and of learned λ samples")
 
     @model_validator(mode="after")
     def _learned_options_need_learned(self) -> GeneralizedOrthogonalOptions:
@@ -45,23 +46,37 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
     with timed() as timings:
         sd_a, graph, untied = canonicalize(pair.graph, pair.sd_a)
         sd_b, _, _ = canonicalize(pair.graph, pair.sd_b)
-        views = view_graph(graph, "orthogonal")
-        solve = space_solver(graph, "orthogonal", ranking="circuit")
+        vgraph = view_graph(graph, "orthogonal")
+        views = WeightViews(vgraph, sd_a, sd_b)
+        # Permutations first: their discrete search escapes the poor optima a rotation started
+        # at the identity falls into; every permutation is an allowed orthogonal map, so the
+        # monotone descent below ends at least as well matched as weight matching.
+        by_lap = space_solver(graph, "permutation")
+        start, _ = descend(
+            vgraph,
+            sd_a,
+            sd_b,
+            by_lap,
+            init=anchor_init(views, graph.identity(), by_lap),
+            seed=options.seed,
+            progress=progress,
+            stage="generalized-orthogonal: permutations",
+            views=views,
+        )
         residual = [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"]
         heads = [n for n, s in graph.spaces.items() if isinstance(s, HeadSpace)]
         order = residual + heads + [n for n in graph.spaces if n not in residual and n not in heads]
-        init = anchor_init(views, sd_a, sd_b, graph.identity(), solve)
         transform, passes = descend(
-            views,
+            vgraph,
             sd_a,
             sd_b,
-            solve,
-            init=init,
+            space_solver(graph, "orthogonal", ranking="circuit"),
+            init=start,
             max_iter=options.iterations,
             order=order,
-            accept="changed",
             progress=progress,
-            stage="generalized-orthogonal",
+            stage="generalized-orthogonal: rotations",
+            views=views,
         )
         timings["rounds"] = passes
         notes = graph.fallbacks("orthogonal")

@@ -16,6 +16,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from ..features import WeightViews
 from ..solvers import lap, lap_batch, singular_values
 from ..symmetry import HeadMap, HeadSpace, SymmetryGraph
 from .base import Alignment, Options, Pair, Progress, Strategy, timed
@@ -72,7 +73,8 @@ def run(pair: Pair, options: TransfusionOptions, progress: Progress | None) -> A
                 init[name] = hm
                 outer[name] = (hm.kv_perm, hm.q_perm)
         solve = space_solver(graph, "permutation", outer=outer)
-        init = anchor_init(graph, pair.sd_a, pair.sd_b, init, solve)
+        views = WeightViews(graph, pair.sd_a, pair.sd_b)
+        init = anchor_init(views, init, solve)
         transform, _ = descend(
             graph,
             pair.sd_a,
@@ -83,6 +85,7 @@ def run(pair: Pair, options: TransfusionOptions, progress: Progress | None) -> A
             seed=options.seed,
             progress=progress,
             stage="transfusion",
+            views=views,
         )
     return Alignment("transfusion", graph, pair.sd_a, pair.sd_b, transform, timings=timings)
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pydantic import Field
 from torch import Tensor
 
+from ..features import WeightViews
 from ..symmetry import SymmetryGraph, Transform, TransformClass
 from .base import Alignment, Options, Pair, Progress, Strategy, timed
 from .descent import anchor_init, descend, space_solver, view_graph
@@ -36,10 +37,13 @@ def weight_matching(
 ) -> Transform:
     """The transform of B's spaces that best matches A's weights (B's state dict must be in the
     same form as A's: both canonical when ``transform_class`` is orthogonal)."""
-    views = view_graph(graph, transform_class)
+    vgraph = view_graph(graph, transform_class)
+    views = WeightViews(vgraph, sd_a, sd_b)
     solve = space_solver(graph, transform_class)
-    start = init if init is not None else anchor_init(views, sd_a, sd_b, graph.identity(), solve)
-    transform, _ = descend(views, sd_a, sd_b, solve, init=start, max_iter=max_iter, seed=seed, progress=progress)
+    start = init if init is not None else anchor_init(views, graph.identity(), solve)
+    transform, _ = descend(
+        vgraph, sd_a, sd_b, solve, init=start, max_iter=max_iter, seed=seed, progress=progress, views=views
+    )
     return transform
 
 
