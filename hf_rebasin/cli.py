@@ -52,6 +52,17 @@ def _quiet_libraries() -> None:
         pass
 
 
+def _quiet_datasets() -> None:
+    """Silence `datasets` logging and progress bars (reading local files is not worth a bar)."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from datasets.utils import logging as ds_logging
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        return
+    ds_logging.set_verbosity_error()
+    ds_logging.disable_progress_bar()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; a function so the README and tests can inspect it."""
     parser = argparse.ArgumentParser(
@@ -113,7 +124,44 @@ def build_parser() -> argparse.ArgumentParser:
     al.add_argument("--output", metavar="DIR", help="save aligned B here (refused if it exists)")
     al.add_argument("--allow-pickle", action="store_true", help="load pytorch_model.bin checkpoints")
     al.set_defaults(func=cmd_align)
+
+    run = sub.add_parser(
+        "run",
+        help="run a recipe (the same as `hf-rebasin RECIPE.yaml`)",
+        description=(
+            "Run a YAML recipe: align the models, merge them (job: merge) and evaluate loss curves "
+            "(evaluate:). `hf-rebasin schema` prints the recipe's JSON Schema."
+        ),
+    )
+    run.add_argument("recipe", metavar="RECIPE.yaml", help="the recipe file")
+    run.add_argument("--dry-run", action="store_true", help="validate and print the plan without loading weights")
+    run.add_argument("--output", metavar="DIR", help="write the result here instead of `output.dir`")
+    run.add_argument("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps (overrides `device`)")
+    run.set_defaults(func=cmd_run)
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of recipe files (for editors)")
+    schema.set_defaults(func=cmd_schema)
     return parser
+
+
+COMMANDS = ("verify", "align", "run", "schema")
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+
+def recipe_shorthand(argv: Sequence[str]) -> list[str]:
+    """``hf-rebasin RECIPE.yaml ...`` as ``hf-rebasin run RECIPE.yaml ...``.
+
+    A first positional argument that names a sub-command keeps it; otherwise, when a positional
+    argument ends in .yaml / .yml (or the first one is an existing file), it is a recipe and ``run``
+    is put in front of everything (so ``--output DIR RECIPE.yaml`` works too).
+    """
+    args = list(argv)
+    positionals = [a for a in args if not a.startswith("-")]
+    if not positionals or positionals[0] in COMMANDS:
+        return args
+    if any(a.lower().endswith(RECIPE_SUFFIXES) for a in positionals) or os.path.isfile(positionals[0]):
+        return ["run", *args]
+    return args
 
 
 def _group_spaces(classes: dict[str, str]) -> list[tuple[str, int, str]]:
@@ -234,13 +282,106 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+def _progress_bars(console: Console) -> Any:
+    """Rich progress bars, one per stage (loading, statistics, solving, each λ sweep)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _stage_reporter(bars: Any) -> Any:
+    """``progress(stage, done, total)`` for the runner: a bar per stage, created on first sight."""
+    tasks: dict[str, Any] = {}
+
+    def report(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            for task in bars.tasks:  # a new stage ends the earlier ones (a descent may stop early)
+                if not task.finished:
+                    end = max(task.completed, 1)
+                    bars.update(task.id, total=end, completed=end)
+            tasks[stage] = bars.add_task(escape(stage), total=total or None)
+        bars.update(tasks[stage], completed=done, total=total or None)
+
+    return report
+
+
+def print_run_summary(console: Console, result: Any) -> None:
+    """The final table: one row per curve (both barriers, loss at ½), then what was written."""
+    from .evaluate import Curve
+
+    if result.curves:
+        table = Table(title="loss barriers (nats)", title_justify="left")
+        table.add_column("curve")
+        table.add_column("midpoint", justify="right")
+        table.add_column("linear", justify="right")
+        table.add_column("loss at ½", justify="right")
+        for name, curve in result.curves.items():
+            c: Curve = curve
+            half = min(range(len(c.lambdas)), key=lambda i: abs(c.lambdas[i] - 0.5))
+            b = result.barriers[name]
+            label = f"{c.losses[half]:.4f}" + ("" if c.lambdas[half] == 0.5 else f" (λ={c.lambdas[half]:.2f})")
+            table.add_row(escape(name), f"{b['midpoint']:.4f}", f"{b['linear']:.4f}", label)
+        console.print(table)
+    gap = result.function_preserved.get("max_abs_diff")
+    if gap is not None:
+        console.print(f"function preserved: max |Δ logits| of aligned models = {gap:.3g}")
+    else:
+        console.print(f"function preserved: not checked ({escape(str(result.function_preserved.get('reason')))})")
+    for note in result.notes:
+        console.print(f"note: {escape(note)}", soft_wrap=True)
+    t = result.timings
+    console.print(
+        f"seconds: load {t['load']:.1f}, align {t['align']:.1f}, evaluate {t['evaluate']:.1f}, save {t['save']:.1f}"
+    )
+    what = "merged model and report" if result.saved_model else "report"
+    console.print(f"{what} written to {escape(str(result.output))} ({escape(', '.join(result.files))})", soft_wrap=True)
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    """``hf-rebasin run RECIPE.yaml`` (or ``hf-rebasin RECIPE.yaml``): validate, plan or run a recipe."""
+    from pathlib import Path
+
+    from .recipe import load_recipe
+    from .runner import plan, run_recipe
+
+    recipe = load_recipe(args.recipe)
+    output = Path(args.output) if args.output else None
+    if args.dry_run:
+        for line in plan(recipe, output=output):
+            console.print(escape(line), soft_wrap=True)
+        return EXIT_OK
+    _quiet_libraries()
+    _quiet_datasets()
+    with _progress_bars(console) as bars:
+        result = run_recipe(recipe, output=output, device=args.device, progress=_stage_reporter(bars))
+    print_run_summary(console, result)
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace, console: Console) -> int:
+    """``hf-rebasin schema``: the recipe JSON Schema on stdout (plain, so it can be redirected)."""
+    import json
+
+    from .recipe import recipe_json_schema
+
+    sys.stdout.write(json.dumps(recipe_json_schema(), indent=2, ensure_ascii=False) + "\n")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-rebasin`` and ``python -m hf_rebasin``; returns the exit code."""
     out = Console(highlight=False)
     err = Console(stderr=True, highlight=False)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(recipe_shorthand(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:  # --help / --version (0) and usage errors (2)
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USER)
     if args.command is None:

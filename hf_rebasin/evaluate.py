@@ -184,6 +184,30 @@ def _own_copy(model: nn.Module, sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def _lerp_into(live: Mapping[str, Tensor], sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], lam: float) -> None:
+    """Write λ·A + (1−λ)·B straight into the model's tensors (``live``: its ``state_dict()``, views of
+    the parameters): one pass over memory per λ, where building a state dict and loading it were two."""
+    done: set[StorageKey] = set()
+    with torch.no_grad():
+        for name, target in live.items():
+            a, b = sd_a[name], sd_b[name]
+            if a.shape != b.shape or a.shape != target.shape:
+                raise IncompatibleModelsError(
+                    f"tensor {name!r} has shape {tuple(a.shape)} in A, {tuple(b.shape)} in B and "
+                    f"{tuple(target.shape)} in the model"
+                )
+            key = _storage_key(target)
+            if key in done:
+                continue  # a tied alias: written once
+            done.add(key)
+            if not target.is_floating_point():
+                target.copy_(a)
+            elif target.dtype == a.dtype == b.dtype and target.dtype not in (torch.float16, torch.bfloat16):
+                torch.lerp(b, a, lam, out=target)
+            else:
+                target.copy_(torch.lerp(b.float(), a.float(), lam))
+
+
 def loss_curve(
     model: nn.Module,
     sd_a: Mapping[str, Tensor],
@@ -196,8 +220,8 @@ def loss_curve(
 ) -> Curve:
     """Evaluate θ(λ) = λ·A + (1−λ)·B at every λ, reusing ``model`` (same architecture as A and B).
 
-    Each λ loads the interpolated state into ``model`` in place (``load_state_dict``, strict);
-    afterwards ``model`` holds θ(last λ). ``batches`` is consumed once into a list.
+    Each λ writes the interpolated weights into ``model``'s own tensors (names and shapes must
+    match A's state dict exactly); afterwards ``model`` holds θ(last λ). ``batches`` is consumed once into a list.
     ``progress(i, λ, result)`` is called after each point.
     """
     _check_task(task)
@@ -205,8 +229,11 @@ def loss_curve(
     sd_a, sd_b = _own_copy(model, sd_a), _own_copy(model, sd_b)
     losses: list[float] = []
     metrics: dict[str, list[float]] = {}
+    live = model.state_dict()
+    if live.keys() != sd_a.keys():
+        model.load_state_dict(interpolate(sd_a, sd_b, 1.0), strict=True)  # raises, naming the tensors
     for i, lam in enumerate(lambdas):
-        model.load_state_dict(interpolate(sd_a, sd_b, lam), strict=True)
+        _lerp_into(live, sd_a, sd_b, float(lam))
         result = evaluate_loss(model, data, task)
         losses.append(result.loss)
         for k, v in result.metric.items():

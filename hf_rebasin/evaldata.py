@@ -1,0 +1,428 @@
+"""Evaluation data from a recipe's ``data`` section, materialised once as batches of tensors.
+
+A barrier curve evaluates the same data at 21 weights λ, so the data are read, tokenized (or
+image-processed) and, for masked LM, masked exactly once: every function here returns a list of
+ready batches (dicts of model keyword arguments, the form `hf_rebasin.evaluate` consumes), and
+the masks of a masked-LM set are drawn from a seeded generator so that every λ (and every rerun)
+sees the same masked positions (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor
+
+from .errors import RebasinUserError
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
+
+TextTask = Literal["causal-lm", "masked-lm"]
+ClassificationTask = Literal["sequence-classification", "image-classification"]
+
+# builders that read local files (anything else is a Hub dataset id or a local dataset folder);
+# the same set as `hf_rebasin.recipe.LOCAL_BUILDERS`
+LOCAL_BUILDERS: tuple[str, ...] = (
+    "text",
+    "json",
+    "csv",
+    "parquet",
+    "arrow",
+    "pandas",
+    "xml",
+    "imagefolder",
+    "audiofolder",
+    "videofolder",
+)
+# keys of a recipe's data section that this module reads (max_tokens is text_batches' argument)
+SPEC_KEYS: tuple[str, ...] = (
+    "dataset",
+    "name",
+    "revision",
+    "data_files",
+    "data_dir",
+    "split",
+    "column",
+    "label_column",
+    "image_column",
+    "max_examples",
+    "max_tokens",
+)
+MLM_PROBABILITY = 0.15  # BERT: 15 % of positions predicted, of which 80 % [MASK], 10 % random, 10 % kept
+_TOKENIZE_CHUNK = 1000  # texts per tokenizer call (lets max_tokens stop early on large corpora)
+
+
+class EvalDataError(RebasinUserError, ValueError):
+    """Evaluation data that cannot be read or used: missing file, unknown column, split or label."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _glob_chars(s: str) -> bool:
+    return any(c in s for c in "*?[")
+
+
+def _resolve_path(entry: Any, base_dir: Path, key: str) -> str:
+    """``entry`` made absolute (relative to ``base_dir``); it, or its glob, must match something."""
+    if not isinstance(entry, (str, Path)):
+        raise EvalDataError(f"`{key}` entries must be paths, not {entry!r}")
+    path = Path(entry).expanduser()
+    if not path.is_absolute():
+        path = base_dir.absolute() / path
+    if _glob_chars(str(entry)):
+        if not glob.glob(str(path), recursive=True):
+            raise EvalDataError(f"{key} pattern {str(entry)!r} matches no file (looked for {path})")
+    elif not path.exists():
+        raise EvalDataError(f"{key} {str(entry)!r} not found (looked for {path}){_siblings(path)}")
+    return str(path)
+
+
+def _resolve_files(data_files: Any, base_dir: Path) -> str | list[str] | dict[str, list[str]]:
+    """``data_files`` (a path, a list, or {split: paths}) with every path absolute and existing."""
+    key = "data file"
+    if isinstance(data_files, (str, Path)):
+        return _resolve_path(data_files, base_dir, key)
+    if isinstance(data_files, Mapping) and data_files:
+        return {
+            str(split): [_resolve_path(f, base_dir, key) for f in ([v] if isinstance(v, (str, Path)) else v)]
+            for split, v in data_files.items()
+        }
+    if isinstance(data_files, Sequence) and data_files:
+        return [_resolve_path(f, base_dir, key) for f in data_files]
+    raise EvalDataError(
+        f"`data_files` must be a path, a non-empty list of paths or {{split: paths}}, not {data_files!r}"
+    )
+
+
+def _siblings(path: Path, limit: int = 10) -> str:
+    """``"; <folder> holds: a, b, …"`` so a typo is visible in the message."""
+    folder = path.parent
+    if not folder.is_dir():
+        return f"; the folder {folder} does not exist"
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return f"; the folder {folder} is empty"
+    more = f", … ({len(names) - limit} more)" if len(names) > limit else ""
+    return f"; {folder} holds: {', '.join(names[:limit])}{more}"
+
+
+def _where(spec: Mapping[str, Any]) -> str:
+    where = [f"{k} {spec[k]!r}" for k in ("data_files", "data_dir") if spec.get(k) is not None]
+    return f"{spec.get('dataset')!r}" + (f" ({', '.join(where)})" if where else "")
+
+
+def _load(dataset: str, kwargs: dict[str, Any], split: str | None, where: str) -> Any:
+    """`datasets.load_dataset`, with its lookup failures turned into EvalDataError."""
+    import datasets
+    from datasets.exceptions import DataFilesNotFoundError, DatasetNotFoundError
+
+    try:
+        return datasets.load_dataset(dataset, split=split, **kwargs)
+    except (DatasetNotFoundError, DataFilesNotFoundError, FileNotFoundError, ConnectionError) as e:
+        hint = "" if dataset in LOCAL_BUILDERS else f"; local builders are {', '.join(LOCAL_BUILDERS)}"
+        raise EvalDataError(f"cannot load dataset {where}: {e}{hint}") from e
+
+
+def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
+    """One split of the data a recipe names (``evaluate.data`` or ``data``), checked up front.
+
+    ``spec`` keys: ``dataset`` (a `datasets` builder such as ``text``/``json``/``csv``/
+    ``imagefolder``, a Hub dataset id or a local dataset folder), ``data_files`` (a path, glob,
+    list or {split: paths}) and ``data_dir`` (relative paths resolve against ``base_dir``, the
+    recipe's folder), ``name``, ``revision``, ``split`` (default ``train``), ``column``,
+    ``label_column``, ``image_column`` (each must exist), ``max_examples`` (keep the first n).
+    Keys set to None count as absent, so a pydantic ``model_dump()`` can be passed as is.
+    """
+    given = {k: v for k, v in spec.items() if v is not None}
+    unknown = sorted(set(given) - set(SPEC_KEYS))
+    if unknown:
+        raise EvalDataError(f"unknown data key(s) {', '.join(unknown)}; expected some of {', '.join(SPEC_KEYS)}")
+    dataset = given.get("dataset")
+    if not isinstance(dataset, str) or not dataset:
+        raise EvalDataError(f"data needs `dataset`: a builder ({', '.join(LOCAL_BUILDERS)}) or a Hub dataset id")
+    base_dir = Path(base_dir)
+    kwargs: dict[str, Any] = {}
+    if "data_files" in given:
+        kwargs["data_files"] = _resolve_files(given["data_files"], base_dir)
+    if "data_dir" in given:
+        kwargs["data_dir"] = _resolve_path(given["data_dir"], base_dir, "data_dir")
+    if dataset in LOCAL_BUILDERS and not kwargs:
+        raise EvalDataError(f"dataset {dataset!r} reads local files: set `data_files` (a path or a list) or `data_dir`")
+    if dataset not in LOCAL_BUILDERS and (base_dir / dataset).is_dir():
+        dataset = str((base_dir / dataset).absolute())  # a local dataset folder, relative to the recipe
+    if dataset in ("imagefolder", "audiofolder", "videofolder"):
+        kwargs["drop_labels"] = False  # keep the class-folder labels even when there is one class
+    for key in ("name", "revision"):
+        if key in given:
+            kwargs[key] = given[key]
+    split = given.get("split", "train")
+    if not isinstance(split, str) or not split:
+        raise EvalDataError(f"`split` must be a split name such as 'train', not {split!r}")
+    where = _where(given)
+    splits = _load(dataset, kwargs, None, where)
+    base = split.split("[", 1)[0]
+    if base not in splits:
+        raise EvalDataError(f"dataset {where} has no split {base!r}; its splits are {', '.join(sorted(splits))}")
+    records = splits[split] if base == split else _load(dataset, kwargs, split, where)
+    for key in ("column", "label_column", "image_column"):
+        if key in given:
+            check_column(records, given[key], key, where)
+    if "max_examples" in given:
+        n = given["max_examples"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise EvalDataError(f"`max_examples` must be a positive integer, not {n!r}")
+        records = records.select(range(min(n, len(records))))
+    return records
+
+
+def check_column(records: datasets.Dataset, column: str, key: str = "column", where: str = "the data") -> None:
+    """Refuse a column the records do not have, listing the ones they do."""
+    if column not in records.column_names:
+        raise EvalDataError(
+            f"{key} {column!r} is not a column of {where}; its columns are {', '.join(records.column_names)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Language modelling
+
+
+def _texts(records: datasets.Dataset, column: str) -> Iterator[list[str]]:
+    """Non-blank texts of ``column`` in chunks (blank lines of the ``text`` builder hold nothing)."""
+    check_column(records, column)
+    for start in range(0, len(records), _TOKENIZE_CHUNK):
+        chunk = records[start : start + _TOKENIZE_CHUNK][column]
+        for value in chunk:
+            if value is not None and not isinstance(value, str):
+                raise EvalDataError(f"column {column!r} must hold text, but holds {type(value).__name__} values")
+        yield [t for t in chunk if t is not None and t.strip()]
+
+
+def _token_stream(
+    tokenizer: PreTrainedTokenizerBase, records: datasets.Dataset, column: str, max_tokens: int | None
+) -> tuple[Tensor, Tensor]:
+    """All texts tokenized (with the tokenizer's own special tokens) and concatenated.
+
+    Returns ``(ids, special)``: int64 ids and a bool mask of special-token positions.
+    """
+    special_ids = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    ids: list[int] = []
+    special: list[int] = []
+    for texts in _texts(records, column):
+        if not texts:
+            continue
+        enc = tokenizer(texts, return_special_tokens_mask=True, return_attention_mask=False, verbose=False)
+        for row, mask in zip(enc["input_ids"], enc["special_tokens_mask"], strict=True):
+            ids.extend(row)
+            special.extend(mask)
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    if max_tokens is not None:
+        ids, special = ids[:max_tokens], special[:max_tokens]
+    flat = torch.tensor(ids, dtype=torch.long)
+    is_special = torch.tensor(special, dtype=torch.bool) | torch.isin(flat, special_ids)
+    return flat, is_special
+
+
+def _blocks(flat: Tensor, special: Tensor, block_size: int, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Consecutive ``[n, block_size]`` blocks (ids, attention mask, special mask).
+
+    As run_clm / run_mlm's ``group_texts``, except that a last partial block of at least two
+    tokens is kept, right-padded (attention 0, never a label), so a small set loses no text.
+    """
+    n_full, rest = divmod(flat.numel(), block_size)
+    cut = n_full * block_size
+    ids = flat[:cut].view(n_full, block_size)
+    spec = special[:cut].view(n_full, block_size)
+    attn = torch.ones_like(ids)
+    if rest >= 2:
+        last = torch.full((1, block_size), pad_id, dtype=torch.long)
+        last[0, :rest] = flat[cut:]
+        last_attn = torch.zeros((1, block_size), dtype=torch.long)
+        last_attn[0, :rest] = 1
+        last_spec = torch.ones((1, block_size), dtype=torch.bool)
+        last_spec[0, :rest] = special[cut:]
+        ids, attn, spec = torch.cat([ids, last]), torch.cat([attn, last_attn]), torch.cat([spec, last_spec])
+    return ids, attn, spec
+
+
+def mask_tokens(
+    ids: Tensor, candidates: Tensor, *, mask_token_id: int, vocab_size: int, seed: int
+) -> tuple[Tensor, Tensor]:
+    """BERT masking of ``ids`` at positions ``candidates`` allows: ``(masked ids, labels)``.
+
+    Each candidate is chosen with p = 0.15; of the chosen, 80 % become ``mask_token_id``, 10 % a
+    uniformly random token, 10 % stay; labels are the original ids there and -100 elsewhere.
+    All draws come from one generator seeded by ``seed``: the same seed gives the same masks.
+    """
+    g = torch.Generator().manual_seed(seed)
+    chosen = (torch.rand(ids.shape, generator=g) < MLM_PROBABILITY) & candidates
+    labels = ids.masked_fill(~chosen, -100)
+    u = torch.rand(ids.shape, generator=g)
+    random_tokens = torch.randint(vocab_size, ids.shape, generator=g, dtype=torch.long)
+    out = ids.clone()
+    out[chosen & (u < 0.8)] = mask_token_id
+    replace = chosen & (u >= 0.8) & (u < 0.9)
+    out[replace] = random_tokens[replace]
+    return out, labels
+
+
+def _check_positive(name: str, value: int | None, minimum: int = 1) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+        raise EvalDataError(f"`{name}` must be an integer ≥ {minimum}, not {value!r}")
+
+
+def text_batches(
+    records: datasets.Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    task: TextTask,
+    column: str = "text",
+    block_size: int = 128,
+    batch_size: int = 8,
+    max_tokens: int | None = None,
+    seed: int = 0,
+) -> list[dict[str, Tensor]]:
+    """Language-model batches ``{"input_ids", "attention_mask", "labels"}``, tokenized once.
+
+    Texts are tokenized, concatenated and cut into ``block_size`` blocks (``max_tokens`` keeps
+    the first tokens). Causal LM: labels are the input ids (the model, or `evaluate_loss`,
+    shifts them), -100 on padding. Masked LM: `mask_tokens` over non-special, non-pad positions
+    with a generator seeded by ``seed``, so every λ of a curve sees the same masks.
+    """
+    if task not in ("causal-lm", "masked-lm"):
+        raise EvalDataError(f"text_batches serves causal-lm and masked-lm, not {task!r}")
+    _check_positive("block_size", block_size, 2)
+    _check_positive("batch_size", batch_size)
+    _check_positive("max_tokens", max_tokens)
+    if task == "masked-lm" and tokenizer.mask_token_id is None:
+        raise EvalDataError(
+            f"masked-lm needs a tokenizer with a mask token, and this {type(tokenizer).__name__} has none; "
+            "use the masked-LM model's own tokenizer (or causal-lm for a decoder)"
+        )
+    pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    flat, special = _token_stream(tokenizer, records, column, max_tokens)
+    ids, attn, spec = _blocks(flat, special, block_size, int(pad_id))
+    if ids.shape[0] == 0:
+        raise EvalDataError(
+            f"column {column!r} gave {flat.numel()} tokens: too few for one block of {block_size}; "
+            "add data or lower block_size"
+        )
+    if task == "causal-lm":
+        inputs, labels = ids, ids.masked_fill(attn == 0, -100)
+    else:
+        inputs, labels = mask_tokens(
+            ids,
+            (attn == 1) & ~spec,
+            mask_token_id=int(tokenizer.mask_token_id),  # type: ignore[arg-type]
+            vocab_size=len(tokenizer),
+            seed=seed,
+        )
+    return [
+        {"input_ids": inputs[i : i + batch_size], "attention_mask": attn[i : i + batch_size], "labels": lab}
+        for i, lab in ((i, labels[i : i + batch_size]) for i in range(0, ids.shape[0], batch_size))
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Classification
+
+
+def _labels(records: datasets.Dataset, label_column: str, label2id: Mapping[str, int] | None) -> Tensor:
+    """Integer labels; names (string values, or ClassLabel names when ``label2id`` is given) mapped.
+
+    Without ``label2id``, ClassLabel / integer values are used as they are.
+    """
+    check_column(records, label_column, "label_column")
+    values = list(records[label_column])
+    feature = records.features.get(label_column)
+    names: list[str] | None = getattr(feature, "names", None)
+    if label2id is not None and names is not None:
+        values = [names[v] for v in values]
+    if any(isinstance(v, str) for v in values):
+        if label2id is None:
+            raise EvalDataError(
+                f"label_column {label_column!r} holds names (e.g. {next(v for v in values if isinstance(v, str))!r}): "
+                "pass label2id (the model config's label2id) to map them to class ids"
+            )
+        unknown = sorted({v for v in values if v not in label2id}, key=str)
+        if unknown:
+            raise EvalDataError(
+                f"label {unknown[0]!r} in column {label_column!r} is not one of the model's labels "
+                f"({', '.join(map(str, label2id))}){f'; {len(unknown)} unknown in all' if len(unknown) > 1 else ''}"
+            )
+        return torch.tensor([label2id[v] for v in values], dtype=torch.long)
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise EvalDataError(f"label_column {label_column!r} must hold class ids or names, not {v!r}")
+    if label2id is not None:
+        known = set(label2id.values())
+        bad = sorted({v for v in values if v not in known})
+        if bad:
+            raise EvalDataError(
+                f"label {bad[0]} in column {label_column!r} is not a class id of the model ({sorted(known)})"
+            )
+    return torch.tensor(values, dtype=torch.long)
+
+
+def classification_batches(
+    records: datasets.Dataset,
+    processor: Any,
+    *,
+    task: ClassificationTask,
+    column: str | Sequence[str] = "text",
+    image_column: str = "image",
+    label_column: str = "label",
+    batch_size: int = 32,
+    label2id: Mapping[str, int] | None = None,
+    max_length: int | None = None,
+    image_mode: str | None = None,
+) -> list[dict[str, Tensor]]:
+    """Classification batches with ``labels``, tokenized / image-processed once.
+
+    sequence-classification: ``processor`` is a tokenizer; ``column`` is one text column or two
+    (a sentence pair), padded per batch and truncated to ``max_length`` (default: the tokenizer's
+    limit). image-classification: ``processor`` is an image processor applied to
+    ``image_column`` (converted to ``image_mode``, e.g. ``"RGB"``, when given). String labels go
+    through ``label2id``; an unknown label is an error that names it.
+    """
+    if task not in ("sequence-classification", "image-classification"):
+        raise EvalDataError(f"classification_batches serves sequence- and image-classification, not {task!r}")
+    _check_positive("batch_size", batch_size)
+    _check_positive("max_length", max_length)
+    labels = _labels(records, label_column, label2id)
+    if len(records) == 0:
+        raise EvalDataError("the evaluation data hold no examples")
+    out: list[dict[str, Tensor]] = []
+    if task == "sequence-classification":
+        columns = [column] if isinstance(column, str) else list(column)
+        if not 1 <= len(columns) <= 2:
+            raise EvalDataError(f"`column` must name one text column or two (a pair), not {columns!r}")
+        for c in columns:
+            check_column(records, c)
+        if getattr(processor, "pad_token_id", None) is None:
+            raise EvalDataError(f"the tokenizer ({type(processor).__name__}) has no pad token; set its pad_token first")
+        for start in range(0, len(records), batch_size):
+            chunk = records[start : start + batch_size]
+            texts = [chunk[c] for c in columns]
+            enc = processor(
+                *texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt", verbose=False
+            )
+            out.append({**{k: v for k, v in enc.items()}, "labels": labels[start : start + batch_size]})
+    else:
+        check_column(records, image_column, "image_column")
+        for start in range(0, len(records), batch_size):
+            images = records[start : start + batch_size][image_column]
+            if image_mode is not None:
+                images = [im.convert(image_mode) for im in images]
+            pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+            out.append({"pixel_values": pixels, "labels": labels[start : start + batch_size]})
+    return out

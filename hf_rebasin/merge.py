@@ -1,0 +1,80 @@
+"""Weighted averages of models that already share one basis (DESIGN.md §2, `merge`).
+
+Alignment happens before this module: every state dict handed here is in the reference model's
+basis (and, for orthogonal strategies, in the same canonical form), so merging is a plain
+weighted average, tensor by tensor. Pure tensor code: no transformers, no files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from .errors import IncompatibleModelsError
+
+__all__ = ["merge_state_dicts"]
+
+StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def _storage_key(t: Tensor) -> StorageKey:
+    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
+
+
+def _check_weights(weights: Sequence[float], n: int) -> list[float]:
+    if n < 1:
+        raise ValueError("merge_state_dicts needs at least one state dict")
+    if len(weights) != n:
+        raise ValueError(f"{len(weights)} weights for {n} state dicts: give one weight per model")
+    out = [float(w) for w in weights]
+    if any(not math.isfinite(w) for w in out):
+        raise ValueError(f"merge weights must be finite numbers, not {out}")
+    return out
+
+
+def _check_same(reference: Mapping[str, Tensor], other: Mapping[str, Tensor], index: int) -> None:
+    if reference.keys() != other.keys():
+        only_ref = sorted(set(reference) - set(other))
+        only_other = sorted(set(other) - set(reference))
+        raise IncompatibleModelsError(
+            f"model #{index} holds different tensors than the reference: only in the reference "
+            f"{only_ref[:5]}, only in model #{index} {only_other[:5]}"
+        )
+    for name, t in reference.items():
+        if other[name].shape != t.shape:
+            raise IncompatibleModelsError(
+                f"tensor {name!r} has shape {tuple(t.shape)} in the reference but {tuple(other[name].shape)} "
+                f"in model #{index}"
+            )
+
+
+def merge_state_dicts(state_dicts: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]:
+    """Σᵢ wᵢ·θᵢ for every floating tensor, accumulated in float64 and cast back to the reference's dtype.
+
+    The first state dict is the reference: its non-floating tensors (integer buffers, position ids)
+    are taken as they are, and names that alias one storage in it (a tied LM head and embedding)
+    are computed once and stay one tensor in the result, so a tie is neither doubled nor broken.
+    Weights are used as given (the recipe checks that they sum to 1).
+    """
+    w = _check_weights(weights, len(state_dicts))
+    reference = state_dicts[0]
+    for i, sd in enumerate(state_dicts[1:], start=1):
+        _check_same(reference, sd, i)
+    out: dict[str, Tensor] = {}
+    done: dict[StorageKey, Tensor] = {}
+    for name, ref in reference.items():
+        if not ref.is_floating_point():
+            out[name] = ref
+            continue
+        key = _storage_key(ref)
+        if key not in done:
+            acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
+            for weight, sd in zip(w, state_dicts, strict=True):
+                if weight != 0.0:
+                    acc.add_(sd[name].to(device=ref.device, dtype=torch.float64), alpha=weight)
+            done[key] = acc.to(ref.dtype)
+        out[name] = done[key]
+    return out

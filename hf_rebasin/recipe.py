@@ -1,0 +1,735 @@
+"""The YAML recipe, schema v1 (DESIGN.md §9): pydantic models, loading, and errors that teach.
+
+Parsing is strict on purpose: unknown keys are errors, every enumerated choice is a ``Literal``,
+and a strategy's options are validated by that strategy's own options model (built from the
+registry, never restated here). Every problem is reported at once, one paragraph each, with the
+file, the dotted path (``strategy.residual``), the line, what was given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import operator
+import re
+import types
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from .errors import RebasinUserError
+from .evaluate import Task
+from .strategies import REGISTRY, Options, Strategy, get_strategy
+
+__all__ = [
+    "JOBS",
+    "DataSpec",
+    "Evaluate",
+    "Merge",
+    "ModelRef",
+    "Output",
+    "Problem",
+    "PushToHub",
+    "Recipe",
+    "RecipeError",
+    "StrategySpec",
+    "describe",
+    "load_recipe",
+    "loads_recipe",
+    "parse_recipe",
+    "recipe_json_schema",
+]
+
+Job = Literal["merge", "barrier"]
+JOBS: tuple[str, ...] = get_args(Job)
+LATER_JOBS = ("transport",)  # in the schema of DESIGN.md §9, not yet in this version
+
+# `datasets` builders that read local files (data_files / data_dir), unlike Hub dataset ids.
+LOCAL_BUILDERS = frozenset(
+    {"text", "json", "csv", "parquet", "arrow", "pandas", "xml", "imagefolder", "audiofolder", "videofolder"}
+)
+_DEVICE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
+_HUB_REPO = re.compile(r"([A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
+DEFAULT_WEIGHT = 0.5  # λ on the reference model: the plain average
+_GLOB = re.compile(r"[*?\[]")
+# error types raised by this module's own checks: their message says it all
+_OWN_ERRORS = frozenset({"model_ref", "data_files", "weight", "compare", "repo", "dir", "device", "job_unavailable"})
+
+Lines = Mapping[tuple[str, ...], int]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a recipe: where (dotted path, line) and what."""
+
+    path: str
+    line: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"line {self.line}, " if self.line is not None else ""
+        return f"{where}`{self.path or '(top level)'}`: {self.message}"
+
+
+class RecipeError(RebasinUserError, ValueError):
+    """A recipe that cannot be read or does not validate; ``problems`` lists each one."""
+
+    def __init__(self, source: str, problems: Iterable[Problem]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        count = len(self.problems)
+        head = f"recipe {source} is invalid ({count} problem{'s' if count != 1 else ''}):"
+        super().__init__("\n".join([head, *(f"- {p}" for p in self.problems)]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _base_dir(info: ValidationInfo) -> Path | None:
+    context = info.context
+    base = context.get("base_dir") if isinstance(context, Mapping) else None
+    return Path(base) if base is not None else None
+
+
+def _local(value: str, base: Path | None, *, force: bool = False) -> str:
+    """``value`` resolved against the recipe's folder when it names a local path, else as given.
+
+    Explicit paths (``./x``, ``../x``, ``/x``, ``~/x``) are always local; a bare ``org/name`` is a
+    Hub id unless a folder of that name sits beside the recipe.
+    """
+    if "\x00" in value:
+        raise ValueError("contains a NUL character")
+    if base is None or "://" in value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    explicit = value in (".", "..") or value.startswith(("./", "../", ".\\", "..\\"))
+    candidate = base / path
+    if force or explicit or candidate.exists():
+        return str(candidate.resolve())
+    return value
+
+
+class ModelRef(_Section):
+    """A model: Hub repo id or local folder, and an optional revision (branch, tag or commit)."""
+
+    model: str = Field(min_length=1, description="Hub repo id (org/name) or local folder")
+    revision: str | None = Field(None, min_length=1, description="branch, tag or commit; default: main")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_string(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"model": value}
+        if not isinstance(value, (Mapping, ModelRef)):
+            raise PydanticCustomError(
+                "model_ref", "a model is a Hub id or folder (a string) or a mapping {model: ..., revision: ...}"
+            )
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _resolve(cls, value: str, info: ValidationInfo) -> str:
+        return _local(value, _base_dir(info))
+
+    @property
+    def is_local(self) -> bool:
+        """True when ``model`` names a folder on disk rather than a Hub repo."""
+        return Path(self.model).is_absolute()
+
+    def __str__(self) -> str:
+        return self.model if self.revision is None else f"{self.model}@{self.revision}"
+
+
+DataFiles = Union[str, list[str], dict[str, Union[str, list[str]]]]  # noqa: UP007 (pydantic needs a runtime union)
+
+
+class DataSpec(_Section):
+    """A data set as ``datasets.load_dataset`` wants it, plus which columns to read and how much."""
+
+    dataset: str = Field(
+        min_length=1,
+        description="a `datasets` builder reading local files (text, json, csv, parquet, imagefolder), "
+        "a Hub dataset id, or a local dataset folder",
+    )
+    name: str | None = Field(None, description="dataset configuration, e.g. wikitext-2-raw-v1")
+    revision: str | None = Field(None, description="Hub dataset revision")
+    data_files: DataFiles | None = Field(
+        None, description="file, glob, list of files, or {split: files}; local builders read these"
+    )
+    data_dir: str | None = Field(None, description="folder of the data (imagefolder: one sub-folder per class)")
+    split: str = Field("train", min_length=1, description="split to read, slices allowed: train[:1000]")
+    column: str | None = Field(None, description="text column; default: `text`")
+    image_column: str | None = Field(None, description="image column (image models); default: `image`")
+    label_column: str | None = Field(None, description="label column (classification); default: `label`")
+    max_tokens: int | None = Field(None, ge=1, description="read at most this many tokens")
+    max_examples: int | None = Field(None, ge=1, description="read at most this many examples")
+
+    @field_validator("data_files", mode="before")
+    @classmethod
+    def _data_files_shape(cls, value: Any) -> Any:
+        def files(v: Any) -> bool:
+            return isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(f, str) for f in v))
+
+        if value is None or files(value):
+            return value
+        if isinstance(value, Mapping) and value and all(isinstance(k, str) and files(v) for k, v in value.items()):
+            return value
+        raise PydanticCustomError(
+            "data_files", "must be a file or glob, a non-empty list of them, or a mapping {split: files}"
+        )
+
+    @model_validator(mode="after")
+    def _resolve_local(self, info: ValidationInfo) -> DataSpec:
+        base = _base_dir(info)
+        if self.dataset not in LOCAL_BUILDERS:
+            self.dataset = _local(self.dataset, base)
+            return self
+        if self.data_files is None and self.data_dir is None:
+            raise PydanticCustomError(
+                "recipe",
+                "the `{builder}` builder reads local files: give `data_files` (a file, a glob, a list, "
+                "or {split: files}) or `data_dir`",
+                {"builder": self.dataset, "at": "data_files"},
+            )
+        if self.data_dir is not None:
+            self.data_dir = _local(self.data_dir, base, force=True)
+        if isinstance(self.data_files, str):
+            self.data_files = _local(self.data_files, base, force=True)
+        elif isinstance(self.data_files, list):
+            self.data_files = [_local(f, base, force=True) for f in self.data_files]
+        elif isinstance(self.data_files, dict):
+            self.data_files = {
+                k: _local(v, base, force=True) if isinstance(v, str) else [_local(f, base, force=True) for f in v]
+                for k, v in self.data_files.items()
+            }
+        return self
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``datasets.load_dataset`` (``path`` included)."""
+        kwargs: dict[str, Any] = {"path": self.dataset, "split": self.split}
+        for key in ("name", "revision", "data_files", "data_dir"):
+            if getattr(self, key) is not None:
+                kwargs[key] = getattr(self, key)
+        return kwargs
+
+    def local_files(self) -> list[Path]:
+        """Data files named without glob characters (so a dry run can say which are missing)."""
+        raw = self.data_files
+        flat = [raw] if isinstance(raw, str) else list(raw or []) if isinstance(raw, list) else []
+        if isinstance(raw, dict):
+            for v in raw.values():
+                flat.extend([v] if isinstance(v, str) else v)
+        return [Path(f) for f in flat if Path(f).is_absolute() and not _GLOB.search(f)]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class Merge(_Section):
+    """How to weight the aligned models: λ on the reference model, or one weight per model."""
+
+    weight: float | list[float] = Field(
+        DEFAULT_WEIGHT,
+        description="λ in [0, 1] on the reference model (the rest shared by the others), or one weight per model summing to 1",
+    )
+
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _weight(cls, value: Any) -> Any:
+        if _number(value):
+            if not 0 <= value <= 1:
+                raise PydanticCustomError("weight", "λ on the reference model must be in [0, 1]")
+            return value
+        if isinstance(value, list) and len(value) >= 2 and all(_number(w) for w in value):
+            if any(not 0 <= w <= 1 for w in value) or abs(sum(value) - 1) > 1e-6:
+                raise PydanticCustomError(
+                    "weight",
+                    "per-model weights must each be in [0, 1] and sum to 1 (they sum to {total})",
+                    {"total": sum(value)},
+                )
+            return value
+        raise PydanticCustomError(
+            "weight",
+            "must be a number in [0, 1] (λ on the reference model) or a list of numbers, one per model, summing to 1",
+        )
+
+    def weights(self, n_models: int) -> list[float]:
+        """One weight per model, the reference first."""
+        if isinstance(self.weight, list):
+            return list(self.weight)
+        rest = (1.0 - self.weight) / max(n_models - 1, 1)
+        return [float(self.weight)] + [rest] * (n_models - 1)
+
+
+if TYPE_CHECKING:
+    StrategyName = str
+else:
+    StrategyName = Literal[tuple(REGISTRY.names)]
+
+
+class Evaluate(_Section):
+    """The loss curve along λ ∈ [0, 1]: task, data, number of points, curves to compare against."""
+
+    task: Task = Field(description="which loss to compute")
+    data: DataSpec = Field(description="evaluation data")
+    points: int = Field(21, ge=2, description="evenly spaced λ values, both ends included")
+    compare: list[StrategyName] = Field(["vanilla"], description="extra curves, one per strategy (default options)")
+    batch_size: int = Field(8, ge=1, description="examples per forward pass")
+    max_tokens: int | None = Field(None, ge=1, description="evaluate at most this many tokens")
+    max_examples: int | None = Field(None, ge=1, description="evaluate at most this many examples")
+    seed: int = Field(0, description="seed of masks (masked-lm) and sampling")
+
+    @field_validator("compare")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise PydanticCustomError("compare", "list each strategy at most once")
+        return value
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> Evaluate:
+        for key in ("max_tokens", "max_examples"):
+            own, data = getattr(self, key), getattr(self.data, key)
+            if own is not None and data is not None and own != data:
+                raise PydanticCustomError(
+                    "recipe", "`evaluate.{key}` and `evaluate.data.{key}` disagree: set one", {"key": key, "at": key}
+                )
+            if own is None:
+                setattr(self, key, data)
+        return self
+
+
+class PushToHub(_Section):
+    """Where to publish the result on the Hub (token from the environment or the login cache)."""
+
+    repo: str = Field(description="Hub repo id: name or org/name")
+    private: bool | None = Field(None, description="create the repo private; default: the account's default")
+    revision: str | None = Field(None, description="branch to push to; default: main")
+    commit_message: str | None = Field(None, description="default: a message naming the recipe")
+
+    @field_validator("repo")
+    @classmethod
+    def _repo(cls, value: str) -> str:
+        if not _HUB_REPO.fullmatch(value):
+            raise PydanticCustomError("repo", "a Hub repo id is `name` or `org/name` (letters, digits, - _ .)")
+        return value
+
+
+class Output(_Section):
+    """The local result folder (written to a temporary folder, then renamed) and optional push."""
+
+    dir: Path = Field(description="folder to write the result to (relative to the recipe file)")
+    overwrite: bool = Field(False, description="replace the folder if it exists")
+    push_to_hub: PushToHub | None = Field(None, description="also publish the folder to the Hub")
+
+    @field_validator("dir", mode="before")
+    @classmethod
+    def _dir(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str) and value:
+            return _local(value, _base_dir(info), force=True)
+        if isinstance(value, str):
+            raise PydanticCustomError("dir", "must be a folder path, not empty")
+        return value
+
+
+class StrategySpec(BaseModel):
+    """Base of every ``strategy:`` section: ``name`` plus that strategy's options, side by side."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+
+    @property
+    def strategy(self) -> Strategy:
+        """The registered strategy this section names (paper, run, needs_data, exact)."""
+        return get_strategy(self.name)
+
+    @property
+    def options(self) -> Options:
+        """The options as the strategy's own ``Options`` instance (what ``align`` takes)."""
+        return self.strategy.options.model_validate(self.model_dump(exclude={"name"}, exclude_unset=True))
+
+    @property
+    def needs_data(self) -> bool:
+        """True when these options need alignment data (the recipe then needs `data:`)."""
+        return bool(self.strategy.needs_data(self.options))
+
+
+def _section_model(strategy: Strategy) -> type[StrategySpec]:
+    clash = {"name", "strategy", "options", "needs_data"} & set(strategy.options.model_fields)
+    if clash:
+        raise RuntimeError(f"strategy {strategy.name!r} has options named {sorted(clash)}: reserved in recipes")
+    title = "".join(part.title() for part in strategy.name.split("-")) + "Strategy"
+    bases: Any = (StrategySpec, strategy.options)  # the section is both: name + that strategy's options
+    return create_model(
+        title,
+        __base__=bases,
+        __doc__=strategy.summary or strategy.paper,
+        name=(Literal[strategy.name], Field(description=strategy.paper)),
+    )
+
+
+SECTIONS: dict[str, type[StrategySpec]] = {name: _section_model(REGISTRY.get(name)) for name in REGISTRY.names}
+
+if TYPE_CHECKING:
+    StrategySection = StrategySpec
+else:
+    StrategySection = Annotated[functools.reduce(operator.or_, SECTIONS.values()), Field(discriminator="name")]
+
+
+def _yamlish(value: Any) -> str:
+    """A value as it would be written in the recipe (``true``, ``[ff, attn]``)."""
+    text = yaml.safe_dump(list(value) if isinstance(value, tuple) else value, default_flow_style=True)
+    return str(text).strip().removesuffix("...").strip()
+
+
+def _needs_data_message(spec: StrategySpec, at: str | None = None) -> PydanticCustomError:
+    given = {k: getattr(spec, k) for k in sorted(spec.model_fields_set - {"name"})}
+    with_opts = f" with {', '.join(f'{k}: {_yamlish(v)}' for k, v in given.items())}" if given else ""
+    return PydanticCustomError(
+        "recipe",
+        "strategy '{name}'{opts} needs alignment data: add a top-level `data:` section "
+        "(dataset, data_files, split, column), or choose a data-free strategy or option",
+        {"name": spec.name, "opts": with_opts, **({"at": at} if at else {})},
+    )
+
+
+class Recipe(_Section):
+    """A whole recipe: which job, on which models, with which strategy, written where."""
+
+    version: Literal[1] = Field(1, description="schema version")
+    job: Job = Field(description="what to do")
+    models: list[ModelRef] = Field(min_length=2, description="the first is the reference model A")
+    strategy: StrategySection = Field(description="alignment strategy: `name` and its options side by side")
+    data: DataSpec | None = Field(
+        None, validate_default=True, description="alignment data (activation-based strategies)"
+    )
+    merge: Merge = Field(
+        default_factory=lambda: Merge(weight=DEFAULT_WEIGHT), validate_default=True, description="merge weights"
+    )
+    evaluate: Evaluate | None = Field(None, validate_default=True, description="loss curves; required by job: barrier")
+    output: Output = Field(description="where results go")
+    allow_pickle: bool = Field(False, description="allow loading pickle (.bin) checkpoints")
+    trust_remote_code: bool = Field(False, description="run model code from the Hub")
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
+
+    _source: str = PrivateAttr("<recipe>")
+
+    @field_validator("job", mode="before")
+    @classmethod
+    def _job(cls, value: Any) -> Any:
+        if value in LATER_JOBS:
+            raise PydanticCustomError(
+                "job_unavailable",
+                "job '{job}' is not available in this version of hf-rebasin; allowed jobs: {jobs}",
+                {"job": value, "jobs": ", ".join(JOBS)},
+            )
+        return value
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _strategy_shorthand(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @field_validator("data")
+    @classmethod
+    def _data_when_needed(cls, value: DataSpec | None, info: ValidationInfo) -> DataSpec | None:
+        spec = info.data.get("strategy")
+        if value is None and isinstance(spec, StrategySpec) and spec.needs_data:
+            raise _needs_data_message(spec)
+        return value
+
+    @field_validator("merge")
+    @classmethod
+    def _weights_per_model(cls, value: Merge, info: ValidationInfo) -> Merge:
+        models = info.data.get("models")
+        if isinstance(value.weight, list) and models is not None and len(value.weight) != len(models):
+            raise PydanticCustomError(
+                "recipe",
+                "lists {n} weights for {m} models: give one weight per model, or a single λ on the reference",
+                {"n": len(value.weight), "m": len(models), "at": "weight"},
+            )
+        return value
+
+    @field_validator("evaluate")
+    @classmethod
+    def _evaluate_when_needed(cls, value: Evaluate | None, info: ValidationInfo) -> Evaluate | None:
+        if value is None:
+            if info.data.get("job") == "barrier":
+                raise PydanticCustomError(
+                    "recipe",
+                    "job: barrier needs an `evaluate:` section (task, data, points) to compute the loss curves",
+                )
+            return value
+        if "data" in info.data and info.data["data"] is None:
+            for i, name in enumerate(value.compare):
+                spec = SECTIONS[name](name=name)
+                if spec.needs_data:
+                    raise _needs_data_message(spec, f"compare.{i}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not _DEVICE.fullmatch(value):
+            raise PydanticCustomError("device", "allowed: auto, cpu, cuda, cuda:N (N a GPU index), mps")
+        return value
+
+    @property
+    def source(self) -> str:
+        """The file (or label) the recipe was read from."""
+        return self._source
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def _model_at(loc: tuple[str, ...], strategy: str | None) -> type[BaseModel] | None:
+    """The model class that validates the mapping at ``loc`` (for listing its allowed keys)."""
+    model: type[BaseModel] = Recipe
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        if model is Recipe and part == "strategy":
+            return SECTIONS.get(strategy or "") if not parts else None
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        annotation: Any = field.annotation
+        if get_origin(annotation) in (Union, types.UnionType):
+            members = [a for a in get_args(annotation) if a is not type(None)]
+            annotation = members[0] if len(members) == 1 else None
+        if get_origin(annotation) is list:
+            if not parts or not parts.pop(0).isdigit():
+                return None
+            annotation = get_args(annotation)[0]
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _given(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _problem(err: Mapping[str, Any], lines: Lines) -> Problem:
+    loc = tuple(str(p) for p in err["loc"])
+    if len(loc) >= 2 and loc[0] == "strategy" and loc[1] in SECTIONS:
+        strategy, loc = loc[1], (loc[0], *loc[2:])
+    else:
+        strategy = None
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    if "at" in ctx:  # a check on a whole section that names the field at fault
+        loc = (*loc, *str(ctx["at"]).split("."))
+    path = ".".join(loc)
+    line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
+    model = _model_at(loc[:-1], strategy) if loc else None
+    field = model.model_fields.get(loc[-1]) if model is not None and loc else None
+    about = f" ({field.description})" if field is not None and field.description else ""
+
+    if kind == "missing":
+        message = f"is required but missing{about}"
+    elif kind == "extra_forbidden":
+        allowed = sorted(model.model_fields) if model is not None else []
+        owner = f"an option of strategy '{strategy}'" if strategy else "a known key here"
+        message = f"is not {owner}; allowed: {', '.join(allowed) or 'none'}"
+        close = difflib.get_close_matches(loc[-1], allowed, n=1)
+        if close:
+            message += f" (did you mean `{close[0]}`?)"
+        if strategy and loc[-1] == "options":
+            message += "; options sit directly under `strategy`, not in a nested `options:` mapping"
+    elif kind == "literal_error":
+        expected = str(ctx.get("expected", "")).replace(" or ", ", ")
+        message = f"must be one of {expected}; given {_given(value)}"
+    elif kind == "union_tag_invalid":
+        path, line = f"{path}.name", lines.get((*loc, "name"), line)
+        message = f"unknown strategy {_given(ctx.get('tag'))}; allowed: {ctx.get('expected_tags', '')}"
+    elif kind == "union_tag_not_found":
+        message = f"needs a `name`: one of {', '.join(REGISTRY.names)}"
+    elif kind in ("model_type", "model_attributes_type", "dict_type"):
+        message = f"must be a mapping of keys{about}; given {_given(value)}"
+    elif kind == "recipe":
+        message = err["msg"]
+    elif kind in _OWN_ERRORS:
+        message = f"{err['msg']}; given {_given(value)}"
+    else:
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        given = (
+            "" if isinstance(value, Mapping) else f"; given {_given(value)}"
+        )  # a whole section: the message names the key
+        message = f"{msg[:1].lower()}{msg[1:]}{given}{about}"
+    return Problem(path, line, message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def parse_recipe(data: Mapping[str, Any], source: str, base_dir: Path, *, lines: Lines | None = None) -> Recipe:
+    """Validate an in-memory recipe; relative paths resolve against ``base_dir``.
+
+    ``lines`` maps dotted paths (as tuples of keys) to YAML line numbers, for error messages.
+    """
+    if not isinstance(data, Mapping):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise RecipeError(
+            source, [Problem("", None, f"a recipe is a mapping of keys (job:, models:, ...); this one is {kind}")]
+        )
+    try:
+        recipe = Recipe.model_validate(dict(data), context={"base_dir": Path(base_dir)})
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        later = [err for err in errors if err["type"] == "job_unavailable"]
+        problems = [_problem(err, lines or {}) for err in later or errors]  # another job's keys: no noise
+        raise RecipeError(source, problems) from None
+    recipe._source = source
+    return recipe
+
+
+def _line_map(node: yaml.Node, path: tuple[str, ...], lines: dict[tuple[str, ...], int], source: str) -> None:
+    """Record the line of every mapping key and sequence item; refuse duplicate keys."""
+    if len(path) > 32:
+        return
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            name, line = str(key.value), key.start_mark.line + 1
+            if name in seen and isinstance(key, yaml.ScalarNode):
+                where = ".".join((*path, name))
+                raise RecipeError(
+                    source, [Problem(where, line, f"appears twice (first on line {seen[name]}): keep one")]
+                )
+            seen[name] = line
+            here = (*path, name)
+            lines[here] = line
+            _line_map(value, here, lines, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            here = (*path, str(i))
+            lines[here] = item.start_mark.line + 1
+            _line_map(item, here, lines, source)
+
+
+def loads_recipe(text: str, source: str = "<string>", base_dir: Path | None = None) -> Recipe:
+    """Parse and validate recipe YAML text (``load_recipe`` without the file)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        what = " ".join(str(s) for s in (getattr(e, "context", None), getattr(e, "problem", None)) if s) or str(e)
+        raise RecipeError(source, [Problem("", line, f"YAML syntax error: {what}")]) from None
+    lines: dict[tuple[str, ...], int] = {}
+    if node is not None:
+        _line_map(node, (), lines, source)
+    return parse_recipe(data, source, base_dir or Path.cwd(), lines=lines)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read a recipe file; relative paths inside it resolve against the file's folder."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(str(path), [Problem("", None, "the recipe file does not exist")]) from None
+    except IsADirectoryError:
+        raise RecipeError(str(path), [Problem("", None, "is a folder: give the recipe's YAML file")]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(str(path), [Problem("", None, f"cannot be read: {e}")]) from None
+    return loads_recipe(text, str(path), path.resolve().parent)
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """JSON Schema of recipe files, for editors: strategy options are a union tagged by ``name``."""
+    schema = Recipe.model_json_schema()
+    props = schema["properties"]
+    props["models"]["items"] = {"anyOf": [{"type": "string"}, props["models"]["items"]]}
+    props["strategy"] = {"anyOf": [{"type": "string", "enum": REGISTRY.names}, props["strategy"]]}
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "hf-rebasin recipe (schema v1)"
+    return schema
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan
+
+
+def _data_line(spec: DataSpec) -> str:
+    parts = [spec.dataset]
+    for key in ("name", "revision", "data_files", "data_dir"):
+        if getattr(spec, key) is not None:
+            parts.append(f"{key}={getattr(spec, key)}")
+    parts.append(f"split={spec.split}")
+    for key in ("column", "image_column", "label_column", "max_tokens", "max_examples"):
+        if getattr(spec, key) is not None:
+            parts.append(f"{key}={getattr(spec, key)}")
+    missing = [str(p) for p in spec.local_files() if not p.exists()]
+    if missing:
+        parts.append(f"MISSING: {', '.join(missing)}")
+    return ", ".join(parts)
+
+
+def describe(recipe: Recipe) -> list[str]:
+    """The plan a recipe stands for, one line each (``--dry-run`` prints it; nothing is loaded)."""
+    out = [f"recipe: {recipe.source}", f"job: {recipe.job}", "models:"]
+    for i, ref in enumerate(recipe.models):
+        label = "A (reference)" if i == 0 else chr(ord("A") + i) if i < 26 else f"#{i}"
+        where = "local folder" + ("" if Path(ref.model).is_dir() else ", MISSING") if ref.is_local else "Hub"
+        revision = f" @ {ref.revision or 'main'}" if ref.revision or not ref.is_local else ""
+        out.append(f"  {label}: {ref.model}{revision} ({where})")
+    spec = recipe.strategy
+    out.append(f"strategy: {spec.name} — {spec.strategy.paper}")
+    explicit = spec.model_fields_set
+    for key, value in spec.options.model_dump().items():
+        out.append(f"  {key}: {_yamlish(value)}{'' if key in explicit else ' (default)'}")
+    out.append(f"  needs alignment data: {'yes' if spec.needs_data else 'no'}")
+    if not spec.strategy.exact(spec.options):
+        out.append("  note: these options do not preserve B's function (reported as such)")
+    out.append(f"data: {_data_line(recipe.data)}" if recipe.data else "data: none (data-free)")
+    if recipe.job == "merge":
+        weights = recipe.merge.weights(len(recipe.models))
+        out.append("merge: weights " + ", ".join(f"{w:g}" for w in weights) + " (reference first)")
+    ev = recipe.evaluate
+    if ev is None:
+        out.append("evaluate: no")
+    else:
+        out.append(f"evaluate: {ev.task}, {ev.points} points λ ∈ [0, 1], batch size {ev.batch_size}, seed {ev.seed}")
+        out.append(f"  data: {_data_line(ev.data)}")
+        out.append(f"  curves: {', '.join(dict.fromkeys([spec.name, *ev.compare]))}")
+    out.append(f"output: {recipe.output.dir}" + (" (overwrite)" if recipe.output.overwrite else ""))
+    push = recipe.output.push_to_hub
+    if push is not None:
+        vis = {True: "private", False: "public", None: "account default visibility"}[push.private]
+        out.append(f"  push to hub: {push.repo}@{push.revision or 'main'} ({vis})")
+    out.append(
+        f"device: {recipe.device}; allow_pickle: {str(recipe.allow_pickle).lower()}; "
+        f"trust_remote_code: {str(recipe.trust_remote_code).lower()}"
+    )
+    return out

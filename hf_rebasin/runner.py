@@ -1,0 +1,562 @@
+"""Running a recipe end to end: load, align, merge, evaluate, write (DESIGN.md §2, §5, §9).
+
+This module holds the order of the stages and nothing else: loading is `models`, alignment the
+strategies, averaging `merge`, losses `evaluate`, files `export`. It never prints; the CLI passes a
+``progress(stage, done, total)`` callback (``total`` 0 when unknown) and prints the result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from . import __version__
+from .errors import ModelNotFoundError, RebasinUserError, UnsupportedArchitectureError
+from .evaldata import EvalDataError
+from .recipe import DataSpec, ModelRef, Recipe, describe
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .evaluate import Curve, Task
+    from .models import LoadedModel
+    from .strategies import Alignment, AlignmentData
+
+__all__ = ["Progress", "RunResult", "plan", "resolve_model", "run_recipe"]
+
+Progress = Callable[[str, int, int], None]
+"""``progress(stage, done, total)``: the CLI turns each stage into a progress bar (total 0: unknown)."""
+
+LOAD_STAGE = "loading models"
+SWEEP_STAGE = "λ sweep"
+TEXT_TASKS = ("causal-lm", "masked-lm")
+MAX_BLOCK = 128  # tokens per block of evaluation / alignment text (DESIGN.md §5: 128-token blocks)
+CHECK_ROWS = 4  # examples on which function preservation is measured
+
+
+@dataclass
+class RunResult:
+    """What a run produced: where, the curves and barriers, the preservation check and timings."""
+
+    output: Path
+    job: str
+    strategy: str
+    saved_model: bool
+    barriers: dict[str, dict[str, float]] = field(default_factory=dict)
+    curves: dict[str, Curve] = field(default_factory=dict)
+    function_preserved: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+
+def _noop(stage: str, done: int, total: int) -> None:
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving and planning
+
+
+def resolve_model(ref: ModelRef, index: int = 0) -> Path:
+    """The local folder of a model reference.
+
+    Only local folders for now: a Hub id raises a user error (the `hub` module replaces this
+    function with one that downloads and records the resolved commit).
+    """
+    where = f"`models.{index}.model`"
+    if not ref.is_local:
+        raise ModelNotFoundError(
+            f"{where}: {ref.model!r} is not a local folder, and downloading Hub ids arrives with the hub module "
+            "(not in this version); download the model first (e.g. `huggingface-cli download "
+            f"{ref.model} --local-dir ./{ref.model.rsplit('/', 1)[-1]}`) and give the folder, as ./path"
+        )
+    folder = Path(ref.model)
+    if not folder.exists():
+        raise ModelNotFoundError(f"{where}: the model folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"{where}: {str(folder)!r} is a file; give the folder that holds config.json")
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{where}: {str(folder)!r} has no config.json; a model folder is what `save_pretrained` writes"
+        )
+    return folder
+
+
+def _check_data_files(spec: DataSpec, where: str) -> None:
+    for path in spec.local_files():
+        if not path.exists():
+            raise EvalDataError(f"`{where}.data_files`: {str(path)!r} does not exist")
+    if spec.data_dir is not None and not Path(spec.data_dir).is_dir():
+        raise EvalDataError(f"`{where}.data_dir`: {spec.data_dir!r} is not a folder")
+
+
+def _check_recipe(recipe: Recipe, output: Path) -> None:
+    """Everything that can be checked without loading weights: folders, files, output, job shape."""
+    from .export import check_output
+
+    if recipe.job == "barrier" and len(recipe.models) != 2:
+        raise RebasinUserError(
+            f"`models`: job: barrier compares two models (A and B) and this recipe lists {len(recipe.models)}; "
+            "keep two, or use job: merge for more"
+        )
+    if recipe.output.push_to_hub is not None:
+        raise RebasinUserError(
+            "`output.push_to_hub`: pushing to the Hub arrives with the hub module (not in this version); "
+            "remove `push_to_hub` and upload the output folder yourself"
+        )
+    for i, ref in enumerate(recipe.models):
+        resolve_model(ref, i)
+    if recipe.data is not None:
+        _check_data_files(recipe.data, "data")
+    if recipe.evaluate is not None:
+        _check_data_files(recipe.evaluate.data, "evaluate.data")
+    check_output(output, recipe.output.overwrite)
+
+
+def _output_of(recipe: Recipe, output: Path | None) -> Path:
+    return Path(output if output is not None else recipe.output.dir).expanduser().absolute()
+
+
+def plan(recipe: Recipe, *, output: Path | None = None) -> list[str]:
+    """The plan of ``--dry-run``: `describe` plus the checks that need no weights (typed errors)."""
+    target = _output_of(recipe, output)
+    _check_recipe(recipe, target)
+    lines = describe(recipe)
+    if output is not None:
+        lines = [f"output: {target} (from --output)" if line.startswith("output: ") else line for line in lines]
+    lines.append("checks: model folders, data files and the output folder are in order; no weights were loaded")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def _device(name: str | None) -> torch.device:
+    from .recipe import _DEVICE
+
+    name = name or "auto"
+    if not _DEVICE.fullmatch(name):
+        raise RebasinUserError(f"`device`: {name!r} is not a device; allowed: auto, cpu, cuda, cuda:N, mps")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RebasinUserError(f"`device`: {name!r} was asked for, but no CUDA device is available here")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise RebasinUserError("`device`: 'mps' was asked for, but MPS is not available here")
+    return torch.device(name)
+
+
+def _processor(folder: Path, task: Task) -> Any:
+    """Model A's tokenizer (text tasks) or image processor, read from its folder."""
+    import transformers
+
+    image = task == "image-classification"
+    kind = "image processor (preprocessor_config.json)" if image else "tokenizer (tokenizer.json or vocab files)"
+    try:
+        if image:
+            return transformers.AutoImageProcessor.from_pretrained(str(folder))
+        return transformers.AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelNotFoundError(
+            f"`models.0.model`: the reference folder {str(folder)!r} has no usable {kind}, which {task} data "
+            f"need; save it beside the model with `save_pretrained` ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _block_size(config: Any) -> int:
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or MAX_BLOCK
+    if getattr(config, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
+        limit -= 2  # positions start after padding_idx
+    return int(min(MAX_BLOCK, limit))
+
+
+def _label2id(records: Any, column: str, config: Any) -> Mapping[str, int] | None:
+    """The model's label2id when the data name their labels in its terms; None to use ids as they are."""
+    label2id = dict(getattr(config, "label2id", None) or {})
+    feature = records.features.get(column)
+    names = getattr(feature, "names", None)
+    if names is not None and not set(names) <= set(label2id):
+        return None  # class folders such as 0..9: ids as they are
+    return label2id or None
+
+
+def _batches(
+    spec: DataSpec,
+    base_dir: Path,
+    task: Task,
+    processor: Any,
+    config: Any,
+    *,
+    batch_size: int,
+    max_tokens: int | None,
+    max_examples: int | None,
+    seed: int,
+    where: str,
+) -> list[dict[str, Tensor]]:
+    """Batches of ``task`` from a recipe data section, built once."""
+    from .evaldata import classification_batches, load_records, text_batches
+
+    raw = spec.model_dump()
+    raw.pop("max_tokens", None)
+    if max_examples is not None:
+        raw["max_examples"] = max_examples
+    try:
+        records = load_records(raw, base_dir)
+        if task in TEXT_TASKS:
+            return text_batches(
+                records,
+                processor,
+                task=task,  # type: ignore[arg-type]
+                column=spec.column or "text",
+                block_size=_block_size(config),
+                batch_size=batch_size,
+                max_tokens=max_tokens,
+                seed=seed,
+            )
+        label_column = spec.label_column or "label"
+        image = task == "image-classification"
+        batches = classification_batches(
+            records,
+            processor,
+            task=task,  # type: ignore[arg-type]
+            column=spec.column or "text",
+            image_column=spec.image_column or "image",
+            label_column=label_column,
+            batch_size=batch_size,
+            label2id=_label2id(records, label_column, config),
+            max_length=None if image else _block_size(config),
+            image_mode=("L" if getattr(config, "num_channels", 3) == 1 else "RGB") if image else None,
+        )
+    except EvalDataError as e:
+        raise EvalDataError(f"`{where}`: {e}") from None
+    n_labels = int(getattr(config, "num_labels", 0) or 0)
+    top = max(int(b["labels"].max()) for b in batches)
+    if n_labels and (top >= n_labels or min(int(b["labels"].min()) for b in batches) < 0):
+        raise EvalDataError(
+            f"`{where}.label_column`: label id {top} is outside the model's {n_labels} classes (0..{n_labels - 1}); "
+            "name the labels as in the model's config (label2id) or renumber them"
+        )
+    return batches
+
+
+# ---------------------------------------------------------------------------------------------
+# Alignment and checks
+
+
+def _move(model: Any, device: torch.device) -> None:
+    """``model.to(device)`` in place (transformers' typing of ``.to`` does not take a device)."""
+    model.to(device)
+
+
+def _inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v[:CHECK_ROWS] for k, v in batch.items() if k != "labels"}
+
+
+def _function_gap(
+    model_b: PreTrainedModel, alignment: Alignment, aligned: Mapping[str, Tensor], inputs: Mapping[str, Tensor]
+) -> float:
+    """max |Δ logits| between B and B in A's basis (rebuilt from ``aligned``) on ``inputs``."""
+    from .models import rebuild
+
+    rebuilt = rebuild(model_b, dict(aligned), untie=bool(alignment.untied))
+    _move(rebuilt, next(model_b.parameters()).device)
+    model_b.eval()
+    with torch.no_grad():
+        before = model_b(**inputs).logits.float()
+        after = rebuilt(**inputs).logits.float()
+    return float((after - before).abs().max())
+
+
+def _check_inputs(
+    loaded: LoadedModel, batches: Sequence[Sequence[Mapping[str, Tensor]] | None], device: torch.device
+) -> dict[str, Tensor]:
+    """A few real inputs (evaluation or alignment data), else the fixed random ones of `verify`."""
+    for group in batches:
+        if group:
+            return {k: v.to(device) for k, v in _inputs(group[0]).items()}
+    from .adapters import get_adapter
+    from .verify import example_inputs
+
+    spec = get_adapter(loaded.model.config.model_type)
+    inputs = example_inputs(spec, loaded.model.config, torch.Generator().manual_seed(0))
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def _curve_model(template: PreTrainedModel, alignment: Alignment) -> PreTrainedModel:
+    """A model of A's class that can hold ``alignment``'s state dicts (untied when canonical)."""
+    from .models import rebuild
+
+    model = rebuild(template, dict(alignment.sd_a), untie=bool(alignment.untied))
+    _move(model, next(template.parameters()).device)
+    return model
+
+
+def _sweep_progress(report: Progress, stage: str, total: int) -> Callable[[int, float, Any], None]:
+    def step(i: int, _lam: float, _result: Any) -> None:
+        report(stage, i + 1, total)
+
+    return step
+
+
+def _timed_align(name: str, options: Any, pair: Any, progress: Progress, timings: dict[str, float]) -> Alignment:
+    from .strategies import align
+
+    start = time.perf_counter()
+    alignment = align(name, pair, options, progress)
+    timings["align"] = timings.get("align", 0.0) + time.perf_counter() - start
+    return alignment
+
+
+def _preservation(
+    strategy: str,
+    others: Sequence[LoadedModel],
+    alignments: Sequence[Alignment],
+    aligned: Sequence[Mapping[str, Tensor]],
+    inputs: Mapping[str, Tensor],
+    *,
+    real: bool,
+) -> dict[str, Any]:
+    """The ``function_preserved`` entry: worst max |Δ logits| over the aligned models, or why not measured."""
+    if not all(al.exact for al in alignments):
+        return {
+            "max_abs_diff": None,
+            "reason": f"strategy {strategy!r} with these options does not preserve B's function (experimental)",
+        }
+    gaps = [_function_gap(lm.model, al, sd, inputs) for lm, al, sd in zip(others, alignments, aligned, strict=True)]
+    return {"max_abs_diff": max(gaps), "inputs": "evaluation or alignment data" if real else "random example inputs"}
+
+
+def _curve(
+    template: PreTrainedModel,
+    alignment: Alignment,
+    aligned_b: Mapping[str, Tensor],
+    batches: Sequence[Mapping[str, Tensor]],
+    task: Task,
+    points: int,
+    name: str,
+    report: Progress,
+) -> Curve:
+    """The loss along λ between A and aligned B, in the form (original or canonical) of the alignment."""
+    from .evaluate import lambdas, loss_curve
+
+    grid = lambdas(points)
+    stage = f"{SWEEP_STAGE}: {name}"
+    report(stage, 0, len(grid))
+    return loss_curve(
+        _curve_model(template, alignment),
+        alignment.sd_a,
+        aligned_b,
+        batches,
+        task,
+        grid,
+        progress=_sweep_progress(report, stage, len(grid)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def _model_entries(recipe: Recipe) -> list[dict[str, Any]]:
+    return [{"model": ref.model, "revision": ref.revision, "commit": None} for ref in recipe.models]
+
+
+def _recipe_record(recipe: Recipe, output: Path) -> dict[str, Any]:
+    dumped: dict[str, Any] = recipe.model_dump(mode="json")
+    dumped["output"]["dir"] = str(output)
+    return dumped
+
+
+def run_recipe(
+    recipe: Recipe,
+    *,
+    output: Path | None = None,
+    device: str | None = None,
+    progress: Progress | None = None,
+) -> RunResult:
+    """Run ``recipe``: align every model to the first, merge (job merge), evaluate, write the folder.
+
+    ``output`` and ``device`` override the recipe's. Nothing is written until everything is computed,
+    and then into a temporary folder renamed into place (see `export.output_folder`).
+    """
+    from .evaluate import barrier, task_of
+    from .export import copy_preprocessor_files, output_folder, save_merged_model, write_json, write_text
+    from .merge import merge_state_dicts
+    from .models import check_compatible, load_model
+    from .report import markdown_table, plot_curves
+    from .strategies import AlignmentData, Pair, get_strategy
+
+    report = progress or _noop
+    target = _output_of(recipe, output)
+    _check_recipe(recipe, target)
+    dev = _device(device or recipe.device)
+    base_dir = Path(recipe.source).parent if Path(recipe.source).is_file() else Path.cwd()
+    timings: dict[str, float] = {"load": 0.0, "align": 0.0, "evaluate": 0.0, "save": 0.0}
+    notes: list[str] = []
+
+    # load
+    start = time.perf_counter()
+    folders = [resolve_model(ref, i) for i, ref in enumerate(recipe.models)]
+    loaded: list[LoadedModel] = []
+    report(LOAD_STAGE, 0, len(folders))
+    for i, folder in enumerate(folders):
+        lm = load_model(folder, allow_pickle=recipe.allow_pickle)
+        if loaded:
+            check_compatible(loaded[0], lm)
+        _move(lm.model, dev)
+        loaded.append(lm)
+        report(LOAD_STAGE, i + 1, len(folders))
+    a = loaded[0]
+    task = _task(recipe, a.model, task_of)
+    ev = recipe.evaluate
+    processor = _processor(folders[0], task) if (recipe.data is not None or ev is not None) else None
+    align_batches: list[dict[str, Tensor]] | None = None
+    data: AlignmentData | None = None
+    if recipe.data is not None:
+        align_batches = _batches(
+            recipe.data,
+            base_dir,
+            task,
+            processor,
+            a.model.config,
+            batch_size=ev.batch_size if ev is not None else 8,
+            max_tokens=recipe.data.max_tokens,
+            max_examples=recipe.data.max_examples,
+            seed=ev.seed if ev is not None else 0,
+            where="data",
+        )
+        special = frozenset(int(t) for t in getattr(processor, "all_special_ids", []) or [])
+        data = AlignmentData(align_batches, special, description=f"{recipe.data.dataset} ({recipe.data.split})")
+    eval_batches: list[dict[str, Tensor]] | None = None
+    if ev is not None:
+        eval_batches = _batches(
+            ev.data,
+            base_dir,
+            task,
+            processor,
+            a.model.config,
+            batch_size=ev.batch_size,
+            max_tokens=ev.max_tokens,
+            max_examples=ev.max_examples,
+            seed=ev.seed,
+            where="evaluate.data",
+        )
+    timings["load"] = time.perf_counter() - start
+
+    # align every other model to A
+    name = recipe.strategy.name
+    options = recipe.strategy.options
+    sd_a = a.model.state_dict()
+    alignments: list[Alignment] = []
+    for lm in loaded[1:]:
+        pair = Pair(a.graph, sd_a, lm.model.state_dict(), a.model, lm.model, data)
+        alignments.append(_timed_align(name, options, pair, report, timings))
+    primary = alignments[0]
+    notes.extend(dict.fromkeys(n for al in alignments for n in al.notes))
+    aligned = [al.aligned_b() for al in alignments]
+
+    inputs = _check_inputs(a, [eval_batches, align_batches], dev)
+    preserved = _preservation(name, loaded[1:], alignments, aligned, inputs, real=bool(eval_batches or align_batches))
+
+    # evaluate: the strategy's curve and one per `compare` entry, on the same batches
+    curves: dict[str, Curve] = {}
+    barriers: dict[str, dict[str, float]] = {}
+    if ev is not None and eval_batches is not None:
+        if len(loaded) > 2:
+            notes.append(f"curves are between A and B ({recipe.models[1].model}); the other models are merged only")
+        b = loaded[1]
+        for curve_name in dict.fromkeys([name, *ev.compare]):
+            if curve_name == name:
+                al, aligned_b = primary, aligned[0]
+            else:
+                pair = Pair(a.graph, sd_a, b.model.state_dict(), a.model, b.model, data)
+                al = _timed_align(curve_name, get_strategy(curve_name).parse(None), pair, report, timings)
+                aligned_b = al.aligned_b()
+            start = time.perf_counter()
+            curves[curve_name] = _curve(a.model, al, aligned_b, eval_batches, task, ev.points, curve_name, report)
+            barriers[curve_name] = barrier(curves[curve_name].lambdas, curves[curve_name].losses)
+            timings["evaluate"] += time.perf_counter() - start
+
+    # merge and save
+    start = time.perf_counter()
+    weights = recipe.merge.weights(len(loaded))
+    files: list[str] = []
+    with output_folder(target, overwrite=recipe.output.overwrite) as tmp:
+        if recipe.job == "merge":
+            merged = merge_state_dicts([primary.sd_a, *aligned], weights)
+            save_merged_model(a.model, merged, tmp, untie=bool(primary.untied))
+            copy_preprocessor_files(folders[0], tmp)
+            if primary.canonical:
+                notes.append(
+                    "the merged model is saved in canonical form (norm scales folded"
+                    + (f"; untied: {', '.join(primary.untied)})" if primary.untied else ")")
+                )
+        if curves:
+            plot_curves(curves, tmp / "barrier.png", title=_title(recipe, task))
+            write_text(tmp / "barrier.md", markdown_table(curves, barriers))
+        timings["save"] = time.perf_counter() - start
+        record = {
+            "recipe": _recipe_record(recipe, target),
+            "models": _model_entries(recipe),
+            "strategy": name,
+            "strategy_options": options.model_dump(mode="json"),
+            "merge_weights": weights if recipe.job == "merge" else None,
+            "task": task,
+            "canonical": primary.canonical,
+            "untied": list(primary.untied),
+            "barrier": barriers,
+            "curves": {k: c.as_dict() for k, c in curves.items()},
+            "function_preserved": preserved,
+            "notes": notes,
+            "timings": timings,
+            "hf_rebasin_version": __version__,
+        }
+        write_json(tmp / "rebasin.json", record)
+        files = sorted(p.name for p in tmp.iterdir())
+    return RunResult(
+        output=target,
+        job=recipe.job,
+        strategy=name,
+        saved_model=recipe.job == "merge",
+        barriers=barriers,
+        curves=curves,
+        function_preserved=preserved,
+        timings=timings,
+        notes=notes,
+        files=files,
+    )
+
+
+def _task(recipe: Recipe, model: PreTrainedModel, task_of: Callable[[Any], Task]) -> Task:
+    """The task of the data: ``evaluate.task`` (checked against A's head) or A's head."""
+    ev = recipe.evaluate
+    try:
+        implied: Task | None = task_of(model)
+    except UnsupportedArchitectureError:
+        implied = None
+    if ev is not None:
+        if implied is not None and implied != ev.task:
+            raise UnsupportedArchitectureError(
+                f"`evaluate.task`: {ev.task!r} does not fit the reference model, a {type(model).__name__} "
+                f"(its task is {implied!r}); set `task: {implied}`"
+            )
+        return ev.task
+    if implied is None and recipe.data is not None:
+        raise UnsupportedArchitectureError(
+            f"`data`: cannot tell how to batch alignment data for a {type(model).__name__}; "
+            "use a model with a task head (causal LM, masked LM, sequence or image classification)"
+        )
+    return implied or "causal-lm"
+
+
+def _title(recipe: Recipe, task: str) -> str:
+    names = [Path(ref.model).name or ref.model for ref in recipe.models[:2]]
+    return f"{task}: {names[0]} (λ=1) ↔ {names[1]} (λ=0), loss in nats"
