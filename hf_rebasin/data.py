@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from .errors import RebasinUserError
+from .errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -28,13 +28,6 @@ DEFAULT_PLAYS: tuple[str, ...] = ("hamlet", "macbeth", "othello", "king-lear", "
 HELD_OUT = 0.1  # the last 10 % of every play is the "test" split
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
-
-
-class DataError(RebasinUserError, ValueError):
-    """A data request that cannot be met (unknown play, bad split or size).
-
-    Belongs in `hf_rebasin.errors`; it lives here until that file is next edited.
-    """
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,10 @@ class RebasinUserError(RebasinError):
     """A problem with the user's input: exit code 2, no traceback."""
 
 
+class DataError(RebasinUserError, ValueError):
+    """Data that cannot be read or used: missing file, unknown column, split, label or play, bad size."""
+
+
 class ModelNotFoundError(RebasinUserError, OSError):
     """A model reference points at nothing usable (missing folder, missing config.json)."""
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from .errors import RebasinUserError
+from .errors import DataError
 
 if TYPE_CHECKING:
     import datasets
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 TextTask = Literal["causal-lm", "masked-lm"]
 ClassificationTask = Literal["sequence-classification", "image-classification"]
 
-# builders that read local files (anything else is a Hub dataset id or a local dataset folder);
-# the same set as `hf_rebasin.recipe.LOCAL_BUILDERS`
+# `datasets` builders that read local files (data_files / data_dir); anything else is a Hub
+# dataset id or a local dataset folder
 LOCAL_BUILDERS: tuple[str, ...] = (
     "text",
     "json",
@@ -58,30 +58,27 @@ MLM_PROBABILITY = 0.15  # BERT: 15 % of positions predicted, of which 80 % [MASK
 _TOKENIZE_CHUNK = 1000  # texts per tokenizer call (lets max_tokens stop early on large corpora)
 
 
-class EvalDataError(RebasinUserError, ValueError):
-    """Evaluation data that cannot be read or used: missing file, unknown column, split or label."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Loading
 
 
-def _glob_chars(s: str) -> bool:
+def has_glob(s: str) -> bool:
+    """Whether a ``data_files`` entry is a glob pattern rather than a path."""
     return any(c in s for c in "*?[")
 
 
 def _resolve_path(entry: Any, base_dir: Path, key: str) -> str:
     """``entry`` made absolute (relative to ``base_dir``); it, or its glob, must match something."""
     if not isinstance(entry, (str, Path)):
-        raise EvalDataError(f"`{key}` entries must be paths, not {entry!r}")
+        raise DataError(f"`{key}` entries must be paths, not {entry!r}")
     path = Path(entry).expanduser()
     if not path.is_absolute():
         path = base_dir.absolute() / path
-    if _glob_chars(str(entry)):
+    if has_glob(str(entry)):
         if not glob.glob(str(path), recursive=True):
-            raise EvalDataError(f"{key} pattern {str(entry)!r} matches no file (looked for {path})")
+            raise DataError(f"{key} pattern {str(entry)!r} matches no file (looked for {path})")
     elif not path.exists():
-        raise EvalDataError(f"{key} {str(entry)!r} not found (looked for {path}){_siblings(path)}")
+        raise DataError(f"{key} {str(entry)!r} not found (looked for {path}){_siblings(path)}")
     return str(path)
 
 
@@ -97,9 +94,7 @@ def _resolve_files(data_files: Any, base_dir: Path) -> str | list[str] | dict[st
         }
     if isinstance(data_files, Sequence) and data_files:
         return [_resolve_path(f, base_dir, key) for f in data_files]
-    raise EvalDataError(
-        f"`data_files` must be a path, a non-empty list of paths or {{split: paths}}, not {data_files!r}"
-    )
+    raise DataError(f"`data_files` must be a path, a non-empty list of paths or {{split: paths}}, not {data_files!r}")
 
 
 def _siblings(path: Path, limit: int = 10) -> str:
@@ -120,7 +115,7 @@ def _where(spec: Mapping[str, Any]) -> str:
 
 
 def _load(dataset: str, kwargs: dict[str, Any], split: str | None, where: str) -> Any:
-    """`datasets.load_dataset`, with its lookup failures turned into EvalDataError."""
+    """`datasets.load_dataset`, with its lookup failures turned into DataError."""
     import datasets
     from datasets.exceptions import DataFilesNotFoundError, DatasetNotFoundError
 
@@ -128,7 +123,7 @@ def _load(dataset: str, kwargs: dict[str, Any], split: str | None, where: str) -
         return datasets.load_dataset(dataset, split=split, **kwargs)
     except (DatasetNotFoundError, DataFilesNotFoundError, FileNotFoundError, ConnectionError) as e:
         hint = "" if dataset in LOCAL_BUILDERS else f"; local builders are {', '.join(LOCAL_BUILDERS)}"
-        raise EvalDataError(f"cannot load dataset {where}: {e}{hint}") from e
+        raise DataError(f"cannot load dataset {where}: {e}{hint}") from e
 
 
 def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
@@ -144,10 +139,10 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
     given = {k: v for k, v in spec.items() if v is not None}
     unknown = sorted(set(given) - set(SPEC_KEYS))
     if unknown:
-        raise EvalDataError(f"unknown data key(s) {', '.join(unknown)}; expected some of {', '.join(SPEC_KEYS)}")
+        raise DataError(f"unknown data key(s) {', '.join(unknown)}; expected some of {', '.join(SPEC_KEYS)}")
     dataset = given.get("dataset")
     if not isinstance(dataset, str) or not dataset:
-        raise EvalDataError(f"data needs `dataset`: a builder ({', '.join(LOCAL_BUILDERS)}) or a Hub dataset id")
+        raise DataError(f"data needs `dataset`: a builder ({', '.join(LOCAL_BUILDERS)}) or a Hub dataset id")
     base_dir = Path(base_dir)
     kwargs: dict[str, Any] = {}
     if "data_files" in given:
@@ -155,7 +150,7 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
     if "data_dir" in given:
         kwargs["data_dir"] = _resolve_path(given["data_dir"], base_dir, "data_dir")
     if dataset in LOCAL_BUILDERS and not kwargs:
-        raise EvalDataError(f"dataset {dataset!r} reads local files: set `data_files` (a path or a list) or `data_dir`")
+        raise DataError(f"dataset {dataset!r} reads local files: set `data_files` (a path or a list) or `data_dir`")
     if dataset not in LOCAL_BUILDERS and (base_dir / dataset).is_dir():
         dataset = str((base_dir / dataset).absolute())  # a local dataset folder, relative to the recipe
     if dataset in ("imagefolder", "audiofolder", "videofolder"):
@@ -165,12 +160,12 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
             kwargs[key] = given[key]
     split = given.get("split", "train")
     if not isinstance(split, str) or not split:
-        raise EvalDataError(f"`split` must be a split name such as 'train', not {split!r}")
+        raise DataError(f"`split` must be a split name such as 'train', not {split!r}")
     where = _where(given)
     splits = _load(dataset, kwargs, None, where)
     base = split.split("[", 1)[0]
     if base not in splits:
-        raise EvalDataError(f"dataset {where} has no split {base!r}; its splits are {', '.join(sorted(splits))}")
+        raise DataError(f"dataset {where} has no split {base!r}; its splits are {', '.join(sorted(splits))}")
     records = splits[split] if base == split else _load(dataset, kwargs, split, where)
     for key in ("column", "label_column", "image_column"):
         if key in given:
@@ -178,7 +173,7 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
     if "max_examples" in given:
         n = given["max_examples"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise EvalDataError(f"`max_examples` must be a positive integer, not {n!r}")
+            raise DataError(f"`max_examples` must be a positive integer, not {n!r}")
         records = records.select(range(min(n, len(records))))
     return records
 
@@ -186,7 +181,7 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
 def check_column(records: datasets.Dataset, column: str, key: str = "column", where: str = "the data") -> None:
     """Refuse a column the records do not have, listing the ones they do."""
     if column not in records.column_names:
-        raise EvalDataError(
+        raise DataError(
             f"{key} {column!r} is not a column of {where}; its columns are {', '.join(records.column_names)}"
         )
 
@@ -202,7 +197,7 @@ def _texts(records: datasets.Dataset, column: str) -> Iterator[list[str]]:
         chunk = records[start : start + _TOKENIZE_CHUNK][column]
         for value in chunk:
             if value is not None and not isinstance(value, str):
-                raise EvalDataError(f"column {column!r} must hold text, but holds {type(value).__name__} values")
+                raise DataError(f"column {column!r} must hold text, but holds {type(value).__name__} values")
         yield [t for t in chunk if t is not None and t.strip()]
 
 
@@ -277,7 +272,7 @@ def mask_tokens(
 
 def _check_positive(name: str, value: int | None, minimum: int = 1) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
-        raise EvalDataError(f"`{name}` must be an integer ≥ {minimum}, not {value!r}")
+        raise DataError(f"`{name}` must be an integer ≥ {minimum}, not {value!r}")
 
 
 def text_batches(
@@ -299,12 +294,12 @@ def text_batches(
     with a generator seeded by ``seed``, so every λ of a curve sees the same masks.
     """
     if task not in ("causal-lm", "masked-lm"):
-        raise EvalDataError(f"text_batches serves causal-lm and masked-lm, not {task!r}")
+        raise DataError(f"text_batches serves causal-lm and masked-lm, not {task!r}")
     _check_positive("block_size", block_size, 2)
     _check_positive("batch_size", batch_size)
     _check_positive("max_tokens", max_tokens)
     if task == "masked-lm" and tokenizer.mask_token_id is None:
-        raise EvalDataError(
+        raise DataError(
             f"masked-lm needs a tokenizer with a mask token, and this {type(tokenizer).__name__} has none; "
             "use the masked-LM model's own tokenizer (or causal-lm for a decoder)"
         )
@@ -312,7 +307,7 @@ def text_batches(
     flat, special = _token_stream(tokenizer, records, column, max_tokens)
     ids, attn, spec = _blocks(flat, special, block_size, int(pad_id))
     if ids.shape[0] == 0:
-        raise EvalDataError(
+        raise DataError(
             f"column {column!r} gave {flat.numel()} tokens: too few for one block of {block_size}; "
             "add data or lower block_size"
         )
@@ -349,25 +344,25 @@ def _labels(records: datasets.Dataset, label_column: str, label2id: Mapping[str,
         values = [names[v] for v in values]
     if any(isinstance(v, str) for v in values):
         if label2id is None:
-            raise EvalDataError(
+            raise DataError(
                 f"label_column {label_column!r} holds names (e.g. {next(v for v in values if isinstance(v, str))!r}): "
                 "pass label2id (the model config's label2id) to map them to class ids"
             )
         unknown = sorted({v for v in values if v not in label2id}, key=str)
         if unknown:
-            raise EvalDataError(
+            raise DataError(
                 f"label {unknown[0]!r} in column {label_column!r} is not one of the model's labels "
                 f"({', '.join(map(str, label2id))}){f'; {len(unknown)} unknown in all' if len(unknown) > 1 else ''}"
             )
         return torch.tensor([label2id[v] for v in values], dtype=torch.long)
     for v in values:
         if not isinstance(v, int) or isinstance(v, bool):
-            raise EvalDataError(f"label_column {label_column!r} must hold class ids or names, not {v!r}")
+            raise DataError(f"label_column {label_column!r} must hold class ids or names, not {v!r}")
     if label2id is not None:
         known = set(label2id.values())
         bad = sorted({v for v in values if v not in known})
         if bad:
-            raise EvalDataError(
+            raise DataError(
                 f"label {bad[0]} in column {label_column!r} is not a class id of the model ({sorted(known)})"
             )
     return torch.tensor(values, dtype=torch.long)
@@ -395,21 +390,21 @@ def classification_batches(
     through ``label2id``; an unknown label is an error that names it.
     """
     if task not in ("sequence-classification", "image-classification"):
-        raise EvalDataError(f"classification_batches serves sequence- and image-classification, not {task!r}")
+        raise DataError(f"classification_batches serves sequence- and image-classification, not {task!r}")
     _check_positive("batch_size", batch_size)
     _check_positive("max_length", max_length)
     labels = _labels(records, label_column, label2id)
     if len(records) == 0:
-        raise EvalDataError("the evaluation data hold no examples")
+        raise DataError("the evaluation data hold no examples")
     out: list[dict[str, Tensor]] = []
     if task == "sequence-classification":
         columns = [column] if isinstance(column, str) else list(column)
         if not 1 <= len(columns) <= 2:
-            raise EvalDataError(f"`column` must name one text column or two (a pair), not {columns!r}")
+            raise DataError(f"`column` must name one text column or two (a pair), not {columns!r}")
         for c in columns:
             check_column(records, c)
         if getattr(processor, "pad_token_id", None) is None:
-            raise EvalDataError(f"the tokenizer ({type(processor).__name__}) has no pad token; set its pad_token first")
+            raise DataError(f"the tokenizer ({type(processor).__name__}) has no pad token; set its pad_token first")
         for start in range(0, len(records), batch_size):
             chunk = records[start : start + batch_size]
             texts = [chunk[c] for c in columns]

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 from torch import Tensor
 
-from .data import DataError
-from .errors import IncompatibleModelsError, UnsupportedArchitectureError
+from .errors import DataError, IncompatibleModelsError, UnsupportedArchitectureError
+from .merge import StorageKey, storage_key
 
 if TYPE_CHECKING:
     from torch import nn
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 Task = Literal["causal-lm", "masked-lm", "sequence-classification", "image-classification"]
 TASKS: tuple[Task, ...] = get_args(Task)
 Batch = Mapping[str, Tensor]
-StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (storage, offset, shape, stride)
 
 # class-name suffix -> task; GPT-2's causal LM is the odd one out ("LMHeadModel")
 _SUFFIXES: tuple[tuple[str, Task], ...] = (
@@ -129,10 +128,6 @@ def _exp(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float64).exp())
 
 
-def _storage_key(t: Tensor) -> StorageKey:
-    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
-
-
 def interpolate(sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], lam: float) -> dict[str, Tensor]:
     """λ·A + (1−λ)·B for every floating tensor; other tensors (int buffers) are taken from A.
 
@@ -155,7 +150,7 @@ def interpolate(sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], lam: flo
         if not a.is_floating_point():
             out[name] = a
             continue
-        key = (_storage_key(a), _storage_key(b))
+        key = (storage_key(a), storage_key(b))
         if key not in done:
             wide = a.dtype in (torch.float16, torch.bfloat16)
             start, end = (b.float(), a.float()) if wide else (b.to(a.dtype), a)
@@ -175,7 +170,7 @@ def _own_copy(model: nn.Module, sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for name, t in sd.items():
         if t.untyped_storage().data_ptr() in live:
-            key = _storage_key(t)
+            key = storage_key(t)
             if key not in clones:
                 clones[key] = t.detach().clone()
             out[name] = clones[key]
@@ -196,7 +191,7 @@ def _lerp_into(live: Mapping[str, Tensor], sd_a: Mapping[str, Tensor], sd_b: Map
                     f"tensor {name!r} has shape {tuple(a.shape)} in A, {tuple(b.shape)} in B and "
                     f"{tuple(target.shape)} in the model"
                 )
-            key = _storage_key(target)
+            key = storage_key(target)
             if key in done:
                 continue  # a tied alias: written once
             done.add(key)

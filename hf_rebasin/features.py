@@ -93,17 +93,6 @@ class WeightViews:
         return {k: v.to(torch.float64) for k, v in out.items()}
 
 
-def weight_view(
-    graph: SymmetryGraph,
-    sd_a: Mapping[str, Tensor],
-    sd_b: Mapping[str, Tensor],
-    transform: Mapping[str, SpaceMap],
-    space: str,
-) -> dict[str | None, Tensor]:
-    """Cross-correlation matrices of ``space`` keyed by role (``None`` for a plain space)."""
-    return WeightViews(graph, sd_a, sd_b)(transform, space)
-
-
 def neighbours(graph: SymmetryGraph) -> dict[str, set[str]]:
     """Spaces that share a tensor with each space: a space's weight view changes only when one of
     them gets a new map."""

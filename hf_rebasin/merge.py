@@ -15,12 +15,13 @@ from torch import Tensor
 
 from .errors import IncompatibleModelsError
 
-__all__ = ["merge_state_dicts"]
+__all__ = ["StorageKey", "merge_state_dicts", "storage_key"]
 
-StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (storage, offset, shape, stride)
 
 
-def _storage_key(t: Tensor) -> StorageKey:
+def storage_key(t: Tensor) -> StorageKey:
+    """Identifies a tensor's memory: equal keys are aliases (tied weights), computed once."""
     return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
 
 
@@ -69,7 +70,7 @@ def merge_state_dicts(state_dicts: Sequence[Mapping[str, Tensor]], weights: Sequ
         if not ref.is_floating_point():
             out[name] = ref
             continue
-        key = _storage_key(ref)
+        key = storage_key(ref)
         if key not in done:
             acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
             for weight, sd in zip(w, state_dicts, strict=True):

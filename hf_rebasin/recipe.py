@@ -33,6 +33,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .errors import RebasinUserError
+from .evaldata import LOCAL_BUILDERS, has_glob
 from .evaluate import Task
 from .strategies import REGISTRY, Options, Strategy, get_strategy
 
@@ -59,14 +60,9 @@ Job = Literal["merge", "barrier"]
 JOBS: tuple[str, ...] = get_args(Job)
 LATER_JOBS = ("transport",)  # in the schema of DESIGN.md §9, not yet in this version
 
-# `datasets` builders that read local files (data_files / data_dir), unlike Hub dataset ids.
-LOCAL_BUILDERS = frozenset(
-    {"text", "json", "csv", "parquet", "arrow", "pandas", "xml", "imagefolder", "audiofolder", "videofolder"}
-)
-_DEVICE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 _HUB_REPO = re.compile(r"([A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
 DEFAULT_WEIGHT = 0.5  # λ on the reference model: the plain average
-_GLOB = re.compile(r"[*?\[]")
 # error types raised by this module's own checks: their message says it all
 _OWN_ERRORS = frozenset({"model_ref", "data_files", "weight", "compare", "repo", "dir", "device", "job_unavailable"})
 
@@ -241,7 +237,7 @@ class DataSpec(_Section):
         if isinstance(raw, dict):
             for v in raw.values():
                 flat.extend([v] if isinstance(v, str) else v)
-        return [Path(f) for f in flat if Path(f).is_absolute() and not _GLOB.search(f)]
+        return [Path(f) for f in flat if Path(f).is_absolute() and not has_glob(f)]
 
 
 def _number(value: Any) -> bool:
@@ -494,7 +490,7 @@ class Recipe(_Section):
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        if not _DEVICE.fullmatch(value):
+        if not DEVICE_PATTERN.fullmatch(value):
             raise PydanticCustomError("device", "allowed: auto, cpu, cuda, cuda:N (N a GPU index), mps")
         return value
 

@@ -17,9 +17,8 @@ import torch
 from torch import Tensor
 
 from . import __version__
-from .errors import ModelNotFoundError, RebasinUserError, UnsupportedArchitectureError
-from .evaldata import EvalDataError
-from .recipe import DataSpec, ModelRef, Recipe, describe
+from .errors import DataError, ModelNotFoundError, RebasinUserError, UnsupportedArchitectureError
+from .recipe import DEVICE_PATTERN, DataSpec, ModelRef, Recipe, describe
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -92,9 +91,9 @@ def resolve_model(ref: ModelRef, index: int = 0) -> Path:
 def _check_data_files(spec: DataSpec, where: str) -> None:
     for path in spec.local_files():
         if not path.exists():
-            raise EvalDataError(f"`{where}.data_files`: {str(path)!r} does not exist")
+            raise DataError(f"`{where}.data_files`: {str(path)!r} does not exist")
     if spec.data_dir is not None and not Path(spec.data_dir).is_dir():
-        raise EvalDataError(f"`{where}.data_dir`: {spec.data_dir!r} is not a folder")
+        raise DataError(f"`{where}.data_dir`: {spec.data_dir!r} is not a folder")
 
 
 def _check_recipe(recipe: Recipe, output: Path) -> None:
@@ -140,10 +139,8 @@ def plan(recipe: Recipe, *, output: Path | None = None) -> list[str]:
 
 
 def _device(name: str | None) -> torch.device:
-    from .recipe import _DEVICE
-
     name = name or "auto"
-    if not _DEVICE.fullmatch(name):
+    if not DEVICE_PATTERN.fullmatch(name):
         raise RebasinUserError(f"`device`: {name!r} is not a device; allowed: auto, cpu, cuda, cuda:N, mps")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -235,12 +232,12 @@ def _batches(
             max_length=None if image else _block_size(config),
             image_mode=("L" if getattr(config, "num_channels", 3) == 1 else "RGB") if image else None,
         )
-    except EvalDataError as e:
-        raise EvalDataError(f"`{where}`: {e}") from None
+    except DataError as e:
+        raise DataError(f"`{where}`: {e}") from None
     n_labels = int(getattr(config, "num_labels", 0) or 0)
     top = max(int(b["labels"].max()) for b in batches)
     if n_labels and (top >= n_labels or min(int(b["labels"].min()) for b in batches) < 0):
-        raise EvalDataError(
+        raise DataError(
             f"`{where}.label_column`: label id {top} is outside the model's {n_labels} classes (0..{n_labels - 1}); "
             "name the labels as in the model's config (label2id) or renumber them"
         )

@@ -16,7 +16,8 @@ import transformers as T
 
 import tiny
 from hf_rebasin.data import char_tokenizer
-from hf_rebasin.evaldata import EvalDataError, classification_batches, load_records, text_batches
+from hf_rebasin.errors import DataError
+from hf_rebasin.evaldata import classification_batches, load_records, text_batches
 from hf_rebasin.evaluate import evaluate_loss
 
 WORDS = "the king queen lord lady sword crown night day love death blood ghost castle sea wind".split()
@@ -177,36 +178,36 @@ def test_sequence_classification_maps_string_labels(tmp_path: Path) -> None:
     assert (out[0]["input_ids"][:, 0] == tok.cls_token_id).all()
     assert evaluate_loss(tiny.bert_cls(), out, "sequence-classification").count == 10
 
-    with pytest.raises(EvalDataError, match=r"'mid'.*neg, pos"):
+    with pytest.raises(DataError, match=r"'mid'.*neg, pos"):
         classification_batches(
             records, tok, task="sequence-classification", column="sentence", label2id={"neg": 0, "pos": 1}
         )
-    with pytest.raises(EvalDataError, match="label2id"):
+    with pytest.raises(DataError, match="label2id"):
         classification_batches(records, tok, task="sequence-classification", column="sentence")
 
 
 def test_user_errors_name_the_file_and_column(tmp_path: Path, text_file: Path) -> None:
-    with pytest.raises(EvalDataError, match=r"'missing\.txt' not found.*corpus\.txt"):
+    with pytest.raises(DataError, match=r"'missing\.txt' not found.*corpus\.txt"):
         load_records({"dataset": "text", "data_files": ["corpus.txt", "missing.txt"]}, tmp_path)
-    with pytest.raises(EvalDataError, match=r"'nope/\*\.png' matches no file"):
+    with pytest.raises(DataError, match=r"'nope/\*\.png' matches no file"):
         load_records({"dataset": "imagefolder", "data_files": "nope/*.png"}, tmp_path)
-    with pytest.raises(EvalDataError, match=r"column 'sentence' is not a column.*columns are text"):
+    with pytest.raises(DataError, match=r"column 'sentence' is not a column.*columns are text"):
         load_records({"dataset": "text", "data_files": "corpus.txt", "column": "sentence"}, tmp_path)
-    with pytest.raises(EvalDataError, match=r"no split 'validation'.*train"):
+    with pytest.raises(DataError, match=r"no split 'validation'.*train"):
         load_records({"dataset": "text", "data_files": "corpus.txt", "split": "validation"}, tmp_path)
-    with pytest.raises(EvalDataError, match=r"unknown data key.*colum"):
+    with pytest.raises(DataError, match=r"unknown data key.*colum"):
         load_records({"dataset": "text", "data_files": "corpus.txt", "colum": "text"}, tmp_path)
-    with pytest.raises(EvalDataError, match=r"data_dir 'images' not found.*corpus\.txt"):
+    with pytest.raises(DataError, match=r"data_dir 'images' not found.*corpus\.txt"):
         load_records({"dataset": "imagefolder", "data_dir": "images"}, tmp_path)
-    with pytest.raises(EvalDataError, match="set `data_files`"):
+    with pytest.raises(DataError, match="set `data_files`"):
         load_records({"dataset": "csv"}, tmp_path)
 
     records = load_records({"dataset": "text", "data_files": "corpus.txt"}, tmp_path)
     tok = char_tokenizer(text_file.read_text(encoding="utf-8"))
-    with pytest.raises(EvalDataError, match=r"'body' is not a column.*columns are text"):
+    with pytest.raises(DataError, match=r"'body' is not a column.*columns are text"):
         text_batches(records, tok, task="causal-lm", column="body")
-    with pytest.raises(EvalDataError, match="mask token"):
+    with pytest.raises(DataError, match="mask token"):
         text_batches(records, tok, task="masked-lm")
-    with pytest.raises(EvalDataError, match="too few for one block"):
+    with pytest.raises(DataError, match="too few for one block"):
         text_batches(records, tok, task="causal-lm", max_tokens=1)
-    assert issubclass(EvalDataError, ValueError)
+    assert issubclass(DataError, ValueError)
