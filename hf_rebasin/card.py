@@ -1,0 +1,318 @@
+"""The model card (README.md) of an output folder, rendered from ``model_cards/rebasin.md``.
+
+The card is built from ``rebasin.json`` alone (DESIGN.md §9), so a card can be re-rendered from
+an old output folder. Data preparation (escaping, number formatting, picking Hub ids for the
+metadata) lives here; layout lives in the Jinja template. Nothing time- or machine-dependent is
+added, so the same record always gives the same card (golden-file tests rely on it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import PurePath
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from .resources import resource
+
+TAGS = ("merge", "hf-rebasin", "re-basin")
+
+PIPELINE_TAGS = {
+    "causal-lm": "text-generation",
+    "masked-lm": "fill-mask",
+    "sequence-classification": "text-classification",
+    "image-classification": "image-classification",
+}
+
+AUTO_CLASSES = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "image-classification": "AutoModelForImageClassification",
+}
+
+# Jobs whose output folder holds a model (the others write a report only).
+_MODEL_JOBS = ("merge", "transport")
+
+# Hugging Face user access tokens; a recipe has no field for one, but a card must never carry one.
+_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
+
+
+def render_card(record: Mapping[str, Any], *, recipe_text: str, command: str) -> str:
+    """The README.md of an output folder: Hub metadata (YAML front matter) + body.
+
+    ``record`` is what the runner writes as ``rebasin.json``; ``recipe_text`` the recipe verbatim
+    and ``command`` the one line that reproduces the run. Both are embedded so the card alone is
+    enough to redo the merge.
+    """
+    template = resource("model_cards", "rebasin.md")
+    card = ModelCard.from_template(
+        card_metadata(record), template_path=str(template), **_context(record, recipe_text, command)
+    )
+    text = str(card)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def card_metadata(record: Mapping[str, Any]) -> ModelCardData:
+    """Hub metadata: lineage (Hub ids only, never local paths), tags, task and datasets."""
+    job = _job(record)
+    hub_models = [str(m["model"]) for m in _models(record) if _source(m) == "hub"]
+    fields: dict[str, Any] = {"tags": _unique([*TAGS, str(record.get("strategy") or "")])}
+    if hub_models:
+        fields["base_model"] = hub_models
+        if job == "merge":
+            fields["base_model_relation"] = "merge"
+    if job in _MODEL_JOBS:
+        fields["library_name"] = "transformers"
+        pipeline_tag = PIPELINE_TAGS.get(str(record.get("task")))
+        if pipeline_tag:
+            fields["pipeline_tag"] = pipeline_tag
+    hub_datasets = _unique(str(d["dataset"]) for d in record.get("datasets") or [] if d.get("source") == "hub")
+    if hub_datasets:
+        fields["datasets"] = hub_datasets
+    return ModelCardData(**fields)
+
+
+# --- data preparation for the template ---------------------------------------------------------
+
+
+def _context(record: Mapping[str, Any], recipe_text: str, command: str) -> dict[str, Any]:
+    """Everything the template shows, already escaped and formatted (names avoid card_data's keys)."""
+    job = _job(record)
+    strategy = str(record.get("strategy") or "unknown")
+    inputs = _inputs(record)
+    curves = _curves(record.get("curves") or {}, strategy)
+    recipe = _redact(recipe_text.rstrip("\n"))
+    cmd = _redact(command.strip())
+    return {
+        "job": job,
+        "makes_model": job in _MODEL_JOBS,
+        "title": _title(job, inputs),
+        "inputs": inputs,
+        "show_weights": record.get("merge_weights") is not None,
+        "strategy_name": strategy,
+        "strategy_paper": _paper(strategy),
+        "strategy_options": [
+            {"name": _cell(str(k)), "value": _cell(_value(v))}
+            for k, v in (record.get("strategy_options") or {}).items()
+        ],
+        "data_sources": [_data_source(d) for d in record.get("datasets") or []],
+        "barrier_table": _barrier_table(curves, record.get("barrier") or {}),
+        "barrier_reading": _barrier_reading(curves, record.get("barrier") or {}, strategy),
+        "merged_scores": _merged_scores(record.get("merged") or {}, strategy),
+        "function_preserved": _function_preserved(record.get("function_preserved")),
+        "notes": [str(n) for n in record.get("notes") or []],
+        "canonical": bool(record.get("canonical")) and job in _MODEL_JOBS,
+        "untied": [str(u) for u in record.get("untied") or []] if job in _MODEL_JOBS else [],
+        "command": cmd,
+        "command_fence": _fence(cmd),
+        "recipe_text": recipe,
+        "recipe_fence": _fence(recipe),
+        "version": str(record.get("hf_rebasin_version") or "unknown"),
+        "load": _load(record) if job in _MODEL_JOBS else None,
+    }
+
+
+def _merged_scores(merged: Mapping[str, Any], strategy: str) -> list[dict[str, str]]:
+    """Rows of the merged-model table: this merge first, then the unaligned average if scored."""
+    rows = []
+    for label in sorted(merged, key=lambda n: n != strategy):
+        score = merged[label]
+        metric = ", ".join(f"{k} {float(v):.4f}" for k, v in (score.get("metric") or {}).items()) or "—"
+        name = f"this model (`{label}`)" if label == strategy else f"the same weights without alignment (`{label}`)"
+        rows.append({"model": _cell(name), "loss": f"{float(score['loss']):.4f}", "metric": _cell(metric)})
+    return rows
+
+
+def _job(record: Mapping[str, Any]) -> str:
+    return str((record.get("recipe") or {}).get("job") or "merge")
+
+
+def _models(record: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return list(record.get("models") or [])
+
+
+def _source(model: Mapping[str, Any]) -> str:
+    """Where a model came from; records written before ``source`` existed only knew local folders."""
+    return str(model.get("source") or "local")
+
+
+def _unique(items: Iterable[str]) -> list[str]:
+    return [x for x in dict.fromkeys(items) if x]
+
+
+def _cell(text: str) -> str:
+    """A Markdown table cell: ``|`` would end the cell and a line break the row."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _short(model: Mapping[str, Any]) -> str:
+    """A model's name for titles: the Hub id, or a folder's last component."""
+    name = str(model.get("model", "?"))
+    return name if _source(model) == "hub" else (PurePath(name).name or name)
+
+
+def _role(i: int) -> str:
+    return "A (reference)" if i == 0 else chr(ord("A") + i) if i < 26 else f"#{i + 1}"
+
+
+def _inputs(record: Mapping[str, Any]) -> list[dict[str, str]]:
+    weights = record.get("merge_weights")
+    rows = []
+    for i, m in enumerate(_models(record)):
+        name = str(m.get("model", "?"))
+        source = _source(m)
+        shown = f"[{_cell(name)}](https://huggingface.co/{name})" if source == "hub" else f"`{_cell(name)}`"
+        weight = weights[i] if weights is not None and i < len(weights) else None
+        rows.append(
+            {
+                "role": _role(i),
+                "model": shown,
+                "source": source,
+                "revision": f"`{_cell(str(m['revision']))}`" if m.get("revision") else "—",
+                "commit": f"`{_cell(str(m['commit']))}`" if m.get("commit") else "—",
+                "weight": f"{float(weight):g}" if weight is not None else "—",
+                "short": _short(m),
+            }
+        )
+    return rows
+
+
+def _title(job: str, inputs: Sequence[Mapping[str, str]]) -> str:
+    names = [r["short"] for r in inputs] or ["?"]
+    if job == "barrier":
+        return f"Loss barrier: {' vs '.join(names[:2])}"
+    if job == "merge":
+        return f"Re-basin merge: {' + '.join(names)}"
+    return f"Re-basin {job}: {', '.join(names)}"
+
+
+def _paper(name: str) -> str:
+    """The strategy's paper from the registry; a record from a newer version may name an unknown one."""
+    from .errors import StrategyOptionError
+    from .strategies import get_strategy
+
+    try:
+        return get_strategy(name).paper
+    except StrategyOptionError:
+        return ""
+
+
+_SOURCE_WORDS = {"hub": "Hub dataset", "local": "local files", "builtin": "built into hf-rebasin"}
+
+
+def _data_source(entry: Mapping[str, Any]) -> dict[str, str]:
+    name = str(entry.get("dataset", "?"))
+    source = entry.get("source")
+    details = [f"split `{entry['split']}`"] if entry.get("split") else []
+    if source in _SOURCE_WORDS:
+        details.append(_SOURCE_WORDS[source])
+    shown = f"[{name}](https://huggingface.co/datasets/{name})" if source == "hub" else f"`{name}`"
+    return {"role": str(entry.get("role", "data")), "dataset": shown, "details": ", ".join(details)}
+
+
+def _curves(raw: Mapping[str, Any], strategy: str) -> dict[str, Any]:
+    """``Curve`` objects from ``rebasin.json``'s ``curves``, the strategy's own curve first."""
+    from .evaluate import Curve
+
+    names = sorted(raw, key=lambda n: n != strategy)  # stable: the rest keep the record's order
+    return {
+        n: Curve(
+            lambdas=[float(x) for x in raw[n]["lambdas"]],
+            losses=[float(x) for x in raw[n]["loss"]],
+            metrics={k: [float(x) for x in v] for k, v in (raw[n].get("metric") or {}).items()},
+        )
+        for n in names
+    }
+
+
+def _barrier_table(curves: Mapping[str, Any], barriers: Mapping[str, Mapping[str, float]]) -> str | None:
+    if not curves:
+        return None
+    from .report import markdown_table
+
+    return markdown_table(curves, barriers).rstrip("\n")
+
+
+def _linear(curves: Mapping[str, Any], barriers: Mapping[str, Mapping[str, float]], name: str) -> float | None:
+    if name in barriers and "linear" in barriers[name]:
+        return float(barriers[name]["linear"])
+    if name in curves:
+        from .evaluate import barrier
+
+        try:
+            return barrier(curves[name].lambdas, curves[name].losses)["linear"]
+        except ValueError:  # a curve without its end points has no barrier
+            return None
+    return None
+
+
+def _barrier_reading(
+    curves: Mapping[str, Any], barriers: Mapping[str, Mapping[str, float]], strategy: str
+) -> str | None:
+    """One sentence that reads the table: what alignment did to the linear barrier."""
+    if not curves:
+        return None
+    ours = _linear(curves, barriers, strategy)
+    if ours is None or not math.isfinite(ours):
+        return None
+    if strategy == "vanilla":
+        return f"The plain average (no alignment) has a linear barrier of {ours:.3f} nats."
+    base = _linear(curves, barriers, "vanilla")
+    if base is None or not math.isfinite(base):
+        return (
+            f"`{strategy}` leaves a linear barrier of {ours:.3f} nats; add `vanilla` to `evaluate.compare` "
+            "to see the barrier without alignment."
+        )
+    if ours == base:
+        return f"`{strategy}` leaves the linear barrier unchanged at {ours:.3f} nats."
+    verb = "lowers" if ours < base else "raises"
+    change = ""
+    if base > 0:
+        pct = (ours - base) / base * 100
+        change = f" ({'−' if pct < 0 else '+'}{abs(pct):.0f} %)"
+    return f"`{strategy}` {verb} the linear barrier from {base:.3f} to {ours:.3f} nats{change}."
+
+
+def _function_preserved(entry: Mapping[str, Any] | None) -> str:
+    if not entry:
+        return "Function preservation was not recorded for this run."
+    diff = entry.get("max_abs_diff")
+    if diff is None:
+        reason = str(entry.get("reason") or "no reason recorded")
+        return f"max |Δ logits| between B and aligned B was not measured: {reason}."
+    where = f" (on {entry['inputs']})" if entry.get("inputs") else ""
+    return f"max |Δ logits| between B and aligned B: {float(diff):.2e}{where}."
+
+
+def _load(record: Mapping[str, Any]) -> dict[str, str]:
+    """How to load the output folder: the Hub repo it is pushed to, else the output folder."""
+    recipe = record.get("recipe") or {}
+    output = recipe.get("output") or {}
+    push = output.get("push_to_hub") or {}
+    where = str(push.get("repo") or output.get("dir") or "path/to/this/folder")
+    task = str(record.get("task"))
+    return {
+        "model_class": AUTO_CLASSES.get(task, "AutoModel"),
+        "processor_class": "AutoImageProcessor" if task == "image-classification" else "AutoTokenizer",
+        "processor_var": "processor" if task == "image-classification" else "tokenizer",
+        "path": json.dumps(where),
+    }
+
+
+def _fence(text: str) -> str:
+    """A code fence longer than any run of backticks inside ``text``, so the block cannot end early."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def _redact(text: str) -> str:
+    return _TOKEN.sub("hf_***", text)
