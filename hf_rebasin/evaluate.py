@@ -56,12 +56,21 @@ class Curve:
         return {"lambdas": list(self.lambdas), "loss": list(self.losses), "metric": dict(self.metrics)}
 
 
+def task_of_class(name: str) -> Task | None:
+    """The task implied by a model class name (``GPT2LMHeadModel`` → ``causal-lm``), else None.
+
+    Works on ``config.json``'s ``architectures`` too, so a dry run can check a recipe's task
+    without loading weights.
+    """
+    return next((task for suffix, task in _SUFFIXES if name.endswith(suffix)), None)
+
+
 def task_of(model: nn.Module) -> Task:
     """The evaluation task implied by a model's class (``GPT2LMHeadModel`` → ``causal-lm``)."""
     name = type(model).__name__
-    for suffix, task in _SUFFIXES:
-        if name.endswith(suffix):
-            return task
+    task = task_of_class(name)
+    if task is not None:
+        return task
     raise UnsupportedArchitectureError(
         f"cannot tell which loss to evaluate for a {name}: supported heads are "
         f"{', '.join(s for s, _ in _SUFFIXES)} (tasks {', '.join(TASKS)}); set `evaluate.task` "

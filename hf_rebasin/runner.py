@@ -123,13 +123,38 @@ def _check_recipe(recipe: Recipe, output: Path) -> None:
             "`output.push_to_hub`: pushing to the Hub arrives with the hub module (not in this version); "
             "remove `push_to_hub` and upload the output folder yourself"
         )
-    for i, ref in enumerate(recipe.models):
-        resolve_model(ref, i, fetch=False)
+    folders = [resolve_model(ref, i, fetch=False) for i, ref in enumerate(recipe.models)]
+    _check_task_of_folder(recipe, folders[0])
     if recipe.data is not None:
         _check_data_files(recipe.data, "data")
     if recipe.evaluate is not None:
         _check_data_files(recipe.evaluate.data, "evaluate.data")
     check_output(output, recipe.output.overwrite)
+
+
+def _task_mismatch(task: str, class_name: str, implied: str) -> UnsupportedArchitectureError:
+    return UnsupportedArchitectureError(
+        f"`evaluate.task`: {task!r} does not fit the reference model, a {class_name} (its task is {implied!r}); "
+        f"set `task: {implied}`"
+    )
+
+
+def _check_task_of_folder(recipe: Recipe, folder: Path) -> None:
+    """``evaluate.task`` against the head named in A's config.json (no weights needed)."""
+    import json
+
+    from .evaluate import task_of_class
+
+    config = folder / "config.json"
+    if recipe.evaluate is None or not config.is_file():  # a zoo model not trained yet: checked after loading
+        return
+    try:
+        architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # loading the model reports a broken config with its own message
+    implied = task_of_class(str(architectures[0])) if architectures else None
+    if implied is not None and implied != recipe.evaluate.task:
+        raise _task_mismatch(recipe.evaluate.task, str(architectures[0]), implied)
 
 
 def _output_of(recipe: Recipe, output: Path | None) -> Path:
@@ -622,10 +647,7 @@ def _task(recipe: Recipe, model: PreTrainedModel, task_of: Callable[[Any], Task]
         implied = None
     if ev is not None:
         if implied is not None and implied != ev.task:
-            raise UnsupportedArchitectureError(
-                f"`evaluate.task`: {ev.task!r} does not fit the reference model, a {type(model).__name__} "
-                f"(its task is {implied!r}); set `task: {implied}`"
-            )
+            raise _task_mismatch(ev.task, type(model).__name__, implied)
         return ev.task
     if implied is None and recipe.data is not None:
         raise UnsupportedArchitectureError(

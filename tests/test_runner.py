@@ -337,6 +337,10 @@ def test_broken_recipes_exit_2_naming_the_field(tmp_path: Path, capsys: Any, gpt
     )
     _broken(tmp_path, body, capsys, "evaluate.data", "missing.txt", dry_run=True)
     _broken(tmp_path, _merge_body(models=["./gpt2-a", "org/not-downloaded"]), capsys, "models.1.model", "hub")
+    body = _merge_body(evaluate={"task": "masked-lm", "data": {"dataset": "text", "data_files": "corpus.txt"}})
+    (tmp_path / "corpus.txt").write_text("some text\n")
+    for dry_run in (True, False):  # the head is read from config.json: no weights needed to refuse it
+        _broken(tmp_path, body, capsys, "evaluate.task", "'masked-lm'", "GPT2LMHeadModel", "causal-lm", dry_run=dry_run)
 
 
 def test_existing_output_folder_is_refused_and_kept(tmp_path: Path, env, gpt2_pair) -> None:
