@@ -387,8 +387,9 @@ def print_run_summary(console: Console, result: Any) -> None:
         untied = f"; untied: {', '.join(result.untied)}" if result.untied else ""
         console.print(f"note: the merged model is saved in canonical form (norm scales folded{escape(untied)})")
     t = result.timings
+    train = f"train {t['train']:.1f}, " if "train" in t else ""
     console.print(
-        f"seconds: load {t['load']:.1f}, align {t['align']:.1f}, evaluate {t['evaluate']:.1f}, save {t['save']:.1f}"
+        f"seconds: {train}load {t['load']:.1f}, align {t['align']:.1f}, evaluate {t['evaluate']:.1f}, save {t['save']:.1f}"
     )
     what = "merged model and report" if result.saved_model else "report"
     console.print(f"{what} written to {escape(str(result.output))} ({escape(', '.join(result.files))})", soft_wrap=True)
