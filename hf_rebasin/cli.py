@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
             "of its outputs. Exit 0 when within tolerance, 1 otherwise, 2 on bad input."
         ),
     )
-    verify.add_argument("model", metavar="MODEL", help="a local model folder (config.json + model.safetensors)")
+    verify.add_argument(
+        "model", metavar="MODEL", help="a local model folder (config.json + model.safetensors) or a Hub id[@revision]"
+    )
     verify.add_argument("--seed", type=int, default=0, help="seed of the random transform and inputs (default 0)")
     verify.add_argument(
         "--class",
@@ -163,6 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("seeds", nargs="*", type=int, default=[0, 1], metavar="SEED", help="seeds (default 0 1)")
     zoo.set_defaults(func=cmd_zoo)
 
+    push = sub.add_parser(
+        "push",
+        help="upload an output folder to the Hub as one commit (e.g. to retry a failed push)",
+        description=(
+            "Create the repo if needed and upload the folder (model, card, rebasin.json, plot) as one commit. "
+            "The token comes from HF_TOKEN or `hf auth login`."
+        ),
+    )
+    push.add_argument("folder", metavar="FOLDER", help="an hf-rebasin output folder (holds rebasin.json)")
+    push.add_argument("--repo", required=True, help="Hub repo id: name or org/name")
+    push.add_argument("--private", action="store_true", help="create the repo private")
+    push.add_argument("--revision", metavar="BRANCH", help="branch to push to (created if missing; default main)")
+    push.add_argument("--message", metavar="TEXT", help="commit message")
+    push.set_defaults(func=cmd_push)
+
     schema = sub.add_parser("schema", help="print the JSON Schema of recipe files (for editors)")
     schema.set_defaults(func=cmd_schema)
     return parser
@@ -177,7 +194,7 @@ def _run_options(parser: argparse.ArgumentParser, output_help: str, output: str 
     parser.add_argument("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps (overrides `device`)")
 
 
-COMMANDS = ("verify", "align", "run", "demo", "zoo", "schema")
+COMMANDS = ("verify", "align", "run", "demo", "zoo", "push", "schema")
 DEMO_OUTPUT = "rebasin-demo"
 ZOO_KINDS = ("gpt2", "vit")  # hf_rebasin.train.KINDS, restated so `--help` does not import torch
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -253,7 +270,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     from .verify import verify_model
 
     try:
-        loaded = load_model(args.model, allow_pickle=args.allow_pickle)
+        loaded = load_model(_model_folder(args.model, args.allow_pickle), allow_pickle=args.allow_pickle)
     except PickleRefusedError as e:
         raise PickleRefusedError(f"{e} (on the command line: --allow-pickle)") from None
     model = loaded.model
@@ -263,6 +280,18 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         report = verify_model(model, args.transform_class, args.seed)
     print_verify_report(console, report, desc, args.seed)
     return EXIT_OK if report.ok else EXIT_INTERNAL
+
+
+def _model_folder(value: str, allow_pickle: bool) -> str:
+    """A folder as given, or a Hub ``id[@revision]`` downloaded (what hf-rebasin reads of it)."""
+    from pathlib import Path
+
+    from . import hub
+
+    repo, revision = hub.split_ref(value)
+    if Path(value).exists() or value.startswith((".", "/", "~")) or not hub.is_repo_id(repo):
+        return value
+    return str(hub.download_model(repo, revision, allow_pickle=allow_pickle, where="MODEL").folder)
 
 
 def _parse_options(items: Sequence[str]) -> dict[str, Any]:
@@ -391,6 +420,12 @@ def print_run_summary(console: Console, result: Any) -> None:
     console.print(
         f"seconds: {train}load {t['load']:.1f}, align {t['align']:.1f}, evaluate {t['evaluate']:.1f}, save {t['save']:.1f}"
     )
+    if result.pushed is not None:
+        console.print(
+            f"pushed to {escape(result.pushed.repo)}@{escape(result.pushed.revision)}: commit {result.pushed.commit} "
+            f"({escape(result.pushed.url)})",
+            soft_wrap=True,
+        )
     what = "merged model and report" if result.saved_model else "report"
     console.print(f"{what} written to {escape(str(result.output))} ({escape(', '.join(result.files))})", soft_wrap=True)
 
@@ -415,6 +450,29 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             recipe, output=output, device=args.device, progress=_stage_reporter(bars), command=args.command_line
         )
     print_run_summary(console, result)
+    if result.push_error is not None:
+        Console(stderr=True, highlight=False).print(f"[red]error:[/] {escape(result.push_error)}", soft_wrap=True)
+        return EXIT_USER
+    return EXIT_OK
+
+
+def cmd_push(args: argparse.Namespace, console: Console) -> int:
+    """``hf-rebasin push DIR --repo R``: upload a finished output folder as one commit (retrying a push)."""
+    from pathlib import Path
+
+    from . import hub
+    from .errors import ModelNotFoundError
+
+    folder = Path(args.folder)
+    if not (folder / "rebasin.json").is_file():
+        raise ModelNotFoundError(f"FOLDER: {str(folder)!r} is not an hf-rebasin output folder (no rebasin.json)")
+    _quiet_libraries()
+    with console.status(f"pushing {folder} to {args.repo}…"):
+        result = hub.push_folder(
+            folder, args.repo, private=args.private or None, revision=args.revision, commit_message=args.message
+        )
+    console.print(f"pushed to {escape(result.repo)}@{escape(result.revision)}: commit {result.commit}")
+    console.print(escape(result.url), soft_wrap=True)
     return EXIT_OK
 
 
@@ -438,8 +496,8 @@ def cmd_zoo(args: argparse.Namespace, console: Console) -> int:
             resolve_model(ModelRef(model=f"zoo:{args.kind}-seed{s}", revision=None), progress=_stage_reporter(bars))
             for s in args.seeds
         ]
-    for folder in folders:
-        console.print(escape(str(folder)), soft_wrap=True)
+    for resolved in folders:
+        console.print(escape(str(resolved.folder)), soft_wrap=True)
     return EXIT_OK
 
 

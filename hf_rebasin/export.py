@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from torch import Tensor
     from transformers import PreTrainedModel
 
+DEFAULT_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default: one file unless a model is larger
+
 __all__ = [
     "PREPROCESSOR_FILES",
     "check_output",
@@ -114,7 +116,12 @@ def copy_preprocessor_files(source: Path, dest: Path) -> list[str]:
 
 
 def save_merged_model(
-    template: PreTrainedModel, state_dict: Mapping[str, Tensor], dest: Path, *, untie: bool = False
+    template: PreTrainedModel,
+    state_dict: Mapping[str, Tensor],
+    dest: Path,
+    *,
+    untie: bool = False,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
 ) -> None:
     """``state_dict`` saved as a standard folder of ``template``'s class and config (safetensors).
 
@@ -123,7 +130,8 @@ def save_merged_model(
     """
     from .models import rebuild
 
-    rebuild(template, dict(state_dict), untie=untie).save_pretrained(str(dest))  # rebuilt on the CPU
+    model = rebuild(template, dict(state_dict), untie=untie)  # rebuilt on the CPU
+    model.save_pretrained(str(dest), max_shard_size=max_shard_size)  # safetensors, sharded past the size
 
 
 def _plain(value: Any) -> Any:

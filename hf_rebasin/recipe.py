@@ -35,6 +35,7 @@ from pydantic_core import PydanticCustomError
 from .errors import DataError, RebasinUserError
 from .evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS, check_files
 from .evaluate import Task
+from .export import DEFAULT_SHARD_SIZE
 from .strategies import REGISTRY, Options, Strategy, get_strategy
 from .train import KINDS, is_trained, zoo_folder
 
@@ -64,10 +65,13 @@ LATER_JOBS = ("transport",)  # in the schema of DESIGN.md §9, not yet in this v
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 # a model of the zoo (`hf_rebasin.train`): trained by hf-rebasin on first use, then cached
 ZOO_PATTERN = re.compile(rf"zoo:({'|'.join(KINDS)})-seed(\d+)")
+_SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)", re.IGNORECASE)
 _HUB_REPO = re.compile(r"([A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
 DEFAULT_WEIGHT = 0.5  # λ on the reference model: the plain average
 # error types raised by this module's own checks: their message says it all
-_OWN_ERRORS = frozenset({"model_ref", "data_files", "weight", "compare", "repo", "dir", "device", "job_unavailable"})
+_OWN_ERRORS = frozenset(
+    {"model_ref", "data_files", "weight", "compare", "repo", "dir", "device", "job_unavailable", "size"}
+)
 
 Lines = Mapping[tuple[str, ...], int]
 
@@ -130,6 +134,10 @@ def _local(value: str, base: Path | None, *, force: bool = False) -> str:
     return value
 
 
+def _is_path(value: str) -> bool:
+    return value.startswith((".", "/", "~", "\\")) or Path(value).is_absolute()
+
+
 class ModelRef(_Section):
     """A model: Hub repo id or local folder, and an optional revision (branch, tag or commit)."""
 
@@ -140,7 +148,8 @@ class ModelRef(_Section):
     @classmethod
     def _bare_string(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return {"model": value}
+            repo, revision = value.rpartition("@")[::2] if "@" in value and not _is_path(value) else (value, "")
+            return {"model": repo, "revision": revision} if revision else {"model": value}
         if not isinstance(value, (Mapping, ModelRef)):
             raise PydanticCustomError(
                 "model_ref", "a model is a Hub id or folder (a string) or a mapping {model: ..., revision: ...}"
@@ -369,7 +378,19 @@ class Output(_Section):
 
     dir: Path = Field(description="folder to write the result to (relative to the recipe file)")
     overwrite: bool = Field(False, description="replace the folder if it exists")
+    max_shard_size: str | int = Field(
+        DEFAULT_SHARD_SIZE,
+        description="split model.safetensors into shards past this size: bytes, or a string such as 2GB or 500MB",
+    )
     push_to_hub: PushToHub | None = Field(None, description="also publish the folder to the Hub")
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _shard_size(cls, value: str | int) -> str | int:
+        ok = value > 0 if isinstance(value, int) else bool(_SIZE.fullmatch(value.strip()))
+        if not ok:
+            raise PydanticCustomError("size", "a size in bytes or with a unit: 500MB, 2GB, 10GiB")
+        return value
 
     @field_validator("dir", mode="before")
     @classmethod
@@ -459,7 +480,11 @@ class Recipe(_Section):
     evaluate: Evaluate | None = Field(None, validate_default=True, description="loss curves; required by job: barrier")
     output: Output = Field(description="where results go")
     allow_pickle: bool = Field(False, description="allow loading pickle (.bin) checkpoints")
-    trust_remote_code: bool = Field(False, description="run model code from the Hub")
+    trust_remote_code: bool = Field(
+        False,
+        description="accept models whose config names custom code (auto_map): their weights are loaded into the "
+        "stock class of their model_type; repository code is never run",
+    )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
 
     _source: str = PrivateAttr("<recipe>")

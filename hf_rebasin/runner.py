@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .models import LoadedModel
     from .strategies import Alignment, AlignmentData
 
-__all__ = ["Progress", "RunResult", "plan", "resolve_model", "run_recipe"]
+__all__ = ["Progress", "ResolvedModel", "RunResult", "plan", "resolve_model", "run_recipe"]
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: the CLI turns each stage into a progress bar (total 0: unknown)."""
@@ -54,6 +54,8 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    pushed: Any = None  # hub.PushResult when output.push_to_hub succeeded
+    push_error: str | None = None  # why the push failed (the local folder is complete)
     canonical: bool = False  # the merged model was saved in canonical form (norm scales folded)
     untied: list[str] = field(default_factory=list)  # tied tensors stored separately in the merged model
 
@@ -66,12 +68,26 @@ def _noop(stage: str, done: int, total: int) -> None:
 # Resolving and planning
 
 
-def resolve_model(ref: ModelRef, index: int = 0, *, progress: Progress | None = None, fetch: bool = True) -> Path:
-    """The local folder of a model reference.
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model reference leads: its folder (None: a Hub model not downloaded yet) and commit."""
 
-    A zoo model is trained on first use (``fetch=False``, as in a dry run, only says where it will
-    be). Hub ids raise a user error for now (the `hub` module replaces this part with a download
-    that records the resolved commit).
+    folder: Path | None
+    commit: str | None = None
+
+
+def resolve_model(
+    ref: ModelRef,
+    index: int = 0,
+    *,
+    progress: Progress | None = None,
+    fetch: bool = True,
+    allow_pickle: bool = False,
+) -> ResolvedModel:
+    """The local folder of a model reference, trained (zoo) or downloaded (Hub) when ``fetch``.
+
+    Without ``fetch`` (a dry run) nothing is trained or downloaded: a zoo model says where it will
+    be, a Hub model is resolved to its commit from metadata alone.
     """
     where = f"`models.{index}.model`"
     if ref.zoo is not None:
@@ -85,13 +101,16 @@ def resolve_model(ref: ModelRef, index: int = 0, *, progress: Progress | None = 
             steps = train.train_steps(kind)
             report(stage, 0, steps)
             folder = train.cached_model(kind, seed, progress=lambda step, _loss: report(stage, step + 1, steps))
-        return folder
-    if not ref.is_local:
-        raise ModelNotFoundError(
-            f"{where}: {ref.model!r} is not a local folder, and downloading Hub ids arrives with the hub module "
-            "(not in this version); download the model first (e.g. `huggingface-cli download "
-            f"{ref.model} --local-dir ./{ref.model.rsplit('/', 1)[-1]}`) and give the folder, as ./path"
-        )
+        return ResolvedModel(folder)
+    if ref.source == "hub":
+        from . import hub
+
+        if not fetch:
+            commit, files = hub.resolve_revision(ref.model, ref.revision, where=where)
+            hub.weight_patterns(ref.model, ref.revision, files, allow_pickle=allow_pickle, where=where)
+            return ResolvedModel(None, commit)
+        snap = hub.download_model(ref.model, ref.revision, allow_pickle=allow_pickle, where=where)
+        return ResolvedModel(snap.folder, snap.commit)
     folder = Path(ref.model)
     if not folder.exists():
         raise ModelNotFoundError(f"{where}: the model folder {str(folder)!r} does not exist")
@@ -101,7 +120,7 @@ def resolve_model(ref: ModelRef, index: int = 0, *, progress: Progress | None = 
         raise ModelNotFoundError(
             f"{where}: {str(folder)!r} has no config.json; a model folder is what `save_pretrained` writes"
         )
-    return folder
+    return ResolvedModel(folder)
 
 
 def _untrained_zoo(recipe: Recipe) -> bool:
@@ -121,22 +140,53 @@ def _check_data_files(spec: DataSpec, where: str) -> None:
         raise DataError(f"`{where}`: {e}") from None
 
 
-def _check_recipe(recipe: Recipe, output: Path) -> None:
-    """Everything that can be checked without loading weights: folders, files, output, push."""
+def _check_recipe(recipe: Recipe, output: Path) -> list[ResolvedModel]:
+    """Everything that can be checked without loading weights: models, files, output, push token."""
     from .export import check_output
 
-    if recipe.output.push_to_hub is not None:
-        raise RebasinUserError(
-            "`output.push_to_hub`: pushing to the Hub arrives with the hub module (not in this version); "
-            "remove `push_to_hub` and upload the output folder yourself"
-        )
-    folders = [resolve_model(ref, i, fetch=False) for i, ref in enumerate(recipe.models)]
-    _check_task_of_folder(recipe, folders[0])
+    check_output(output, recipe.output.overwrite)
+    resolved = [
+        resolve_model(ref, i, fetch=False, allow_pickle=recipe.allow_pickle) for i, ref in enumerate(recipe.models)
+    ]
+    for i, res in enumerate(resolved):
+        if res.folder is not None and (res.folder / "config.json").is_file():
+            _check_remote_code(recipe, res.folder, i)
+    if resolved[0].folder is not None:
+        _check_task_of_folder(recipe, resolved[0].folder)
     if recipe.data is not None:
         _check_data_files(recipe.data, "data")
     if recipe.evaluate is not None:
         _check_data_files(recipe.evaluate.data, "evaluate.data")
-    check_output(output, recipe.output.overwrite)
+    push = recipe.output.push_to_hub
+    if push is not None:
+        from . import hub
+
+        if not hub.has_token():
+            raise hub.HubError(
+                f"`output.push_to_hub`: pushing to {push.repo!r} needs a token: set HF_TOKEN or run `hf auth login` "
+                "(checked before any work is done)"
+            )
+    return resolved
+
+
+def _check_remote_code(recipe: Recipe, folder: Path, index: int) -> None:
+    """A model whose config.json names its own modeling code (``auto_map``) needs ``trust_remote_code``.
+
+    hf-rebasin never downloads or runs repository code: with ``trust_remote_code: true`` the weights
+    are loaded into the stock class of their ``model_type`` (every tensor's shape is checked).
+    """
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # loading reports it
+    if isinstance(config, dict) and config.get("auto_map") and not recipe.trust_remote_code:
+        raise UnsupportedArchitectureError(
+            f"`models.{index}.model`: {recipe.models[index]} ships its own modeling code (auto_map in config.json: "
+            f"{', '.join(sorted(config['auto_map']))}); hf-rebasin never runs repository code. Set "
+            "`trust_remote_code: true` to load its weights into the stock class of its model_type instead"
+        )
 
 
 def _task_mismatch(task: str, class_name: str, implied: str) -> UnsupportedArchitectureError:
@@ -171,11 +221,14 @@ def _output_of(recipe: Recipe, output: Path | None) -> Path:
 def plan(recipe: Recipe, *, output: Path | None = None) -> list[str]:
     """The plan of ``--dry-run``: `describe` plus the checks that need no weights (typed errors)."""
     target = _output_of(recipe, output)
-    _check_recipe(recipe, target)
+    resolved = _check_recipe(recipe, target)
     lines = describe(recipe)
+    for ref, res in zip(recipe.models, resolved, strict=True):
+        if res.commit is not None:
+            lines.append(f"resolved: {ref} -> commit {res.commit}")
     if output is not None:
         lines = [f"output: {target} (from --output)" if line.startswith("output: ") else line for line in lines]
-    lines.append("checks: model folders, data files and the output folder are in order; no weights were loaded")
+    lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
     return lines
 
 
@@ -424,10 +477,16 @@ def _curve(
 # The run
 
 
-def _model_entries(recipe: Recipe, folders: Sequence[Path]) -> list[dict[str, Any]]:
+def _model_entries(recipe: Recipe, resolved: Sequence[ResolvedModel]) -> list[dict[str, Any]]:
     return [
-        {"model": ref.model, "revision": ref.revision, "commit": None, "source": ref.source, "folder": str(folder)}
-        for ref, folder in zip(recipe.models, folders, strict=True)
+        {
+            "model": ref.model,
+            "revision": ref.revision,
+            "commit": r.commit,
+            "source": ref.source,
+            "folder": str(r.folder),
+        }
+        for ref, r in zip(recipe.models, resolved, strict=True)
     ]
 
 
@@ -485,7 +544,12 @@ def run_recipe(
     # load (zoo models are trained first when not cached: timed apart as "train")
     start = time.perf_counter()
     untrained = _untrained_zoo(recipe)
-    folders = [resolve_model(ref, i, progress=report) for i, ref in enumerate(recipe.models)]
+    resolved = [
+        resolve_model(ref, i, progress=report, allow_pickle=recipe.allow_pickle) for i, ref in enumerate(recipe.models)
+    ]
+    folders = [r.folder for r in resolved if r.folder is not None]
+    for i, folder in enumerate(folders):
+        _check_remote_code(recipe, folder, i)
     if untrained:
         timings["train"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -588,7 +652,9 @@ def run_recipe(
     files: list[str] = []
     with output_folder(target, overwrite=recipe.output.overwrite) as tmp:
         if recipe.job == "merge":
-            save_merged_model(a.model, merged, tmp, untie=bool(primary.untied))
+            save_merged_model(
+                a.model, merged, tmp, untie=bool(primary.untied), max_shard_size=recipe.output.max_shard_size
+            )
             copy_preprocessor_files(folders[0], tmp)
         if curves:
             plot_curves(curves, tmp / "barrier.png", title=_title(recipe, task))
@@ -596,7 +662,7 @@ def run_recipe(
         timings["save"] = time.perf_counter() - start
         record = {
             "recipe": _recipe_record(recipe, target),
-            "models": _model_entries(recipe, folders),
+            "models": _model_entries(recipe, resolved),
             "datasets": _dataset_entries(recipe),
             "strategy": name,
             "strategy_options": options.model_dump(mode="json"),
@@ -617,6 +683,7 @@ def run_recipe(
             tmp / "README.md", render_card(record, recipe_text=_recipe_text(recipe), command=_command(recipe, command))
         )
         files = sorted(p.name for p in tmp.iterdir())
+    pushed, push_error = _push(recipe, target, report)
     return RunResult(
         output=target,
         job=recipe.job,
@@ -631,7 +698,29 @@ def run_recipe(
         files=files,
         canonical=recipe.job == "merge" and primary.canonical,
         untied=list(primary.untied) if recipe.job == "merge" else [],
+        pushed=pushed,
+        push_error=push_error,
     )
+
+
+def _push(recipe: Recipe, folder: Path, report: Progress) -> tuple[Any, str | None]:
+    """Push the finished folder when the recipe asks; a failure is returned, the folder is kept."""
+    push = recipe.output.push_to_hub
+    if push is None:
+        return None, None
+    from . import hub
+
+    stage = f"pushing to {push.repo}"
+    report(stage, 0, 1)
+    message = push.commit_message or f"hf-rebasin {recipe.job} with {recipe.strategy.name} ({Path(recipe.source).name})"
+    try:
+        result = hub.push_folder(
+            folder, push.repo, private=push.private, revision=push.revision, commit_message=message
+        )
+    except hub.PushError as e:
+        return None, str(e)
+    report(stage, 1, 1)
+    return result, None
 
 
 def _recipe_text(recipe: Recipe) -> str:

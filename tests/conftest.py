@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 import tiny  # noqa: E402
+from hub_server import HubServer, serve_hub  # noqa: E402
 
 SaveModel = Callable[..., Path]
 
@@ -38,3 +39,13 @@ def saved_model(tmp_path: Path) -> SaveModel:
         return folder
 
     return save
+
+
+@pytest.fixture
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
+    """A local Hub-compatible server (tests/hub_server.py); tokens: ALICE_TOKEN -> alice, BOB_TOKEN -> bob.
+
+    The client reads HF_ENDPOINT at import: talk to it from a subprocess (`hub_server.run_client`).
+    """
+    with serve_hub(tmp_path_factory.mktemp("hub-storage")) as server:
+        yield server

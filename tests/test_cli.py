@@ -30,8 +30,8 @@ def start_cli(*args: str, code: str | None = None, env: dict[str, str] | None = 
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         COLUMNS="200",
-        **(env or {}),
     )
+    environ.update(env or {})  # may turn downloads back on (tests against the local Hub)
     cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "hf_rebasin", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 import http.client
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hub_server import ALICE_TOKEN, BOB_TOKEN, HubServer, git_blob_id, serve_hub
+from hub_server import ALICE_TOKEN, BOB_TOKEN, HubServer, git_blob_id
 from hub_server import run_client as _run_client
 
 ALICE, BOB = ALICE_TOKEN, BOB_TOKEN  # users "alice" and "bob"
@@ -39,13 +38,6 @@ def report(**values):
     print("RESULT " + json.dumps(values, default=str))
 """
 PRELUDE += f"BOB = {BOB!r}  # bob's token\n"
-
-
-@pytest.fixture
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
-    """Same as the `hub` fixture of conftest.py (this local one wins while both exist)."""
-    with serve_hub(tmp_path_factory.mktemp("hub-storage")) as server:
-        yield server
 
 
 def run_client(

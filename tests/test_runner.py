@@ -336,7 +336,7 @@ def test_broken_recipes_exit_2_naming_the_field(tmp_path: Path, capsys: Any, gpt
         evaluate={"task": "causal-lm", "data": {"dataset": "text", "data_files": "missing.txt"}, "points": 3}
     )
     _broken(tmp_path, body, capsys, "evaluate.data", "missing.txt", dry_run=True)
-    _broken(tmp_path, _merge_body(models=["./gpt2-a", "org/not-downloaded"]), capsys, "models.1.model", "hub")
+    _broken(tmp_path, _merge_body(models=["./gpt2-a", "org/not-downloaded"]), capsys, "models.1.model", "the Hub")
     body = _merge_body(evaluate={"task": "masked-lm", "data": {"dataset": "text", "data_files": "corpus.txt"}})
     (tmp_path / "corpus.txt").write_text("some text\n")
     for dry_run in (True, False):  # the head is read from config.json: no weights needed to refuse it
@@ -450,3 +450,19 @@ def test_output_folder_leaves_nothing_half_written(tmp_path: Path) -> None:
     with output_folder(target, overwrite=True) as tmp:
         (tmp / "b.txt").write_text("second")
     assert [p.name for p in tmp_path.iterdir()] == ["result"] and [p.name for p in target.iterdir()] == ["b.txt"]
+
+
+def test_custom_code_needs_trust_remote_code_and_never_runs(tmp_path: Path, capsys: Any, gpt2_pair) -> None:
+    config = tmp_path / "gpt2-b" / "config.json"
+    data = json.loads(config.read_text(encoding="utf-8"))
+    data["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    config.write_text(json.dumps(data), encoding="utf-8")
+    (tmp_path / "gpt2-b" / "modeling_evil.py").write_text("raise SystemExit('repository code ran')\n")
+    for dry_run in (True, False):
+        _broken(tmp_path, _merge_body(), capsys, "models.1.model", "ships its own modeling code", dry_run=dry_run)
+
+    from hf_rebasin.cli import main
+
+    recipe = _recipe(tmp_path, _merge_body(trust_remote_code=True))
+    assert main([str(recipe)]) == 0, capsys.readouterr()  # the stock GPT2LMHeadModel, the code untouched
+    assert (tmp_path / "out" / "model.safetensors").is_file()
