@@ -104,7 +104,11 @@ def _context(record: Mapping[str, Any], recipe_text: str, command: str) -> dict[
         "barrier_table": _barrier_table(curves, record.get("barrier") or {}),
         "barrier_reading": _barrier_reading(curves, record.get("barrier") or {}, strategy),
         "merged_scores": _merged_scores(record.get("merged") or {}, strategy),
-        "function_preserved": _function_preserved(record.get("function_preserved")),
+        "transport_rows": _transport_rows(record.get("transport") or {}),
+        "transport_support": _transport_rows(
+            (record.get("transport") or {}).get("support") or {}, record.get("transport")
+        ),
+        "function_preserved": _function_preserved(record.get("function_preserved"), job),
         "notes": [str(n) for n in record.get("notes") or []],
         "canonical": bool(record.get("canonical")) and job in _MODEL_JOBS,
         "untied": [str(u) for u in record.get("untied") or []] if job in _MODEL_JOBS else [],
@@ -125,6 +129,36 @@ def _merged_scores(merged: Mapping[str, Any], strategy: str) -> list[dict[str, s
         metric = ", ".join(f"{k} {float(v):.4f}" for k, v in (score.get("metric") or {}).items()) or "—"
         name = f"this model (`{label}`)" if label == strategy else f"the same weights without alignment (`{label}`)"
         rows.append({"model": _cell(name), "loss": f"{float(score['loss']):.4f}", "metric": _cell(metric)})
+    return rows
+
+
+def _transport_rows(scores: Mapping[str, Any], outer: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
+    """Rows of a transport table: target, fine-tune, then naive and transported per α."""
+    loss, metric = scores.get("loss") or {}, scores.get("metric") or {}
+    if not loss:
+        return []
+    alphas = (outer or scores).get("alphas") or []
+
+    def row(label: str, value: float, extra: Mapping[str, float] | None) -> dict[str, str]:
+        shown = ", ".join(f"{k} {float(v):.4f}" for k, v in (extra or {}).items()) or "—"
+        return {"model": _cell(label), "loss": f"{float(value):.4f}", "metric": _cell(shown)}
+
+    rows = [
+        row("target B", loss["target"], metric.get("target")),
+        row("fine-tune A + τ", loss["finetuned"], metric.get("finetuned")),
+    ]
+    for i, alpha in enumerate(alphas):
+        if "naive" in loss:
+            rows.append(
+                row(f"naive B + {float(alpha):g}·τ (no alignment)", loss["naive"][i], (metric.get("naive") or [{}])[i])
+            )
+        rows.append(
+            row(
+                f"this model: B + {float(alpha):g}·π(τ)" if i == 0 else f"B + {float(alpha):g}·π(τ)",
+                loss["transported"][i],
+                (metric.get("transported") or [{}])[i],
+            )
+        )
     return rows
 
 
@@ -174,7 +208,7 @@ def _inputs(record: Mapping[str, Any]) -> list[dict[str, str]]:
         weight = weights[i] if weights is not None and i < len(weights) else None
         rows.append(
             {
-                "role": _role(i),
+                "role": _TRANSPORT_ROLES.get(str(m.get("role")), _role(i)),
                 "model": shown,
                 "source": source,
                 "revision": f"`{_cell(str(m['revision']))}`" if m.get("revision") else "—",
@@ -186,8 +220,13 @@ def _inputs(record: Mapping[str, Any]) -> list[dict[str, str]]:
     return rows
 
 
+_TRANSPORT_ROLES = {"target": "target B (new base)", "base": "base A", "finetuned": "fine-tune A + τ"}
+
+
 def _title(job: str, inputs: Sequence[Mapping[str, str]]) -> str:
     names = [r["short"] for r in inputs] or ["?"]
+    if job == "transport" and len(names) == 3:
+        return f"Transported: {names[2]} moved onto {names[0]}"
     if job == "barrier":
         return f"Loss barrier: {' vs '.join(names[:2])}"
     if job == "merge":
@@ -282,15 +321,16 @@ def _barrier_reading(
     return f"`{strategy}` {verb} the linear barrier from {base:.3f} to {ours:.3f} nats{change}."
 
 
-def _function_preserved(entry: Mapping[str, Any] | None) -> str:
+def _function_preserved(entry: Mapping[str, Any] | None, job: str) -> str:
+    pair = "A and A in B's basis" if job == "transport" else "B and aligned B"
     if not entry:
         return "Function preservation was not recorded for this run."
     diff = entry.get("max_abs_diff")
     if diff is None:
         reason = str(entry.get("reason") or "no reason recorded")
-        return f"max |Δ logits| between B and aligned B was not measured: {reason}."
+        return f"max |Δ logits| between {pair} was not measured: {reason}."
     where = f" (on {entry['inputs']})" if entry.get("inputs") else ""
-    return f"max |Δ logits| between B and aligned B: {float(diff):.2e}{where}."
+    return f"max |Δ logits| between {pair}: {float(diff):.2e}{where}."
 
 
 def _load(record: Mapping[str, Any]) -> dict[str, str]:

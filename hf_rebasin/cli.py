@@ -196,7 +196,7 @@ def _run_options(parser: argparse.ArgumentParser, output_help: str, output: str 
 
 COMMANDS = ("verify", "align", "run", "demo", "zoo", "push", "schema")
 DEMO_OUTPUT = "rebasin-demo"
-ZOO_KINDS = ("gpt2", "vit")  # hf_rebasin.train.KINDS, restated so `--help` does not import torch
+ZOO_KINDS = ("gpt2", "vit", "gpt2-ft")  # hf_rebasin.train.KINDS, restated so `--help` does not import torch
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
 
@@ -401,6 +401,8 @@ def print_run_summary(console: Console, result: Any) -> None:
             label = f"{c.losses[half]:.4f}" + ("" if c.lambdas[half] == 0.5 else f" (λ={c.lambdas[half]:.2f})")
             table.add_row(escape(name), f"{b['midpoint']:.4f}", f"{b['linear']:.4f}", label)
         console.print(table)
+    if result.transport.get("loss"):
+        _print_transport(console, result.transport)
     for label, score in result.merged.items():
         metrics = "".join(f", {k} {v:.4g}" for k, v in score["metric"].items())
         what = "merged model" if label == result.strategy else f"merged without alignment ({label})"
@@ -426,8 +428,33 @@ def print_run_summary(console: Console, result: Any) -> None:
             f"({escape(result.pushed.url)})",
             soft_wrap=True,
         )
-    what = "merged model and report" if result.saved_model else "report"
+    what = {"merge": "merged model and report", "transport": "transported model and report"}.get(result.job, "report")
     console.print(f"{what} written to {escape(str(result.output))} ({escape(', '.join(result.files))})", soft_wrap=True)
+
+
+def _print_transport(console: Console, moved: dict[str, Any]) -> None:
+    """Loss (and metric) of B, A_ft, B + α·τ and B + α·π(τ) on the task data, and on the support data."""
+    for title, scores in (("task data", moved), ("support data", moved.get("support"))):
+        if not scores:
+            continue
+        table = Table(title=f"transport: loss on the {title} (nats)", title_justify="left")
+        table.add_column("model")
+        table.add_column("loss", justify="right")
+        table.add_column("metric", justify="right")
+
+        loss, metric = scores["loss"], scores["metric"]
+        rows = [
+            ("target B", loss["target"], metric["target"]),
+            ("fine-tune A + τ", loss["finetuned"], metric["finetuned"]),
+        ]
+        for i, alpha in enumerate(moved["alphas"]):
+            if "naive" in loss:
+                rows.append((f"naive B + {alpha:g}·τ", loss["naive"][i], metric["naive"][i]))
+            rows.append((f"transported B + {alpha:g}·π(τ)", loss["transported"][i], metric["transported"][i]))
+        for label, value, extra in rows:
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in extra.items())
+            table.add_row(escape(label), f"{value:.4f}", escape(shown))
+        console.print(table)
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -493,7 +520,9 @@ def cmd_zoo(args: argparse.Namespace, console: Console) -> int:
 
     with _progress_bars(Console(stderr=True, highlight=False)) as bars:  # stdout: the folders only
         folders = [
-            resolve_model(ModelRef(model=f"zoo:{args.kind}-seed{s}", revision=None), progress=_stage_reporter(bars))
+            resolve_model(
+                ModelRef(model=f"zoo:{args.kind}-seed{s}", revision=None), "zoo", progress=_stage_reporter(bars)
+            )
             for s in args.seeds
         ]
     for resolved in folders:

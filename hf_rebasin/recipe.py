@@ -58,9 +58,10 @@ __all__ = [
     "recipe_json_schema",
 ]
 
-Job = Literal["merge", "barrier"]
+Job = Literal["merge", "barrier", "transport"]
 JOBS: tuple[str, ...] = get_args(Job)
-LATER_JOBS = ("transport",)  # in the schema of DESIGN.md §9, not yet in this version
+TRANSPORT_MODELS = ("base", "finetuned", "target")  # job: transport names these instead of `models`
+DEFAULT_TRANSPORT_STRATEGY = "transfusion"  # data-free, the TransFusion paper's own method
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 # a model of the zoo (`hf_rebasin.train`): trained by hf-rebasin on first use, then cached
@@ -69,9 +70,7 @@ _SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)", re.IGNORECA
 _HUB_REPO = re.compile(r"([A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
 DEFAULT_WEIGHT = 0.5  # λ on the reference model: the plain average
 # error types raised by this module's own checks: their message says it all
-_OWN_ERRORS = frozenset(
-    {"model_ref", "data_files", "weight", "compare", "repo", "dir", "device", "job_unavailable", "size"}
-)
+_OWN_ERRORS = frozenset({"model_ref", "data_files", "weight", "compare", "repo", "dir", "device", "size"})
 
 Lines = Mapping[tuple[str, ...], int]
 
@@ -336,6 +335,9 @@ class Evaluate(_Section):
     max_tokens: int | None = Field(None, ge=1, description="evaluate at most this many tokens")
     max_examples: int | None = Field(None, ge=1, description="evaluate at most this many examples")
     seed: int = Field(0, description="seed of masks (masked-lm) and sampling")
+    support: DataSpec | None = Field(
+        None, description="transport: data of what the target should keep (e.g. its pretraining text), also scored"
+    )
 
     @field_validator("compare")
     @classmethod
@@ -469,8 +471,28 @@ class Recipe(_Section):
 
     version: Literal[1] = Field(1, description="schema version")
     job: Job = Field(description="what to do")
-    models: list[ModelRef] = Field(min_length=2, description="the first is the reference model A")
-    strategy: StrategySection = Field(description="alignment strategy: `name` and its options side by side")
+    models: list[ModelRef] | None = Field(
+        None, validate_default=True, description="merge, barrier: two or more models; the first is the reference A"
+    )
+    base: ModelRef | None = Field(
+        None, validate_default=True, description="transport: the base the fine-tune was trained from (A)"
+    )
+    finetuned: ModelRef | None = Field(
+        None, validate_default=True, description="transport: the fine-tune of `base` (A + τ), a full model"
+    )
+    target: ModelRef | None = Field(
+        None, validate_default=True, description="transport: the new base release (B) the task vector moves to"
+    )
+    alpha: float | list[float] | None = Field(
+        None,
+        validate_default=True,
+        description="transport: scale α of the task vector (default 1); a list is swept and reported, the first saved",
+    )
+    strategy: StrategySection = Field(
+        None,
+        validate_default=True,
+        description="alignment strategy: `name` and its options side by side (transport default: transfusion)",
+    )
     data: DataSpec | None = Field(
         None, validate_default=True, description="alignment data (activation-based strategies)"
     )
@@ -490,20 +512,77 @@ class Recipe(_Section):
     _source: str = PrivateAttr("<recipe>")
     _text: str | None = PrivateAttr(None)
 
-    @field_validator("job", mode="before")
+    @field_validator("models")
     @classmethod
-    def _job(cls, value: Any) -> Any:
-        if value in LATER_JOBS:
+    def _models_for_the_job(cls, value: list[ModelRef] | None, info: ValidationInfo) -> list[ModelRef] | None:
+        job = info.data.get("job")
+        if job == "transport":
+            if value is not None:
+                raise PydanticCustomError(
+                    "recipe", "job: transport names `base`, `finetuned` and `target` instead of `models`"
+                )
+            return value
+        if value is None or len(value) < 2:
             raise PydanticCustomError(
-                "job_unavailable",
-                "job '{job}' is not available in this version of hf-rebasin; allowed jobs: {jobs}",
-                {"job": value, "jobs": ", ".join(JOBS)},
+                "recipe",
+                "job: {job} needs `models`: at least two (a list of Hub ids or folders; the first is the reference)",
+                {"job": job or "merge"},
+            )
+        if job == "barrier" and len(value) != 2:
+            raise PydanticCustomError(
+                "recipe",
+                "job: barrier compares two models (A and B) and this recipe lists {n}; keep two, or use job: merge",
+                {"n": len(value)},
+            )
+        return value
+
+    @field_validator("base", "finetuned", "target")
+    @classmethod
+    def _transport_models(cls, value: ModelRef | None, info: ValidationInfo) -> ModelRef | None:
+        job = info.data.get("job")
+        if job == "transport" and value is None:
+            what = {
+                "base": "the base the fine-tune was trained from (A)",
+                "finetuned": "the fine-tune of the base (A + τ)",
+                "target": "the new base release (B) to move the task vector to",
+            }[str(info.field_name)]
+            raise PydanticCustomError(
+                "recipe", "job: transport needs `{field}`: {what}", {"field": info.field_name, "what": what}
+            )
+        if job in ("merge", "barrier") and value is not None:
+            raise PydanticCustomError(
+                "recipe",
+                "`{field}` belongs to job: transport; job: {job} lists `models`",
+                {"field": info.field_name, "job": job},
+            )
+        return value
+
+    @field_validator("alpha", mode="before")
+    @classmethod
+    def _alpha(cls, value: Any, info: ValidationInfo) -> Any:
+        job = info.data.get("job")
+        if value is None:
+            return 1.0 if job == "transport" else None
+        if job in ("merge", "barrier"):
+            raise PydanticCustomError(
+                "recipe", "`alpha` belongs to job: transport; merges weigh models with merge.weight"
+            )
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(_number(v) and abs(v) < 1e6 for v in values):
+            raise PydanticCustomError(
+                "weight", "must be a number (the scale of the task vector, e.g. 1.0) or a list of them"
             )
         return value
 
     @field_validator("strategy", mode="before")
     @classmethod
-    def _strategy_shorthand(cls, value: Any) -> Any:
+    def _strategy_shorthand(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            if info.data.get("job") == "transport":
+                return {"name": DEFAULT_TRANSPORT_STRATEGY}
+            raise PydanticCustomError(
+                "recipe", "a recipe needs `strategy`: one of {names}", {"names": ", ".join(REGISTRY.names)}
+            )
         return {"name": value} if isinstance(value, str) else value
 
     @field_validator("data")
@@ -550,16 +629,41 @@ class Recipe(_Section):
             raise PydanticCustomError("device", "allowed: auto, cpu, cuda, cuda:N (N a GPU index), mps")
         return value
 
-    @field_validator("models")
-    @classmethod
-    def _two_for_barrier(cls, value: list[ModelRef], info: ValidationInfo) -> list[ModelRef]:
-        if info.data.get("job") == "barrier" and len(value) != 2:
+    @model_validator(mode="after")
+    def _job_sections(self) -> Recipe:
+        if self.job == "transport" and "merge" in self.model_fields_set:
             raise PydanticCustomError(
                 "recipe",
-                "job: barrier compares two models (A and B) and this recipe lists {n}; keep two, or use job: merge",
-                {"n": len(value)},
+                "job: transport scales the task vector with `alpha`, not `merge.weight`: remove `merge`",
+                {"at": "merge"},
             )
-        return value
+        ev = self.evaluate
+        if ev is not None and self.job != "transport" and ev.support is not None:
+            raise PydanticCustomError("recipe", "`evaluate.support` belongs to job: transport", {"at": "evaluate"})
+        if ev is not None and self.job == "transport" and set(ev.compare) - {"vanilla"}:
+            raise PydanticCustomError(
+                "recipe",
+                "job: transport compares with the naive B + α·τ (`vanilla`) only: `compare: [vanilla]` or `[]`",
+                {"at": "evaluate"},
+            )
+        return self
+
+    @property
+    def alphas(self) -> list[float]:
+        """The task-vector scales of a transport (the first is the one saved); empty for other jobs."""
+        if self.alpha is None:
+            return []
+        return [float(a) for a in (self.alpha if isinstance(self.alpha, list) else [self.alpha])]
+
+    @property
+    def refs(self) -> list[tuple[str, ModelRef]]:
+        """(recipe path, reference) of every model the job reads, in order; the reference model first.
+
+        merge / barrier: ``models.N.model``; transport: target (the reference), base, finetuned.
+        """
+        if self.job == "transport":  # the target is the reference: the old base is aligned to it
+            return [(f"{k}.model", r) for k in ("target", "base", "finetuned") if (r := getattr(self, k)) is not None]
+        return [(f"models.{i}.model", m) for i, m in enumerate(self.models or [])]
 
     @property
     def source(self) -> str:
@@ -673,8 +777,7 @@ def parse_recipe(data: Mapping[str, Any], source: str, base_dir: Path, *, lines:
         recipe = Recipe.model_validate(dict(data), context={"base_dir": Path(base_dir)})
     except ValidationError as e:
         errors = e.errors(include_url=False)
-        later = [err for err in errors if err["type"] == "job_unavailable"]
-        problems = [_problem(err, lines or {}) for err in later or errors]  # another job's keys: no noise
+        problems = [_problem(err, lines or {}) for err in errors]
         raise RecipeError(source, problems) from None
     recipe._source = source
     return recipe
@@ -740,7 +843,16 @@ def recipe_json_schema() -> dict[str, Any]:
     """JSON Schema of recipe files, for editors: strategy options are a union tagged by ``name``."""
     schema = Recipe.model_json_schema()
     props = schema["properties"]
-    props["models"]["items"] = {"anyOf": [{"type": "string"}, props["models"]["items"]]}
+    ref = {
+        "anyOf": [
+            {"type": "string", "description": "Hub id[@revision], folder or zoo:KIND-seedN"},
+            {"$ref": "#/$defs/ModelRef"},
+        ]
+    }
+    props["models"] = {k: v for k, v in props["models"].items() if k not in ("anyOf", "default")}
+    props["models"].update(type="array", items=ref, minItems=2)
+    for key in TRANSPORT_MODELS:
+        props[key] = {k: v for k, v in props[key].items() if k not in ("anyOf", "default")} | ref
     props["strategy"] = {"anyOf": [{"type": "string", "enum": REGISTRY.names}, props["strategy"]]}
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "hf-rebasin recipe (schema v1)"
@@ -770,8 +882,17 @@ def _data_line(spec: DataSpec) -> str:
 def describe(recipe: Recipe) -> list[str]:
     """The plan a recipe stands for, one line each (``--dry-run`` prints it; nothing is loaded)."""
     out = [f"recipe: {recipe.source}", f"job: {recipe.job}", "models:"]
-    for i, ref in enumerate(recipe.models):
-        label = "A (reference)" if i == 0 else chr(ord("A") + i) if i < 26 else f"#{i}"
+    transport_labels = {"base": "base A", "finetuned": "fine-tune A + τ", "target": "target B (reference)"}
+    for i, (path, ref) in enumerate(recipe.refs):
+        label = (
+            transport_labels[path.split(".")[0]]
+            if recipe.job == "transport"
+            else "A (reference)"
+            if i == 0
+            else chr(ord("A") + i)
+            if i < 26
+            else f"#{i}"
+        )
         if ref.zoo is not None:
             folder = zoo_folder(*ref.zoo)
             where = f"zoo model, cached in {folder}" if is_trained(folder) else "zoo model, trained now (first use)"
@@ -791,15 +912,28 @@ def describe(recipe: Recipe) -> list[str]:
         out.append("  note: these options do not preserve B's function (reported as such)")
     out.append(f"data: {_data_line(recipe.data)}" if recipe.data else "data: none (data-free)")
     if recipe.job == "merge":
-        weights = recipe.merge.weights(len(recipe.models))
+        weights = recipe.merge.weights(len(recipe.refs))
         out.append("merge: weights " + ", ".join(f"{w:g}" for w in weights) + " (reference first)")
+    if recipe.job == "transport":
+        alphas = ", ".join(f"{a:g}" for a in recipe.alphas)
+        out.append(f"transport: θ = B + α·π(A_ft − A), α = {alphas} (the first is saved); π aligns A to B")
     ev = recipe.evaluate
     if ev is None:
         out.append("evaluate: no")
     else:
-        out.append(f"evaluate: {ev.task}, {ev.points} points λ ∈ [0, 1], batch size {ev.batch_size}, seed {ev.seed}")
-        out.append(f"  data: {_data_line(ev.data)}")
-        out.append(f"  curves: {', '.join(dict.fromkeys([spec.name, *ev.compare]))}")
+        if recipe.job == "transport":
+            out.append(f"evaluate: {ev.task}, batch size {ev.batch_size}, seed {ev.seed}")
+            out.append(f"  data: {_data_line(ev.data)}")
+            if ev.support is not None:
+                out.append(f"  support: {_data_line(ev.support)}")
+            naive = ", naive B + α·τ" if "vanilla" in ev.compare else ""
+            out.append(f"  scored: target B, fine-tune A + τ, transported B + α·π(τ){naive}")
+        else:
+            out.append(
+                f"evaluate: {ev.task}, {ev.points} points λ ∈ [0, 1], batch size {ev.batch_size}, seed {ev.seed}"
+            )
+            out.append(f"  data: {_data_line(ev.data)}")
+            out.append(f"  curves: {', '.join(dict.fromkeys([spec.name, *ev.compare]))}")
     out.append(f"output: {recipe.output.dir}" + (" (overwrite)" if recipe.output.overwrite else ""))
     push = recipe.output.push_to_hub
     if push is not None:

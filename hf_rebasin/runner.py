@@ -54,6 +54,7 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    transport: dict[str, Any] = field(default_factory=dict)  # job transport: alphas and scores
     pushed: Any = None  # hub.PushResult when output.push_to_hub succeeded
     push_error: str | None = None  # why the push failed (the local folder is complete)
     canonical: bool = False  # the merged model was saved in canonical form (norm scales folded)
@@ -78,7 +79,7 @@ class ResolvedModel:
 
 def resolve_model(
     ref: ModelRef,
-    index: int = 0,
+    where: str = "models.0.model",
     *,
     progress: Progress | None = None,
     fetch: bool = True,
@@ -89,7 +90,7 @@ def resolve_model(
     Without ``fetch`` (a dry run) nothing is trained or downloaded: a zoo model says where it will
     be, a Hub model is resolved to its commit from metadata alone.
     """
-    where = f"`models.{index}.model`"
+    where = f"`{where}`"
     if ref.zoo is not None:
         from . import train
 
@@ -127,7 +128,7 @@ def _untrained_zoo(recipe: Recipe) -> bool:
     """Whether some zoo model of the recipe is not cached yet (the run will train it)."""
     from . import train
 
-    return any(ref.zoo is not None and not train.is_trained(train.zoo_folder(*ref.zoo)) for ref in recipe.models)
+    return any(ref.zoo is not None and not train.is_trained(train.zoo_folder(*ref.zoo)) for _, ref in recipe.refs)
 
 
 def _check_data_files(spec: DataSpec, where: str) -> None:
@@ -145,12 +146,10 @@ def _check_recipe(recipe: Recipe, output: Path) -> list[ResolvedModel]:
     from .export import check_output
 
     check_output(output, recipe.output.overwrite)
-    resolved = [
-        resolve_model(ref, i, fetch=False, allow_pickle=recipe.allow_pickle) for i, ref in enumerate(recipe.models)
-    ]
-    for i, res in enumerate(resolved):
+    resolved = [resolve_model(ref, where, fetch=False, allow_pickle=recipe.allow_pickle) for where, ref in recipe.refs]
+    for (where, ref), res in zip(recipe.refs, resolved, strict=True):
         if res.folder is not None and (res.folder / "config.json").is_file():
-            _check_remote_code(recipe, res.folder, i)
+            _check_remote_code(recipe, res.folder, where, ref)
     if resolved[0].folder is not None:
         _check_task_of_folder(recipe, resolved[0].folder)
     if recipe.data is not None:
@@ -169,7 +168,7 @@ def _check_recipe(recipe: Recipe, output: Path) -> list[ResolvedModel]:
     return resolved
 
 
-def _check_remote_code(recipe: Recipe, folder: Path, index: int) -> None:
+def _check_remote_code(recipe: Recipe, folder: Path, where: str, ref: ModelRef) -> None:
     """A model whose config.json names its own modeling code (``auto_map``) needs ``trust_remote_code``.
 
     hf-rebasin never downloads or runs repository code: with ``trust_remote_code: true`` the weights
@@ -183,7 +182,7 @@ def _check_remote_code(recipe: Recipe, folder: Path, index: int) -> None:
         return  # loading reports it
     if isinstance(config, dict) and config.get("auto_map") and not recipe.trust_remote_code:
         raise UnsupportedArchitectureError(
-            f"`models.{index}.model`: {recipe.models[index]} ships its own modeling code (auto_map in config.json: "
+            f"`{where}`: {ref} ships its own modeling code (auto_map in config.json: "
             f"{', '.join(sorted(config['auto_map']))}); hf-rebasin never runs repository code. Set "
             "`trust_remote_code: true` to load its weights into the stock class of its model_type instead"
         )
@@ -223,7 +222,7 @@ def plan(recipe: Recipe, *, output: Path | None = None) -> list[str]:
     target = _output_of(recipe, output)
     resolved = _check_recipe(recipe, target)
     lines = describe(recipe)
-    for ref, res in zip(recipe.models, resolved, strict=True):
+    for (_, ref), res in zip(recipe.refs, resolved, strict=True):
         if res.commit is not None:
             lines.append(f"resolved: {ref} -> commit {res.commit}")
     if output is not None:
@@ -485,8 +484,9 @@ def _model_entries(recipe: Recipe, resolved: Sequence[ResolvedModel]) -> list[di
             "commit": r.commit,
             "source": ref.source,
             "folder": str(r.folder),
+            **({"role": where.split(".")[0]} if recipe.job == "transport" else {}),
         }
-        for ref, r in zip(recipe.models, resolved, strict=True)
+        for (where, ref), r in zip(recipe.refs, resolved, strict=True)
     ]
 
 
@@ -525,9 +525,8 @@ def run_recipe(
     to reproduce the run (default ``hf-rebasin <recipe file>``). Nothing is written until everything is computed,
     and then into a temporary folder renamed into place (see `export.output_folder`).
     """
-    from .card import render_card
     from .evaluate import barrier, task_of
-    from .export import copy_preprocessor_files, output_folder, save_merged_model, write_json, write_text
+    from .export import copy_preprocessor_files, output_folder, save_merged_model, write_text
     from .merge import merge_state_dicts
     from .models import check_compatible, load_model
     from .report import markdown_table, plot_curves
@@ -545,11 +544,11 @@ def run_recipe(
     start = time.perf_counter()
     untrained = _untrained_zoo(recipe)
     resolved = [
-        resolve_model(ref, i, progress=report, allow_pickle=recipe.allow_pickle) for i, ref in enumerate(recipe.models)
+        resolve_model(ref, where, progress=report, allow_pickle=recipe.allow_pickle) for where, ref in recipe.refs
     ]
     folders = [r.folder for r in resolved if r.folder is not None]
-    for i, folder in enumerate(folders):
-        _check_remote_code(recipe, folder, i)
+    for (where, ref), folder in zip(recipe.refs, folders, strict=True):
+        _check_remote_code(recipe, folder, where, ref)
     if untrained:
         timings["train"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -598,6 +597,11 @@ def run_recipe(
             where="evaluate.data",
         )
     timings["load"] = time.perf_counter() - start
+    if recipe.job == "transport":
+        ctx = _Context(
+            recipe, target, resolved, folders, loaded, task, data, align_batches, eval_batches, timings, notes
+        )
+        return _transport(ctx, processor, base_dir, report, command, dev)
 
     # align every other model to A
     name = recipe.strategy.name
@@ -619,7 +623,7 @@ def run_recipe(
     barriers: dict[str, dict[str, float]] = {}
     if ev is not None and eval_batches is not None:
         if len(loaded) > 2:
-            notes.append(f"curves are between A and B ({recipe.models[1].model}); the other models are merged only")
+            notes.append(f"curves are between A and B ({recipe.refs[1][1].model}); the other models are merged only")
         b = loaded[1]
         for curve_name in dict.fromkeys([name, *ev.compare]):
             if curve_name == name:
@@ -660,29 +664,25 @@ def run_recipe(
             plot_curves(curves, tmp / "barrier.png", title=_title(recipe, task))
             write_text(tmp / "barrier.md", markdown_table(curves, barriers))
         timings["save"] = time.perf_counter() - start
-        record = {
-            "recipe": _recipe_record(recipe, target),
-            "models": _model_entries(recipe, resolved),
-            "datasets": _dataset_entries(recipe),
-            "strategy": name,
-            "strategy_options": options.model_dump(mode="json"),
-            "merge_weights": weights if recipe.job == "merge" else None,
-            "task": task,
-            "canonical": primary.canonical,
-            "untied": list(primary.untied),
-            "barrier": barriers,
-            "merged": scores,
-            "curves": {k: c.as_dict() for k, c in curves.items()},
-            "function_preserved": preserved,
-            "notes": notes,
-            "timings": timings,
-            "hf_rebasin_version": __version__,
-        }
-        write_json(tmp / "rebasin.json", record)
-        write_text(
-            tmp / "README.md", render_card(record, recipe_text=_recipe_text(recipe), command=_command(recipe, command))
+        files = _write_record(
+            tmp,
+            recipe,
+            target,
+            resolved,
+            command,
+            strategy=name,
+            strategy_options=options.model_dump(mode="json"),
+            merge_weights=weights if recipe.job == "merge" else None,
+            task=task,
+            canonical=primary.canonical,
+            untied=list(primary.untied),
+            barrier=barriers,
+            merged=scores,
+            curves={k: c.as_dict() for k, c in curves.items()},
+            function_preserved=preserved,
+            notes=notes,
+            timings=timings,
         )
-        files = sorted(p.name for p in tmp.iterdir())
     pushed, push_error = _push(recipe, target, report)
     return RunResult(
         output=target,
@@ -723,6 +723,168 @@ def _push(recipe: Recipe, folder: Path, report: Progress) -> tuple[Any, str | No
     return result, None
 
 
+@dataclass
+class _Context:
+    """What every job has once its models and data are loaded."""
+
+    recipe: Recipe
+    output: Path
+    resolved: list[ResolvedModel]
+    folders: list[Path]
+    loaded: list[LoadedModel]
+    task: Task
+    data: AlignmentData | None
+    align_batches: list[dict[str, Tensor]] | None
+    eval_batches: list[dict[str, Tensor]] | None
+    timings: dict[str, float]
+    notes: list[str]
+
+
+def _transport_scores(
+    ctx: _Context, batches: Sequence[Mapping[str, Tensor]], thetas: Callable[[], Any], untie: bool, naive: bool
+) -> dict[str, Any]:
+    """Loss and metric of target B, fine-tune A_ft, B + α·π(τ) per α and (``naive``) B + α·τ per α."""
+    from .evaluate import evaluate_loss
+    from .transport import add_task_vector
+
+    b, a, a_ft = ctx.loaded
+    out: dict[str, Any] = {"loss": {}, "metric": {}}
+
+    def put(key: str, score: dict[str, Any], many: bool) -> None:
+        if many:
+            out["loss"].setdefault(key, []).append(score["loss"])
+            out["metric"].setdefault(key, []).append(score["metric"])
+        else:
+            out["loss"][key], out["metric"][key] = score["loss"], score["metric"]
+
+    for key, lm in (("target", b), ("finetuned", a_ft)):
+        result = evaluate_loss(lm.model, batches, ctx.task)
+        put(key, {"loss": result.loss, "metric": dict(result.metric)}, False)
+    for theta in thetas():
+        put("transported", _score(b.model, theta, untie, batches, ctx.task), True)
+    if naive:
+        sd_a, sd_ft = a.model.state_dict(), a_ft.model.state_dict()
+        tau = {k: sd_ft[k].float() - v.float() for k, v in sd_a.items() if v.is_floating_point()}
+        for alpha in ctx.recipe.alphas:
+            put(
+                "naive",
+                _score(b.model, add_task_vector(b.model.state_dict(), tau, alpha), False, batches, ctx.task),
+                True,
+            )
+    return out
+
+
+def _transport(
+    ctx: _Context, processor: Any, base_dir: Path, report: Progress, command: str | None, dev: torch.device
+) -> RunResult:
+    """job: transport: align the old base A to the target B, move τ = A_ft − A, save B + α·π(τ)."""
+    from .export import copy_preprocessor_files, output_folder, save_merged_model
+    from .models import check_compatible
+    from .strategies import Pair
+    from .transport import add_task_vector, task_vector
+
+    recipe, timings, notes = ctx.recipe, ctx.timings, ctx.notes
+    b, a, a_ft = ctx.loaded
+    check_compatible(a, a_ft)
+    name, options = recipe.strategy.name, recipe.strategy.options
+    pair = Pair(b.graph, b.model.state_dict(), a.model.state_dict(), b.model, a.model, ctx.data)
+    alignment = _timed_align(name, options, pair, report, timings)
+    notes.extend(alignment.notes)
+    start = time.perf_counter()
+    tau = task_vector(alignment, a.graph, a_ft.model.state_dict())
+    timings["align"] += time.perf_counter() - start
+    alphas = recipe.alphas
+    untie = bool(alignment.untied)
+
+    def thetas() -> Any:  # one transported state dict at a time
+        return (add_task_vector(alignment.sd_a, tau, alpha) for alpha in alphas)
+
+    inputs = _check_inputs(b, [ctx.eval_batches, ctx.align_batches], dev)
+    preserved = _preservation(
+        name, [a], [alignment], [alignment.aligned_b()], inputs, real=bool(ctx.eval_batches or ctx.align_batches)
+    )
+    moved: dict[str, Any] = {"alphas": alphas}
+    ev = recipe.evaluate
+    if ev is not None and ctx.eval_batches is not None:
+        start = time.perf_counter()
+        moved.update(_transport_scores(ctx, ctx.eval_batches, thetas, untie, "vanilla" in ev.compare))
+        if ev.support is not None:
+            support = _batches(
+                ev.support,
+                base_dir,
+                ctx.task,
+                processor,
+                b.model.config,
+                batch_size=ev.batch_size,
+                max_tokens=ev.support.max_tokens,
+                max_examples=ev.support.max_examples,
+                seed=ev.seed,
+                where="evaluate.support",
+            )
+            moved["support"] = _transport_scores(ctx, support, thetas, untie, "vanilla" in ev.compare)
+        timings["evaluate"] += time.perf_counter() - start
+
+    start = time.perf_counter()
+    with output_folder(ctx.output, overwrite=recipe.output.overwrite) as tmp:
+        save_merged_model(b.model, next(iter(thetas())), tmp, untie=untie, max_shard_size=recipe.output.max_shard_size)
+        copy_preprocessor_files(ctx.folders[0], tmp)
+        timings["save"] = time.perf_counter() - start
+        files = _write_record(
+            tmp,
+            recipe,
+            ctx.output,
+            ctx.resolved,
+            command,
+            strategy=name,
+            strategy_options=options.model_dump(mode="json"),
+            task=ctx.task,
+            canonical=alignment.canonical,
+            untied=list(alignment.untied),
+            transport=moved,
+            barrier={},
+            curves={},
+            function_preserved=preserved,
+            notes=notes,
+            timings=timings,
+        )
+    pushed, push_error = _push(recipe, ctx.output, report)
+    return RunResult(
+        output=ctx.output,
+        job=recipe.job,
+        strategy=name,
+        saved_model=True,
+        function_preserved=preserved,
+        timings=timings,
+        notes=notes,
+        files=files,
+        canonical=alignment.canonical,
+        untied=list(alignment.untied),
+        pushed=pushed,
+        push_error=push_error,
+        transport=moved,
+    )
+
+
+def _write_record(
+    folder: Path, recipe: Recipe, output: Path, resolved: Sequence[ResolvedModel], command: str | None, **fields: Any
+) -> list[str]:
+    """Write ``rebasin.json`` (DESIGN.md §9) and the card into ``folder``; return the folder's file names."""
+    from .card import render_card
+    from .export import write_json, write_text
+
+    record = {
+        "recipe": _recipe_record(recipe, output),
+        "models": _model_entries(recipe, resolved),
+        "datasets": _dataset_entries(recipe),
+        **fields,
+        "hf_rebasin_version": __version__,
+    }
+    write_json(folder / "rebasin.json", record)
+    card = render_card(record, recipe_text=_recipe_text(recipe), command=_command(recipe, command))
+    write_text(folder / "README.md", card)
+    return sorted(p.name for p in folder.iterdir())
+
+
 def _recipe_text(recipe: Recipe) -> str:
     """The recipe as written (comments and all), or as parsed when it was built in code."""
     if recipe.text is not None:
@@ -758,5 +920,5 @@ def _task(recipe: Recipe, model: PreTrainedModel, task_of: Callable[[Any], Task]
 
 
 def _title(recipe: Recipe, task: str) -> str:
-    names = [Path(ref.model).name or ref.model for ref in recipe.models[:2]]
+    names = [Path(ref.model).name or ref.model for _, ref in recipe.refs[:2]]
     return f"{task}: {names[0]} (λ=1) ↔ {names[1]} (λ=0), loss in nats"

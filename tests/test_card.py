@@ -120,6 +120,51 @@ def barrier_record() -> dict[str, Any]:
     }
 
 
+def transport_record() -> dict[str, Any]:
+    """A transport of a Hub fine-tune onto a new Hub release, with support data."""
+    scores = {
+        "loss": {"target": 3.1, "finetuned": 1.9, "naive": [2.8, 2.9], "transported": [2.0, 2.4]},
+        "metric": {
+            "target": {"perplexity": 22.2},
+            "finetuned": {"perplexity": 6.7},
+            "naive": [{"perplexity": 16.4}, {"perplexity": 18.2}],
+            "transported": [{"perplexity": 7.4}, {"perplexity": 11.0}],
+        },
+    }
+    return {
+        "recipe": {"job": "transport", "output": {"dir": "out/moved"}},
+        "models": [
+            {"model": "org/base-v2", "revision": None, "commit": COMMIT, "source": "hub", "role": "target"},
+            {"model": "org/base-v1", "revision": "v1", "commit": COMMIT, "source": "hub", "role": "base"},
+            {"model": "org/base-v1-poetry", "revision": None, "commit": COMMIT, "source": "hub", "role": "finetuned"},
+        ],
+        "strategy": "transfusion",
+        "strategy_options": {"max_iter": 100, "seed": 0},
+        "task": "causal-lm",
+        "canonical": False,
+        "untied": [],
+        "datasets": [
+            {"role": "evaluation", "dataset": "shakespeare", "split": "test", "source": "builtin"},
+        ],
+        "transport": {"alphas": [1.0, 0.5], **scores, "support": scores},
+        "barrier": {},
+        "curves": {},
+        "function_preserved": {"max_abs_diff": 2.5e-06, "inputs": "evaluation data"},
+        "notes": [],
+        "timings": {"load": 1.0, "align": 2.0, "evaluate": 3.0, "save": 0.5},
+        "hf_rebasin_version": "0.1.0",
+    }
+
+
+def test_transport_card_matches_golden() -> None:
+    text = render_card(transport_record(), recipe_text="job: transport", command="hf-rebasin moved.yaml")
+    _check_golden("card_transport.md", text)
+    card = ModelCard(text)
+    assert card.data.base_model == ["org/base-v2", "org/base-v1", "org/base-v1-poetry"]
+    assert "| this model: B + 1·π(τ) | 2.0000 |" in text and "| naive B + 0.5·τ (no alignment) | 2.9000 |" in text
+    assert "# Transported: org/base-v1-poetry moved onto org/base-v2" in text
+
+
 def _check_golden(name: str, text: str) -> None:
     path = GOLDEN / name
     if os.environ.get("UPDATE_GOLDEN") == "1":

@@ -292,18 +292,52 @@ def test_missing_keys_and_the_text_builder_without_files(tmp_path: Path) -> None
 
 def test_too_few_models_and_bad_entries(tmp_path: Path) -> None:
     err = problems(MERGE.replace("  - ./local/bert-seed2\n", ""), tmp_path)
-    assert paths(err) == ["models"] and "at least 2" in str(err)
+    assert paths(err) == ["models"] and "at least two" in str(err)
     err = problems(MERGE.replace("  - ./local/bert-seed2\n", "  - 42\n"), tmp_path)
     assert paths(err) == ["models.1"] and err.problems[0].line == 5 and "Hub id or folder" in str(err)
 
 
-def test_job_transport_is_not_available_yet(tmp_path: Path) -> None:
-    transport = "job: transport\nbase: org/a\nfinetuned: org/a-ft\ntarget: org/b\nstrategy: transfusion\nalpha: 1.0\noutput: {dir: o}\n"
-    err = problems(transport, tmp_path)
-    assert paths(err) == ["job"] and err.problems[0].line == 1  # only this: the other keys belong to that job
-    assert "not available in this version" in str(err) and "allowed jobs: merge, barrier" in str(err)
+TRANSPORT = """\
+job: transport
+base: org/a
+finetuned: {model: org/a-ft, revision: v2}
+target: org/b@main
+alpha: [1.0, 0.5]
+evaluate:
+  task: causal-lm
+  data: {dataset: shakespeare, name: macbeth, split: test}
+  support: {dataset: shakespeare, split: test}
+output: {dir: o}
+"""
+
+
+def test_transport_recipe_defaults_to_transfusion_and_lists_its_models(tmp_path: Path) -> None:
+    recipe = load_recipe(write(tmp_path, TRANSPORT))
+    assert recipe.strategy.name == "transfusion" and recipe.alphas == [1.0, 0.5] and recipe.models is None
+    assert [(where, str(ref)) for where, ref in recipe.refs] == [
+        ("target.model", "org/b@main"),
+        ("base.model", "org/a"),
+        ("finetuned.model", "org/a-ft@v2"),
+    ]
+    assert recipe.evaluate is not None and recipe.evaluate.support is not None
+    plan = "\n".join(describe(recipe))
+    assert "target B (reference): org/b @ main" in plan and "α = 1, 0.5" in plan and "support: shakespeare" in plan
+    assert load_recipe(write(tmp_path, TRANSPORT.replace("alpha: [1.0, 0.5]\n", ""))).alphas == [1.0]
+
+
+def test_transport_recipe_errors_name_the_field(tmp_path: Path) -> None:
+    err = problems(TRANSPORT.replace("base: org/a\n", ""), tmp_path)
+    assert paths(err) == ["base"] and "job: transport needs `base`" in str(err)
+    err = problems(TRANSPORT.replace("base: org/a\n", "models: [org/a, org/b]\n"), tmp_path)
+    assert sorted(paths(err)) == ["base", "models"] and "instead of `models`" in str(err)
+    err = problems(TRANSPORT + "merge: {weight: 0.5}\n", tmp_path)
+    assert paths(err) == ["merge"] and "`alpha`, not `merge.weight`" in str(err)
+    err = problems(TRANSPORT.replace("alpha: [1.0, 0.5]", "alpha: lots"), tmp_path)
+    assert paths(err) == ["alpha"]
+    err = problems(MERGE + "alpha: 1.0\ntarget: org/b\n", tmp_path)
+    assert sorted(paths(err)) == ["alpha", "target"] and "belongs to job: transport" in str(err)
     err = problems(MERGE.replace("job: merge", "job: distill"), tmp_path)
-    assert paths(err) == ["job"] and "'merge', 'barrier'" in str(err)
+    assert paths(err) == ["job"] and "'merge', 'barrier', 'transport'" in str(err)
 
 
 def test_wrong_version(tmp_path: Path) -> None:
@@ -343,11 +377,11 @@ def test_json_schema_lists_strategies_and_their_options(tmp_path: Path) -> None:
         assert name in text
     head_perm = schema["$defs"]["HeadPermStrategy"]
     assert head_perm["properties"]["residual"]["enum"] == ["identity", "first", "last", "all", "separate"]
-    assert schema["properties"]["job"]["enum"] == ["merge", "barrier"]
+    assert schema["properties"]["job"]["enum"] == ["merge", "barrier", "transport"]
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.Draft202012Validator.check_schema(schema)
     validator = jsonschema.Draft202012Validator(schema)
-    for text in (MERGE, BARRIER):
+    for text in (MERGE, BARRIER, TRANSPORT):
         validator.validate(yaml.safe_load(text))
     bad = yaml.safe_load(MERGE)
     bad["strategy"]["residual"] = "middle"

@@ -1,0 +1,173 @@
+"""Transport of a task vector onto a new base: exact when the new base is a transform of the old one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny
+from hf_rebasin.adapters import get_adapter, graph_for
+from hf_rebasin.canonical import canonicalize
+from hf_rebasin.errors import IncompatibleModelsError
+from hf_rebasin.models import rebuild
+from hf_rebasin.strategies import Pair, align
+from hf_rebasin.transport import add_task_vector, task_vector
+from hf_rebasin.verify import example_inputs
+
+
+def _finetune(sd: dict[str, torch.Tensor], scale: float = 0.05, seed: int = 3) -> dict[str, torch.Tensor]:
+    """A stand-in fine-tune: every floating tensor moved (norm scales included), ties kept."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor] = {}
+    for k, v in sd.items():
+        if not v.is_floating_point():
+            out[k] = v
+        elif v.data_ptr() in seen:
+            out[k] = seen[v.data_ptr()]
+        else:
+            out[k] = seen[v.data_ptr()] = v + scale * (v.std() if v.numel() > 1 else 1.0) * torch.randn(
+                v.shape, generator=g
+            )
+    return out
+
+
+def _max_diff(a, b) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in b if b[k].is_floating_point())
+
+
+def _logits(model, sd, untie, inputs):
+    with torch.no_grad():
+        return rebuild(model, dict(sd), untie=untie)(**inputs).logits
+
+
+@pytest.mark.parametrize("case", ["gpt2", "bert-mlm", "llama-gqa", "vit"])
+@pytest.mark.parametrize("strategy", ["weight-matching", "transfusion"])
+def test_permutation_transport_is_exact_for_every_alpha(case, strategy):
+    model = tiny.FACTORIES[case](0)
+    base = model.state_dict()
+    graph = graph_for(model.config, base.keys())
+    ft = _finetune(base)
+    transform = graph.random_transform("permutation", torch.Generator().manual_seed(1))
+    target = graph.apply(base, transform)  # the "new release": the old base in another basis
+    alignment = align(strategy, Pair(graph, target, base))  # brings the old base into the target's basis
+    tau = task_vector(alignment, graph, ft)
+    for alpha in (0.5, 1.0):
+        want = graph.apply(
+            {k: v + alpha * (ft[k] - v) if v.is_floating_point() else v for k, v in base.items()}, transform
+        )
+        assert _max_diff(add_task_vector(alignment.sd_a, tau, alpha), want) < 1e-5, alpha
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama-gqa", "vit"])
+def test_orthogonal_transport_carries_the_finetune_exactly(case):
+    model = tiny.FACTORIES[case](0)
+    base = model.state_dict()
+    graph = graph_for(model.config, base.keys())
+    ft = _finetune(base)
+    canon, cgraph, untied = canonicalize(graph, base)
+    transform = cgraph.random_transform("orthogonal", torch.Generator().manual_seed(1))
+    target = cgraph.apply(canon, transform)
+    alignment = align("generalized-orthogonal", Pair(graph, target, base))
+    assert alignment.canonical
+    tau = task_vector(alignment, graph, ft)
+    inputs = example_inputs(get_adapter(model.config.model_type), model.config, torch.Generator().manual_seed(0))
+    # α = 1: the target plus the moved task vector computes what the fine-tune computes
+    moved = add_task_vector(alignment.sd_a, tau, 1.0)
+    want = _logits(model, ft, False, inputs)
+    got = _logits(model, moved, bool(untied), inputs)
+    assert (got - want).abs().max().item() < 1e-4
+    # any α: the same transform of the canonical-coordinate interpolation
+    ft_canon = canonicalize(graph, ft)[0]
+    half = {k: v + 0.5 * (ft_canon[k] - v) if v.is_floating_point() else v for k, v in canon.items()}
+    assert _max_diff(add_task_vector(alignment.sd_a, tau, 0.5), cgraph.apply(half, transform)) < 1e-4
+
+
+def test_tied_tensors_stay_tied_and_shapes_are_checked():
+    model = tiny.FACTORIES["gpt2"](0)
+    base = model.state_dict()
+    graph = graph_for(model.config, base.keys())
+    alignment = align("weight-matching", Pair(graph, base, base))
+    tau = task_vector(alignment, graph, _finetune(base))
+    out = add_task_vector(alignment.sd_a, tau, 1.0)
+    assert out["lm_head.weight"].data_ptr() == out["transformer.wte.weight"].data_ptr()
+    with pytest.raises(IncompatibleModelsError, match="only in the base"):
+        task_vector(alignment, graph, {k: v for k, v in base.items() if k != "transformer.h.0.mlp.c_fc.bias"})
+    bad = dict(tau, **{"transformer.h.0.mlp.c_fc.bias": torch.zeros(3)})
+    with pytest.raises(IncompatibleModelsError, match=r"c_fc\.bias"):
+        add_task_vector(alignment.sd_a, bad, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# job: transport through the CLI
+
+
+def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
+    import json
+
+    import transformers as T
+    import yaml
+
+    from hf_rebasin.data import char_tokenizer, shakespeare_text
+    from test_cli import assert_user_error, flat, run_cli
+
+    text = shakespeare_text(["hamlet"])[:3000].lower()
+    tok = char_tokenizer(text)
+    model = tiny.gpt2(0)
+    base = model.state_dict()
+    graph = graph_for(model.config, base.keys())
+    ft = _finetune(base, scale=0.2)
+    target = graph.apply(base, graph.random_transform("permutation", torch.Generator().manual_seed(1)))
+    for name, sd in (("base", base), ("ft", ft), ("target", target)):
+        rebuild(model, dict(sd)).save_pretrained(str(tmp_path / name))
+        tok.save_pretrained(str(tmp_path / name))
+    (tmp_path / "task.txt").write_text(text[:1500], encoding="utf-8")
+    (tmp_path / "support.txt").write_text(text[1500:], encoding="utf-8")
+    recipe = {
+        "job": "transport",
+        "base": "./base",
+        "finetuned": "./ft",
+        "target": "./target",
+        "strategy": "weight-matching",
+        "alpha": [1.0, 0.5],
+        "evaluate": {
+            "task": "causal-lm",
+            "data": {"dataset": "text", "data_files": "task.txt"},
+            "support": {"dataset": "text", "data_files": "support.txt"},
+        },
+        "output": {"dir": "moved"},
+    }
+    path = tmp_path / "transport.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds")}
+    proc = run_cli(str(path), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "transported B + 1·π(τ)" in flat(proc.stdout) and "naive B + 0.5·τ" in flat(proc.stdout)
+    record = json.loads((tmp_path / "moved" / "rebasin.json").read_text(encoding="utf-8"))
+    moved = record["transport"]
+    assert moved["alphas"] == [1.0, 0.5]
+    for scores in (moved, moved["support"]):
+        loss = scores["loss"]
+        assert loss["transported"][0] == pytest.approx(loss["finetuned"], abs=1e-4)  # the target is A, permuted
+        assert abs(loss["naive"][0] - loss["finetuned"]) > 1e-2  # adding τ in the wrong basis is not the fine-tune
+    assert [m["role"] for m in record["models"]] == ["target", "base", "finetuned"]
+    assert record["function_preserved"]["max_abs_diff"] < 1e-4
+    out = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "moved"))
+    ids = torch.randint(0, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = rebuild(model, dict(ft))(ids).logits
+        assert (out(ids).logits - want).abs().max().item() < 1e-4
+    card = (tmp_path / "moved" / "README.md").read_text(encoding="utf-8")
+    assert "# Transported: ft moved onto target" in card and "## Transport" in card
+    assert "this model: B + 1·π(τ)" in card and "On the support data" in card and "| fine-tune A + τ |" in card
+
+    # a target of another architecture, and a fine-tune that is not of the base's shape: exit 2
+    T.GPT2LMHeadModel(T.GPT2Config(vocab_size=tiny.V, n_embd=24, n_layer=1, n_head=2)).save_pretrained(
+        str(tmp_path / "other")
+    )
+    tok.save_pretrained(str(tmp_path / "other"))
+    for key in ("target", "finetuned"):
+        bad = dict(recipe, **{key: "./other"}, output={"dir": "bad"})
+        path.write_text(yaml.safe_dump(bad, sort_keys=False), encoding="utf-8")
+        assert_user_error(run_cli(str(path), env=env), "shape")
+        assert not (tmp_path / "bad").exists()
