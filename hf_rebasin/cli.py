@@ -157,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="train (first use) or find the zoo's tiny models and print their folders",
         description=(
             "The zoo: tiny models hf-rebasin trains itself, offline, for demos and tests (gpt2: character-level "
-            "Shakespeare, about a minute; vit: 8x8 digits, about 30 s; one CPU core each). Prints one folder "
-            "per seed; recipes name them as zoo:KIND-seedN."
+            "Shakespeare, about a minute; vit: 8x8 digits, about 30 s; gpt2-ft: the gpt2 of the same seed "
+            "fine-tuned on another play, about 10 s; one CPU core each). Prints one folder per seed; recipes "
+            "name them as zoo:KIND-seedN."
         ),
     )
     zoo.add_argument("kind", choices=ZOO_KINDS, help="which model")
@@ -291,7 +292,12 @@ def _model_folder(value: str, allow_pickle: bool) -> str:
     repo, revision = hub.split_ref(value)
     if Path(value).exists() or value.startswith((".", "/", "~")) or not hub.is_repo_id(repo):
         return value
-    return str(hub.download_model(repo, revision, allow_pickle=allow_pickle, where="MODEL").folder)
+    try:
+        return str(hub.download_model(repo, revision, allow_pickle=allow_pickle, where="MODEL").folder)
+    except RebasinUserError as e:
+        if "/" in repo:
+            raise
+        raise type(e)(f"{e}; and there is no local folder {value!r} here (give ./{value} for a folder)") from None
 
 
 def _parse_options(items: Sequence[str]) -> dict[str, Any]:

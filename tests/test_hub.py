@@ -187,3 +187,5 @@ def test_verify_a_hub_model_by_id(hub: HubServer, seeded: dict[str, Any], tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert "OK" in proc.stdout
     assert_user_error(run_cli("verify", "alice/nope", env=_env(hub, tmp_path)), "MODEL", "'alice/nope' was not found")
+    proc = run_cli("verify", "tiny-gpt2", env=_env(hub, tmp_path))  # a folder typo, read as a Hub id
+    assert_user_error(proc, "'tiny-gpt2' was not found", "no local folder 'tiny-gpt2'", "./tiny-gpt2")
