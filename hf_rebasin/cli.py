@@ -290,7 +290,7 @@ def _model_folder(value: str, allow_pickle: bool) -> str:
     from . import hub
 
     repo, revision = hub.split_ref(value)
-    if Path(value).exists() or value.startswith((".", "/", "~")) or not hub.is_repo_id(repo):
+    if Path(value).exists() or hub.is_path(value) or not hub.is_repo_id(repo):
         return value
     try:
         return str(hub.download_model(repo, revision, allow_pickle=allow_pickle, where="MODEL").folder)

@@ -80,15 +80,20 @@ def endpoint() -> str:
     return str(constants.ENDPOINT)
 
 
+def is_path(value: str) -> bool:
+    """Whether ``value`` is written as a path (``./x``, ``../x``, ``/x``, ``~/x``), never a Hub id."""
+    return value.startswith((".", "/", "~", "\\")) or Path(value).is_absolute()
+
+
 def is_repo_id(value: str) -> bool:
     """Whether ``value`` has the shape of a Hub repo id (``name`` or ``org/name``)."""
     return bool(_REPO_ID.fullmatch(value))
 
 
 def split_ref(value: str) -> tuple[str, str | None]:
-    """``org/name@revision`` as (``org/name``, ``revision``); no ``@``: revision None."""
+    """``org/name@revision`` as (``org/name``, ``revision``); no ``@``, or a path: revision None."""
     repo, sep, revision = value.partition("@")
-    return (repo, revision or None) if sep else (value, None)
+    return (repo, revision or None) if sep and not is_path(value) else (value, None)
 
 
 def _token_hint() -> str:

@@ -36,6 +36,7 @@ from .errors import DataError, RebasinUserError
 from .evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS, check_files
 from .evaluate import Task
 from .export import DEFAULT_SHARD_SIZE
+from .hub import is_repo_id, split_ref
 from .strategies import REGISTRY, Options, Strategy, get_strategy
 from .train import KINDS, is_trained, zoo_folder
 
@@ -67,7 +68,6 @@ DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 # a model of the zoo (`hf_rebasin.train`): trained by hf-rebasin on first use, then cached
 ZOO_PATTERN = re.compile(rf"zoo:({'|'.join(KINDS)})-seed(\d+)")
 _SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)", re.IGNORECASE)
-_HUB_REPO = re.compile(r"([A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
 DEFAULT_WEIGHT = 0.5  # λ on the reference model: the plain average
 # error types raised by this module's own checks: their message says it all
 _OWN_ERRORS = frozenset({"model_ref", "data_files", "weight", "compare", "repo", "dir", "device", "size"})
@@ -133,10 +133,6 @@ def _local(value: str, base: Path | None, *, force: bool = False) -> str:
     return value
 
 
-def _is_path(value: str) -> bool:
-    return value.startswith((".", "/", "~", "\\")) or Path(value).is_absolute()
-
-
 class ModelRef(_Section):
     """A model: Hub repo id or local folder, and an optional revision (branch, tag or commit)."""
 
@@ -147,7 +143,7 @@ class ModelRef(_Section):
     @classmethod
     def _bare_string(cls, value: Any) -> Any:
         if isinstance(value, str):
-            repo, revision = value.rpartition("@")[::2] if "@" in value and not _is_path(value) else (value, "")
+            repo, revision = split_ref(value)
             return {"model": repo, "revision": revision} if revision else {"model": value}
         if not isinstance(value, (Mapping, ModelRef)):
             raise PydanticCustomError(
@@ -370,7 +366,7 @@ class PushToHub(_Section):
     @field_validator("repo")
     @classmethod
     def _repo(cls, value: str) -> str:
-        if not _HUB_REPO.fullmatch(value):
+        if not is_repo_id(value):
             raise PydanticCustomError("repo", "a Hub repo id is `name` or `org/name` (letters, digits, - _ .)")
         return value
 

@@ -8,7 +8,7 @@ strategies, averaging `merge`, losses `evaluate`, files `export`. It never print
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -174,18 +174,24 @@ def _check_remote_code(recipe: Recipe, folder: Path, where: str, ref: ModelRef) 
     hf-rebasin never downloads or runs repository code: with ``trust_remote_code: true`` the weights
     are loaded into the stock class of their ``model_type`` (every tensor's shape is checked).
     """
-    import json
-
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # loading reports it
-    if isinstance(config, dict) and config.get("auto_map") and not recipe.trust_remote_code:
+    config = _config_json(folder)
+    if config.get("auto_map") and not recipe.trust_remote_code:
         raise UnsupportedArchitectureError(
             f"`{where}`: {ref} ships its own modeling code (auto_map in config.json: "
             f"{', '.join(sorted(config['auto_map']))}); hf-rebasin never runs repository code. Set "
             "`trust_remote_code: true` to load its weights into the stock class of its model_type instead"
         )
+
+
+def _config_json(folder: Path) -> dict[str, Any]:
+    """A folder's config.json as a dict; empty when missing or broken (loading reports those itself)."""
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _task_mismatch(task: str, class_name: str, implied: str) -> UnsupportedArchitectureError:
@@ -197,17 +203,12 @@ def _task_mismatch(task: str, class_name: str, implied: str) -> UnsupportedArchi
 
 def _check_task_of_folder(recipe: Recipe, folder: Path) -> None:
     """``evaluate.task`` against the head named in A's config.json (no weights needed)."""
-    import json
-
     from .evaluate import task_of_class
 
-    config = folder / "config.json"
-    if recipe.evaluate is None or not config.is_file():  # a zoo model not trained yet: checked after loading
+    if recipe.evaluate is None:
         return
-    try:
-        architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return  # loading the model reports a broken config with its own message
+    # a zoo model not trained yet has no config.json: its task is checked after loading
+    architectures = _config_json(folder).get("architectures") or []
     implied = task_of_class(str(architectures[0])) if architectures else None
     if implied is not None and implied != recipe.evaluate.task:
         raise _task_mismatch(recipe.evaluate.task, str(architectures[0]), implied)
@@ -358,10 +359,7 @@ def _function_gap(
     model_b: PreTrainedModel, alignment: Alignment, aligned: Mapping[str, Tensor], inputs: Mapping[str, Tensor]
 ) -> float:
     """max |Δ logits| between B and B in A's basis (rebuilt from ``aligned``) on ``inputs``."""
-    from .models import rebuild
-
-    rebuilt = rebuild(model_b, dict(aligned), untie=bool(alignment.untied))
-    _move(rebuilt, next(model_b.parameters()).device)
+    rebuilt = _rebuilt(model_b, aligned, bool(alignment.untied))
     model_b.eval()
     with torch.no_grad():
         before = model_b(**inputs).logits.float()
@@ -384,11 +382,11 @@ def _check_inputs(
     return {k: v.to(device) for k, v in inputs.items()}
 
 
-def _curve_model(template: PreTrainedModel, alignment: Alignment) -> PreTrainedModel:
-    """A model of A's class that can hold ``alignment``'s state dicts (untied when canonical)."""
+def _rebuilt(template: PreTrainedModel, sd: Mapping[str, Tensor], untie: bool) -> PreTrainedModel:
+    """A model of ``template``'s class holding ``sd`` (a tied head stored apart when ``untie``), on its device."""
     from .models import rebuild
 
-    model = rebuild(template, dict(alignment.sd_a), untie=bool(alignment.untied))
+    model = rebuild(template, dict(sd), untie=untie)
     _move(model, next(template.parameters()).device)
     return model
 
@@ -402,11 +400,8 @@ def _score(
 ) -> dict[str, Any]:
     """Loss and metric of a merged state dict on the evaluation batches (``rebasin.json``'s ``merged``)."""
     from .evaluate import evaluate_loss
-    from .models import rebuild
 
-    model = rebuild(template, dict(sd), untie=untie)
-    _move(model, next(template.parameters()).device)
-    result = evaluate_loss(model, batches, task)
+    result = evaluate_loss(_rebuilt(template, sd, untie), batches, task)
     return {"loss": result.loss, "metric": dict(result.metric), "count": result.count}
 
 
@@ -462,7 +457,7 @@ def _curve(
     stage = f"{SWEEP_STAGE}: {name}"
     report(stage, 0, len(grid))
     return loss_curve(
-        _curve_model(template, alignment),
+        _rebuilt(template, alignment.sd_a, bool(alignment.untied)),  # holds both ends, untied when canonical
         alignment.sd_a,
         aligned_b,
         batches,
@@ -740,14 +735,16 @@ class _Context:
     notes: list[str]
 
 
+Sweep = Callable[[], Iterator[dict[str, Tensor]]]  # the state dicts of one transport, α after α
+
+
 def _transport_scores(
-    ctx: _Context, batches: Sequence[Mapping[str, Tensor]], thetas: Callable[[], Any], untie: bool, naive: bool
+    ctx: _Context, batches: Sequence[Mapping[str, Tensor]], thetas: Sweep, untie: bool, naive: Sweep | None
 ) -> dict[str, Any]:
     """Loss and metric of target B, fine-tune A_ft, B + α·π(τ) per α and (``naive``) B + α·τ per α."""
     from .evaluate import evaluate_loss
-    from .transport import add_task_vector
 
-    b, a, a_ft = ctx.loaded
+    b, _a, a_ft = ctx.loaded
     out: dict[str, Any] = {"loss": {}, "metric": {}}
 
     def put(key: str, score: dict[str, Any], many: bool) -> None:
@@ -762,15 +759,8 @@ def _transport_scores(
         put(key, {"loss": result.loss, "metric": dict(result.metric)}, False)
     for theta in thetas():
         put("transported", _score(b.model, theta, untie, batches, ctx.task), True)
-    if naive:
-        sd_a, sd_ft = a.model.state_dict(), a_ft.model.state_dict()
-        tau = {k: sd_ft[k].float() - v.float() for k, v in sd_a.items() if v.is_floating_point()}
-        for alpha in ctx.recipe.alphas:
-            put(
-                "naive",
-                _score(b.model, add_task_vector(b.model.state_dict(), tau, alpha), False, batches, ctx.task),
-                True,
-            )
+    for theta in naive() if naive is not None else ():
+        put("naive", _score(b.model, theta, False, batches, ctx.task), True)
     return out
 
 
@@ -779,13 +769,11 @@ def _transport(
 ) -> RunResult:
     """job: transport: align the old base A to the target B, move τ = A_ft − A, save B + α·π(τ)."""
     from .export import copy_preprocessor_files, output_folder, save_merged_model
-    from .models import check_compatible
-    from .strategies import Pair
+    from .strategies import Pair, align
     from .transport import add_task_vector, task_vector
 
     recipe, timings, notes = ctx.recipe, ctx.timings, ctx.notes
-    b, a, a_ft = ctx.loaded
-    check_compatible(a, a_ft)
+    b, a, a_ft = ctx.loaded  # base and fine-tune were each checked against the target when loaded
     name, options = recipe.strategy.name, recipe.strategy.options
     pair = Pair(b.graph, b.model.state_dict(), a.model.state_dict(), b.model, a.model, ctx.data)
     alignment = _timed_align(name, options, pair, report, timings)
@@ -796,18 +784,24 @@ def _transport(
     alphas = recipe.alphas
     untie = bool(alignment.untied)
 
-    def thetas() -> Any:  # one transported state dict at a time
-        return (add_task_vector(alignment.sd_a, tau, alpha) for alpha in alphas)
+    def sweep(target: Mapping[str, Tensor], moved: Mapping[str, Tensor]) -> Sweep:
+        return lambda: (add_task_vector(target, moved, alpha) for alpha in alphas)  # one state dict at a time
+
+    thetas = sweep(alignment.sd_a, tau)
+    naive: Sweep | None = None
+    ev = recipe.evaluate
+    if ev is not None and "vanilla" in ev.compare:  # B + α·τ: the transport of an identity alignment
+        plain = align("vanilla", Pair(b.graph, b.model.state_dict(), a.model.state_dict()))
+        naive = sweep(plain.sd_a, task_vector(plain, a.graph, a_ft.model.state_dict()))
 
     inputs = _check_inputs(b, [ctx.eval_batches, ctx.align_batches], dev)
     preserved = _preservation(
         name, [a], [alignment], [alignment.aligned_b()], inputs, real=bool(ctx.eval_batches or ctx.align_batches)
     )
     moved: dict[str, Any] = {"alphas": alphas}
-    ev = recipe.evaluate
     if ev is not None and ctx.eval_batches is not None:
         start = time.perf_counter()
-        moved.update(_transport_scores(ctx, ctx.eval_batches, thetas, untie, "vanilla" in ev.compare))
+        moved.update(_transport_scores(ctx, ctx.eval_batches, thetas, untie, naive))
         if ev.support is not None:
             support = _batches(
                 ev.support,
@@ -821,7 +815,7 @@ def _transport(
                 seed=ev.seed,
                 where="evaluate.support",
             )
-            moved["support"] = _transport_scores(ctx, support, thetas, untie, "vanilla" in ev.compare)
+            moved["support"] = _transport_scores(ctx, support, thetas, untie, naive)
         timings["evaluate"] += time.perf_counter() - start
 
     start = time.perf_counter()
