@@ -27,7 +27,7 @@ def _axis_of(graph: SymmetryGraph, tensor: str, space: str) -> int:
     raise AssertionError(f"{tensor} is not bound to {space}")  # adapter bug, caught by tests
 
 
-def _bias_of(weight: str, state_dict: Mapping[str, Tensor]) -> str | None:
+def bias_of(weight: str, state_dict: Mapping[str, Tensor]) -> str | None:
     if weight.endswith(".weight"):
         bias = weight[: -len(".weight")] + ".bias"
         if bias in state_dict:
@@ -60,7 +60,7 @@ def canonicalize(
         for norm in norms:
             gamma = sd[norm.weight].to(torch.float64)
             beta = sd[norm.bias].to(torch.float64) if norm.bias else None
-            biases = [_bias_of(r, sd) for r in norm.readers]
+            biases = [bias_of(r, sd) for r in norm.readers]
             fold_beta = beta is not None and all(b is not None for b in biases)
             for reader, bias in zip(norm.readers, biases, strict=False):
                 w = sd[reader]

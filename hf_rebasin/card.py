@@ -62,12 +62,17 @@ def card_metadata(record: Mapping[str, Any]) -> ModelCardData:
     job = _job(record)
     hub_models = [str(m["model"]) for m in _models(record) if _source(m) == "hub"]
     fields: dict[str, Any] = {"tags": _unique([*TAGS, str(record.get("strategy") or "")])}
+    adapter = bool((record.get("transport") or {}).get("adapter"))
+    if adapter:  # an adapter's base is the model it loads onto: the target
+        hub_models = [str(m["model"]) for m in _models(record)[:1] if _source(m) == "hub"]
     if hub_models:
         fields["base_model"] = hub_models
         if job == "merge":
             fields["base_model_relation"] = "merge"
+        elif adapter:
+            fields["base_model_relation"] = "adapter"
     if job in _MODEL_JOBS:
-        fields["library_name"] = "transformers"
+        fields["library_name"] = "peft" if adapter else "transformers"
         pipeline_tag = PIPELINE_TAGS.get(str(record.get("task")))
         if pipeline_tag:
             fields["pipeline_tag"] = pipeline_tag
@@ -108,6 +113,8 @@ def _context(record: Mapping[str, Any], recipe_text: str, command: str) -> dict[
         "transport_support": _transport_rows(
             (record.get("transport") or {}).get("support") or {}, record.get("transport")
         ),
+        "adapter": (record.get("transport") or {}).get("adapter"),
+        "moved": _moved(record.get("transport") or {}),
         "function_preserved": _function_preserved(record.get("function_preserved"), job),
         "notes": [str(n) for n in record.get("notes") or []],
         "canonical": bool(record.get("canonical")) and job in _MODEL_JOBS,
@@ -119,6 +126,23 @@ def _context(record: Mapping[str, Any], recipe_text: str, command: str) -> dict[
         "version": str(record.get("hf_rebasin_version") or "unknown"),
         "load": _load(record) if job in _MODEL_JOBS else None,
     }
+
+
+def _moved(transport: Mapping[str, Any]) -> list[str]:
+    """What a transport carried where, in words (the card's "What moved")."""
+    lines = []
+    adapter = transport.get("adapter")
+    if adapter:
+        rank = adapter.get("rank")
+        lines.append(
+            f"LoRA factors of {adapter.get('modules')} modules (rank {rank}, lora_alpha {adapter.get('lora_alpha')}), "
+            "each factor mapped on the axis it shares with its weight"
+        )
+        for name in adapter.get("full_tensors") or []:
+            lines.append(f"`{_cell(str(name))}` (stored whole): target + π(saved − base)")
+    for name in transport.get("carried") or []:
+        lines.append(f"`{_cell(str(name))}` (only in the fine-tune): moved whole into B's basis")
+    return lines
 
 
 def _merged_scores(merged: Mapping[str, Any], strategy: str) -> list[dict[str, str]]:
@@ -340,7 +364,10 @@ def _load(record: Mapping[str, Any]) -> dict[str, str]:
     push = output.get("push_to_hub") or {}
     where = str(push.get("repo") or output.get("dir") or "path/to/this/folder")
     task = str(record.get("task"))
+    models = _models(record)
+    target = str(models[0]["model"]) if models and _source(models[0]) == "hub" else "path/to/target"
     return {
+        "target": json.dumps(target),
         "model_class": AUTO_CLASSES.get(task, "AutoModel"),
         "processor_class": "AutoImageProcessor" if task == "image-classification" else "AutoTokenizer",
         "processor_var": "processor" if task == "image-classification" else "tokenizer",

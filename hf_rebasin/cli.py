@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "The zoo: tiny models hf-rebasin trains itself, offline, for demos and tests (gpt2: character-level "
             "Shakespeare, about a minute; vit: 8x8 digits, about 30 s; gpt2-ft: the gpt2 of the same seed "
-            "fine-tuned on another play, about 10 s; one CPU core each). Prints one folder per seed; recipes "
+            "fine-tuned on another play, about 10 s; gpt2-lora: a PEFT LoRA adapter of it trained on that play, about "
+            "10 s; one CPU core each). Prints one folder per seed; recipes "
             "name them as zoo:KIND-seedN."
         ),
     )
@@ -197,7 +198,12 @@ def _run_options(parser: argparse.ArgumentParser, output_help: str, output: str 
 
 COMMANDS = ("verify", "align", "run", "demo", "zoo", "push", "schema")
 DEMO_OUTPUT = "rebasin-demo"
-ZOO_KINDS = ("gpt2", "vit", "gpt2-ft")  # hf_rebasin.train.KINDS, restated so `--help` does not import torch
+ZOO_KINDS = (
+    "gpt2",
+    "vit",
+    "gpt2-ft",
+    "gpt2-lora",
+)  # hf_rebasin.train.KINDS, restated so `--help` does not import torch
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
 
@@ -435,6 +441,8 @@ def print_run_summary(console: Console, result: Any) -> None:
             soft_wrap=True,
         )
     what = {"merge": "merged model and report", "transport": "transported model and report"}.get(result.job, "report")
+    if result.job == "transport" and not result.saved_model:
+        what = "transported LoRA adapter (for the target) and report"
     console.print(f"{what} written to {escape(str(result.output))} ({escape(', '.join(result.files))})", soft_wrap=True)
 
 

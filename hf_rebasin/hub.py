@@ -166,6 +166,17 @@ def weight_patterns(
 ) -> list[str]:
     """The allow-patterns to download: support files plus safetensors (or, if allowed, pickles)."""
     at = f"{where}: " if where else ""
+    if "config.json" not in files and "adapter_config.json" in files:  # a PEFT adapter
+        if "adapter_model.safetensors" in files:
+            return ["adapter_config.json", "adapter_model.safetensors"]
+        if "adapter_model.bin" in files:
+            if not allow_pickle:
+                raise PickleRefusedError(
+                    f"{at}{repo!r}@{revision or 'main'} holds its adapter only as a pickle (adapter_model.bin), and "
+                    "loading a pickle can run code; set `allow_pickle: true` in the recipe if you trust its author"
+                )
+            return ["adapter_config.json", "adapter_model.bin"]
+        raise ModelNotFoundError(f"{at}{repo!r}@{revision or 'main'} has adapter_config.json but no adapter weights")
     if "config.json" not in files:
         raise ModelNotFoundError(
             f"{at}{repo!r}@{revision or 'main'} has no config.json, so it is not a Transformers model "

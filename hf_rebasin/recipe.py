@@ -30,6 +30,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
 from .errors import DataError, RebasinUserError
@@ -39,6 +40,7 @@ from .export import DEFAULT_SHARD_SIZE
 from .hub import is_repo_id, split_ref
 from .strategies import REGISTRY, Options, Strategy, get_strategy
 from .train import KINDS, is_trained, zoo_folder
+from .universe import DEFAULT_ITERATIONS, DEFAULT_TOL
 
 __all__ = [
     "JOBS",
@@ -52,6 +54,7 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "StrategySpec",
+    "Universe",
     "describe",
     "load_recipe",
     "loads_recipe",
@@ -192,6 +195,16 @@ class ModelRef(_Section):
         return self.model if self.revision is None else f"{self.model}@{self.revision}"
 
 
+class FineTuneRef(ModelRef):
+    """`finetuned` of a transport: a full fine-tune of `base`, or a PEFT LoRA adapter trained on it."""
+
+    check_base: bool = Field(
+        True,
+        description="a LoRA adapter whose adapter_config.json names another base than `base` is refused; "
+        "false: go on anyway (the run notes it)",
+    )
+
+
 DataFiles = Union[str, list[str], dict[str, Union[str, list[str]]]]  # noqa: UP007 (pydantic needs a runtime union)
 
 
@@ -278,6 +291,31 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+class Universe(_Section):
+    """Universe merging: align every model to the mean of the others, average, repeat (job: merge)."""
+
+    iterations: int = Field(
+        DEFAULT_ITERATIONS, ge=1, description="rounds of aligning every model and averaging, at most"
+    )
+    tol: float = Field(
+        DEFAULT_TOL,
+        ge=0,
+        allow_inf_nan=False,
+        description="stop when a round moves the mean by less than this, relative to its norm",
+    )
+    leave_one_out: bool = Field(
+        True,
+        description="align each model to the mean of the others, model after model (true), or every model "
+        "to the mean of all (false: its own share pulls it back to the map it has)",
+    )
+
+
+def _universe_schema(schema: JsonDict) -> None:
+    """`universe: true` in editors too (the validator turns it into the default settings)."""
+    given = schema.get("anyOf")
+    schema["anyOf"] = [{"type": "boolean"}, *(given if isinstance(given, list) else [])]
+
+
 class Merge(_Section):
     """How to weight the aligned models: λ on the reference model, or one weight per model."""
 
@@ -285,6 +323,27 @@ class Merge(_Section):
         DEFAULT_WEIGHT,
         description="λ in [0, 1] on the reference model (the rest shared by the others), or one weight per model summing to 1",
     )
+    universe: Universe | None = Field(
+        default=None,
+        description="true, or {iterations, tol, leave_one_out}: after aligning every model to the reference, "
+        "realign all to their evolving mean and average again until it settles (for three or more models)",
+        json_schema_extra=_universe_schema,
+    )
+
+    @field_validator("universe", mode="before")
+    @classmethod
+    def _universe(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        if value is False or value is None:
+            return None
+        if isinstance(value, (Mapping, Universe)):
+            return value
+        raise PydanticCustomError(
+            "recipe",
+            "must be true, false, or a mapping with `iterations`, `tol` and/or `leave_one_out`; given {given}",
+            {"given": _given(value)},
+        )
 
     @field_validator("weight", mode="before")
     @classmethod
@@ -473,8 +532,10 @@ class Recipe(_Section):
     base: ModelRef | None = Field(
         None, validate_default=True, description="transport: the base the fine-tune was trained from (A)"
     )
-    finetuned: ModelRef | None = Field(
-        None, validate_default=True, description="transport: the fine-tune of `base` (A + τ), a full model"
+    finetuned: FineTuneRef | None = Field(
+        None,
+        validate_default=True,
+        description="transport: the fine-tune of `base` (A + τ): a full model (its head may differ) or a PEFT LoRA adapter",
     )
     target: ModelRef | None = Field(
         None, validate_default=True, description="transport: the new base release (B) the task vector moves to"
@@ -504,6 +565,11 @@ class Recipe(_Section):
         "stock class of their model_type; repository code is never run",
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
+    cache: bool = Field(
+        True,
+        description="reuse alignments from the alignment cache ($HF_REBASIN_CACHE/alignments) and store new "
+        "ones; false computes every alignment afresh",
+    )
 
     _source: str = PrivateAttr("<recipe>")
     _text: str | None = PrivateAttr(None)
@@ -598,6 +664,18 @@ class Recipe(_Section):
                 "recipe",
                 "lists {n} weights for {m} models: give one weight per model, or a single λ on the reference",
                 {"n": len(value.weight), "m": len(models), "at": "weight"},
+            )
+        return value
+
+    @field_validator("merge")
+    @classmethod
+    def _universe_merges(cls, value: Merge, info: ValidationInfo) -> Merge:
+        if value.universe is not None and info.data.get("job") == "barrier":
+            raise PydanticCustomError(
+                "recipe",
+                "a universe merge belongs to job: merge; job: barrier compares two models and saves no merge: "
+                "remove `universe`",
+                {"at": "universe"},
             )
         return value
 
@@ -875,6 +953,26 @@ def _data_line(spec: DataSpec) -> str:
     return ", ".join(parts)
 
 
+def _universe_lines(recipe: Recipe) -> list[str]:
+    """The plan of a universe merge (none without one)."""
+    universe = recipe.merge.universe
+    if universe is None:
+        return []
+    target = "the mean of the others (model after model)" if universe.leave_one_out else "the mean of all"
+    out = [
+        f"  universe: from the reference merge, realign every model to {target}, average, repeat; "
+        f"at most {universe.iterations} rounds, until the mean moves by less than {universe.tol:g} (relative)"
+    ]
+    if len(recipe.refs) == 2:
+        out.append(
+            "  note: with two models there is no third to share a basis with: universe only refines the pairwise "
+            "alignment (each model aligned to the other in turn) and re-centres the merge between them"
+        )
+    if recipe.strategy.name == "vanilla":
+        out.append("  note: vanilla aligns nothing, so universe rounds leave the plain average as it is")
+    return out
+
+
 def describe(recipe: Recipe) -> list[str]:
     """The plan a recipe stands for, one line each (``--dry-run`` prints it; nothing is loaded)."""
     out = [f"recipe: {recipe.source}", f"job: {recipe.job}", "models:"]
@@ -910,6 +1008,7 @@ def describe(recipe: Recipe) -> list[str]:
     if recipe.job == "merge":
         weights = recipe.merge.weights(len(recipe.refs))
         out.append("merge: weights " + ", ".join(f"{w:g}" for w in weights) + " (reference first)")
+        out.extend(_universe_lines(recipe))
     if recipe.job == "transport":
         alphas = ", ".join(f"{a:g}" for a in recipe.alphas)
         out.append(f"transport: θ = B + α·π(A_ft − A), α = {alphas} (the first is saved); π aligns A to B")

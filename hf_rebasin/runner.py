@@ -8,7 +8,7 @@ strategies, averaging `merge`, losses `evaluate`, files `export`. It never print
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,15 +17,23 @@ import torch
 from torch import Tensor
 
 from . import __version__
-from .errors import DataError, ModelNotFoundError, RebasinUserError, UnsupportedArchitectureError
+from .errors import (
+    DataError,
+    IncompatibleModelsError,
+    ModelNotFoundError,
+    RebasinUserError,
+    UnsupportedArchitectureError,
+)
 from .recipe import DEVICE_PATTERN, DataSpec, ModelRef, Recipe, describe
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from .evaluate import Curve, Task
+    from .lora import LoraAdapter
     from .models import LoadedModel
     from .strategies import Alignment, AlignmentData
+    from .symmetry import SymmetryGraph
 
 __all__ = ["Progress", "ResolvedModel", "RunResult", "plan", "resolve_model", "run_recipe"]
 
@@ -59,6 +67,7 @@ class RunResult:
     push_error: str | None = None  # why the push failed (the local folder is complete)
     canonical: bool = False  # the merged model was saved in canonical form (norm scales folded)
     untied: list[str] = field(default_factory=list)  # tied tensors stored separately in the merged model
+    universe: dict[str, Any] = field(default_factory=dict)  # merge.universe: rounds, change per round, reference
 
 
 def _noop(stage: str, done: int, total: int) -> None:
@@ -88,8 +97,23 @@ def resolve_model(
     """The local folder of a model reference, trained (zoo) or downloaded (Hub) when ``fetch``.
 
     Without ``fetch`` (a dry run) nothing is trained or downloaded: a zoo model says where it will
-    be, a Hub model is resolved to its commit from metadata alone.
+    be, a Hub model is resolved to its commit from metadata alone. A PEFT adapter is accepted only
+    as a transport's ``finetuned``.
     """
+    resolved = _resolve(ref, where, progress=progress, fetch=fetch, allow_pickle=allow_pickle)
+    if resolved.folder is not None and not where.startswith("finetuned"):
+        from .lora import is_adapter
+
+        if is_adapter(resolved.folder) and not (resolved.folder / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"`{where}`: {ref} is a PEFT adapter, not a model; an adapter can only be the `finetuned` of a "
+                "job: transport (its base model goes in `base`)"
+            )
+    return resolved
+
+
+def _resolve(ref: ModelRef, where: str, *, progress: Progress | None, fetch: bool, allow_pickle: bool) -> ResolvedModel:
+    adapter_ok = where.startswith("finetuned")
     where = f"`{where}`"
     if ref.zoo is not None:
         from . import train
@@ -117,9 +141,10 @@ def resolve_model(
         raise ModelNotFoundError(f"{where}: the model folder {str(folder)!r} does not exist")
     if not folder.is_dir():
         raise ModelNotFoundError(f"{where}: {str(folder)!r} is a file; give the folder that holds config.json")
-    if not (folder / "config.json").is_file():
+    if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
         raise ModelNotFoundError(
             f"{where}: {str(folder)!r} has no config.json; a model folder is what `save_pretrained` writes"
+            + (" (or, for `finetuned`, a PEFT adapter folder with adapter_config.json)" if adapter_ok else "")
         )
     return ResolvedModel(folder)
 
@@ -150,8 +175,11 @@ def _check_recipe(recipe: Recipe, output: Path) -> list[ResolvedModel]:
     for (where, ref), res in zip(recipe.refs, resolved, strict=True):
         if res.folder is not None and (res.folder / "config.json").is_file():
             _check_remote_code(recipe, res.folder, where, ref)
-    if resolved[0].folder is not None:
-        _check_task_of_folder(recipe, resolved[0].folder)
+    if recipe.job == "transport":
+        _check_adapter(recipe, resolved)
+    task_folder = _task_folder(recipe, resolved)
+    if task_folder is not None:
+        _check_task_of_folder(recipe, task_folder)
     if recipe.data is not None:
         _check_data_files(recipe.data, "data")
     if recipe.evaluate is not None:
@@ -166,6 +194,83 @@ def _check_recipe(recipe: Recipe, output: Path) -> list[ResolvedModel]:
                 "(checked before any work is done)"
             )
     return resolved
+
+
+def _task_folder(recipe: Recipe, resolved: Sequence[ResolvedModel]) -> Path | None:
+    """The folder whose head sets the task: the reference, or for a transport the fine-tune (its
+    head may be new), unless that is an adapter (then its base)."""
+    if recipe.job != "transport":
+        return resolved[0].folder
+    ft = resolved[2].folder
+    return ft if ft is not None and (ft / "config.json").is_file() else resolved[1].folder
+
+
+def _same_base(named: str, ref: ModelRef, folder: Path | None) -> bool:
+    """Whether an adapter's ``base_model_name_or_path`` names the recipe's ``base``."""
+    candidates = {ref.model, str(ref)}
+    if folder is not None:
+        candidates.add(str(folder))
+        candidates.add(str(folder.resolve()))
+    if named in candidates:
+        return True
+    # a Hub id written with or without its owner (`gpt2` vs `openai-community/gpt2`)
+    return ref.source == "hub" and named.rsplit("/", 1)[-1] == ref.model.rsplit("/", 1)[-1]
+
+
+def _check_adapter(recipe: Recipe, resolved: Sequence[ResolvedModel]) -> list[str]:
+    """A LoRA ``finetuned``: readable, plain LoRA, and trained on ``base`` (or ``check_base: false``).
+
+    Returns notes for the run (a mismatch allowed by ``check_base: false``).
+    """
+    from .lora import adapter_config, is_adapter
+
+    folder = resolved[2].folder
+    ft = recipe.finetuned
+    if folder is None or ft is None or not is_adapter(folder) or (folder / "config.json").is_file():
+        return []
+    config = adapter_config(folder, "finetuned.model")
+    named = config.get("base_model_name_or_path")
+    base = recipe.base
+    assert base is not None  # a transport recipe has one
+    if not named or _same_base(str(named), base, resolved[1].folder):
+        return []
+    if ft.check_base:
+        raise IncompatibleModelsError(
+            f"`finetuned.model`: the adapter {ft} was trained on {named!r} (base_model_name_or_path in "
+            f"adapter_config.json), but `base` is {base}. Transporting it from the wrong base moves the wrong "
+            f"task vector. If {named!r} is {base} under another name, set `finetuned.check_base: false`"
+        )
+    return [f"the adapter names {named!r} as its base; `base` is {base} (check_base: false)"]
+
+
+def _load_finetune(base: LoadedModel, folder: Path, allow_pickle: bool) -> tuple[LoadedModel, LoraAdapter | None]:
+    """A transport's fine-tune, checked against its base: a full model of the same model type (its
+    head may differ: a classifier trained on A's features), or a LoRA adapter merged into A."""
+    from .lora import apply_adapter, is_adapter, read_adapter
+    from .models import LoadedModel, check_same_shapes, load_model, rebuild
+
+    if is_adapter(folder) and not (folder / "config.json").is_file():
+        adapter = read_adapter(folder, base.model, allow_pickle=allow_pickle, where="finetuned.model")
+        merged = rebuild(base.model, apply_adapter(adapter, base.model.state_dict()))
+        return LoadedModel(merged, base.graph, folder), adapter
+    ft = load_model(folder, allow_pickle=allow_pickle)
+    type_a, type_ft = base.model.config.model_type, ft.model.config.model_type
+    if type_a != type_ft:
+        raise IncompatibleModelsError(
+            f"`finetuned.model`: {str(folder)!r} is a {type(ft.model).__name__} (model_type {type_ft!r}) but its "
+            f"base {str(base.path)!r} is a {type(base.model).__name__} (model_type {type_a!r}): a fine-tune keeps "
+            "the architecture of the base it was trained from"
+        )
+    sd_base, sd_ft = base.model.state_dict(), ft.model.state_dict()
+    for name, t in sd_base.items():
+        if name in sd_ft and sd_ft[name].shape != t.shape:
+            raise IncompatibleModelsError(
+                f"`finetuned.model`: tensor {name!r} has shape {tuple(sd_ft[name].shape)} in the fine-tune but "
+                f"{tuple(t.shape)} in its base: it was not fine-tuned from this base"
+            )
+    if type(ft.model) is type(base.model) and sd_ft.keys() != sd_base.keys():
+        check_same_shapes(sd_base, sd_ft, "the base", "the fine-tune")
+    return ft, None
 
 
 def _check_remote_code(recipe: Recipe, folder: Path, where: str, ref: ModelRef) -> None:
@@ -412,13 +517,142 @@ def _sweep_progress(report: Progress, stage: str, total: int) -> Callable[[int, 
     return step
 
 
-def _timed_align(name: str, options: Any, pair: Any, progress: Progress, timings: dict[str, float]) -> Alignment:
+def _timed_align(
+    name: str,
+    options: Any,
+    pair: Any,
+    progress: Progress,
+    timings: dict[str, float],
+    *,
+    cache: _CacheUse | None = None,
+) -> Alignment:
+    """Align B of ``pair`` to A, timed into ``timings["align"]``. With ``cache`` (see `_RunCache.use`)
+    the alignment is read from the alignment cache when it is there (``align`` ≈ 0) and stored when not."""
     from .strategies import align
 
     start = time.perf_counter()
-    alignment = align(name, pair, options, progress)
+    alignment = cache.read(pair, name) if cache is not None else None
+    if alignment is None:
+        alignment = align(name, pair, options, progress)
     timings["align"] = timings.get("align", 0.0) + time.perf_counter() - start
+    if cache is not None and not cache.hit:
+        cache.write(alignment, pair)
     return alignment
+
+
+@dataclass
+class _RunCache:
+    """The alignment cache as one run uses it: on or off, notes for the report, hits and misses."""
+
+    recipe: Recipe
+    base_dir: Path
+    notes: list[str]
+    progress: Progress = _noop
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        from . import cache
+
+        return cache.enabled(self.recipe.cache)
+
+    def record(self) -> dict[str, Any]:
+        """``rebasin.json``'s ``cache`` entry."""
+        return {"enabled": self.enabled, "hits": self.hits, "misses": self.misses}
+
+    def use(
+        self,
+        resolved: Sequence[ResolvedModel],
+        reference: LoadedModel,
+        other: LoadedModel,
+        strategy: str,
+        options: Any,
+        label: str | None = None,
+        graph: SymmetryGraph | None = None,
+    ) -> _CacheUse | None:
+        """The cache entry for aligning ``other`` to ``reference`` (None: caching is off or pointless).
+
+        ``label`` names the pair in notes (default: the models' letters in the recipe, "B to A");
+        ``graph`` is the graph of the `Pair` when it is not ``reference.graph``."""
+        from . import cache
+        from .export import PREPROCESSOR_FILES
+        from .strategies import get_strategy
+
+        if not self.enabled or strategy in cache.NOT_CACHED:
+            return None
+        by_folder = {r.folder: r for r in resolved if r.folder is not None}
+        ref_res = by_folder.get(reference.path, ResolvedModel(reference.path))
+        other_res = by_folder.get(other.path, ResolvedModel(other.path))
+        parsed = get_strategy(strategy).parse(options)
+        spec, ev = self.recipe.data, self.recipe.evaluate
+        try:
+            data = None
+            if spec is not None and get_strategy(strategy).needs_data(parsed):
+                data = cache.data_identity(
+                    spec.model_dump(mode="json"),
+                    self.base_dir,
+                    # with A's config (in its identity) these say how `run_recipe` batches alignment data
+                    evaluate_task=ev.task if ev is not None else None,
+                    batch_size=ev.batch_size if ev is not None else 8,
+                    seed=ev.seed if ev is not None else 0,
+                    processor=cache.files_identity(
+                        [reference.path / f for f in PREPROCESSOR_FILES], base=reference.path
+                    ),
+                )
+            key = cache.alignment_key(
+                ref_res,
+                other_res,
+                strategy,
+                parsed,
+                data=data,
+                graph=graph if graph is not None else reference.graph,
+                progress=self.progress,
+            )
+        except OSError as e:  # a file that cannot be hashed: align without the cache
+            self.notes.append(f"alignment cache not used: cannot hash the input files ({e})")
+            return None
+        if label is None:
+            folders = [r.folder for r in resolved]
+            letter = {p: chr(ord("A") + folders.index(p)) for p in (reference.path, other.path) if p in folders}
+            label = f"{letter.get(other.path, 'B')} to {letter.get(reference.path, 'A')}"
+        return _CacheUse(self, key, strategy, label)
+
+
+@dataclass
+class _CacheUse:
+    """One alignment's entry in the cache: read it, or write it after computing."""
+
+    run: _RunCache
+    key: str
+    strategy: str
+    label: str
+    hit: bool = False
+
+    def read(self, pair: Any, name: str) -> Alignment | None:
+        from . import cache
+
+        try:
+            alignment = cache.read_alignment(self.key, pair, name)
+        except cache.CacheMiss as miss:
+            self.run.misses += 1
+            if miss.reason:
+                self.run.notes.append(
+                    f"cached alignment of {self.label} ({self.key[:12]}) not used: {miss.reason}; recomputed"
+                )
+            return None
+        self.hit = True
+        self.run.hits += 1
+        self.run.notes.append(f"{self.strategy} alignment of {self.label} read from the cache ({self.key[:12]})")
+        return alignment
+
+    def write(self, alignment: Alignment, pair: Any) -> None:
+        from . import cache
+
+        try:
+            cache.save_alignment(self.key, alignment, pair)
+        except OSError as e:
+            self.run.notes.append(f"alignment of {self.label} not cached: cannot write {cache.cache_dir()} ({e})")
 
 
 def _preservation(
@@ -534,6 +768,7 @@ def run_recipe(
     base_dir = Path(recipe.source).parent if Path(recipe.source).is_file() else Path.cwd()
     timings: dict[str, float] = {"load": 0.0, "align": 0.0, "evaluate": 0.0, "save": 0.0}
     notes: list[str] = []
+    run_cache = _RunCache(recipe, base_dir, notes, report)
 
     # load (zoo models are trained first when not cached: timed apart as "train")
     start = time.perf_counter()
@@ -547,17 +782,25 @@ def run_recipe(
     if untrained:
         timings["train"] = time.perf_counter() - start
         start = time.perf_counter()
+    adapter = None
+    if recipe.job == "transport":
+        notes.extend(_check_adapter(recipe, resolved))
     loaded: list[LoadedModel] = []
     report(LOAD_STAGE, 0, len(folders))
     for i, folder in enumerate(folders):
-        lm = load_model(folder, allow_pickle=recipe.allow_pickle)
-        if loaded:
-            check_compatible(loaded[0], lm)
+        if recipe.job == "transport" and i == 2:  # the fine-tune: a full model (any head) or an adapter
+            lm, adapter = _load_finetune(loaded[1], folder, recipe.allow_pickle)
+        else:
+            lm = load_model(folder, allow_pickle=recipe.allow_pickle)
+            if loaded:
+                check_compatible(loaded[0], lm)
         _move(lm.model, dev)
         loaded.append(lm)
         report(LOAD_STAGE, i + 1, len(folders))
     a = loaded[0]
-    task = _task(recipe, a.model, task_of)
+    # a transport is scored on the fine-tune's task (its head may be new); alignment data go through the bases
+    task = _task(recipe, loaded[2].model if recipe.job == "transport" else a.model, task_of)
+    align_task = task_of(a.model) if recipe.job == "transport" else task
     ev = recipe.evaluate
     processor = _processor(folders[0], task) if (recipe.data is not None or ev is not None) else None
     align_batches: list[dict[str, Tensor]] | None = None
@@ -566,7 +809,7 @@ def run_recipe(
         align_batches = _batches(
             recipe.data,
             base_dir,
-            task,
+            align_task,
             processor,
             a.model.config,
             batch_size=ev.batch_size if ev is not None else 8,
@@ -584,7 +827,7 @@ def run_recipe(
             base_dir,
             task,
             processor,
-            a.model.config,
+            loaded[-1].model.config if recipe.job == "transport" else a.model.config,
             batch_size=ev.batch_size,
             max_tokens=ev.max_tokens,
             max_examples=ev.max_examples,
@@ -594,7 +837,7 @@ def run_recipe(
     timings["load"] = time.perf_counter() - start
     if recipe.job == "transport":
         ctx = _Context(
-            recipe, target, resolved, folders, loaded, task, data, align_batches, eval_batches, timings, notes
+            recipe, target, resolved, folders, loaded, task, data, align_batches, eval_batches, timings, notes, adapter
         )
         return _transport(ctx, processor, base_dir, report, command, dev)
 
@@ -605,7 +848,9 @@ def run_recipe(
     alignments: list[Alignment] = []
     for lm in loaded[1:]:
         pair = Pair(a.graph, sd_a, lm.model.state_dict(), a.model, lm.model, data)
-        alignments.append(_timed_align(name, options, pair, report, timings))
+        alignments.append(
+            _timed_align(name, options, pair, report, timings, cache=run_cache.use(resolved, a, lm, name, options))
+        )
     primary = alignments[0]
     notes.extend(dict.fromkeys(n for al in alignments for n in al.notes))
     aligned = [al.aligned_b() for al in alignments]
@@ -625,7 +870,9 @@ def run_recipe(
                 al, aligned_b = primary, aligned[0]
             else:
                 pair = Pair(a.graph, sd_a, b.model.state_dict(), a.model, b.model, data)
-                al = _timed_align(curve_name, get_strategy(curve_name).parse(None), pair, report, timings)
+                compared = get_strategy(curve_name).parse(None)
+                cached = run_cache.use(resolved, a, b, curve_name, compared)
+                al = _timed_align(curve_name, compared, pair, report, timings, cache=cached)
                 aligned_b = al.aligned_b()
             start = time.perf_counter()
             curves[curve_name] = _curve(a.model, al, aligned_b, eval_batches, task, ev.points, curve_name, report)
@@ -636,8 +883,19 @@ def run_recipe(
     weights = recipe.merge.weights(len(loaded))
     scores: dict[str, dict[str, Any]] = {}
     merged: dict[str, Tensor] = {}
+    universe: dict[str, Any] | None = None
+    if recipe.job == "merge" and recipe.merge.universe is not None:
+        merged, universe, preserved = _universe(
+            recipe, loaded, alignments, weights, data, inputs, preserved, report, timings, notes
+        )
+        if ev is not None and eval_batches is not None:
+            start = time.perf_counter()
+            reference = merge_state_dicts([primary.sd_a, *aligned], weights)
+            universe["reference"] = _score(a.model, reference, bool(primary.untied), eval_batches, task)
+            timings["evaluate"] += time.perf_counter() - start
     if recipe.job == "merge":
-        merged = merge_state_dicts([primary.sd_a, *aligned], weights)
+        if universe is None:
+            merged = merge_state_dicts([primary.sd_a, *aligned], weights)
         if ev is not None and eval_batches is not None:
             start = time.perf_counter()
             scores[name] = _score(a.model, merged, bool(primary.untied), eval_batches, task)
@@ -645,6 +903,11 @@ def run_recipe(
                 plain = merge_state_dicts([sd_a, *(lm.model.state_dict() for lm in loaded[1:])], weights)
                 scores["vanilla"] = _score(a.model, plain, False, eval_batches, task)
             timings["evaluate"] += time.perf_counter() - start
+            if universe is not None:
+                notes.append(
+                    f"universe: loss {scores[name]['loss']:.4f} nats; the reference merge (every model aligned "
+                    f"to A only) {universe['reference']['loss']:.4f}"
+                )
 
     # save
     start = time.perf_counter()
@@ -668,6 +931,7 @@ def run_recipe(
             strategy=name,
             strategy_options=options.model_dump(mode="json"),
             merge_weights=weights if recipe.job == "merge" else None,
+            **({"universe": universe} if universe is not None else {}),
             task=task,
             canonical=primary.canonical,
             untied=list(primary.untied),
@@ -677,6 +941,7 @@ def run_recipe(
             function_preserved=preserved,
             notes=notes,
             timings=timings,
+            cache=run_cache.record(),
         )
     pushed, push_error = _push(recipe, target, report)
     return RunResult(
@@ -695,7 +960,50 @@ def run_recipe(
         untied=list(primary.untied) if recipe.job == "merge" else [],
         pushed=pushed,
         push_error=push_error,
+        universe=universe or {},
     )
+
+
+def _universe(
+    recipe: Recipe,
+    loaded: Sequence[LoadedModel],
+    alignments: Sequence[Alignment],
+    weights: Sequence[float],
+    data: AlignmentData | None,
+    inputs: Mapping[str, Tensor],
+    preserved: dict[str, Any],
+    report: Progress,
+    timings: dict[str, float],
+    notes: list[str],
+) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]]:
+    """``merge.universe``: the universe merge, its ``rebasin.json`` entry, and the preservation check
+    widened to every model's map into the merge's basis (model A's included)."""
+    from .universe import universe_merge
+
+    settings = recipe.merge.universe
+    assert settings is not None  # the caller checked
+    start = time.perf_counter()
+    result = universe_merge(
+        recipe.strategy.name,
+        recipe.strategy.options,
+        loaded[0].graph,
+        [lm.model.state_dict() for lm in loaded],
+        weights,
+        models=[lm.model for lm in loaded],
+        data=data,
+        iterations=settings.iterations,
+        tol=settings.tol,
+        leave_one_out=settings.leave_one_out,
+        initial=alignments,
+        progress=report,
+    )
+    timings["align"] += time.perf_counter() - start
+    notes.extend(n for n in result.notes if n not in notes)
+    if preserved.get("max_abs_diff") is not None:
+        aligned = [al.aligned_b() for al in result.alignments]
+        again = _preservation(recipe.strategy.name, loaded, result.alignments, aligned, inputs, real=True)
+        preserved = {**preserved, "max_abs_diff": max(preserved["max_abs_diff"], again["max_abs_diff"])}  # same inputs
+    return result.merged, result.record(), preserved
 
 
 def _push(recipe: Recipe, folder: Path, report: Progress) -> tuple[Any, str | None]:
@@ -733,15 +1041,20 @@ class _Context:
     eval_batches: list[dict[str, Tensor]] | None
     timings: dict[str, float]
     notes: list[str]
-
-
-Sweep = Callable[[], Iterator[dict[str, Tensor]]]  # the state dicts of one transport, α after α
+    adapter: LoraAdapter | None = None  # transport: the fine-tune is this LoRA adapter (merged into A in loaded[2])
 
 
 def _transport_scores(
-    ctx: _Context, batches: Sequence[Mapping[str, Tensor]], thetas: Sweep, untie: bool, naive: Sweep | None
+    ctx: _Context,
+    batches: Sequence[Mapping[str, Tensor]],
+    moved: _Moved,
+    naive: _Moved | None,
 ) -> dict[str, Any]:
-    """Loss and metric of target B, fine-tune A_ft, B + α·π(τ) per α and (``naive``) B + α·τ per α."""
+    """Loss and metric of target B, fine-tune A_ft, B + α·π(τ) per α and (``naive``) B + α·τ per α.
+
+    When the fine-tune has a head its base lacks, "target" is B carrying that head (moved, α = 0):
+    B alone has no such head to score.
+    """
     from .evaluate import evaluate_loss
 
     b, _a, a_ft = ctx.loaded
@@ -754,73 +1067,159 @@ def _transport_scores(
         else:
             out["loss"][key], out["metric"][key] = score["loss"], score["metric"]
 
-    for key, lm in (("target", b), ("finetuned", a_ft)):
-        result = evaluate_loss(lm.model, batches, ctx.task)
-        put(key, {"loss": result.loss, "metric": dict(result.metric)}, False)
-    for theta in thetas():
-        put("transported", _score(b.model, theta, untie, batches, ctx.task), True)
-    for theta in naive() if naive is not None else ():
-        put("naive", _score(b.model, theta, False, batches, ctx.task), True)
+    ft = evaluate_loss(a_ft.model, batches, ctx.task)
+    if moved.carried:
+        put("target", _score(moved.template, moved.theta(0.0), moved.untie, batches, ctx.task), False)
+    else:
+        target = evaluate_loss(b.model, batches, ctx.task)
+        put("target", {"loss": target.loss, "metric": dict(target.metric)}, False)
+    put("finetuned", {"loss": ft.loss, "metric": dict(ft.metric)}, False)
+    for alpha in ctx.recipe.alphas:
+        put("transported", _score(moved.template, moved.theta(alpha), moved.untie, batches, ctx.task), True)
+    for alpha in ctx.recipe.alphas if naive is not None else ():
+        assert naive is not None
+        put("naive", _score(naive.template, naive.theta(alpha), naive.untie, batches, ctx.task), True)
     return out
+
+
+@dataclass
+class _Moved:
+    """A task vector in the target's basis and what it takes to build ``B + α·τ`` as a model."""
+
+    target: Mapping[str, Tensor]  # B's state dict, in the alignment's form
+    tau: Mapping[str, Tensor]  # π(τ) on the tensors base and fine-tune share
+    carried: Mapping[str, Tensor]  # tensors only the fine-tune has, moved whole
+    names: Sequence[str]  # the output model's tensors, in order (the fine-tune's when its head is new)
+    template: PreTrainedModel  # the class and config to build
+    untie: bool
+
+    def theta(self, alpha: float) -> dict[str, Tensor]:
+        from .transport import add_task_vector
+
+        body = add_task_vector(self.target, self.tau, alpha)
+        if not self.carried:
+            return body
+        return {n: self.carried[n] if n in self.carried else body[n] for n in self.names}
+
+
+def _move_task_vector(ctx: _Context, alignment: Alignment, graph: SymmetryGraph) -> _Moved:
+    """π(τ) (and the fine-tune's own tensors) for ``alignment`` of A to B."""
+    from .transport import carried_tensors, task_vector
+
+    b, a, a_ft = ctx.loaded
+    sd_ft = a_ft.model.state_dict()
+    new_head = type(a_ft.model) is not type(a.model)
+    ft_graph = a_ft.graph if new_head else None
+    tau = task_vector(alignment, graph, sd_ft, ft_graph)
+    carried = carried_tensors(alignment, graph, sd_ft, ft_graph) if new_head else {}
+    return _Moved(
+        alignment.sd_a,
+        tau,
+        carried,
+        list(sd_ft) if new_head else list(alignment.sd_a),
+        a_ft.model if new_head else b.model,
+        bool(alignment.untied) and not new_head,
+    )
 
 
 def _transport(
     ctx: _Context, processor: Any, base_dir: Path, report: Progress, command: str | None, dev: torch.device
 ) -> RunResult:
-    """job: transport: align the old base A to the target B, move τ = A_ft − A, save B + α·π(τ)."""
+    """job: transport: align the old base A to the target B, move τ = A_ft − A, save B + α·π(τ)
+    (a model folder), or for a LoRA adapter the adapter with its factors moved."""
     from .export import copy_preprocessor_files, output_folder, save_merged_model
     from .strategies import Pair, align
-    from .transport import add_task_vector, task_vector
 
     recipe, timings, notes = ctx.recipe, ctx.timings, ctx.notes
-    b, a, a_ft = ctx.loaded  # base and fine-tune were each checked against the target when loaded
+    b, a, a_ft = ctx.loaded  # the fine-tune was checked against its base when loaded
     name, options = recipe.strategy.name, recipe.strategy.options
-    pair = Pair(b.graph, b.model.state_dict(), a.model.state_dict(), b.model, a.model, ctx.data)
-    alignment = _timed_align(name, options, pair, report, timings)
+    graph = b.graph
+    if ctx.adapter is not None:
+        from .lora import canonical_blocker, lora_graph
+
+        # generalized-orthogonal works in canonical form: an adapter follows it when its factors can
+        # take the norm scales (see lora.transport_adapter_canonical); otherwise permutations only
+        blocker = (
+            canonical_blocker(ctx.adapter, b.graph, a.model.state_dict())
+            if name == "generalized-orthogonal"
+            else "permutation strategy"
+        )
+        if blocker is not None:
+            graph, demoted = lora_graph(b.graph)  # graph.fallbacks names the spaces limited to permutations
+            if demoted and name == "generalized-orthogonal":
+                notes.append(f"the adapter cannot follow the canonical form: {blocker}")
+    pair = Pair(graph, b.model.state_dict(), a.model.state_dict(), b.model, a.model, ctx.data)
+    run_cache = _RunCache(recipe, base_dir, notes, report)
+    cached = run_cache.use(ctx.resolved, b, a, name, options, label="A to B", graph=graph)
+    alignment = _timed_align(name, options, pair, report, timings, cache=cached)
     notes.extend(alignment.notes)
     start = time.perf_counter()
-    tau = task_vector(alignment, a.graph, a_ft.model.state_dict())
+    moved = _move_task_vector(ctx, alignment, graph)
+    if moved.carried:
+        notes.append(
+            "only in the fine-tune, carried over in B's basis: "
+            + ", ".join(sorted(moved.carried))
+            + f"; the result is a {type(a_ft.model).__name__}"
+        )
     timings["align"] += time.perf_counter() - start
     alphas = recipe.alphas
-    untie = bool(alignment.untied)
-
-    def sweep(target: Mapping[str, Tensor], moved: Mapping[str, Tensor]) -> Sweep:
-        return lambda: (add_task_vector(target, moved, alpha) for alpha in alphas)  # one state dict at a time
-
-    thetas = sweep(alignment.sd_a, tau)
-    naive: Sweep | None = None
+    naive: _Moved | None = None
     ev = recipe.evaluate
     if ev is not None and "vanilla" in ev.compare:  # B + α·τ: the transport of an identity alignment
         plain = align("vanilla", Pair(b.graph, b.model.state_dict(), a.model.state_dict()))
-        naive = sweep(plain.sd_a, task_vector(plain, a.graph, a_ft.model.state_dict()))
+        naive = _move_task_vector(ctx, plain, b.graph)
 
-    inputs = _check_inputs(b, [ctx.eval_batches, ctx.align_batches], dev)
+    inputs = _check_inputs(b, [ctx.eval_batches if not moved.carried else None, ctx.align_batches], dev)
     preserved = _preservation(
         name, [a], [alignment], [alignment.aligned_b()], inputs, real=bool(ctx.eval_batches or ctx.align_batches)
     )
-    moved: dict[str, Any] = {"alphas": alphas}
+    record: dict[str, Any] = {"alphas": alphas}
     if ev is not None and ctx.eval_batches is not None:
         start = time.perf_counter()
-        moved.update(_transport_scores(ctx, ctx.eval_batches, thetas, untie, naive))
+        record.update(_transport_scores(ctx, ctx.eval_batches, moved, naive))
         if ev.support is not None:
             support = _batches(
                 ev.support,
                 base_dir,
                 ctx.task,
                 processor,
-                b.model.config,
+                a_ft.model.config,
                 batch_size=ev.batch_size,
                 max_tokens=ev.support.max_tokens,
                 max_examples=ev.support.max_examples,
                 seed=ev.seed,
                 where="evaluate.support",
             )
-            moved["support"] = _transport_scores(ctx, support, thetas, untie, naive)
+            record["support"] = _transport_scores(ctx, support, moved, naive)
         timings["evaluate"] += time.perf_counter() - start
+    if moved.carried:
+        record["carried"] = sorted(moved.carried)
 
     start = time.perf_counter()
     with output_folder(ctx.output, overwrite=recipe.output.overwrite) as tmp:
-        save_merged_model(b.model, next(iter(thetas())), tmp, untie=untie, max_shard_size=recipe.output.max_shard_size)
+        if ctx.adapter is not None:
+            from .lora import save_adapter, transport_adapter, transport_adapter_canonical
+
+            sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
+            whole: dict[str, str] = {}
+            if alignment.canonical and graph is b.graph:
+                factors, whole = transport_adapter_canonical(
+                    ctx.adapter, graph, alignment.graph, alignment.transform, sd_a, sd_b
+                )
+            else:
+                factors = transport_adapter(ctx.adapter, graph, alignment.transform, sd_a, sd_b)
+            save_adapter(
+                ctx.adapter, factors, tmp, base_model=str(recipe.target), alpha=alphas[0], target=sd_b, whole=whole
+            )
+            record["adapter"] = ctx.adapter.summary()
+        else:
+            save_merged_model(
+                moved.template,
+                moved.theta(alphas[0]),
+                tmp,
+                untie=moved.untie,
+                max_shard_size=recipe.output.max_shard_size,
+            )
         copy_preprocessor_files(ctx.folders[0], tmp)
         timings["save"] = time.perf_counter() - start
         files = _write_record(
@@ -832,9 +1231,10 @@ def _transport(
             strategy=name,
             strategy_options=options.model_dump(mode="json"),
             task=ctx.task,
-            canonical=alignment.canonical,
+            canonical=alignment.canonical and ctx.adapter is None,
             untied=list(alignment.untied),
-            transport=moved,
+            transport=record,
+            cache=run_cache.record(),
             barrier={},
             curves={},
             function_preserved=preserved,
@@ -846,16 +1246,16 @@ def _transport(
         output=ctx.output,
         job=recipe.job,
         strategy=name,
-        saved_model=True,
+        saved_model=ctx.adapter is None,
         function_preserved=preserved,
         timings=timings,
         notes=notes,
         files=files,
-        canonical=alignment.canonical,
+        canonical=alignment.canonical and ctx.adapter is None,
         untied=list(alignment.untied),
         pushed=pushed,
         push_error=push_error,
-        transport=moved,
+        transport=record,
     )
 
 

@@ -33,7 +33,7 @@ from .evaluate import evaluate_loss
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-Kind = Literal["gpt2", "vit", "gpt2-ft"]
+Kind = Literal["gpt2", "vit", "gpt2-ft", "gpt2-lora"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 Progress = Callable[[int, float], None]
 
@@ -91,11 +91,32 @@ class GPT2FineTuneConfig:
     eval_tokens: int = 65536
 
 
-TrainConfig = GPT2TrainConfig | ViTTrainConfig | GPT2FineTuneConfig
+@dataclass(frozen=True)
+class GPT2LoraConfig:
+    """A PEFT LoRA adapter on the zoo GPT-2 of the same seed, trained on the fine-tune's plays.
+
+    Attention and MLP projections at rank 8: a task vector that stays low-rank, for transport
+    demos that write an adapter for the new base.
+    """
+
+    steps: int = 300  # ≈ 10 s on one CPU thread
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup: int = 20
+    weight_decay: float = 0.0
+    rank: int = 8
+    lora_alpha: int = 16
+    target_modules: tuple[str, ...] = ("c_attn", "c_proj", "c_fc")
+    plays: tuple[str, ...] = ("the-merry-wives-of-windsor",)
+    eval_tokens: int = 65536
+
+
+TrainConfig = GPT2TrainConfig | ViTTrainConfig | GPT2FineTuneConfig | GPT2LoraConfig
 _DEFAULTS: dict[Kind, TrainConfig] = {
     "gpt2": GPT2TrainConfig(),
     "vit": ViTTrainConfig(),
     "gpt2-ft": GPT2FineTuneConfig(),
+    "gpt2-lora": GPT2LoraConfig(),
 }
 
 
@@ -376,6 +397,19 @@ def digits_processor() -> Any:
     )
 
 
+def _finetune_data(seed: int, plays: tuple[str, ...], eval_tokens: int) -> tuple[Path, Any, Tensor, Tensor]:
+    """(base folder, its tokenizer, train blocks, held-out blocks) for training on top of the zoo
+    GPT-2 of ``seed``. The tokenizer is the base's (characters it never saw become ``<unk>``), so
+    the result shares every tensor shape with its base, as a task vector needs."""
+    from transformers import PreTrainedTokenizerFast
+
+    base = cached_model("gpt2", seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
+    train = data.text_blocks(tokenizer, data.shakespeare_text(plays, split="train"), _block(base))
+    test = data.text_blocks(tokenizer, data.shakespeare_text(plays, split="test"), _block(base), max_tokens=eval_tokens)
+    return base, tokenizer, train, test
+
+
 def finetune_tiny_gpt2(
     seed: int,
     out_dir: Path,
@@ -384,21 +418,12 @@ def finetune_tiny_gpt2(
     progress: Progress | None = None,
     threads: int | None = 1,
 ) -> Path:
-    """Fine-tune the zoo GPT-2 of ``seed`` (trained first if needed) on other plays; save it.
-
-    The tokenizer is the base's (characters the base never saw become ``<unk>``), so the fine-tune
-    and its base share every tensor shape, as a task vector needs.
-    """
-    from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
+    """Fine-tune the zoo GPT-2 of ``seed`` (trained first if needed) on other plays; save it."""
+    from transformers import GPT2LMHeadModel
 
     cfg = config or GPT2FineTuneConfig()
-    base = cached_model("gpt2", seed)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
+    base, tokenizer, train, test = _finetune_data(seed, cfg.plays, cfg.eval_tokens)
     pad = int(tokenizer.pad_token_id)
-    train = data.text_blocks(tokenizer, data.shakespeare_text(cfg.plays, split="train"), _block(base))
-    test = data.text_blocks(
-        tokenizer, data.shakespeare_text(cfg.plays, split="test"), _block(base), max_tokens=cfg.eval_tokens
-    )
     return _run(
         "gpt2-ft",
         seed,
@@ -413,6 +438,60 @@ def finetune_tiny_gpt2(
     )
 
 
+def lora_tiny_gpt2(
+    seed: int,
+    out_dir: Path,
+    config: GPT2LoraConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Train a PEFT LoRA adapter on the zoo GPT-2 of ``seed`` (trained first if needed); save it.
+
+    The folder is a standard adapter (``adapter_config.json``, ``adapter_model.safetensors``) whose
+    ``base_model_name_or_path`` is ``zoo:gpt2-seed<seed>``, the way a recipe names its base.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ModelNotFoundError(
+            "the zoo's LoRA adapters are trained with peft: pip install 'hf-rebasin[peft]'"
+        ) from None
+    from transformers import GPT2LMHeadModel
+
+    cfg = config or GPT2LoraConfig()
+    base, tokenizer, train, test = _finetune_data(seed, cfg.plays, cfg.eval_tokens)
+    pad = int(tokenizer.pad_token_id)
+
+    def build() -> Any:
+        lora = LoraConfig(
+            r=cfg.rank,
+            lora_alpha=cfg.lora_alpha,
+            target_modules=list(cfg.target_modules),
+            fan_in_fan_out=True,  # GPT-2's Conv1D stores weights as [in, out]
+            lora_dropout=0.0,
+        )
+        return get_peft_model(GPT2LMHeadModel.from_pretrained(str(base)), lora)
+
+    folder = _run(
+        "gpt2-lora",
+        seed,
+        cfg,
+        out_dir,
+        build,
+        lambda s: data.batches(train, cfg.batch_size, pad_token_id=pad, seed=s, drop_last=True),
+        list(data.batches(test, 64, pad_token_id=pad)),
+        progress=progress,
+        threads=threads,
+        processor=tokenizer,
+    )
+    adapter_config = folder / "adapter_config.json"
+    written = json.loads(adapter_config.read_text())
+    written["base_model_name_or_path"] = f"zoo:gpt2-seed{seed}"
+    adapter_config.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
 def _block(folder: Path) -> int:
     return int(json.loads((folder / "config.json").read_text())["n_positions"])
 
@@ -421,6 +500,7 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
     "gpt2": train_tiny_gpt2,
     "vit": train_tiny_vit,
     "gpt2-ft": finetune_tiny_gpt2,
+    "gpt2-lora": lora_tiny_gpt2,
 }
 
 
@@ -520,8 +600,9 @@ def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tenso
         return list(data.image_batches(images, labels, batch_size))
     from transformers import PreTrainedTokenizerFast
 
-    cfg = record["config"]  # GPT2TrainConfig or GPT2FineTuneConfig: both name plays and eval_tokens
+    cfg = record["config"]  # every GPT-2 kind names its plays and eval_tokens
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
     text = data.shakespeare_text(tuple(cfg["plays"]), split="test")
-    blocks = data.text_blocks(tokenizer, text, _block(Path(folder)), max_tokens=cfg["eval_tokens"])
+    model_folder = cached_model("gpt2", int(record["seed"])) if kind == "gpt2-lora" else Path(folder)
+    blocks = data.text_blocks(tokenizer, text, _block(model_folder), max_tokens=cfg["eval_tokens"])
     return list(data.batches(blocks, batch_size, pad_token_id=int(tokenizer.pad_token_id)))

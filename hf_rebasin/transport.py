@@ -12,7 +12,7 @@ update) and linear in α in canonical coordinates.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -23,35 +23,77 @@ from .merge import StorageKey, storage_key
 from .strategies import Alignment
 from .symmetry import SymmetryGraph
 
-__all__ = ["add_task_vector", "task_vector"]
+__all__ = ["add_task_vector", "carried_tensors", "task_vector"]
 
 
-def _same_tensors(names_a: Sequence[str], names_b: Sequence[str], what: str) -> None:
-    if list(names_a) != list(names_b):
-        only_a = sorted(set(names_a) - set(names_b))
-        only_b = sorted(set(names_b) - set(names_a))
-        raise IncompatibleModelsError(
-            f"{what}: the fine-tune and its base hold different tensors (only in the fine-tune: {only_a[:5]}, "
-            f"only in the base: {only_b[:5]})"
-        )
+def _check_shared(base: Mapping[str, Tensor], finetuned: Mapping[str, Tensor]) -> None:
+    for name, t in base.items():
+        other = finetuned.get(name)
+        if other is not None and other.shape != t.shape:
+            raise IncompatibleModelsError(
+                f"task vector: tensor {name!r} has shape {tuple(other.shape)} in the fine-tune but "
+                f"{tuple(t.shape)} in its base: the fine-tune was not trained from this base"
+            )
 
 
-def task_vector(alignment: Alignment, graph: SymmetryGraph, finetuned: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """π(A_ft) − π(A) in the target's basis (and form), for every floating tensor.
+def task_vector(
+    alignment: Alignment,
+    graph: SymmetryGraph,
+    finetuned: Mapping[str, Tensor],
+    finetuned_graph: SymmetryGraph | None = None,
+) -> dict[str, Tensor]:
+    """π(A_ft) − π(A) in the target's basis (and form), for every floating tensor they share.
 
     ``alignment`` brings the old base A (its ``sd_b``) into the target B's basis; ``graph`` is the
     symmetry graph of the original (not canonical) models; ``finetuned`` is A_ft's state dict, of
-    the same architecture as A. Integer buffers are not part of a task vector.
+    the same architecture as A, or of a sibling class (another head) with ``finetuned_graph``.
+    Tensors only the fine-tune has are in :func:`carried_tensors`. Integer buffers are not part of
+    a task vector.
     """
-    ft = canonicalize(graph, finetuned)[0] if alignment.canonical else dict(finetuned)
-    _same_tensors(list(ft), list(alignment.sd_b), "task vector")
-    moved_ft = alignment.graph.apply(ft, alignment.transform)
+    moved_ft = _moved_finetune(alignment, graph, finetuned, finetuned_graph)
     moved_base = alignment.aligned_b()
     out: dict[str, Tensor] = {}
     for name, base in moved_base.items():
-        if base.is_floating_point():
+        if base.is_floating_point() and name in moved_ft:
             out[name] = moved_ft[name].to(torch.float32) - base.to(torch.float32)
     return out
+
+
+def carried_tensors(
+    alignment: Alignment,
+    graph: SymmetryGraph,
+    finetuned: Mapping[str, Tensor],
+    finetuned_graph: SymmetryGraph | None = None,
+) -> dict[str, Tensor]:
+    """The fine-tune's tensors its base lacks (a new head trained on A's features), in B's basis.
+
+    They have no counterpart in B, so they move whole: π(A_ft)[name], with the transform of the
+    axes they read (the residual stream for a classifier head).
+    """
+    moved_ft = _moved_finetune(alignment, graph, finetuned, finetuned_graph)
+    return {name: t for name, t in moved_ft.items() if name not in alignment.sd_b and t.is_floating_point()}
+
+
+def _moved_finetune(
+    alignment: Alignment,
+    graph: SymmetryGraph,
+    finetuned: Mapping[str, Tensor],
+    finetuned_graph: SymmetryGraph | None,
+) -> dict[str, Tensor]:
+    ft_graph = finetuned_graph if finetuned_graph is not None else graph
+    if finetuned_graph is None and list(finetuned) != list(alignment.sd_b) and not alignment.canonical:
+        only_ft = sorted(set(finetuned) - set(alignment.sd_b))
+        only_base = sorted(set(alignment.sd_b) - set(finetuned))
+        raise IncompatibleModelsError(
+            f"task vector: the fine-tune and its base hold different tensors (only in the fine-tune: {only_ft[:5]}, "
+            f"only in the base: {only_base[:5]}) and no graph of the fine-tune was given"
+        )
+    if alignment.canonical:
+        ft, ft_graph, _ = canonicalize(ft_graph, finetuned)
+    else:
+        ft = dict(finetuned)
+    _check_shared(alignment.sd_b, ft)
+    return ft_graph.apply(ft, alignment.transform)
 
 
 def add_task_vector(target: Mapping[str, Tensor], tau: Mapping[str, Tensor], alpha: float) -> dict[str, Tensor]:

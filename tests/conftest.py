@@ -20,6 +20,14 @@ from hub_server import HubServer, serve_hub  # noqa: E402
 SaveModel = Callable[..., Path]
 
 
+@pytest.fixture(autouse=True)
+def no_alignment_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The alignment cache is off in every test (CLI subprocesses inherit this): runs must not read
+    alignments left in ~/.cache by an earlier session, nor time a cache hit as an alignment.
+    tests/test_cache.py turns it on, with its own cache root."""
+    monkeypatch.setenv("HF_REBASIN_NO_CACHE", "1")
+
+
 @pytest.fixture
 def saved_model(tmp_path: Path) -> SaveModel:
     """Factory: ``saved_model("gpt2")`` (a `tiny.FACTORIES` name) or ``saved_model(model)`` -> folder.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -171,3 +173,86 @@ def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
         path.write_text(yaml.safe_dump(bad, sort_keys=False), encoding="utf-8")
         assert_user_error(run_cli(str(path), env=env), "shape")
         assert not (tmp_path / "bad").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# a head only the fine-tune has (a classifier trained on A's features)
+
+
+def _classifier_finetune(model):
+    """A GPT2ForSequenceClassification from ``model``'s body, moved a little, with a new head."""
+    import transformers as T
+
+    config = T.GPT2Config(**{**model.config.to_dict(), "num_labels": 3, "pad_token_id": 0})
+    torch.manual_seed(7)
+    cls = T.GPT2ForSequenceClassification(config).eval()
+    body = {k: v for k, v in _finetune(model.state_dict()).items() if k.startswith("transformer.")}
+    missing = cls.load_state_dict(body, strict=False).missing_keys
+    assert missing == ["score.weight"]
+    with torch.no_grad():
+        cls.score.weight.normal_(0, 0.5)
+    return cls
+
+
+@pytest.mark.parametrize("strategy", ["weight-matching", "generalized-orthogonal"])
+def test_a_head_only_in_the_finetune_is_carried_into_the_targets_basis(strategy):
+    from hf_rebasin.transport import carried_tensors
+
+    model = tiny.gpt2(0)
+    base = model.state_dict()
+    graph = graph_for(model.config, base.keys())
+    ft_model = _classifier_finetune(model)
+    ft = ft_model.state_dict()
+    ft_graph = graph_for(ft_model.config, ft.keys())
+    if strategy == "weight-matching":
+        target = graph.apply(base, graph.random_transform("permutation", torch.Generator().manual_seed(1)))
+    else:
+        canon, cgraph, _ = canonicalize(graph, base)
+        target = cgraph.apply(canon, cgraph.random_transform("orthogonal", torch.Generator().manual_seed(1)))
+    alignment = align(strategy, Pair(graph, target, base))
+    tau = task_vector(alignment, graph, ft, ft_graph)
+    carried = carried_tensors(alignment, graph, ft, ft_graph)
+    assert sorted(carried) == ["score.weight"] and "lm_head.weight" not in tau
+    body = add_task_vector(alignment.sd_a, tau, 1.0)
+    moved = {k: carried[k] if k in carried else body[k] for k in ft}
+    ids = torch.randint(1, tiny.V, (3, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ft_model(ids).logits
+        got = rebuild(ft_model, moved)(ids).logits
+    assert (got - want).abs().max().item() < 1e-4
+
+
+def test_transport_recipe_carries_a_new_head_and_refuses_another_architecture(tmp_path):
+    import transformers as T
+    import yaml
+
+    from test_cli import assert_user_error, run_cli
+
+    model = tiny.gpt2(0)
+    base = model.state_dict()
+    graph = graph_for(model.config, base.keys())
+    target = graph.apply(base, graph.random_transform("permutation", torch.Generator().manual_seed(1)))
+    rebuild(model, dict(base)).save_pretrained(str(tmp_path / "base"))
+    rebuild(model, dict(target)).save_pretrained(str(tmp_path / "target"))
+    ft_model = _classifier_finetune(model)
+    ft_model.save_pretrained(str(tmp_path / "ft"))
+    tiny.llama(0).save_pretrained(str(tmp_path / "llama"))
+
+    def recipe(finetuned: str) -> str:
+        path = tmp_path / f"{finetuned}.yaml"
+        body = {"job": "transport", "base": "./base", "finetuned": f"./{finetuned}", "target": "./target"}
+        body |= {"strategy": "weight-matching", "output": {"dir": f"out-{finetuned}"}}
+        path.write_text(yaml.safe_dump(body), encoding="utf-8")
+        return str(path)
+
+    proc = run_cli(recipe("ft"))
+    assert proc.returncode == 0, proc.stderr
+    out = T.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out-ft")).eval()
+    assert type(out).__name__ == "GPT2ForSequenceClassification"
+    ids = torch.randint(1, tiny.V, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (out(ids).logits - ft_model(ids).logits).abs().max().item() < 1e-4
+    record = json.loads((tmp_path / "out-ft" / "rebasin.json").read_text(encoding="utf-8"))
+    assert record["transport"]["carried"] == ["score.weight"]
+    assert any("score.weight" in n for n in record["notes"])
+    assert_user_error(run_cli(recipe("llama")), "finetuned.model", "architecture of the base")

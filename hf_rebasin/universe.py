@@ -1,0 +1,247 @@
+"""Universe merging of M models: align every model to an evolving mean, average, repeat.
+
+Aligning every model to the first (the reference merge) matches each model against A alone, so
+A's quirks decide every matching and the merge lives in A's basis. The universe merge looks for one
+basis in which *all* models sit close together. It starts from the reference merge and then, round
+after round, aligns every original model (A included) to the current mean with the pairwise
+strategy and averages again, until the mean stops moving.
+
+What a model is aligned to: by default the weighted mean of the *other* aligned models, updated
+model after model (leave-one-out, as in git re-basin's MergeMany). With Σwᵢ = 1 the spread
+J = Σᵢ wᵢ‖Tᵢθᵢ − θ̄‖² depends on model i only through ‖Tᵢθᵢ − θ̄₋ᵢ‖, so each step is exact
+coordinate descent on J. The full mean contains model i's own previous copy (weight wᵢ), which pulls
+the matching back to the map it already has: weight matching then returns that map unchanged.
+``leave_one_out=False`` aligns to the full mean all the same (every model to one fixed mean, then
+average). Either way a new map is taken only if it brings the model closer to its target, so the
+spread never grows.
+
+Every map is an allowed transform of one model, so each aligned model computes what that model
+computes. Orthogonal strategies work in canonical form (norm scales folded, a tied head untied):
+means of canonical models are canonical, and the strategy's own canonicalization of the target is
+a no-op up to rounding (tested, not assumed). Activation-based strategies stream data through a
+model rebuilt from the target. Pure tensor code and strategy calls: no files, no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from .merge import merge_state_dicts
+from .strategies import Alignment, AlignmentData, Options, Pair, Progress, get_strategy
+from .symmetry import SymmetryGraph
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["DEFAULT_ITERATIONS", "DEFAULT_TOL", "UniverseResult", "universe_merge"]
+
+DEFAULT_ITERATIONS = 5  # rounds of "align all to the mean, average" at most
+DEFAULT_TOL = 1e-4  # stop when the mean moves less than this, relative to its norm
+
+
+@dataclass
+class UniverseResult:
+    """The universe merge and how it got there.
+
+    ``alignments[i]`` maps original model i into the basis of ``merged`` (its ``sd_a`` is the final
+    mean). Round r = 1…``rounds`` moves the mean from θ̄ᵣ₋₁ to θ̄ᵣ, θ̄₀ being ``reference`` (every
+    model aligned to model 0): ``change[r-1]`` = ‖θ̄ᵣ − θ̄ᵣ₋₁‖ / ‖θ̄ᵣ₋₁‖, and ``spread[r]`` is the
+    weighted RMS distance of the aligned models to θ̄ᵣ relative to ‖θ̄ᵣ‖ (``spread[0]``: the reference).
+    """
+
+    merged: dict[str, Tensor]
+    alignments: list[Alignment]
+    rounds: int
+    change: list[float]
+    spread: list[float]
+    converged: bool
+    reference: dict[str, Tensor]
+    canonical: bool = False
+    untied: list[str] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)  # per round: models whose previous map was closer
+    notes: list[str] = field(default_factory=list)
+
+    def record(self) -> dict[str, Any]:
+        """The ``universe`` entry of ``rebasin.json`` (numbers only)."""
+        return {
+            "rounds": self.rounds,
+            "change": list(self.change),
+            "spread": list(self.spread),
+            "kept": list(self.kept),
+            "converged": self.converged,
+        }
+
+
+def _floats(sd: Mapping[str, Tensor]) -> list[str]:
+    return [k for k, v in sd.items() if v.is_floating_point()]
+
+
+def _sq_norm(sd: Mapping[str, Tensor]) -> float:
+    return sum(float(sd[k].double().pow(2).sum()) for k in _floats(sd))
+
+
+def _sq_dist(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
+    return sum(float((a[k].double() - b[k].to(a[k].device).double()).pow(2).sum()) for k in _floats(a))
+
+
+def _spread(mean: Mapping[str, Tensor], aligned: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> float:
+    """sqrt(Σ wᵢ‖θ̄ − xᵢ‖² / ‖θ̄‖²): how far apart the aligned models still are."""
+    norm = _sq_norm(mean)
+    total = sum(w * _sq_dist(mean, x) for w, x in zip(weights, aligned, strict=True))
+    return math.sqrt(total / norm) if norm else 0.0
+
+
+def _others(aligned: Sequence[Mapping[str, Tensor]], weights: Sequence[float], i: int) -> dict[str, Tensor]:
+    """The weighted mean of every aligned model but model i (equal weights if theirs are all 0)."""
+    rest = [x for j, x in enumerate(aligned) if j != i]
+    w = [x for j, x in enumerate(weights) if j != i]
+    total = sum(w)
+    w = [x / total for x in w] if total > 0 else [1.0 / len(rest)] * len(rest)
+    return merge_state_dicts(rest, w)
+
+
+def _identity_of(reference: Alignment) -> Alignment:
+    """Model 0 in its own basis (in the reference alignment's form): the start of its universe map."""
+    return dataclasses.replace(
+        reference, sd_b=reference.sd_a, transform=reference.graph.identity(), notes=[], timings={}
+    )
+
+
+def _target_model(template: PreTrainedModel, mean: Mapping[str, Tensor], untie: bool) -> PreTrainedModel:
+    """A live model holding the mean, on the template's device (activation-based strategies stream data through it)."""
+    from .models import rebuild
+
+    model = rebuild(template, dict(mean), untie=untie)
+    model.to(next(template.parameters()).device)  # type: ignore[arg-type]  # transformers wraps .to
+    return model
+
+
+def universe_merge(
+    name: str,
+    options: Mapping[str, Any] | Options | None,
+    graph: SymmetryGraph,
+    state_dicts: Sequence[Mapping[str, Tensor]],
+    weights: Sequence[float],
+    *,
+    models: Sequence[PreTrainedModel] | None = None,
+    data: AlignmentData | None = None,
+    iterations: int = DEFAULT_ITERATIONS,
+    tol: float = DEFAULT_TOL,
+    initial: Sequence[Alignment] | None = None,
+    leave_one_out: bool = True,
+    progress: Progress | None = None,
+) -> UniverseResult:
+    """Merge ``state_dicts`` (model 0 first) in a basis shared by all, with strategy ``name``.
+
+    ``graph`` is the models' symmetry graph (original form; orthogonal strategies canonicalize
+    themselves). ``models`` are the live models behind the state dicts, needed by activation-based
+    strategies (head-perm, ``learned: true``) together with ``data``. ``initial`` are alignments
+    of models 1.. to model 0 already computed (the reference merge); they are computed when None.
+    Each round aligns every model to the mean of the others (``leave_one_out``) or to the mean of
+    all; stops after ``iterations`` rounds or when the mean moves by less than ``tol`` (relative).
+    """
+    strategy = get_strategy(name)
+    opts = strategy.parse(options)
+    n = len(state_dicts)
+    if n < 2:
+        raise ValueError(f"a universe merge needs at least two models, got {n}")
+    if len(weights) != n:
+        raise ValueError(f"{len(weights)} weights for {n} models: give one weight per model")
+    if models is not None and len(models) != n:
+        raise ValueError(f"{len(models)} models for {n} state dicts: give one live model per state dict")
+    if initial is not None and len(initial) != n - 1:
+        raise ValueError(f"{len(initial)} initial alignments for {n - 1} models after the reference")
+    if iterations < 0 or not tol >= 0:
+        raise ValueError(f"iterations must be ≥ 0 and tol ≥ 0, got {iterations} and {tol}")
+    w = [float(x) for x in weights]
+    live = list(models) if models is not None else None
+    needs_models = bool(strategy.needs_data(opts))
+
+    def pair(target: Mapping[str, Tensor], i: int, target_model: PreTrainedModel | None) -> Pair:
+        model_b = live[i] if live is not None and needs_models else None
+        return Pair(graph, target, state_dicts[i], target_model, model_b, data)
+
+    def report(stage: str, done: int, total: int) -> None:
+        if progress is not None:
+            progress(stage, done, total)
+
+    # round 0: the reference merge, every model aligned to model 0
+    if initial is None:
+        stage = "universe: reference alignment"
+        template = live[0] if live is not None and needs_models else None
+        aligned_to_0: list[Alignment] = []
+        report(stage, 0, n - 1)
+        for i in range(1, n):
+            aligned_to_0.append(strategy.run(pair(state_dicts[0], i, template), opts, progress))
+            report(stage, i, n - 1)
+    else:
+        aligned_to_0 = list(initial)
+    alignments = [_identity_of(aligned_to_0[0]), *aligned_to_0]
+    canonical, untied = alignments[0].canonical, list(alignments[0].untied)
+    aligned = [al.aligned_b() for al in alignments]
+    mean = merge_state_dicts(aligned, w)
+    reference = mean
+    spread = [_spread(mean, aligned, w)]
+    change: list[float] = []
+    kept: list[int] = []
+    notes: list[str] = []
+    converged = False
+
+    for r in range(1, iterations + 1):
+        stage = f"universe: round {r}"
+        report(stage, 0, n)
+        keep = 0
+        for i in range(n):
+            target = _others(aligned, w, i) if leave_one_out else mean
+            target_model = _target_model(live[0], target, bool(untied)) if live is not None and needs_models else None
+            new = strategy.run(pair(target, i, target_model), opts, progress)
+            candidate = new.aligned_b()
+            # a map that does not bring the model closer to its target is not taken: the spread never grows
+            if _sq_dist(target, candidate) <= _sq_dist(target, aligned[i]):
+                alignments[i], aligned[i] = new, candidate
+            else:
+                alignments[i] = dataclasses.replace(alignments[i], sd_a=new.sd_a)
+                keep += 1
+            report(stage, i + 1, n)
+        new_mean = merge_state_dicts(aligned, w)
+        norm = _sq_norm(mean)
+        change.append(math.sqrt(_sq_dist(mean, new_mean) / norm) if norm else 0.0)
+        kept.append(keep)
+        mean = new_mean
+        spread.append(_spread(mean, aligned, w))
+        if change[-1] < tol:
+            converged = True
+            break
+
+    rounds = len(change)
+    alignments = [dataclasses.replace(al, sd_a=mean) for al in alignments]
+    for al in alignments:
+        notes.extend(note for note in al.notes if note not in notes)
+    if rounds == 0:
+        notes.append("universe: no rounds (iterations: 0); this is the reference merge")
+    elif converged:
+        notes.append(f"universe: the mean converged after {rounds} round{'s' if rounds != 1 else ''}")
+    else:
+        notes.append(
+            f"universe: stopped after {rounds} round{'s' if rounds != 1 else ''} with the mean still moving "
+            f"({change[-1]:.2g} relative, tolerance {tol:g}); raise `merge.universe.iterations` to go on"
+        )
+    return UniverseResult(
+        merged=mean,
+        alignments=alignments,
+        rounds=rounds,
+        change=change,
+        spread=spread,
+        converged=converged,
+        reference=reference,
+        canonical=canonical,
+        untied=untied,
+        kept=kept,
+        notes=notes,
+    )
