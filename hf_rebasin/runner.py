@@ -723,7 +723,12 @@ def _dataset_entries(recipe: Recipe) -> list[dict[str, Any]]:
     """Which data sets the run read, and whether each is a Hub id (the model card lists those)."""
     from .evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS
 
-    sections = [("alignment", recipe.data), ("evaluation", recipe.evaluate.data if recipe.evaluate else None)]
+    ev = recipe.evaluate
+    sections = [
+        ("alignment", recipe.data),
+        ("evaluation", ev.data if ev else None),
+        ("support", ev.support if ev else None),
+    ]
     out = []
     for role, spec in sections:
         if spec is None:

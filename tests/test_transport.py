@@ -153,6 +153,7 @@ def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
         assert loss["transported"][0] == pytest.approx(loss["finetuned"], abs=1e-4)  # the target is A, permuted
         assert abs(loss["naive"][0] - loss["finetuned"]) > 1e-2  # adding τ in the wrong basis is not the fine-tune
     assert [m["role"] for m in record["models"]] == ["target", "base", "finetuned"]
+    assert [d["role"] for d in record["datasets"]] == ["evaluation", "support"]
     assert record["function_preserved"]["max_abs_diff"] < 1e-4
     out = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "moved"))
     ids = torch.randint(0, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
