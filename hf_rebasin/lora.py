@@ -9,7 +9,7 @@ task-vector rule, target + π(saved − base).
 Generalized-orthogonal rotates the residual stream in canonical form (norm scales folded, writers
 centered), while an adapter applies to the target as stored. Its factors can follow anyway: a
 reader's factor takes γ_A in and 1/γ_B out, a writer's is centered, and a folded β becomes a shift
-of the reader's bias, stored whole (:func:`transport_adapter_canonical`). Where that is impossible
+of the reader's bias, stored whole (:func:`transport_adapter`). Where that is impossible
 (:func:`canonical_blocker`) the residual stream is matched by permutation (:func:`lora_graph`).
 Reading needs only ``safetensors``; ``peft`` is needed to *use* the result, not to make it.
 """
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .canonical import bias_of
-from .errors import CheckpointError, IncompatibleModelsError, ModelNotFoundError, PickleRefusedError
+from .errors import CheckpointError, IncompatibleModelsError, ModelNotFoundError, PickleRefusedError, TransformError
 from .merge import StorageKey, storage_key
 from .symmetry import AnySpace, Fused, Norm, Space, SymmetryGraph, Transform, split_ref
 
@@ -47,7 +47,6 @@ __all__ = [
     "read_adapter",
     "save_adapter",
     "transport_adapter",
-    "transport_adapter_canonical",
 ]
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -309,32 +308,6 @@ def _map(
     return graph.map_tensor(source, t, transform, skip_axis=skip_axis, cache=cache)
 
 
-def transport_adapter(
-    adapter: LoraAdapter,
-    graph: SymmetryGraph,
-    transform: Transform,
-    base: Mapping[str, Tensor],
-    target: Mapping[str, Tensor],
-) -> dict[str, Tensor]:
-    """The adapter's tensors (file keys as stored) in the target's basis.
-
-    Factors: ``B ↦ T_out B``, ``A ↦ A T_inᵀ``, exact for any per-axis map. A stored whole tensor
-    becomes ``target + π(saved − base)``, so that loading it onto the target adds the moved update.
-    """
-    out: dict[str, Tensor] = {}
-    cache: dict[str, Any] = {}
-    for m in adapter.modules.values():
-        left, right = m.left_right()
-        left = _map(graph, m.weight, left, transform, 1, cache)
-        right = _map(graph, m.weight, right, transform, 0, cache)
-        out[m.key_a], out[m.key_b] = m.factors(left, right)
-    for key, (name, t) in adapter.full.items():
-        tau = t.to(torch.float32) - base[name].to(torch.float32)
-        moved = _map(graph, name, tau, transform, None, cache)
-        out[key] = (target[name].to(torch.float32) + moved).to(t.dtype)
-    return out
-
-
 def _orthogonal_spaces(graph: SymmetryGraph) -> set[str]:
     return {n for n, s in graph.spaces.items() if isinstance(s, Space) and s.max_class == "orthogonal"}
 
@@ -377,22 +350,29 @@ def _contract(left: Tensor, right: Tensor, scale: float, axis: int, vec: Tensor)
     return scale * (left @ (right @ vec)) if axis == 1 else scale * ((vec @ left) @ right)
 
 
-def transport_adapter_canonical(
+def transport_adapter(
     adapter: LoraAdapter,
     graph: SymmetryGraph,
-    canonical_graph: SymmetryGraph,
     transform: Transform,
     base: Mapping[str, Tensor],
     target: Mapping[str, Tensor],
+    *,
+    canonical_graph: SymmetryGraph | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """The adapter moved by a transform of canonical forms (orthogonal residual maps), for the
-    target as stored; returns the file's tensors and the whole tensors among them (key → name).
+    """The adapter's tensors (file keys as stored) in the target's basis, and the whole tensors
+    among them that the adapter did not store itself (file key → state-dict name).
 
-    A reader's factor takes γ_A on the way in and 1/γ_B on the way out; a writer's factor is
-    centered; a folded β changes the reader's bias by ``π(ΔW_A·β_A) − ΔW_B·β_B``, stored whole.
-    Check :func:`canonical_blocker` first.
+    Factors: ``B ↦ T_out B``, ``A ↦ A T_inᵀ``, exact for any per-axis map. A tensor the adapter
+    stores whole becomes ``target + π(saved − base)``, so loading it onto the target adds the moved
+    update. With ``canonical_graph`` (the alignment's graph after generalized-orthogonal) the
+    transform is one of canonical forms and the target is stored as it is: a reader's factor takes
+    γ_A in and 1/γ_B out, a writer's factor is centered, and a folded β changes the reader's bias by
+    ``π(ΔW_A·β_A) − ΔW_B·β_B``, stored whole. Check :func:`canonical_blocker` first.
     """
-    orth = _orthogonal_spaces(graph)
+    if adapter.full and canonical_graph is not None:
+        raise TransformError("an adapter that stores whole tensors cannot be moved in canonical form")
+    orth = _orthogonal_spaces(graph) if canonical_graph is not None else set()
+    mapped = canonical_graph if canonical_graph is not None else graph
     readers = _reader_norms(graph)
     out: dict[str, Tensor] = {}
     whole: dict[str, str] = {}
@@ -412,8 +392,8 @@ def transport_adapter_canonical(
             elif isinstance(space := graph.spaces[ref], Space) and space.centered:
                 factors[k] = factors[k] - factors[k].mean(dim=k, keepdim=True)
         moved = [
-            _map(canonical_graph, m.weight, factors[0], transform, 1, cache),
-            _map(canonical_graph, m.weight, factors[1], transform, 0, cache),
+            _map(mapped, m.weight, factors[0], transform, 1, cache),
+            _map(mapped, m.weight, factors[1], transform, 0, cache),
         ]
         for k, norm in folded:
             moved[k] = _scale(moved[k], k, 1.0 / target[norm.weight].to(torch.float64))
@@ -426,11 +406,14 @@ def transport_adapter_canonical(
             for k, norm in shifted:
                 assert norm.bias is not None
                 shift = _contract(left0, right0, m.scale, k, base[norm.bias].to(torch.float64))
-                delta += _map(canonical_graph, bias, shift, transform, None, cache)
+                delta += _map(mapped, bias, shift, transform, None, cache)
                 delta -= _contract(moved[0], moved[1], m.scale, k, target[norm.bias].to(torch.float64))
             key = f"{PREFIX}{m.module}.base_layer.bias"
             out[key] = (target[bias].to(torch.float64) + delta).to(target[bias].dtype)
             whole[key] = bias
+    for key, (name, t) in adapter.full.items():
+        tau = t.to(torch.float32) - base[name].to(torch.float32)
+        out[key] = (target[name].to(torch.float32) + _map(graph, name, tau, transform, None, cache)).to(t.dtype)
     return out, whole
 
 

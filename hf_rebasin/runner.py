@@ -890,12 +890,11 @@ def run_recipe(
     merged: dict[str, Tensor] = {}
     universe: dict[str, Any] | None = None
     if recipe.job == "merge" and recipe.merge.universe is not None:
-        merged, universe, preserved = _universe(
+        merged, reference, universe, preserved = _universe(
             recipe, loaded, alignments, weights, data, inputs, preserved, report, timings, notes
         )
         if ev is not None and eval_batches is not None:
             start = time.perf_counter()
-            reference = merge_state_dicts([primary.sd_a, *aligned], weights)
             universe["reference"] = _score(a.model, reference, bool(primary.untied), eval_batches, task)
             timings["evaluate"] += time.perf_counter() - start
     if recipe.job == "merge":
@@ -980,9 +979,10 @@ def _universe(
     report: Progress,
     timings: dict[str, float],
     notes: list[str],
-) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]]:
-    """``merge.universe``: the universe merge, its ``rebasin.json`` entry, and the preservation check
-    widened to every model's map into the merge's basis (model A's included)."""
+) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Any], dict[str, Any]]:
+    """``merge.universe``: the universe merge, the reference merge it started from (every model
+    aligned to A), its ``rebasin.json`` entry, and the preservation check widened to every model's
+    map into the merge's basis (model A's included)."""
     from .universe import universe_merge
 
     settings = recipe.merge.universe
@@ -1008,7 +1008,7 @@ def _universe(
         aligned = [al.aligned_b() for al in result.alignments]
         again = _preservation(recipe.strategy.name, loaded, result.alignments, aligned, inputs, real=True)
         preserved = {**preserved, "max_abs_diff": max(preserved["max_abs_diff"], again["max_abs_diff"])}  # same inputs
-    return result.merged, result.record(), preserved
+    return result.merged, result.reference, result.record(), preserved
 
 
 def _push(recipe: Recipe, folder: Path, report: Progress) -> tuple[Any, str | None]:
@@ -1109,14 +1109,13 @@ class _Moved:
 
 def _move_task_vector(ctx: _Context, alignment: Alignment, graph: SymmetryGraph) -> _Moved:
     """π(τ) (and the fine-tune's own tensors) for ``alignment`` of A to B."""
-    from .transport import carried_tensors, task_vector
+    from .transport import move_finetune
 
     b, a, a_ft = ctx.loaded
     sd_ft = a_ft.model.state_dict()
     new_head = type(a_ft.model) is not type(a.model)
     ft_graph = a_ft.graph if new_head else None
-    tau = task_vector(alignment, graph, sd_ft, ft_graph)
-    carried = carried_tensors(alignment, graph, sd_ft, ft_graph) if new_head else {}
+    tau, carried = move_finetune(alignment, graph, sd_ft, ft_graph)  # carried: empty unless the head is new
     return _Moved(
         alignment.sd_a,
         tau,
@@ -1143,7 +1142,7 @@ def _transport(
         from .lora import canonical_blocker, lora_graph
 
         # generalized-orthogonal works in canonical form: an adapter follows it when its factors can
-        # take the norm scales (see lora.transport_adapter_canonical); otherwise permutations only
+        # take the norm scales (see lora.transport_adapter); otherwise permutations only
         blocker = (
             canonical_blocker(ctx.adapter, b.graph, a.model.state_dict())
             if name == "generalized-orthogonal"
@@ -1203,16 +1202,13 @@ def _transport(
     start = time.perf_counter()
     with output_folder(ctx.output, overwrite=recipe.output.overwrite) as tmp:
         if ctx.adapter is not None:
-            from .lora import save_adapter, transport_adapter, transport_adapter_canonical
+            from .lora import save_adapter, transport_adapter
 
             sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
-            whole: dict[str, str] = {}
-            if alignment.canonical and graph is b.graph:
-                factors, whole = transport_adapter_canonical(
-                    ctx.adapter, graph, alignment.graph, alignment.transform, sd_a, sd_b
-                )
-            else:
-                factors = transport_adapter(ctx.adapter, graph, alignment.transform, sd_a, sd_b)
+            canonical = alignment.graph if alignment.canonical and graph is b.graph else None
+            factors, whole = transport_adapter(
+                ctx.adapter, graph, alignment.transform, sd_a, sd_b, canonical_graph=canonical
+            )
             save_adapter(
                 ctx.adapter, factors, tmp, base_model=str(recipe.target), alpha=alphas[0], target=sd_b, whole=whole
             )

@@ -288,6 +288,36 @@ def _run(
         return _save(model, Path(out_dir), record, processor)
 
 
+def _run_text(
+    kind: Kind,
+    seed: int,
+    cfg: GPT2TrainConfig | GPT2FineTuneConfig | GPT2LoraConfig,
+    out_dir: Path,
+    build: Callable[[], Any],
+    tokenizer: Any,
+    train: Tensor,
+    test: Tensor,
+    *,
+    progress: Progress | None,
+    threads: int | None,
+) -> Path:
+    """`_run` for the GPT-2 kinds: batches of token blocks padded with the tokenizer's pad id, held-out
+    blocks scored 64 at a time, the tokenizer saved beside the result."""
+    pad = int(tokenizer.pad_token_id)
+    return _run(
+        kind,
+        seed,
+        cfg,
+        out_dir,
+        build,
+        lambda s: data.batches(train, cfg.batch_size, pad_token_id=pad, seed=s, drop_last=True),
+        list(data.batches(test, 64, pad_token_id=pad)),
+        progress=progress,
+        threads=threads,
+        processor=tokenizer,
+    )
+
+
 def train_tiny_gpt2(
     seed: int,
     out_dir: Path,
@@ -319,17 +349,17 @@ def train_tiny_gpt2(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=pad,
     )
-    return _run(
+    return _run_text(
         "gpt2",
         seed,
         cfg,
         out_dir,
         lambda: GPT2LMHeadModel(model_config),
-        lambda s: data.batches(train, cfg.batch_size, pad_token_id=pad, seed=s, drop_last=True),
-        list(data.batches(test, 64, pad_token_id=pad)),
+        tokenizer,
+        train,
+        test,
         progress=progress,
         threads=threads,
-        processor=tokenizer,
     )
 
 
@@ -423,18 +453,17 @@ def finetune_tiny_gpt2(
 
     cfg = config or GPT2FineTuneConfig()
     base, tokenizer, train, test = _finetune_data(seed, cfg.plays, cfg.eval_tokens)
-    pad = int(tokenizer.pad_token_id)
-    return _run(
+    return _run_text(
         "gpt2-ft",
         seed,
         cfg,
         out_dir,
         lambda: GPT2LMHeadModel.from_pretrained(str(base)),
-        lambda s: data.batches(train, cfg.batch_size, pad_token_id=pad, seed=s, drop_last=True),
-        list(data.batches(test, 64, pad_token_id=pad)),
+        tokenizer,
+        train,
+        test,
         progress=progress,
         threads=threads,
-        processor=tokenizer,
     )
 
 
@@ -461,7 +490,6 @@ def lora_tiny_gpt2(
 
     cfg = config or GPT2LoraConfig()
     base, tokenizer, train, test = _finetune_data(seed, cfg.plays, cfg.eval_tokens)
-    pad = int(tokenizer.pad_token_id)
 
     def build() -> Any:
         lora = LoraConfig(
@@ -473,17 +501,8 @@ def lora_tiny_gpt2(
         )
         return get_peft_model(GPT2LMHeadModel.from_pretrained(str(base)), lora)
 
-    folder = _run(
-        "gpt2-lora",
-        seed,
-        cfg,
-        out_dir,
-        build,
-        lambda s: data.batches(train, cfg.batch_size, pad_token_id=pad, seed=s, drop_last=True),
-        list(data.batches(test, 64, pad_token_id=pad)),
-        progress=progress,
-        threads=threads,
-        processor=tokenizer,
+    folder = _run_text(
+        "gpt2-lora", seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads
     )
     adapter_config = folder / "adapter_config.json"
     written = json.loads(adapter_config.read_text())

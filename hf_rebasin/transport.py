@@ -23,7 +23,7 @@ from .merge import StorageKey, storage_key
 from .strategies import Alignment
 from .symmetry import SymmetryGraph
 
-__all__ = ["add_task_vector", "carried_tensors", "task_vector"]
+__all__ = ["add_task_vector", "move_finetune", "task_vector"]
 
 
 def _check_shared(base: Mapping[str, Tensor], finetuned: Mapping[str, Tensor]) -> None:
@@ -47,31 +47,31 @@ def task_vector(
     ``alignment`` brings the old base A (its ``sd_b``) into the target B's basis; ``graph`` is the
     symmetry graph of the original (not canonical) models; ``finetuned`` is A_ft's state dict, of
     the same architecture as A, or of a sibling class (another head) with ``finetuned_graph``.
-    Tensors only the fine-tune has are in :func:`carried_tensors`. Integer buffers are not part of
-    a task vector.
+    Integer buffers are not part of a task vector. :func:`move_finetune` also returns the tensors
+    only the fine-tune has.
     """
-    moved_ft = _moved_finetune(alignment, graph, finetuned, finetuned_graph)
-    moved_base = alignment.aligned_b()
-    out: dict[str, Tensor] = {}
-    for name, base in moved_base.items():
-        if base.is_floating_point() and name in moved_ft:
-            out[name] = moved_ft[name].to(torch.float32) - base.to(torch.float32)
-    return out
+    return move_finetune(alignment, graph, finetuned, finetuned_graph)[0]
 
 
-def carried_tensors(
+def move_finetune(
     alignment: Alignment,
     graph: SymmetryGraph,
     finetuned: Mapping[str, Tensor],
     finetuned_graph: SymmetryGraph | None = None,
-) -> dict[str, Tensor]:
-    """The fine-tune's tensors its base lacks (a new head trained on A's features), in B's basis.
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """``(π(τ), carried)``: the task vector of :func:`task_vector`, and the fine-tune's tensors its
+    base lacks (a new head trained on A's features) in B's basis, from one transform of A_ft.
 
-    They have no counterpart in B, so they move whole: π(A_ft)[name], with the transform of the
-    axes they read (the residual stream for a classifier head).
+    Carried tensors have no counterpart in B, so they move whole: π(A_ft)[name], with the transform
+    of the axes they read (the residual stream for a classifier head).
     """
     moved_ft = _moved_finetune(alignment, graph, finetuned, finetuned_graph)
-    return {name: t for name, t in moved_ft.items() if name not in alignment.sd_b and t.is_floating_point()}
+    tau: dict[str, Tensor] = {}
+    for name, base in alignment.aligned_b().items():
+        if base.is_floating_point() and name in moved_ft:
+            tau[name] = moved_ft[name].to(torch.float32) - base.to(torch.float32)
+    carried = {name: t for name, t in moved_ft.items() if name not in alignment.sd_b and t.is_floating_point()}
+    return tau, carried
 
 
 def _moved_finetune(

@@ -74,7 +74,8 @@ def test_transported_adapter_is_the_transformed_finetune(case, tmp_path):
             from hf_rebasin.strategies import Alignment
 
             alignment = Alignment("given", graph, target, base, transform)
-        moved = transport_adapter(adapter, graph, alignment.transform, base, target)
+        moved, whole = transport_adapter(adapter, graph, alignment.transform, base, target)
+        assert not whole  # a permutation residual: nothing but the factors
         for key, t in moved.items():  # same rank, same file layout
             assert t.shape == _stored(adapter, key).shape
         out = tmp_path / f"moved-{cls}"
@@ -112,7 +113,7 @@ def test_alpha_scales_the_update_and_whole_tensors_follow_the_task_vector_rule(t
     graph, _ = lora_graph(graph_for(model.config, base.keys()))
     transform = graph.random_transform("permutation", torch.Generator().manual_seed(2))
     target = graph.apply(base, transform)
-    moved = transport_adapter(adapter, graph, transform, base, target)
+    moved, _ = transport_adapter(adapter, graph, transform, base, target)
     out = tmp_path / "half"
     out.mkdir()
     save_adapter(adapter, moved, out, base_model="b", alpha=0.5, target=target)
@@ -255,7 +256,7 @@ def test_generalized_orthogonal_moves_an_adapter_through_the_canonical_form(tmp_
     """B = a rotated residual stream (canonical form) stored with other norm scales: the moved
     adapter, loaded by PEFT on B as stored, computes what the adapter computes on A."""
     from hf_rebasin.canonical import canonicalize
-    from hf_rebasin.lora import canonical_blocker, transport_adapter_canonical
+    from hf_rebasin.lora import canonical_blocker
 
     model = tiny.gpt2_untied(0)
     base = model.state_dict()
@@ -268,7 +269,7 @@ def test_generalized_orthogonal_moves_an_adapter_through_the_canonical_form(tmp_
     ids = _ids(1)
     assert (_logits(rebuild(model, target), ids) - _logits(model, ids)).abs().max() < 1e-4  # same function
     alignment = align("generalized-orthogonal", Pair(graph, target, base))
-    moved, whole = transport_adapter_canonical(adapter, graph, alignment.graph, alignment.transform, base, target)
+    moved, whole = transport_adapter(adapter, graph, alignment.transform, base, target, canonical_graph=alignment.graph)
     assert whole and all(k.endswith(".base_layer.bias") for k in whole)  # c_attn and c_fc read a folded β
     out = tmp_path / "moved"
     out.mkdir()

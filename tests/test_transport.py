@@ -197,7 +197,7 @@ def _classifier_finetune(model):
 
 @pytest.mark.parametrize("strategy", ["weight-matching", "generalized-orthogonal"])
 def test_a_head_only_in_the_finetune_is_carried_into_the_targets_basis(strategy):
-    from hf_rebasin.transport import carried_tensors
+    from hf_rebasin.transport import move_finetune
 
     model = tiny.gpt2(0)
     base = model.state_dict()
@@ -211,8 +211,7 @@ def test_a_head_only_in_the_finetune_is_carried_into_the_targets_basis(strategy)
         canon, cgraph, _ = canonicalize(graph, base)
         target = cgraph.apply(canon, cgraph.random_transform("orthogonal", torch.Generator().manual_seed(1)))
     alignment = align(strategy, Pair(graph, target, base))
-    tau = task_vector(alignment, graph, ft, ft_graph)
-    carried = carried_tensors(alignment, graph, ft, ft_graph)
+    tau, carried = move_finetune(alignment, graph, ft, ft_graph)
     assert sorted(carried) == ["score.weight"] and "lm_head.weight" not in tau
     body = add_task_vector(alignment.sd_a, tau, 1.0)
     moved = {k: carried[k] if k in carried else body[k] for k in ft}
