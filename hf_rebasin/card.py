@@ -108,7 +108,7 @@ def _context(record: Mapping[str, Any], recipe_text: str, command: str) -> dict[
         "data_sources": [_data_source(d) for d in record.get("datasets") or []],
         "barrier_table": _barrier_table(curves, record.get("barrier") or {}),
         "barrier_reading": _barrier_reading(curves, record.get("barrier") or {}, strategy),
-        "merged_scores": _merged_scores(record.get("merged") or {}, strategy),
+        "merged_scores": _merged_scores(record.get("merged") or {}, strategy, record.get("universe")),
         "transport_rows": _transport_rows(record.get("transport") or {}),
         "transport_support": _transport_rows(
             (record.get("transport") or {}).get("support") or {}, record.get("transport")
@@ -137,21 +137,38 @@ def _moved(transport: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"LoRA factors of {adapter.get('modules')} modules (rank {rank}, lora_alpha {adapter.get('lora_alpha')}), "
             "each factor mapped on the axis it shares with its weight"
+            + (
+                "; the residual stream is rotated: a factor that reads a norm takes A's norm scale in and "
+                "1/B's out, a factor that writes the residual is centered"
+                if adapter.get("canonical")
+                else ""
+            )
         )
         for name in adapter.get("full_tensors") or []:
             lines.append(f"`{_cell(str(name))}` (stored whole): target + π(saved − base)")
+        for name in adapter.get("whole_biases") or []:
+            lines.append(
+                f"`{_cell(str(name))}` (stored whole, `bias: lora_only`): B's bias plus the shift the update makes "
+                "through the norm's folded β"
+            )
     for name in transport.get("carried") or []:
         lines.append(f"`{_cell(str(name))}` (only in the fine-tune): moved whole into B's basis")
     return lines
 
 
-def _merged_scores(merged: Mapping[str, Any], strategy: str) -> list[dict[str, str]]:
-    """Rows of the merged-model table: this merge first, then the unaligned average if scored."""
+def _merged_scores(
+    merged: Mapping[str, Any], strategy: str, universe: Mapping[str, Any] | None = None
+) -> list[dict[str, str]]:
+    """Rows of the merged-model table: this merge first, then (universe) the merge it started
+    from, then the unaligned average if scored."""
+    scored = [(f"this model (`{strategy}`)", merged[strategy])] if strategy in merged else []
+    if universe and universe.get("reference"):
+        rounds = universe.get("rounds")
+        scored.append((f"every model aligned to A only (before the {rounds} universe rounds)", universe["reference"]))
+    scored += [(f"the same weights without alignment (`{k}`)", v) for k, v in merged.items() if k != strategy]
     rows = []
-    for label in sorted(merged, key=lambda n: n != strategy):
-        score = merged[label]
+    for name, score in scored:
         metric = ", ".join(f"{k} {float(v):.4f}" for k, v in (score.get("metric") or {}).items()) or "—"
-        name = f"this model (`{label}`)" if label == strategy else f"the same weights without alignment (`{label}`)"
         rows.append({"model": _cell(name), "loss": f"{float(score['loss']):.4f}", "metric": _cell(metric)})
     return rows
 

@@ -194,11 +194,22 @@ def weight_patterns(
     raise ModelNotFoundError(f"{at}{repo!r}@{revision or 'main'} has no weights (.safetensors or .bin)")
 
 
-def download_model(repo: str, revision: str | None = None, *, allow_pickle: bool = False, where: str = "") -> Snapshot:
-    """Download what hf-rebasin reads of ``repo`` at ``revision``, pinned to the resolved commit."""
+def download_model(
+    repo: str,
+    revision: str | None = None,
+    *,
+    allow_pickle: bool = False,
+    where: str = "",
+    resolved: tuple[str, Sequence[str]] | None = None,
+) -> Snapshot:
+    """Download what hf-rebasin reads of ``repo`` at ``revision``, pinned to the resolved commit.
+
+    ``resolved``: the (commit, files) an earlier `resolve_revision` gave, so that a run downloads
+    the very commit its checks saw, even if the branch moved since, without asking again.
+    """
     from huggingface_hub import snapshot_download
 
-    commit, files = resolve_revision(repo, revision, where=where)
+    commit, files = resolved if resolved is not None else resolve_revision(repo, revision, where=where)
     patterns = weight_patterns(repo, revision, files, allow_pickle=allow_pickle, where=where)
     folder = _call(
         lambda: snapshot_download(repo, revision=commit, allow_patterns=patterns), where, repo, revision or commit

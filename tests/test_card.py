@@ -259,3 +259,24 @@ def test_reading_with_vanilla_and_no_secrets() -> None:
     text = render_card(record, recipe_text=MERGE_RECIPE + f"# token: {token}\n", command="hf-rebasin m.yaml")
     assert "`weight-matching` lowers the linear barrier from 1.500 to 0.250 nats (−83 %)." in text
     assert token not in text
+
+
+def test_universe_merge_card_shows_the_merge_it_started_from() -> None:
+    record = merge_record()
+    record["strategy"] = "generalized-orthogonal"
+    record["merged"] = {
+        "generalized-orthogonal": {"loss": 2.3394, "metric": {"perplexity": 10.37}},
+        "vanilla": {"loss": 4.3768, "metric": {"perplexity": 79.58}},
+    }
+    record["universe"] = {
+        "rounds": 5,
+        "converged": True,
+        "reference": {"loss": 2.4522, "metric": {"perplexity": 11.61}},
+    }
+    text = render_card(record, recipe_text=MERGE_RECIPE, command="hf-rebasin universe.yaml")
+    rows = [line for line in text.splitlines() if line.startswith("| this model") or line.startswith("| every model")]
+    assert rows == [
+        "| this model (`generalized-orthogonal`) | 2.3394 | perplexity 10.3700 |",
+        "| every model aligned to A only (before the 5 universe rounds) | 2.4522 | perplexity 11.6100 |",
+    ]
+    assert text.index("| every model aligned") < text.index("| the same weights without alignment (`vanilla`)")

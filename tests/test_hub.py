@@ -7,6 +7,7 @@ run as subprocesses pointed at it (`huggingface_hub` reads HF_ENDPOINT at import
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -95,8 +96,12 @@ def test_pull_by_revision_merge_push_and_pull_back(hub: HubServer, seeded: dict[
     assert not any(path.endswith(".safetensors") for _, path in hub.requests)
     assert not hub.repo_exists("alice/merged")
 
+    hub.requests.clear()
     proc = run_cli(str(recipe), env=env)
     assert proc.returncode == 0, proc.stderr
+    # each model's revision is resolved once, by the checks, and that commit is what is downloaded
+    infos = [path for _, path in hub.requests if re.fullmatch(r"/api/models/alice/gpt2-[ab](/revision/[^/]+)?", path)]
+    assert len(infos) == 2, infos
     out = tmp_path / "out"
     record = json.loads((out / "rebasin.json").read_text(encoding="utf-8"))
     assert [(m["model"], m["revision"], m["commit"], m["source"]) for m in record["models"]] == [

@@ -182,12 +182,13 @@ def _recipe(tmp_path: Path, **extra: object) -> Path:
     return path
 
 
-def test_transport_recipe_writes_an_adapter_for_the_target(tmp_path):
+@pytest.mark.parametrize("strategy", ["weight-matching", "generalized-orthogonal"])
+def test_transport_recipe_writes_an_adapter_for_the_target(strategy, tmp_path):
     from test_cli import flat, run_cli
 
     model, target, finetuned = _transport_folders(tmp_path)
     env = {"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds")}
-    proc = run_cli(str(_recipe(tmp_path)), env=env)
+    proc = run_cli(str(_recipe(tmp_path, strategy=strategy)), env=env)
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "moved"
     assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").exists()
@@ -204,6 +205,13 @@ def test_transport_recipe_writes_an_adapter_for_the_target(tmp_path):
     assert (_logits(loaded, ids) - _logits(finetuned, ids)).abs().max().item() < 1e-4
     card = (out / "README.md").read_text(encoding="utf-8")
     assert "library_name: peft" in card and "LoRA" in card
+    assert "Stored untied" not in card  # an adapter holds no head, whatever the alignment untied
+    canonical = strategy == "generalized-orthogonal"
+    assert moved["adapter"]["canonical"] is canonical
+    assert bool(moved["adapter"]["whole_biases"]) is canonical  # c_attn and c_fc read a folded β
+    assert ("residual stream is rotated" in card) is canonical
+    for name in moved["adapter"]["whole_biases"]:
+        assert f"`{name}` (stored whole, `bias: lora_only`)" in card
 
 
 def test_an_adapter_for_another_base_is_refused_unless_allowed(tmp_path):

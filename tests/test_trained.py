@@ -1,6 +1,7 @@
 """Trained models from different seeds: every alignment strategy lowers the loss barrier, and
-generalized-orthogonal at least halves vanilla's linear barrier (slow: trains four tiny models on
-first use, cached afterwards)."""
+generalized-orthogonal at least halves vanilla's linear barrier; a fine-tune (full or LoRA) moved
+onto another seed's base does better at its task than that base and than the naive transport
+(slow: trains six tiny models on first use, cached afterwards)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from bench_barriers import barrier_table, markdown
+from bench_transport import markdown as transport_markdown
+from bench_transport import transport_row
 
 
 @pytest.mark.slow
@@ -26,3 +29,15 @@ def test_alignment_lowers_the_barrier_of_models_trained_from_different_seeds(kin
         assert row["midpoint"] < vanilla["midpoint"], name
     best_go = min(rows["generalized-orthogonal"]["linear"], rows["generalized-orthogonal + learned"]["linear"])
     assert best_go <= 0.5 * vanilla["linear"]
+
+
+@pytest.mark.slow
+def test_a_fine_tune_and_a_lora_adapter_transfer_to_a_base_from_another_seed():
+    pytest.importorskip("peft")
+    row = transport_row(0, 1)
+    print("\n" + transport_markdown([row]))
+    assert abs(row["lora_ft"] - row["lora_dense_ft"]) < 1e-4, "PEFT and the dense update disagree on A"
+    for kind in ("full", "lora"):
+        moved, naive = row[f"{kind}_go"], row[f"{kind}_naive"]
+        assert moved < row["target"] - 0.01, f"{kind}: B + π(τ) is not clearly below B"
+        assert moved < naive - 0.01, f"{kind}: B + π(τ) is not clearly below B + τ"
