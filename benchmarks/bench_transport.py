@@ -13,6 +13,7 @@ LoRA numbers are those of the moved adapter written by ``save_adapter`` and load
     python benchmarks/bench_transport.py                     # pairs 0→1 1→0 0→2 2→0 (~4 min, trains the zoo on first use)
     python benchmarks/bench_transport.py --pairs 0:1
     python benchmarks/bench_transport.py --lora-lr 3e-3 --lora-rank 8 --lora-alpha 16   # a LoRA that moved further
+    python benchmarks/bench_transport.py --rerelease   # B = zoo:gpt2-next-seedA, A's training continued
 
 ``tests/test_trained.py`` runs the same code on 0 → 1 and checks the claims.
 """
@@ -77,9 +78,12 @@ def _moved_adapter_loss(
         return _adapter_loss(Path(tmp), b_folder, batches)
 
 
-def transport_row(seed_a: int, seed_b: int, lora: GPT2LoraConfig | None = None) -> dict[str, Any]:
-    """Task losses at α = 1 of one A → B pair (keys of ``COLUMNS``, plus the fine-tunes on A)."""
-    a_folder, b_folder = cached_model("gpt2", seed_a), cached_model("gpt2", seed_b)
+def transport_row(
+    seed_a: int, seed_b: int, lora: GPT2LoraConfig | None = None, target_kind: str = "gpt2"
+) -> dict[str, Any]:
+    """Task losses at α = 1 of one A → B pair (keys of ``COLUMNS``, plus the fine-tunes on A);
+    ``target_kind="gpt2-next"``: B is the re-release of the GPT-2 of ``seed_b``."""
+    a_folder, b_folder = cached_model("gpt2", seed_a), cached_model(target_kind, seed_b)
     ft_folder, lora_folder = cached_model("gpt2-ft", seed_a), cached_model("gpt2-lora", seed_a, config=lora)
     batches = held_out_batches(ft_folder, 32)
     a, b, ft = _gpt2(a_folder), _gpt2(b_folder), _gpt2(ft_folder)
@@ -97,7 +101,8 @@ def transport_row(seed_a: int, seed_b: int, lora: GPT2LoraConfig | None = None) 
     transfusion_lora = align("transfusion", Pair(perm_graph, sd_b, sd_a))
     seconds = time.perf_counter() - start
 
-    row: dict[str, Any] = {"pair": f"{seed_a} → {seed_b}", "align_s": seconds}
+    label = f"{seed_a} → {seed_b}" if target_kind == "gpt2" else f"{seed_a} → {target_kind}-seed{seed_b}"
+    row: dict[str, Any] = {"pair": label, "align_s": seconds}
     row["target"] = evaluate_loss(b, batches, "causal-lm").loss
     row["full_ft"] = evaluate_loss(ft, batches, "causal-lm").loss
     row["lora_ft"] = _adapter_loss(lora_folder, a_folder, batches)
@@ -124,7 +129,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", nargs="+", default=["0:1", "1:0", "0:2", "2:0"], help="A:B seed pairs")
+    parser.add_argument("--pairs", nargs="+", default=None, help="A:B seed pairs (default 0:1 1:0 0:2 2:0)")
+    parser.add_argument(
+        "--rerelease",
+        action="store_true",
+        help="B is zoo:gpt2-next (A's training continued); default pairs 0:0 1:1 2:2",
+    )
     parser.add_argument("--lora-lr", type=float, default=None, help="train the LoRA at this rate instead")
     parser.add_argument("--lora-rank", type=int, default=None)
     parser.add_argument("--lora-alpha", type=int, default=None)
@@ -133,10 +143,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     changes = {"lr": args.lora_lr, "rank": args.lora_rank, "lora_alpha": args.lora_alpha}
     lora = dataclasses.replace(GPT2LoraConfig(), **{k: v for k, v in changes.items() if v is not None})
+    pairs = args.pairs or (["0:0", "1:1", "2:2"] if args.rerelease else ["0:1", "1:0", "0:2", "2:0"])
     rows = []
-    for pair in args.pairs:
+    for pair in pairs:
         seed_a, seed_b = (int(s) for s in pair.split(":"))
-        rows.append(transport_row(seed_a, seed_b, lora))
+        rows.append(transport_row(seed_a, seed_b, lora, "gpt2-next" if args.rerelease else "gpt2"))
         r = rows[-1]
         print(
             f"{r['pair']}: aligned in {r['align_s']:.1f} s; LoRA on A {r['lora_ft']:.4f} (dense {r['lora_dense_ft']:.4f})"

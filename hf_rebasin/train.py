@@ -33,7 +33,7 @@ from .evaluate import evaluate_loss
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-Kind = Literal["gpt2", "vit", "gpt2-ft", "gpt2-lora"]
+Kind = Literal["gpt2", "vit", "gpt2-ft", "gpt2-lora", "gpt2-next"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 Progress = Callable[[int, float], None]
 
@@ -113,12 +113,30 @@ class GPT2LoraConfig:
     eval_tokens: int = 65536
 
 
-TrainConfig = GPT2TrainConfig | ViTTrainConfig | GPT2FineTuneConfig | GPT2LoraConfig
+@dataclass(frozen=True)
+class GPT2NextConfig:
+    """The next release of the zoo GPT-2 of the same seed: its pretraining continued on the same
+    plays, the blocks in another order, at a lower rate. The case transport is meant for: a base
+    re-released after more training, with a fine-tune of the first release to move onto it.
+    """
+
+    steps: int = 1000  # ≈ 25 s on one CPU thread
+    batch_size: int = 16
+    lr: float = 2e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    data_seed: int = 1000  # added to the seed: the blocks reach training in another order
+    plays: tuple[str, ...] = data.DEFAULT_PLAYS
+    eval_tokens: int = 65536
+
+
+TrainConfig = GPT2TrainConfig | ViTTrainConfig | GPT2FineTuneConfig | GPT2LoraConfig | GPT2NextConfig
 _DEFAULTS: dict[Kind, TrainConfig] = {
     "gpt2": GPT2TrainConfig(),
     "vit": ViTTrainConfig(),
     "gpt2-ft": GPT2FineTuneConfig(),
     "gpt2-lora": GPT2LoraConfig(),
+    "gpt2-next": GPT2NextConfig(),
 }
 
 
@@ -293,7 +311,7 @@ def _run(
 def _run_text(
     kind: Kind,
     seed: int,
-    cfg: GPT2TrainConfig | GPT2FineTuneConfig | GPT2LoraConfig,
+    cfg: GPT2TrainConfig | GPT2FineTuneConfig | GPT2LoraConfig | GPT2NextConfig,
     out_dir: Path,
     build: Callable[[], Any],
     tokenizer: Any,
@@ -513,6 +531,34 @@ def lora_tiny_gpt2(
     return folder
 
 
+def next_tiny_gpt2(
+    seed: int,
+    out_dir: Path,
+    config: GPT2NextConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Continue the pretraining of the zoo GPT-2 of ``seed`` (trained first if needed); save it."""
+    from transformers import GPT2LMHeadModel
+
+    cfg = config or GPT2NextConfig()
+    base, tokenizer, train, test = _finetune_data(seed, cfg.plays, cfg.eval_tokens)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed + cfg.data_seed))
+    return _run_text(
+        "gpt2-next",
+        seed,
+        cfg,
+        out_dir,
+        lambda: GPT2LMHeadModel.from_pretrained(str(base)),
+        tokenizer,
+        train[order],
+        test,
+        progress=progress,
+        threads=threads,
+    )
+
+
 def _block(folder: Path) -> int:
     return int(json.loads((folder / "config.json").read_text())["n_positions"])
 
@@ -522,6 +568,7 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
     "vit": train_tiny_vit,
     "gpt2-ft": finetune_tiny_gpt2,
     "gpt2-lora": lora_tiny_gpt2,
+    "gpt2-next": next_tiny_gpt2,
 }
 
 

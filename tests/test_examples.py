@@ -89,6 +89,12 @@ def test_zoo_cli_prints_the_cached_folders(tmp_path: Path) -> None:
     assert proc.stdout.split() == [str(f) for f in folders]
 
 
+def test_zoo_cli_offers_every_kind_the_trainer_has() -> None:
+    from hf_rebasin.cli import ZOO_KINDS  # restated there so that `--help` does not import torch
+
+    assert ZOO_KINDS == train.KINDS
+
+
 def test_zoo_models_and_builtin_data_run_end_to_end(tmp_path: Path) -> None:
     folders = _stand_in_zoo(tmp_path)
     demo = yaml.safe_load(resource("recipes", "demo.yaml").read_text(encoding="utf-8"))

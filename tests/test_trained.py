@@ -41,3 +41,16 @@ def test_a_fine_tune_and_a_lora_adapter_transfer_to_a_base_from_another_seed():
         moved, naive = row[f"{kind}_go"], row[f"{kind}_naive"]
         assert moved < row["target"] - 0.01, f"{kind}: B + π(τ) is not clearly below B"
         assert moved < naive - 0.01, f"{kind}: B + π(τ) is not clearly below B + τ"
+
+
+@pytest.mark.slow
+def test_on_a_re_release_the_alignment_costs_nothing_and_the_fine_tune_keeps_its_gain():
+    """B = A's training continued (zoo:gpt2-next): the bases share their basis, so every
+    alignment should find the identity, and the moved task vector should keep most of its gain."""
+    pytest.importorskip("peft")
+    row = transport_row(0, 0, target_kind="gpt2-next")
+    print("\n" + transport_markdown([row]))
+    for kind in ("full", "lora"):
+        for moved in (f"{kind}_go", f"{kind}_transfusion"):
+            assert row[moved] <= row[f"{kind}_naive"] + 0.005, moved
+        assert row[f"{kind}_go"] < row["target"] - 0.3, kind
