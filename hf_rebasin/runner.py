@@ -260,6 +260,7 @@ def _load_finetune(base: LoadedModel, folder: Path, allow_pickle: bool) -> tuple
     head may differ: a classifier trained on A's features), or a LoRA adapter merged into A."""
     from .lora import apply_adapter, is_adapter, read_adapter
     from .models import LoadedModel, check_same_shapes, load_model, rebuild
+    from .transport import check_shared
 
     if is_adapter(folder) and not (folder / "config.json").is_file():
         adapter = read_adapter(folder, base.model, allow_pickle=allow_pickle, where="finetuned.model")
@@ -274,12 +275,7 @@ def _load_finetune(base: LoadedModel, folder: Path, allow_pickle: bool) -> tuple
             "the architecture of the base it was trained from"
         )
     sd_base, sd_ft = base.model.state_dict(), ft.model.state_dict()
-    for name, t in sd_base.items():
-        if name in sd_ft and sd_ft[name].shape != t.shape:
-            raise IncompatibleModelsError(
-                f"`finetuned.model`: tensor {name!r} has shape {tuple(sd_ft[name].shape)} in the fine-tune but "
-                f"{tuple(t.shape)} in its base: it was not fine-tuned from this base"
-            )
+    check_shared(sd_base, sd_ft, "`finetuned.model`")
     if type(ft.model) is type(base.model) and sd_ft.keys() != sd_base.keys():
         check_same_shapes(sd_base, sd_ft, "the base", "the fine-tune")
     return ft, None
@@ -870,7 +866,19 @@ def run_recipe(
     timings["load"] = time.perf_counter() - start
     if recipe.job == "transport":
         ctx = _Context(
-            recipe, target, resolved, folders, loaded, task, data, align_batches, eval_batches, timings, notes, adapter
+            recipe,
+            target,
+            resolved,
+            folders,
+            loaded,
+            task,
+            data,
+            align_batches,
+            eval_batches,
+            timings,
+            notes,
+            run_cache,
+            adapter,
         )
         return _transport(ctx, processor, base_dir, report, command, dev)
 
@@ -1075,6 +1083,7 @@ class _Context:
     eval_batches: list[dict[str, Tensor]] | None
     timings: dict[str, float]
     notes: list[str]
+    run_cache: _RunCache
     adapter: LoraAdapter | None = None  # transport: the fine-tune is this LoRA adapter (merged into A in loaded[2])
     score: _Scorer = field(default_factory=_Scorer)
 
@@ -1183,7 +1192,7 @@ def _transport(
             if demoted and name == "generalized-orthogonal":
                 notes.append(f"the adapter cannot follow the canonical form: {blocker}")
     pair = Pair(graph, b.model.state_dict(), a.model.state_dict(), b.model, a.model, ctx.data)
-    run_cache = _RunCache(recipe, base_dir, notes, report)
+    run_cache = ctx.run_cache
     cached = run_cache.use(ctx.resolved, b, a, name, options, label="A to B", graph=graph)
     alignment = _timed_align(name, options, pair, report, timings, cache=cached)
     notes.extend(alignment.notes)

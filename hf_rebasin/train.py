@@ -460,21 +460,25 @@ def _finetune_data(seed: int, plays: tuple[str, ...], eval_tokens: int) -> tuple
     return base, tokenizer, train, test
 
 
-def finetune_tiny_gpt2(
+def _train_further(
+    kind: Kind,
     seed: int,
+    cfg: GPT2FineTuneConfig | GPT2NextConfig,
     out_dir: Path,
-    config: GPT2FineTuneConfig | None = None,
     *,
-    progress: Progress | None = None,
-    threads: int | None = 1,
+    reorder: int | None,
+    progress: Progress | None,
+    threads: int | None,
 ) -> Path:
-    """Fine-tune the zoo GPT-2 of ``seed`` (trained first if needed) on other plays; save it."""
+    """Train the zoo GPT-2 of ``seed`` further on ``cfg.plays`` (a fine-tune, or a re-release);
+    ``reorder`` seeds a shuffle of the blocks first, so they come in another order than before."""
     from transformers import GPT2LMHeadModel
 
-    cfg = config or GPT2FineTuneConfig()
     base, tokenizer, train, test = _finetune_data(seed, cfg.plays, cfg.eval_tokens)
+    if reorder is not None:
+        train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(reorder))]
     return _run_text(
-        "gpt2-ft",
+        kind,
         seed,
         cfg,
         out_dir,
@@ -485,6 +489,19 @@ def finetune_tiny_gpt2(
         progress=progress,
         threads=threads,
     )
+
+
+def finetune_tiny_gpt2(
+    seed: int,
+    out_dir: Path,
+    config: GPT2FineTuneConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Fine-tune the zoo GPT-2 of ``seed`` (trained first if needed) on other plays; save it."""
+    cfg = config or GPT2FineTuneConfig()
+    return _train_further("gpt2-ft", seed, cfg, out_dir, reorder=None, progress=progress, threads=threads)
 
 
 def lora_tiny_gpt2(
@@ -540,23 +557,9 @@ def next_tiny_gpt2(
     threads: int | None = 1,
 ) -> Path:
     """Continue the pretraining of the zoo GPT-2 of ``seed`` (trained first if needed); save it."""
-    from transformers import GPT2LMHeadModel
-
     cfg = config or GPT2NextConfig()
-    base, tokenizer, train, test = _finetune_data(seed, cfg.plays, cfg.eval_tokens)
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed + cfg.data_seed))
-    return _run_text(
-        "gpt2-next",
-        seed,
-        cfg,
-        out_dir,
-        lambda: GPT2LMHeadModel.from_pretrained(str(base)),
-        tokenizer,
-        train[order],
-        test,
-        progress=progress,
-        threads=threads,
-    )
+    reorder = seed + cfg.data_seed
+    return _train_further("gpt2-next", seed, cfg, out_dir, reorder=reorder, progress=progress, threads=threads)
 
 
 def _block(folder: Path) -> int:

@@ -23,15 +23,16 @@ from .merge import StorageKey, storage_key
 from .strategies import Alignment
 from .symmetry import SymmetryGraph
 
-__all__ = ["add_task_vector", "move_finetune", "task_vector"]
+__all__ = ["add_task_vector", "check_shared", "move_finetune", "task_vector"]
 
 
-def _check_shared(base: Mapping[str, Tensor], finetuned: Mapping[str, Tensor]) -> None:
+def check_shared(base: Mapping[str, Tensor], finetuned: Mapping[str, Tensor], where: str = "task vector") -> None:
+    """Every tensor a fine-tune shares with its base has the base's shape (its own head may be new)."""
     for name, t in base.items():
         other = finetuned.get(name)
         if other is not None and other.shape != t.shape:
             raise IncompatibleModelsError(
-                f"task vector: tensor {name!r} has shape {tuple(other.shape)} in the fine-tune but "
+                f"{where}: tensor {name!r} has shape {tuple(other.shape)} in the fine-tune but "
                 f"{tuple(t.shape)} in its base: the fine-tune was not trained from this base"
             )
 
@@ -92,7 +93,7 @@ def _moved_finetune(
         ft, ft_graph, _ = canonicalize(ft_graph, finetuned)
     else:
         ft = dict(finetuned)
-    _check_shared(alignment.sd_b, ft)
+    check_shared(alignment.sd_b, ft)
     return ft_graph.apply(ft, alignment.transform)
 
 
