@@ -1,0 +1,7 @@
+"""Bad-input corpus rows: inputs (see tests/bad_input.py)."""
+
+from __future__ import annotations
+
+from bad_input import Case
+
+CASES: list[Case] = []

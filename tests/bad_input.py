@@ -1,0 +1,249 @@
+"""The bad-input corpus: what an attacker or a careless user hands hf-rebasin, one row per case.
+
+Each row (`Case`) builds its input in a fresh folder (`Workspace`), runs the real CLI (in process by
+default, in a subprocess when the case needs signals, a terminal or the local Hub), and states the
+outcome it must have: the exit code, words the message must contain, and a check of what is on disk
+afterwards (inputs untouched, no output, no leftovers). Rows live in the ``bad_cases_*`` modules by
+area; ``test_bad_input.py`` runs them all. A case that already passed when the corpus was written
+stays a row, so that it cannot come back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import tiny
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = (
+    "to be, or not to be, that is the question:\n"
+    "whether 'tis nobler in the mind to suffer\n"
+    "the slings and arrows of outrageous fortune,\n"
+    "or to take arms against a sea of troubles\n"
+    "and by opposing end them. to die, to sleep;\n"
+) * 6
+
+
+@dataclass
+class Outcome:
+    """What a CLI run did: exit code and the two streams (whitespace collapsed in ``err``/``out``)."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def err(self) -> str:
+        return " ".join(self.stderr.split())
+
+    @property
+    def out(self) -> str:
+        return " ".join(self.stdout.split())
+
+
+class Workspace:
+    """A case's folder with builders for the usual inputs: tiny models, text, recipes.
+
+    Every path a case creates is under ``root``; ``snapshot()`` / ``unchanged()`` prove that a run
+    left the inputs as they were.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.env: dict[str, str] = {}
+        self._snap: dict[str, str] | None = None
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def model(self, name: str = "a", kind: str = "gpt2", seed: int = 0, *, tokenizer: bool = True) -> Path:
+        """A tiny model saved with ``save_pretrained`` (and, for text models, a character tokenizer)."""
+        from hf_rebasin.data import char_tokenizer
+
+        folder = self.root / name
+        tiny.FACTORIES[kind](seed).save_pretrained(str(folder))
+        if tokenizer and kind.startswith(("gpt2", "bert", "roberta")):
+            char_tokenizer(TEXT).save_pretrained(str(folder))
+        return folder
+
+    def text(self, name: str = "corpus.txt", body: str = TEXT) -> Path:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(body, encoding="utf-8")
+        return path
+
+    def write(self, name: str, data: bytes | str) -> Path:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(data, encoding="utf-8")
+        return path
+
+    def recipe(self, body: Mapping[str, Any] | str, name: str = "recipe.yaml") -> Path:
+        """A recipe file (a mapping is dumped as YAML; a string is written as it is)."""
+        text = body if isinstance(body, str) else yaml.safe_dump(dict(body), sort_keys=False)
+        return self.write(name, text)
+
+    def merge_recipe(self, output: str | Mapping[str, Any] = "out", *, evaluate: bool = False, **changes: Any) -> Path:
+        """A vanilla merge of models ``a`` and ``b`` (built if missing) into ``output`` (a folder or a
+        whole ``output`` section); ``changes`` replace top-level sections."""
+        for name, seed in (("a", 0), ("b", 1)):
+            if not (self.root / name).exists():
+                self.model(name, seed=seed)
+        body: dict[str, Any] = {
+            "job": "merge",
+            "models": ["./a", "./b"],
+            "strategy": "vanilla",
+            "output": dict(output) if isinstance(output, Mapping) else {"dir": output},
+            "device": "cpu",
+        }
+        if evaluate:
+            self.text()
+            body["evaluate"] = {
+                "task": "causal-lm",
+                "data": {"dataset": "text", "data_files": "corpus.txt"},
+                "points": 3,
+            }
+        body.update(changes)
+        return self.recipe(body)
+
+    # -- what is on disk ------------------------------------------------------------------------
+
+    def listing(self) -> dict[str, str]:
+        """Every file under ``root`` (relative path -> sha256), cache folders excluded."""
+        out: dict[str, str] = {}
+        for path in sorted(self.root.rglob("*")):
+            rel = path.relative_to(self.root).as_posix()
+            if path.is_file() and not rel.startswith(("ds-cache/", "hf-home/", "rebasin-cache/")):
+                out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        return out
+
+    def snapshot(self) -> None:
+        self._snap = self.listing()
+
+    def unchanged(self, *, allow_new: tuple[str, ...] = ()) -> None:
+        """Every file that existed at ``snapshot()`` is still there, byte for byte; new files only
+        under ``allow_new`` prefixes."""
+        assert self._snap is not None, "snapshot() first"
+        now = self.listing()
+        lost = [p for p, h in self._snap.items() if now.get(p) != h]
+        assert not lost, f"changed or removed: {lost[:5]}"
+        new = [p for p in now if p not in self._snap and not p.startswith(allow_new)]
+        assert not new, f"new files: {new[:5]}"
+
+    def leftovers(self) -> list[str]:
+        """Hidden temporary folders and lock files a run left beside its outputs."""
+        return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name)
+
+
+Build = Callable[[Workspace], list[str]]
+Check = Callable[[Workspace, Outcome], None]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the corpus.
+
+    ``build`` makes the inputs and returns the CLI arguments; the run must exit ``code`` with every
+    ``needles`` string in its stderr (exit 2: an ``error:`` paragraph, never a traceback), and then
+    ``check`` (if any) inspects the disk. ``subprocess``: run as a separate process (signals, a
+    terminal, the local Hub, environment read at import). ``before`` says what the code did when
+    the corpus was written (the issue's table).
+    """
+
+    id: str
+    area: str
+    build: Build
+    code: int
+    needles: tuple[str, ...] = ()
+    check: Check | None = None
+    before: str = "handled"
+    subprocess: bool = False
+    slow: bool = False
+    timeout: float = 120.0
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def offline_env(ws: Workspace) -> dict[str, str]:
+    """No network, caches inside the case's folder."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(ws.root / "ds-cache"),
+        "HF_HOME": str(ws.root / "hf-home"),
+        "HF_REBASIN_NO_CACHE": "1",
+        "COLUMNS": "200",
+    }
+
+
+def run_case(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
+    """Run the CLI with ``argv`` from ``ws.root`` as the case asks (in process or in a subprocess)."""
+    env = {**offline_env(ws), **case.env, **ws.env}
+    if case.subprocess:
+        environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG"}
+        environ.update(env)
+        environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [sys.executable, "-m", "hf_rebasin", *argv],
+            cwd=ws.root,
+            env=environ,
+            capture_output=True,
+            text=True,
+            timeout=case.timeout,
+            stdin=subprocess.DEVNULL,
+        )
+        return Outcome(proc.returncode, proc.stdout, proc.stderr)
+    from hf_rebasin.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    cwd = Path.cwd()
+    os.chdir(ws.root)
+    try:
+        with _environ(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        os.chdir(cwd)
+    return Outcome(code, out.getvalue(), err.getvalue())
+
+
+def assert_outcome(case: Case, result: Outcome) -> None:
+    """Exit code and message as the case says; exit 2 is one ``error:`` paragraph, no traceback."""
+    detail = f"exit {result.code}\nstdout: {result.stdout[-2000:]}\nstderr: {result.stderr[-3000:]}"
+    assert result.code == case.code, detail
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, detail
+    if case.code == 2:
+        assert result.err.startswith("error:"), detail
+    for needle in case.needles:
+        assert needle in result.err or needle in result.out, f"{needle!r} not in the output\n{detail}"
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
