@@ -371,7 +371,8 @@ def _function_preserved(entry: Mapping[str, Any] | None, job: str) -> str:
         reason = str(entry.get("reason") or "no reason recorded")
         return f"max |Δ logits| between {pair} was not measured: {reason}."
     where = f" (on {entry['inputs']})" if entry.get("inputs") else ""
-    return f"max |Δ logits| between {pair}: {float(diff):.2e}{where}."
+    tol = f", within the tolerance {float(entry['tolerance']):.1e}" if entry.get("tolerance") is not None else ""
+    return f"max |Δ logits| between {pair}: {float(diff):.2e}{where}{tol}."
 
 
 def _load(record: Mapping[str, Any]) -> dict[str, str]:

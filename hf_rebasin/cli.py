@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -317,12 +319,38 @@ def _parse_options(items: Sequence[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise StrategyOptionError(f"--set {item!r}: expected KEY=VALUE, e.g. --set iterations=5")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
+            raise StrategyOptionError(
+                f"--set {item!r}: the value of {key.strip()} is not valid YAML ({what or e}); quote it, "
+                "e.g. --set name='[1, 2]', or write a number, true/false, a word or a [list]"
+            ) from None
+        if not _plain_yaml(parsed):
+            raise StrategyOptionError(
+                f"--set {item!r}: the value of {key.strip()} is a {type(parsed).__name__}; an option is a number, "
+                "true/false, a string, or a list or mapping of those"
+            )
+        out[key.strip()] = parsed
     return out
+
+
+def _plain_yaml(value: Any) -> bool:
+    """Whether a parsed ``--set`` value is plain data (no dates, binary, sets from YAML tags)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(_plain_yaml(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain_yaml(v) for k, v in value.items())
+    return False
 
 
 def cmd_align(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin align``: load two folders, align B to A, report distances, optionally save B."""
+    from pathlib import Path
+
     _quiet_libraries()
     from .models import check_compatible, check_output_folder, load_model, save_model
     from .strategies import Pair, get_strategy
@@ -330,8 +358,9 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
 
     strategy = get_strategy(args.strategy)
     options = strategy.parse(_parse_options(args.options))
+    inputs = [(label, Path(value)) for label, value in (("MODEL_A", args.model_a), ("MODEL_B", args.model_b))]
     if args.output:
-        check_output_folder(args.output)
+        check_output_folder(args.output, inputs)
     a = load_model(args.model_a, allow_pickle=args.allow_pickle)
     b = load_model(args.model_b, allow_pickle=args.allow_pickle)
     check_compatible(a, b)
@@ -354,7 +383,7 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     if alignment.untied:
         console.print("untied for the canonical form: " + escape(", ".join(alignment.untied)), soft_wrap=True)
     if args.output:
-        folder = save_model(b.model, aligned, args.output, untie=bool(alignment.untied))
+        folder = save_model(b.model, aligned, args.output, untie=bool(alignment.untied), inputs=inputs)
         console.print(f"aligned B saved to {escape(str(folder))}")
     return EXIT_OK
 
@@ -567,13 +596,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USER
+    saved = _terminate_as_interrupt()
     try:
         return int(args.func(args, out))
     except RebasinUserError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         return EXIT_USER
-    except KeyboardInterrupt:
-        err.print("interrupted")
+    except KeyboardInterrupt as e:  # export.OutputInterrupted says what is on disk
+        err.print(escape(str(e) or "interrupted"), soft_wrap=True)
         return 130
     except Exception as e:
         if os.environ.get(DEBUG_ENV) == "1":
@@ -585,6 +615,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             soft_wrap=True,
         )
         return EXIT_INTERNAL
+    finally:
+        if saved is not None:
+            signal.signal(signal.SIGTERM, saved)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _terminate_as_interrupt() -> Any:
+    """SIGTERM handled like Ctrl-C (temporary folders removed, a truthful message); the previous
+    handler, to restore, or None where signals cannot be set (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _interrupt)
+    return previous if previous is not None else signal.SIG_DFL
 
 
 if __name__ == "__main__":

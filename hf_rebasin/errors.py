@@ -28,6 +28,16 @@ class CheckpointError(RebasinUserError, ValueError):
     """A checkpoint does not match its config (shape, missing or extra tensors)."""
 
 
+class ConfigError(RebasinUserError, ValueError):
+    """config.json describes no model: an impossible dimension, or `architectures` naming something
+    that is not a model class of its model_type."""
+
+
+class FunctionNotPreservedError(RebasinError):
+    """An alignment changed the aligned model's outputs past the tolerance (or to NaN/Inf): a bug in
+    hf-rebasin (exit code 1), reported before anything is written."""
+
+
 class PickleRefusedError(RebasinUserError, ValueError):
     """A checkpoint is only available as pickle (.bin) and pickle was not allowed."""
 
@@ -46,6 +56,18 @@ class TransformError(RebasinUserError, ValueError):
 
 class OutputExistsError(RebasinUserError, FileExistsError):
     """The output folder exists already (nothing is overwritten without being asked)."""
+
+
+class OutputPathError(RebasinUserError, ValueError):
+    """An output folder that overlaps an input (is, contains or lies inside it) or cannot be written."""
+
+
+class OutputBusyError(RebasinUserError, BlockingIOError):
+    """Another hf-rebasin run holds the lock of the same output folder."""
+
+
+class OutputWriteError(RebasinUserError, OSError):
+    """The output could not be written (disk full, quota, file too large); nothing was replaced."""
 
 
 class StrategyOptionError(RebasinUserError, ValueError):

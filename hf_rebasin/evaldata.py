@@ -9,7 +9,12 @@ sees the same masked positions (DESIGN.md §5).
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import glob
+import io
+import json
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -62,6 +67,9 @@ SPEC_KEYS: tuple[str, ...] = (
     "max_examples",
     "max_tokens",
 )
+# builders whose files are UTF-8 text: refused up front when empty, binary or not UTF-8
+TEXT_BUILDERS: tuple[str, ...] = ("text", "json", "csv")
+_SCAN_CHUNK = 1 << 20
 MLM_PROBABILITY = 0.15  # BERT: 15 % of positions predicted, of which 80 % [MASK], 10 % random, 10 % kept
 _TOKENIZE_CHUNK = 1000  # texts per tokenizer call (lets max_tokens stop early on large corpora)
 
@@ -136,16 +144,97 @@ def _where(spec: Mapping[str, Any]) -> str:
     return f"{spec.get('dataset')!r}" + (f" ({', '.join(where)})" if where else "")
 
 
+def _files(kwargs: Mapping[str, Any]) -> list[Path]:
+    """Every file that ``data_files`` / ``data_dir`` (absolute, as `check_files` made them) name."""
+    entries: list[str] = []
+    data_files = kwargs.get("data_files")
+    if isinstance(data_files, str):
+        entries.append(data_files)
+    elif isinstance(data_files, Mapping):
+        entries.extend(f for v in data_files.values() for f in ([v] if isinstance(v, str) else v))
+    elif isinstance(data_files, Sequence):
+        entries.extend(data_files)
+    out: list[Path] = []
+    for entry in entries:
+        out.extend(Path(p) for p in sorted(glob.glob(entry, recursive=True)) if has_glob(entry))
+        if not has_glob(entry):
+            out.append(Path(entry))
+    if kwargs.get("data_dir") is not None:
+        out.extend(p for p in sorted(Path(kwargs["data_dir"]).rglob("*")) if not p.name.startswith("."))
+    return [p for p in dict.fromkeys(out) if p.is_file()]
+
+
+def check_text_file(path: Path) -> None:
+    """Refuse a data file the text builders would choke on (or read as garbage): empty, NUL or other
+    binary bytes, not UTF-8. Reads the file once, in chunks, so a large corpus costs one pass."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, line, empty = 0, 1, True
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(_SCAN_CHUNK):
+                empty = False
+                nul = chunk.find(b"\x00")
+                if nul >= 0:
+                    at = line + chunk.count(b"\n", 0, nul)
+                    raise DataError(
+                        f"data file {str(path)!r} holds a NUL byte (line {at}, byte {offset + nul}): it is binary, "
+                        "not UTF-8 text; give a text file"
+                    )
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as e:
+                    at = line + chunk.count(b"\n", 0, max(e.start, 0))
+                    raise DataError(
+                        f"data file {str(path)!r} is not UTF-8 text (line {at}, byte {offset + e.start}: {e.reason}); "
+                        "convert it to UTF-8"
+                    ) from None
+                offset += len(chunk)
+                line += chunk.count(b"\n")
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as e:
+        raise DataError(f"data file {str(path)!r} is not UTF-8 text: it ends inside a character ({e.reason})") from None
+    except OSError as e:
+        raise DataError(f"data file {str(path)!r} cannot be read: {e}") from None
+    if empty:
+        raise DataError(f"data file {str(path)!r} is empty: give a file with data, or remove it from the list")
+
+
+def _json_problem(files: Sequence[Path]) -> str | None:
+    """Where the first JSON-lines file with a line that is not a JSON value breaks (None: none does)."""
+    for path in files:
+        if path.suffix.lower() not in (".jsonl", ".ndjson"):
+            continue
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    json.loads(raw)
+                except ValueError as e:
+                    return f"data file {str(path)!r}, line {number}, is not valid JSON ({e})"
+    return None
+
+
 def _load(dataset: str, kwargs: dict[str, Any], split: str | None, where: str) -> Any:
-    """`datasets.load_dataset`, with its lookup failures turned into DataError."""
+    """`datasets.load_dataset`, with its lookup and parse failures turned into DataError."""
     import datasets
-    from datasets.exceptions import DataFilesNotFoundError, DatasetNotFoundError
+    from datasets.exceptions import DataFilesNotFoundError, DatasetBuildError, DatasetNotFoundError
 
     try:
         return datasets.load_dataset(dataset, split=split, **kwargs)
     except (DatasetNotFoundError, DataFilesNotFoundError, FileNotFoundError, ConnectionError) as e:
         hint = "" if dataset in LOCAL_BUILDERS else f"; local builders are {', '.join(LOCAL_BUILDERS)}"
         raise DataError(f"cannot load dataset {where}: {e}{hint}") from e
+    except DatasetBuildError as e:  # a file the builder cannot parse: name it, and the line when we can
+        problem = _json_problem(_files(kwargs)) if dataset == "json" else None
+        cause = e.__cause__ or e.__context__
+        detail = f"{type(cause).__name__}: {_first_line(cause)}" if cause is not None else _first_line(e)
+        raise DataError(f"cannot read dataset {where}: {problem or detail}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
@@ -176,6 +265,9 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
         raise DataError(f"dataset {dataset!r} reads local files: set `data_files` (a path or a list) or `data_dir`")
     if dataset not in LOCAL_BUILDERS and (base_dir / dataset).is_dir():
         dataset = str((base_dir / dataset).absolute())  # a local dataset folder, relative to the recipe
+    if dataset in TEXT_BUILDERS:
+        for path in _files(kwargs):
+            check_text_file(path)
     if dataset in ("imagefolder", "audiofolder", "videofolder"):
         kwargs["drop_labels"] = False  # keep the class-folder labels even when there is one class
     for key in ("name", "revision"):
@@ -484,9 +576,63 @@ def classification_batches(
     else:
         check_column(records, image_column, "image_column")
         for start in range(0, len(records), batch_size):
-            images = records[start : start + batch_size][image_column]
-            if image_mode is not None:
-                images = [im.convert(image_mode) for im in images]
+            try:
+                with _strict_images():
+                    images = records[start : start + batch_size][image_column]
+                    if image_mode is not None:
+                        images = [im.convert(image_mode) for im in images]
+            except _IMAGE_ERRORS as e:
+                raise DataError(_bad_image(records, image_column, range(start, start + batch_size), e)) from None
             pixels = processor(images=images, return_tensors="pt")["pixel_values"]
             out.append({"pixel_values": pixels, "labels": labels[start : start + batch_size]})
     return out
+
+
+def _image_errors() -> tuple[type[BaseException], ...]:
+    from PIL import Image
+
+    # OSError: unidentified or truncated files; SyntaxError / ValueError: some PIL plugins on
+    # malformed headers; the bomb checks (the warning is raised as an error in `_strict_images`)
+    return (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning)
+
+
+_IMAGE_ERRORS = _image_errors()
+
+
+@contextlib.contextmanager
+def _strict_images() -> Iterator[None]:
+    """PIL's decompression-bomb warning (an image of more than ``MAX_IMAGE_PIXELS``) as an error: an
+    image that large is an attack or a mistake, never evaluation data for these models."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        yield
+
+
+def _bad_image(records: datasets.Dataset, column: str, rows: range, error: BaseException) -> str:
+    """What is wrong with the first image of ``rows`` PIL cannot decode, naming its file."""
+    import datasets
+    from PIL import Image
+
+    raw = records.select(range(rows.start, min(rows.stop, len(records)))).cast_column(
+        column, datasets.Image(decode=False)
+    )
+    for i, item in enumerate(raw[column]):
+        path = (item or {}).get("path") or f"row {rows.start + i}"
+        try:
+            with _strict_images():
+                source = item.get("bytes") or item.get("path")
+                with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
+                    im.load()
+        except _IMAGE_ERRORS as e:
+            return f"image_column {column!r}: the image {path!r} cannot be used: {_image_reason(e)}"
+    return f"image_column {column!r}: an image of rows {rows.start}..{rows.stop - 1} cannot be used: {_image_reason(error)}"
+
+
+def _image_reason(e: BaseException) -> str:
+    from PIL import Image
+
+    if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+        return f"{_first_line(e)} (refused: a decompression bomb, or far larger than any model input)"
+    return f"{type(e).__name__}: {_first_line(e)} (a corrupt or truncated file, or not an image)"

@@ -10,10 +10,12 @@ module never reads, stores or prints it.
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from .errors import ModelNotFoundError, PickleRefusedError, RebasinUserError
@@ -26,6 +28,7 @@ __all__ = [
     "endpoint",
     "is_repo_id",
     "push_folder",
+    "repo_id_problem",
     "resolve_revision",
     "split_ref",
 ]
@@ -51,8 +54,23 @@ SUPPORT_PATTERNS = (
 )
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+# every network call gives up after this many seconds without progress (connect, each read or
+# write): `huggingface_hub`'s own client waits forever on most calls
+TIMEOUT_ENV = "HF_REBASIN_HUB_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0
+# the largest file of each kind a repo may advertise (what the download would write to disk)
+MAX_CONFIG_BYTES = 16 << 20  # config.json and the other small JSON files
+MAX_SUPPORT_BYTES = 512 << 20  # tokenizer and processor files (the largest tokenizer.json are ~30 MB)
+MAX_WEIGHT_FILE_BYTES = 256 << 30  # one safetensors / bin file
+# weights may take at most this many bytes per parameter the config implies (float64 is 8; the
+# estimate is rough, so with slack) and never less than the floor (tiny or unusual configs)
+BYTES_PER_PARAM = 32
+MIN_WEIGHT_BUDGET = 256 << 20
 
 T = TypeVar("T")
+# file sizes the Hub advertised, by (repo, commit): `resolve_revision` records them so that the
+# download checks them without asking again
+_SIZES: dict[tuple[str, str], dict[str, int | None]] = {}
 
 
 class HubError(RebasinUserError):
@@ -87,7 +105,22 @@ def is_path(value: str) -> bool:
 
 def is_repo_id(value: str) -> bool:
     """Whether ``value`` has the shape of a Hub repo id (``name`` or ``org/name``)."""
-    return bool(_REPO_ID.fullmatch(value))
+    return repo_id_problem(value) is None
+
+
+def repo_id_problem(value: str) -> str | None:
+    """Why ``value`` is not a Hub repo id (the client's own check, so a recipe fails when it is read,
+    not deep inside a download), or None when it is one."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not _REPO_ID.fullmatch(value):
+        return "only letters, digits, - _ . and at most one / (between the org and the name)"
+    try:
+        validate_repo_id(value)
+    except HFValidationError as e:
+        return _first_line(e).rstrip(".")
+    return None
 
 
 def split_ref(value: str) -> tuple[str, str | None]:
@@ -98,6 +131,40 @@ def split_ref(value: str) -> tuple[str, str | None]:
 
 def _token_hint() -> str:
     return "set HF_TOKEN or run `hf auth login` (a private or gated repo needs a token with access)"
+
+
+def timeout() -> float:
+    """Seconds a Hub request may go without progress (``HF_REBASIN_HUB_TIMEOUT``, default 60)."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT
+    except ValueError:
+        raise HubError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds (e.g. 60)") from None
+    if not 0 < value < float("inf"):
+        raise HubError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds (e.g. 60)")
+    return value
+
+
+def _fill_timeouts(request: Any) -> None:
+    """httpx request hook: every timeout the caller left unset (None: wait forever) becomes ours."""
+    given = dict(request.extensions.get("timeout") or {})
+    limit = timeout()
+    request.extensions["timeout"] = {k: given.get(k) or limit for k in ("connect", "read", "write", "pool")}
+
+
+def _bounded_session() -> None:
+    """Install `_fill_timeouts` on `huggingface_hub`'s shared client (again if it was recreated), so
+    a server that accepts a connection and never answers ends the run instead of hanging it."""
+    from huggingface_hub.utils import get_session
+
+    session = get_session()
+    hooks = session.event_hooks
+    if _fill_timeouts not in hooks.get("request", []):
+        session.event_hooks = {**hooks, "request": [*hooks.get("request", []), _fill_timeouts]}
+
+
+def _is_timeout(e: BaseException) -> bool:
+    return "timeout" in type(e).__name__.lower() or isinstance(e, TimeoutError)
 
 
 def _call(fn: Callable[[], T], where: str, repo: str, revision: str | None = None) -> T:
@@ -114,6 +181,7 @@ def _call(fn: Callable[[], T], where: str, repo: str, revision: str | None = Non
 
     at = f"{where}: " if where else ""
     try:
+        _bounded_session()
         return fn()
     except GatedRepoError:
         raise HubError(f"{at}{repo!r} is gated: accept its terms on the Hub, then {_token_hint()}") from None
@@ -137,12 +205,18 @@ def _call(fn: Callable[[], T], where: str, repo: str, revision: str | None = Non
         if status == 403:
             raise HubError(f"{at}the token has no access to {repo!r} (HTTP 403): {_token_hint()}") from None
         raise HubError(f"{at}the Hub answered HTTP {status} for {repo!r}: {_first_line(e)}") from None
-    except OSError as e:  # connection refused, DNS, timeouts (httpx errors are not OSErrors: see below)
-        raise HubError(f"{at}cannot reach the Hub at {endpoint()} for {repo!r}: {e}") from None
     except Exception as e:
-        if type(e).__module__.startswith(("httpx", "httpcore", "requests", "urllib3")):
-            raise HubError(f"{at}cannot reach the Hub at {endpoint()} for {repo!r} ({type(e).__name__}: {e})") from None
-        raise
+        network = isinstance(e, OSError) or type(e).__module__.startswith(
+            ("httpx", "httpcore", "requests", "urllib3")  # httpx2 / httpcore2 included
+        )
+        if not network:
+            raise
+        if _is_timeout(e) or _is_timeout(e.__cause__ or e):
+            raise HubError(
+                f"{at}the Hub at {endpoint()} did not answer within {timeout():g} s for {repo!r} "
+                f"({TIMEOUT_ENV} sets the limit); try again later"
+            ) from None
+        raise HubError(f"{at}cannot reach the Hub at {endpoint()} for {repo!r} ({type(e).__name__}: {e})") from None
 
 
 def _first_line(e: Exception) -> str:
@@ -153,12 +227,105 @@ def resolve_revision(repo: str, revision: str | None, *, where: str = "") -> tup
     """(commit id, file names) of ``repo`` at ``revision`` (default main): metadata only, no weights."""
     from huggingface_hub import HfApi
 
-    info = _call(lambda: HfApi().model_info(repo, revision=revision), where, repo, revision)
-    files = [s.rfilename for s in info.siblings or []]
+    info = _call(
+        lambda: HfApi().model_info(repo, revision=revision, files_metadata=True, timeout=timeout()),
+        where,
+        repo,
+        revision,
+    )
+    siblings = list(info.siblings or [])
+    files = [str(s.rfilename) for s in siblings]
     commit = str(info.sha)
     if not _COMMIT.fullmatch(commit):
         raise HubError(f"{where}: the Hub gave {commit!r} as the commit of {repo!r}@{revision or 'main'}")
+    at = f"{where}: {repo!r}@{revision or 'main'}"
+    for name in files:
+        check_file_name(name, at)
+    sizes = {str(s.rfilename): s.size for s in siblings}
+    check_file_sizes(sizes, at)
+    _SIZES[(repo, commit)] = sizes
     return commit, files
+
+
+def check_file_name(name: str, at: str) -> None:
+    """Refuse a file name that would land outside the download folder (``../x``, ``/x``, ``a\\b``)."""
+    parts = PurePosixPath(name).parts
+    if not name or name.startswith("/") or "\\" in name or "\x00" in name or any(p in ("..", ".") for p in parts):
+        raise HubError(
+            f"{at} lists a file named {name!r}, which points outside the repository; refusing to download "
+            "anything from it (a malicious or broken repository)"
+        )
+
+
+def _limit(name: str) -> tuple[int, str] | None:
+    """(largest size, kind) for a file hf-rebasin may download, None for files it never fetches."""
+    if not any(fnmatch.fnmatch(name, p) for p in (*SUPPORT_PATTERNS, *WEIGHT_PATTERNS, *PICKLE_PATTERNS)):
+        return None
+    base = name.rsplit("/", 1)[-1]
+    if base.endswith((".safetensors", ".bin")):
+        return MAX_WEIGHT_FILE_BYTES, "weights file"
+    if base.endswith(".json") and not base.startswith("tokenizer"):
+        return MAX_CONFIG_BYTES, "configuration file"
+    return MAX_SUPPORT_BYTES, "tokenizer or processor file"
+
+
+def _mb(n: float) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def check_file_sizes(sizes: Mapping[str, int | None], at: str) -> None:
+    """Refuse a repo that advertises a file far larger than any of its kind (before downloading)."""
+    for name, size in sizes.items():
+        bound = _limit(name)
+        if size is not None and bound is not None and size > bound[0]:
+            raise HubError(
+                f"{at} lists {name} at {_mb(size)}, more than any {bound[1]} needs ({_mb(bound[0])} at most); "
+                "refusing to download it (a broken or malicious repository)"
+            )
+
+
+def estimate_parameters(config: Mapping[str, Any]) -> int | None:
+    """A generous estimate of a transformer's parameter count from its config (None: cannot tell).
+
+    Embeddings (vocabulary, positions; input and output) plus, per layer, attention (4 h²) and
+    MLP (3 h × intermediate, times the experts of a mixture); nested sub-configs add up.
+    """
+
+    def num(*keys: str) -> int | None:
+        for key in keys:
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
+
+    nested = [estimate_parameters(v) for v in config.values() if isinstance(v, Mapping) and "model_type" in v]
+    hidden = num("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
+    layers = num("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    own = None
+    if hidden is not None and layers is not None:
+        inter = num("intermediate_size", "n_inner", "ffn_dim", "d_ff", "hidden_dim", "encoder_ffn_dim") or 4 * hidden
+        experts = num("num_local_experts", "num_experts", "n_routed_experts") or 1
+        decoder = num("decoder_layers", "num_decoder_layers") or 0
+        vocab = num("vocab_size") or 0
+        positions = num("max_position_embeddings", "n_positions", "n_ctx") or 0
+        per_layer = 4 * hidden * hidden + 3 * hidden * inter * experts + 16 * hidden
+        own = (layers + decoder) * per_layer * 2 + 2 * (vocab + positions) * hidden
+    known = [n for n in [own, *nested] if n is not None]
+    return sum(known) if known else None
+
+
+def check_weights_size(files: Mapping[str, int | None], config: Mapping[str, Any], at: str) -> None:
+    """Refuse weights far larger than the parameters ``config`` implies (before downloading them)."""
+    params = estimate_parameters(config)
+    if params is None:
+        return
+    total = sum(size or 0 for name, size in files.items() if name.endswith((".safetensors", ".bin")))
+    budget = max(MIN_WEIGHT_BUDGET, BYTES_PER_PARAM * params)
+    if total > budget:
+        raise HubError(
+            f"{at} lists {_mb(total)} of weights, while its config.json implies about {params:,} parameters "
+            f"({_mb(budget)} at most); refusing to download them (a broken or malicious repository)"
+        )
 
 
 def weight_patterns(
@@ -210,11 +377,42 @@ def download_model(
     from huggingface_hub import snapshot_download
 
     commit, files = resolved if resolved is not None else resolve_revision(repo, revision, where=where)
+    for name in files:
+        check_file_name(name, f"{where}: {repo!r}@{revision or 'main'}")
     patterns = weight_patterns(repo, revision, files, allow_pickle=allow_pickle, where=where)
+    if "config.json" in files:  # weights against the size the config implies, before fetching them
+        sizes = _SIZES.get((repo, commit))
+        if sizes is None:
+            resolve_revision(repo, commit, where=where)
+            sizes = _SIZES[(repo, commit)]
+        config = _config(repo, commit, where, revision)
+        check_weights_size(sizes, config, f"{where}: {repo!r}@{revision or 'main'}")
     folder = _call(
-        lambda: snapshot_download(repo, revision=commit, allow_patterns=patterns), where, repo, revision or commit
+        lambda: snapshot_download(repo, revision=commit, allow_patterns=patterns, etag_timeout=timeout()),
+        where,
+        repo,
+        revision or commit,
     )
     return Snapshot(repo=repo, revision=revision, commit=commit, folder=Path(folder))
+
+
+def _config(repo: str, commit: str, where: str, revision: str | None) -> dict[str, Any]:
+    """config.json of ``repo`` at ``commit`` (small: its size was checked), {} if it is not JSON."""
+    import json
+
+    from huggingface_hub import hf_hub_download
+
+    path = _call(
+        lambda: hf_hub_download(repo, "config.json", revision=commit, etag_timeout=timeout()),
+        where,
+        repo,
+        revision or commit,
+    )
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # loading the model names what is wrong with it
+    return data if isinstance(data, dict) else {}
 
 
 def has_token() -> bool:
@@ -266,6 +464,11 @@ def push_folder(
             return _call(fn, "output.push_to_hub", repo, revision)
         except RebasinUserError as e:
             raise PushError(f"{e}. The result is kept in {folder}; push it again with: {retry}") from None
+        except Exception as e:  # whatever the client raised (a garbled answer, a bug of its own): same advice
+            raise PushError(
+                f"output.push_to_hub: pushing to {repo!r} failed ({type(e).__name__}: {_first_line(e)}). "
+                f"The result is kept in {folder}; push it again with: {retry}"
+            ) from None
 
     if not has_token():
         raise PushError(f"output.push_to_hub: pushing needs a token: {_token_hint()}. Then run: {retry}")

@@ -171,16 +171,34 @@ def _read_tensors(folder: Path, allow_pickle: bool, where: str) -> dict[str, Ten
 
     path = folder / ADAPTER_WEIGHTS
     if path.is_file():
-        return load_file(str(path))
-    if (folder / ADAPTER_PICKLE).is_file():
+        try:
+            tensors = load_file(str(path))
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(f"`{where}`: {str(path)!r} is not a readable safetensors file: {e}") from None
+    elif (folder / ADAPTER_PICKLE).is_file():
         if not allow_pickle:
             raise PickleRefusedError(
                 f"`{where}`: {str(folder)!r} holds only {ADAPTER_PICKLE} (a pickle, which can run code when loaded); "
                 "set `allow_pickle: true` in the recipe if you trust its author"
             )
-        loaded: dict[str, Tensor] = torch.load(folder / ADAPTER_PICKLE, map_location="cpu", weights_only=True)
-        return loaded
-    raise ModelNotFoundError(f"`{where}`: {str(folder)!r} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
+        path = folder / ADAPTER_PICKLE
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types for corrupt or unsafe pickles
+            raise CheckpointError(f"`{where}`: {str(path)!r} is not a readable PyTorch checkpoint: {e}") from None
+        if not isinstance(loaded, dict) or not all(
+            isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()
+        ):
+            raise CheckpointError(f"`{where}`: {str(path)!r} is not a state dict (tensor name -> tensor)")
+        tensors = loaded
+    else:
+        raise ModelNotFoundError(f"`{where}`: {str(folder)!r} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
+    for key, t in tensors.items():  # NaN compares false with every check: found here, not in the output
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(
+                f"`{where}`: the adapter's tensor {key!r} in {path.name} holds NaN or Inf; the adapter is broken"
+            )
+    return tensors
 
 
 def _kind(module: nn.Module, name: str, where: str) -> Kind:

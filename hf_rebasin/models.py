@@ -9,9 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import shutil
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,9 +20,9 @@ from torch import Tensor
 from .adapters import get_adapter
 from .errors import (
     CheckpointError,
+    ConfigError,
     IncompatibleModelsError,
     ModelNotFoundError,
-    OutputExistsError,
     PickleRefusedError,
 )
 from .symmetry import SymmetryGraph
@@ -62,34 +60,171 @@ def read_config(folder: Path) -> Any:
         raise ModelNotFoundError(f"{str(cfg)!r} is not valid JSON: {e}") from None
     # check support before transformers parses it, so an unknown type lists what is supported
     get_adapter(raw.get("model_type") if isinstance(raw, dict) else None)
+    _check_dimensions(raw, cfg)
     try:
-        return AutoConfig.from_pretrained(str(folder))
-    except (ValueError, KeyError) as e:
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    except (ValueError, KeyError, TypeError) as e:
         raise ModelNotFoundError(f"{str(cfg)!r} is not a valid transformers config: {e}") from None
+    except Exception as e:  # huggingface_hub's strict dataclasses raise their own (non-ValueError) type
+        if type(e).__name__.startswith("StrictDataclass"):
+            raise ConfigError(f"{str(cfg)!r} is not a valid transformers config: {e}") from None
+        raise
+
+
+# sizes a config states; each must be a whole number >= 1 (None: the model's default)
+_DIMENSIONS = (
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_inner",
+    "n_positions",
+    "n_ctx",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "image_size",
+    "patch_size",
+    "num_channels",
+    "head_dim",
+    "projection_dim",
+)
+
+
+def _check_dimensions(raw: Any, cfg: Path, prefix: str = "") -> None:
+    """Sizes in config.json that no model can have (negative, fractional, heads that do not divide
+    the width), named as written, before any class is built from them."""
+    if not isinstance(raw, dict):
+        return
+    for key in _DIMENSIONS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        values = value if key == "image_size" and isinstance(value, list) else [value]
+        if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+            raise ConfigError(
+                f"{str(cfg)!r}: `{prefix}{key}` is {value!r}; a size must be a whole number of at least 1"
+            )
+    width_key = next((k for k in ("n_embd", "hidden_size") if raw.get(k) is not None), None)
+    heads_key = next((k for k in ("n_head", "num_attention_heads") if raw.get(k) is not None), None)
+    if width_key and heads_key and raw.get("head_dim") is None and raw[width_key] % raw[heads_key]:
+        raise ConfigError(
+            f"{str(cfg)!r}: `{prefix}{width_key}` = {raw[width_key]} is not divisible by `{prefix}{heads_key}` = "
+            f"{raw[heads_key]}; every attention head needs the same width"
+        )
+    kv = raw.get("num_key_value_heads")
+    if heads_key and kv is not None and raw[heads_key] % kv:
+        raise ConfigError(
+            f"{str(cfg)!r}: `{prefix}{heads_key}` = {raw[heads_key]} is not a multiple of "
+            f"`{prefix}num_key_value_heads` = {kv}"
+        )
+    for sub in ("text_config", "vision_config"):
+        _check_dimensions(raw.get(sub), cfg, f"{prefix}{sub}.")
 
 
 def model_class(config: Any) -> type[PreTrainedModel]:
-    """The stock transformers class named in ``config.architectures`` (AutoModel otherwise)."""
-    import transformers
+    """The stock transformers class named in ``config.architectures`` (AutoModel otherwise).
 
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls  # type: ignore[no-any-return]
-    mapping = transformers.AutoModel._model_mapping  # type: ignore[attr-defined]
-    found: type[PreTrainedModel] = mapping[type(config)]  # type: ignore[assignment]  # lazy mapping
+    Only a model class of the config's own model_type is accepted: the name comes from a file, and
+    any other attribute of ``transformers`` (a tokenizer, another architecture, a module) would be
+    called with the config. A name transformers does not know is the repository's own class when
+    the config has ``auto_map`` (accepted only with ``trust_remote_code``): its stock counterpart.
+    """
+    import transformers
+    from transformers import PreTrainedModel
+
+    model_type = getattr(config, "model_type", None)
+    names = getattr(config, "architectures", None) or []
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"config.json: `architectures` is {names!r}; it must be a list of model class names")
+    mapping: Any = transformers.AutoModel._model_mapping  # type: ignore[attr-defined]  # lazy mapping
+    auto_map = getattr(config, "auto_map", None) or {}
+    for name in names:
+        cls = getattr(transformers, name, None) if name.isidentifier() and not name.startswith("_") else None
+        if cls is None and auto_map:
+            return _stock_for_custom(config, name, auto_map)
+        config_class = getattr(cls, "config_class", None)
+        if not (
+            isinstance(cls, type)
+            and issubclass(cls, PreTrainedModel)
+            and getattr(config_class, "model_type", None) == model_type
+        ):
+            try:
+                example = f" (such as {mapping[type(config)].__name__})"
+            except KeyError:
+                example = ""
+            raise ConfigError(
+                f"config.json: `architectures` names {name!r}, which is not a transformers model class of "
+                f"model_type {model_type!r}{example}; the config was edited or comes from another model"
+            )
+        return cls  # type: ignore[no-any-return]
+    found: type[PreTrainedModel] = mapping[type(config)]  # type: ignore[assignment]
     return found
 
 
-def _checkpoint_shapes(folder: Path, allow_pickle: bool) -> dict[str, tuple[int, ...]]:
+def _stock_for_custom(config: Any, name: str, auto_map: Any) -> type[PreTrainedModel]:
+    """The stock class standing in for the repository's own ``name``: the one the Auto class that
+    ``auto_map`` lists for it would pick for this model_type, else AutoModel's."""
+    import transformers
+
+    if isinstance(auto_map, dict):
+        for auto_name, target in auto_map.items():
+            targets = target if isinstance(target, list) else [target]
+            if not str(auto_name).startswith("AutoModel") or not any(str(t).endswith(f".{name}") for t in targets):
+                continue
+            auto = getattr(transformers, str(auto_name), None)
+            try:
+                return auto._model_mapping[type(config)]  # type: ignore[union-attr,no-any-return]
+            except (AttributeError, KeyError):
+                continue
+    mapping: Any = transformers.AutoModel._model_mapping  # type: ignore[attr-defined]  # lazy mapping
+    found: type[PreTrainedModel] = mapping[type(config)]
+    return found
+
+
+@dataclass
+class _Checkpoint:
+    """What the checkpoint files say without loading a weight: tensor shapes and where each is."""
+
+    shapes: dict[str, tuple[int, ...]]
+    files: dict[str, str]  # tensor -> file name
+
+
+def _read_index(path: Path) -> list[Path]:
+    """The shard files a ``*.index.json`` names, each inside the folder, or an error naming the index."""
+    folder = path.parent
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{str(path)!r} is not a valid JSON shard index: {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(
+            f"{str(path)!r} has no `weight_map` (tensor name -> shard file); the shard index is incomplete"
+        )
+    files = []
+    for shard in sorted({str(v) for v in weight_map.values()}):
+        target = folder / shard
+        if Path(shard).is_absolute() or "/" in shard or "\\" in shard or shard in (".", ".."):
+            raise CheckpointError(
+                f"{str(path)!r}: `weight_map` names the shard {shard!r}, which is not a file of this folder"
+            )
+        files.append(target)
+    return files
+
+
+def _checkpoint_shapes(folder: Path, allow_pickle: bool) -> _Checkpoint:
     """Tensor shapes read from safetensors headers (no weights loaded), or from an allowed pickle."""
     from safetensors import safe_open
 
     if (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
     elif (folder / "model.safetensors.index.json").is_file():
-        index = json.loads((folder / "model.safetensors.index.json").read_text())
-        files = [folder / f for f in sorted(set(index["weight_map"].values()))]
+        files = _read_index(folder / "model.safetensors.index.json")
     elif any((folder / f).is_file() for f in PICKLE_FILES):
         if not allow_pickle:
             raise PickleRefusedError(
@@ -99,65 +234,218 @@ def _checkpoint_shapes(folder: Path, allow_pickle: bool) -> dict[str, tuple[int,
         return _pickle_shapes(folder)
     else:
         raise ModelNotFoundError(f"no weights in {str(folder)!r}: expected model.safetensors (or a sharded index)")
-    shapes: dict[str, tuple[int, ...]] = {}
+    out = _Checkpoint({}, {})
     for f in files:
         if not f.is_file():
             raise ModelNotFoundError(f"weight shard {str(f)!r} named in the index is missing")
         try:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
-                    shapes[k] = tuple(h.get_slice(k).get_shape())
+                    out.shapes[k] = tuple(h.get_slice(k).get_shape())
+                    out.files[k] = f.name
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"{str(f)!r} is not a readable safetensors file: {e}") from None
-    return shapes
+    return out
 
 
-def _pickle_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+def _pickle_shapes(folder: Path) -> _Checkpoint:
     if (folder / "pytorch_model.bin").is_file():
         files = [folder / "pytorch_model.bin"]
     else:
-        index = json.loads((folder / "pytorch_model.bin.index.json").read_text())
-        files = [folder / f for f in sorted(set(index["weight_map"].values()))]
-    shapes: dict[str, tuple[int, ...]] = {}
+        files = _read_index(folder / "pytorch_model.bin.index.json")
+    out = _Checkpoint({}, {})
     for f in files:
+        if not f.is_file():
+            raise ModelNotFoundError(f"weight shard {str(f)!r} named in the index is missing")
         try:
             sd = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # torch raises several types for corrupt or unsafe pickles
             raise CheckpointError(f"{str(f)!r} is not a readable PyTorch checkpoint: {e}") from None
-        shapes.update({k: tuple(v.shape) for k, v in sd.items()})
-    return shapes
+        if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
+            raise CheckpointError(f"{str(f)!r} is not a state dict (tensor name -> tensor)")
+        for k, v in sd.items():
+            out.shapes[str(k)] = tuple(v.shape)
+            out.files[str(k)] = f.name
+    return out
 
 
-def _expected_shapes(cls: type[PreTrainedModel], config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    with torch.device("meta"):
-        skeleton = cls(config)
+def _skeleton(cls: type[PreTrainedModel], config: Any) -> PreTrainedModel:
+    """``cls(config)`` on the meta device (no memory); a config it cannot be built from is a user error."""
+    try:
+        with torch.device("meta"):
+            return cls(config)
+    except (ValueError, TypeError, RuntimeError, IndexError, ZeroDivisionError) as e:
+        raise ConfigError(f"config.json does not describe a buildable {cls.__name__}: {e}") from None
+
+
+class _Renamer:
+    """Checkpoint tensor names as the model names them: transformers 5 renames legacy names while
+    loading (ViT `encoder.layer.N.attention.attention.query` -> `layers.N.attention.q_proj`) and adds
+    or strips the base-model prefix. The same conversion mapping, applied here to the names alone,
+    lets every tensor be compared before a weight is loaded."""
+
+    def __init__(self, skeleton: PreTrainedModel) -> None:
+        self.prefix: str | None = getattr(skeleton, "base_model_prefix", None) or None
+        self.renamings: list[Any] = []
+        self.converters: list[Any] = []
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+            for t in get_model_conversion_mapping(skeleton):
+                if isinstance(t, WeightConverter):
+                    self.converters.append(t)
+                elif isinstance(t, WeightRenaming):
+                    self.renamings.append(t)
+        except ImportError:  # pragma: no cover - another transformers layout: names as stored
+            pass
+
+    def __call__(self, key: str, expected: dict[str, Any] | None = None) -> str:
+        try:
+            from transformers.core_model_loading import rename_source_key
+        except ImportError:  # pragma: no cover
+            return key
+        renamed, _ = rename_source_key(key, self.renamings, self.converters, self.prefix, expected)
+        return str(renamed)
+
+
+_IGNORED_BUFFERS = (r"attn\.masked_bias$",)  # written by old GPT-2 checkpoints, a constant the model rebuilds
+
+
+def _ignorable(cls: type[PreTrainedModel], name: str) -> bool:
+    import re
+
+    patterns = [*(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []), *_IGNORED_BUFFERS]
+    return any(re.search(p, name) for p in patterns)
+
+
+def _layer_fields(config: Any) -> list[tuple[str, Any]]:
+    """(field as written in config.json, config object) for the config and each sub-config with a layer count."""
+    out = []
+    subs = [(f"{k}.", getattr(config, k, None)) for k in getattr(config, "sub_configs", {})]
+    for label, cfg in [("", config), *subs]:
+        if cfg is None or getattr(cfg, "num_hidden_layers", None) is None:
+            continue
+        field = dict(getattr(cfg, "attribute_map", {}) or {}).get("num_hidden_layers", "num_hidden_layers")
+        out.append((f"{label}{field}", cfg))
+    return out
+
+
+def _check_layer_counts(
+    folder: Path, cls: type[PreTrainedModel], config: Any, checkpoint: _Checkpoint
+) -> _Renamer | None:
+    """The layer counts of config.json against the layers in the checkpoint, from probes of 1 and 2
+    layers: building the model's skeleton costs time per layer even on the meta device (90 s for
+    20000 GPT-2 blocks), so a config that claims more layers than the weights hold is refused first."""
+    import re
+
+    fields = _layer_fields(config)
+    counts = {name: int(cfg.num_hidden_layers) for name, cfg in fields}
+    if not fields or max(counts.values()) <= 2:
+        return None
+
+    def probe(grown: str | None) -> PreTrainedModel:
+        small = copy.deepcopy(config)
+        for name, cfg in _layer_fields(small):
+            cfg.num_hidden_layers = min(counts[name], 2 if name == grown else 1)
+        return _skeleton(cls, small)
+
+    base = probe(None)
+    base_keys = set(base.state_dict())
+    renamer = _Renamer(base)
+    prefix = f"{renamer.prefix}." if renamer.prefix else ""
+    renamed = [renamer(k) for k in checkpoint.shapes]
+    for name, want in counts.items():
+        if want < 2:
+            continue
+        containers = set()
+        for key in set(probe(name).state_dict()) - base_keys:
+            m = re.match(r"(.*?)\.1\.", key)
+            if m:
+                containers.add(m.group(1))
+        for container in sorted(containers):
+            pattern = re.compile(rf"(?:^|\.){re.escape(container.removeprefix(prefix))}\.(\d+)\.")
+            found = {int(m.group(1)) for k in renamed if (m := pattern.search(k))}
+            if len(found) < want:
+                raise CheckpointError(
+                    f"{str(folder / 'config.json')!r}: `{name}` is {want}, but the checkpoint holds "
+                    f"{len(found)} layers of {container}; the config and the weights come from different models"
+                )
+    return renamer
+
+
+def _check_checkpoint(folder: Path, cls: type[PreTrainedModel], config: Any, checkpoint: _Checkpoint) -> dict[str, str]:
+    """Every tensor the config implies is in the checkpoint with its shape, and no other tensor is
+    (after transformers' renames); returns model name -> checkpoint name."""
+    _check_layer_counts(folder, cls, config, checkpoint)
+    skeleton = _skeleton(cls, config)
     tied = set(getattr(skeleton, "all_tied_weights_keys", None) or {})
-    return {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}, tied
+    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    renamer = _Renamer(skeleton)
+    names: dict[str, str] = {}
+    for key in checkpoint.shapes:
+        name = renamer(key, expected)
+        if name not in expected:
+            if _ignorable(cls, key) or _ignorable(cls, name):
+                continue
+            raise CheckpointError(
+                f"{str(folder)!r}: {checkpoint.files[key]} holds tensor {key!r} (shape {checkpoint.shapes[key]}), "
+                f"which a {cls.__name__} with this config.json does not have; the checkpoint and the config come "
+                "from different models (or the file was altered)"
+            )
+        names[name] = key
+    for name, want in expected.items():
+        stored = names.get(name)
+        if stored is None:
+            if name in tied:
+                continue
+            raise CheckpointError(f"{str(folder)!r}: tensor {name!r} (shape {want}) is missing from the checkpoint")
+        got = checkpoint.shapes[stored]
+        if got != want:
+            raise CheckpointError(
+                f"{str(folder)!r}: tensor {stored!r} has shape {got} in the checkpoint, but config.json "
+                f"implies {want}; the config and the weights come from different models"
+            )
+    return names
 
 
-def load_model(path: str | Path, *, allow_pickle: bool = False, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model folder with its stock class, after checking every tensor against the config."""
+def _check_finite(folder: Path, model: PreTrainedModel, names: Mapping[str, str], checkpoint: _Checkpoint) -> None:
+    """Every floating weight finite: NaN compares false with everything, so a NaN would pass every
+    later check and end up in the output."""
+    for name, t in model.state_dict().items():
+        if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+            continue
+        key = names.get(name, name)
+        where = checkpoint.files.get(key, "the checkpoint")
+        kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+        count = int((~torch.isfinite(t)).sum())
+        raise CheckpointError(
+            f"{str(folder)!r}: tensor {key!r} in {where} holds {kind} ({count} of {t.numel()} values are not "
+            "finite); the model is broken (a diverged training run or a damaged file) and cannot be aligned or merged"
+        )
+
+
+def load_model(
+    path: str | Path, *, allow_pickle: bool = False, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> LoadedModel:
+    """Load a model folder with its stock class, after checking every tensor against the config.
+
+    ``trust_remote_code`` accepts a folder whose files name their own code (the code is never run:
+    the stock class of the model_type is used).
+    """
+    from .remote_code import refuse_remote_code
+
     folder = Path(path)
+    if folder.is_dir():
+        refuse_remote_code(folder, trusted=trust_remote_code)
     config = read_config(folder)
     spec = get_adapter(getattr(config, "model_type", None))
-    cls = model_class(config)
-    shapes = _checkpoint_shapes(folder, allow_pickle)
-    expected, tied = _expected_shapes(cls, config)
-    # transformers 5 may store legacy parameter names (ViT: `encoder.layer.N.attention.attention.query`)
-    # and rename them while loading; then names cannot be compared here and the loading report decides
-    same_names = sum(name in shapes for name in expected) >= len(expected) // 2
-    if shapes and same_names:
-        for name, want in expected.items():
-            got = shapes.get(name)
-            if got is None:
-                if name in tied:
-                    continue
-                raise CheckpointError(f"{str(folder)!r}: tensor {name!r} (shape {want}) is missing from the checkpoint")
-            if got != want:
-                raise CheckpointError(
-                    f"{str(folder)!r}: tensor {name!r} has shape {got} in the checkpoint, but config.json "
-                    f"implies {want}; the config and the weights come from different models"
-                )
+    try:
+        cls = model_class(config)
+    except ConfigError as e:
+        raise ConfigError(f"{str(folder)!r}: {e}") from None
+    checkpoint = _checkpoint_shapes(folder, allow_pickle)
+    names = _check_checkpoint(folder, cls, config, checkpoint)
     prev = logging.getLogger("transformers").level
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
@@ -168,13 +456,21 @@ def load_model(path: str | Path, *, allow_pickle: bool = False, dtype: torch.dty
         raise CheckpointError(f"{str(folder)!r}: the weights do not match config.json: {e}") from None
     finally:
         logging.getLogger("transformers").setLevel(prev)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     missing = [k for k in info.get("missing_keys", ()) if k not in tied]
     if missing or info.get("mismatched_keys"):
         first = missing[0] if missing else info["mismatched_keys"][0]
         raise CheckpointError(
             f"{str(folder)!r}: tensor {first!r} is missing from the checkpoint or does not match config.json"
         )
+    unexpected = sorted(info.get("unexpected_keys", ()) or ())
+    if unexpected:  # a second line of defence behind _check_checkpoint
+        raise CheckpointError(
+            f"{str(folder)!r}: the checkpoint holds tensor {unexpected[0]!r}, which a {cls.__name__} with this "
+            "config.json does not have"
+        )
     model.eval()
+    _check_finite(folder, model, names, checkpoint)
     state_dict = model.state_dict()
     graph = spec.graph(model.config, state_dict.keys())
     graph.check(state_dict, source=str(folder))
@@ -227,26 +523,47 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
             f"{cls_a} (model_type {type_a!r}): only models of one architecture can be aligned"
         )
     check_same_shapes(a.model.state_dict(), b.model.state_dict(), repr(str(a.path)), repr(str(b.path)))
+    tied_a = dict(getattr(a.model, "all_tied_weights_keys", None) or {})
+    tied_b = dict(getattr(b.model, "all_tied_weights_keys", None) or {})
+    if set(tied_a) != set(tied_b):
+        # the merge and the alignment work in A's form: a tensor tied in A but not in B would drop B's copy
+        name = sorted(set(tied_a) ^ set(tied_b))[0]
+        tied, untied = (a, b) if name in tied_a else (b, a)
+        source = (tied_a if name in tied_a else tied_b)[name]
+
+        def setting(lm: LoadedModel) -> str:
+            value = getattr(lm.model.config.get_text_config(), "tie_word_embeddings", None)
+            return f"tie_word_embeddings: {str(value).lower()}"
+
+        raise IncompatibleModelsError(
+            f"tensor {name!r} is tied to {source!r} in {str(tied.path)!r} ({setting(tied)}) but stored on its own "
+            f"in {str(untied.path)!r} ({setting(untied)}); aligned in one form, the other model's {name} would be "
+            "lost. Align models that tie their weights alike (save both with the same tie_word_embeddings)"
+        )
 
 
-def check_output_folder(path: str | Path) -> Path:
-    """An output folder that does not exist yet (checked before any work is done)."""
-    folder = Path(path)
-    if folder.exists():
-        raise OutputExistsError(f"output folder {str(folder)!r} already exists; choose another or remove it first")
-    return folder
+def check_output_folder(path: str | Path, inputs: Iterable[tuple[str, Path]] = (), where: str = "--output") -> Path:
+    """An output folder that does not exist yet, outside every input, that can be written (checked
+    before any work is done; the same rules as a recipe's `output.dir`)."""
+    from .export import check_output
+
+    return check_output(Path(path), False, inputs=inputs, where=where)
 
 
-def save_model(model: PreTrainedModel, state_dict: dict[str, Tensor], path: str | Path, *, untie: bool = False) -> Path:
-    """Write ``state_dict`` as a standard model folder (the class and config of ``model``): into a
-    temporary sibling first, renamed when complete, so a failure leaves nothing half-written."""
-    folder = check_output_folder(path)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+def save_model(
+    model: PreTrainedModel,
+    state_dict: dict[str, Tensor],
+    path: str | Path,
+    *,
+    untie: bool = False,
+    inputs: Iterable[tuple[str, Path]] = (),
+    where: str = "--output",
+) -> Path:
+    """Write ``state_dict`` as a standard model folder (the class and config of ``model``) through
+    `export.output_folder`: a temporary sibling renamed when complete, the output locked, never an input."""
+    from .export import output_folder
+
+    folder = check_output_folder(path, inputs, where)
+    with output_folder(folder, overwrite=False, inputs=inputs, where=where) as tmp:
         rebuild(model, state_dict, untie=untie).save_pretrained(str(tmp))
-        tmp.rename(folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return folder

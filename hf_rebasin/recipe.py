@@ -37,7 +37,7 @@ from .errors import DataError, RebasinUserError
 from .evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS, check_files
 from .evaluate import Task
 from .export import DEFAULT_SHARD_SIZE
-from .hub import is_repo_id, split_ref
+from .hub import is_repo_id, repo_id_problem, split_ref
 from .strategies import REGISTRY, Options, Strategy, get_strategy
 from .train import KINDS, is_trained, zoo_folder
 from .universe import DEFAULT_ITERATIONS, DEFAULT_TOL
@@ -70,6 +70,14 @@ DEFAULT_TRANSPORT_STRATEGY = "transfusion"  # data-free, the TransFusion paper's
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 # a model of the zoo (`hf_rebasin.train`): trained by hf-rebasin on first use, then cached
 ZOO_PATTERN = re.compile(rf"zoo:({'|'.join(KINDS)})-seed(\d+)")
+# the largest zoo seed: training derives further seeds from it (seed × 100003 + epoch) for
+# torch.Generator, which takes at most 2**64 - 1, and numpy takes at most 2**32 - 1
+MAX_ZOO_SEED = 2**32 - 1
+# λ values of a loss curve: each is a full evaluation pass, so a typo such as 1e9 must not start
+MAX_POINTS = 1001
+# values a recipe may hold once YAML aliases (*name) are expanded: a real recipe holds a few
+# hundred; "billion laughs" aliases grow exponentially and would exhaust time and memory
+MAX_YAML_VALUES = 100_000
 _SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)", re.IGNORECASE)
 DEFAULT_WEIGHT = 0.5  # λ on the reference model: the plain average
 # error types raised by this module's own checks: their message says it all
@@ -136,6 +144,22 @@ def _local(value: str, base: Path | None, *, force: bool = False) -> str:
     return value
 
 
+def _check_repo_id(value: str, kind: str) -> None:
+    """Refuse what the Hub client would refuse later (a URL, ``a..b``, ``org/name/extra``), as ``kind``."""
+    if "://" in value:
+        raise PydanticCustomError(
+            kind, "is a URL; give the Hub repo id instead (`name` or `org/name`, e.g. gpt2), or a folder as ./path"
+        )
+    problem = repo_id_problem(value)
+    if problem is not None:
+        raise PydanticCustomError(
+            kind,
+            "is neither a folder beside the recipe nor a valid Hub repo id (`name` or `org/name`): {problem}; "
+            "give a folder as ./path",
+            {"problem": problem},
+        )
+
+
 class ModelRef(_Section):
     """A model: Hub repo id or local folder, and an optional revision (branch, tag or commit)."""
 
@@ -158,14 +182,22 @@ class ModelRef(_Section):
     @classmethod
     def _resolve(cls, value: str, info: ValidationInfo) -> str:
         if value.startswith("zoo:"):
-            if not ZOO_PATTERN.fullmatch(value):
+            match = ZOO_PATTERN.fullmatch(value)
+            if not match:
                 raise PydanticCustomError(
                     "model_ref",
                     "a zoo model is zoo:KIND-seedN with KIND one of {kinds} (e.g. zoo:gpt2-seed0)",
                     {"kinds": ", ".join(KINDS)},
                 )
+            if int(match.group(2)) > MAX_ZOO_SEED:
+                raise PydanticCustomError(
+                    "model_ref", "a zoo seed is an integer from 0 to {max} (e.g. zoo:gpt2-seed0)", {"max": MAX_ZOO_SEED}
+                )
             return value
-        return _local(value, _base_dir(info))
+        resolved = _local(value, _base_dir(info))
+        if not Path(resolved).is_absolute():  # not a local folder: it must be a Hub repo id
+            _check_repo_id(resolved, "model_ref")
+        return resolved
 
     @model_validator(mode="after")
     def _zoo_has_no_revision(self) -> ModelRef:
@@ -384,7 +416,9 @@ class Evaluate(_Section):
 
     task: Task = Field(description="which loss to compute")
     data: DataSpec = Field(description="evaluation data")
-    points: int = Field(21, ge=2, description="evenly spaced λ values, both ends included")
+    points: int = Field(
+        21, ge=2, le=MAX_POINTS, description=f"evenly spaced λ values, both ends included (2 to {MAX_POINTS})"
+    )
     compare: list[StrategyName] = Field(["vanilla"], description="extra curves, one per strategy (default options)")
     batch_size: int = Field(8, ge=1, description="examples per forward pass")
     max_tokens: int | None = Field(None, ge=1, description="evaluate at most this many tokens")
@@ -426,7 +460,12 @@ class PushToHub(_Section):
     @classmethod
     def _repo(cls, value: str) -> str:
         if not is_repo_id(value):
-            raise PydanticCustomError("repo", "a Hub repo id is `name` or `org/name` (letters, digits, - _ .)")
+            problem = repo_id_problem(value)
+            raise PydanticCustomError(
+                "repo",
+                "a Hub repo id is `name` or `org/name` (letters, digits, - _ .){why}",
+                {"why": f": {problem}" if problem else ""},
+            )
         return value
 
 
@@ -881,10 +920,47 @@ def _line_map(node: yaml.Node, path: tuple[str, ...], lines: dict[tuple[str, ...
             _line_map(item, here, lines, source)
 
 
+def _expanded_size(node: yaml.Node) -> int:
+    """How many values ``node`` holds with every alias expanded, counted without expanding them.
+
+    An alias is the same node object as its anchor, so sizes are memoised by identity: the count
+    takes time linear in the YAML text however far the aliases would multiply it.
+    """
+    sizes: dict[int, int] = {}
+
+    def size(n: yaml.Node, depth: int) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        if depth > 200:  # a recursive alias (&a [*a]): no recipe has it; count it as too large
+            return MAX_YAML_VALUES + 1
+        sizes[id(n)] = MAX_YAML_VALUES + 1  # in progress: a cycle counts as too large
+        total = 1
+        if isinstance(n, yaml.MappingNode):
+            total += sum(size(k, depth + 1) + size(v, depth + 1) for k, v in n.value)
+        elif isinstance(n, yaml.SequenceNode):
+            total += sum(size(item, depth + 1) for item in n.value)
+        sizes[id(n)] = total = min(total, MAX_YAML_VALUES + 1)
+        return total
+
+    return size(node, 0)
+
+
 def loads_recipe(text: str, source: str = "<string>", base_dir: Path | None = None) -> Recipe:
     """Parse and validate recipe YAML text (``load_recipe`` without the file)."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None and _expanded_size(node) > MAX_YAML_VALUES:
+            raise RecipeError(
+                source,
+                [
+                    Problem(
+                        "",
+                        None,
+                        f"YAML aliases (*name) expand this recipe to more than {MAX_YAML_VALUES} values, which no "
+                        "recipe needs (an alias bomb?): write the repeated values out, or use fewer aliases",
+                    )
+                ],
+            )
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -919,7 +995,10 @@ def recipe_json_schema() -> dict[str, Any]:
     props = schema["properties"]
     ref = {
         "anyOf": [
-            {"type": "string", "description": "Hub id[@revision], folder or zoo:KIND-seedN"},
+            {
+                "type": "string",
+                "description": f"Hub id[@revision], folder or zoo:KIND-seedN (N from 0 to {MAX_ZOO_SEED})",
+            },
             {"$ref": "#/$defs/ModelRef"},
         ]
     }

@@ -178,11 +178,52 @@ def _check_data_files(spec: DataSpec, where: str) -> None:
         raise DataError(f"`{where}`: {e}") from None
 
 
-def _check_recipe(recipe: Recipe, output: Path) -> list[ResolvedModel]:
+def _read_paths(recipe: Recipe, resolved: Sequence[ResolvedModel]) -> list[tuple[str, Path]]:
+    """``(label, path)`` of everything a run reads: model folders, data files, the recipe file
+    (an output that overlaps one of them is refused)."""
+    import glob
+
+    from .evaldata import check_files
+
+    out: list[tuple[str, Path]] = []
+    if Path(recipe.source).is_file():
+        out.append(("the recipe file", Path(recipe.source)))
+    for (where, ref), res in zip(recipe.refs, resolved, strict=True):
+        label = f"`{where.removesuffix('.model')}`"
+        if ref.source == "local":
+            out.append((label, Path(ref.model)))
+        if res.folder is not None:
+            out.append((label, res.folder))
+    ev = recipe.evaluate
+    sections = (
+        ("data", recipe.data),
+        ("evaluate.data", ev.data if ev else None),
+        ("evaluate.support", ev.support if ev else None),
+    )
+    for where, spec in sections:
+        if spec is None:
+            continue
+        if Path(spec.dataset).is_absolute():  # a local dataset folder
+            out.append((f"the `{where}.dataset` folder", Path(spec.dataset)))
+        try:
+            found = check_files(spec.data_files, spec.data_dir, Path.cwd())
+        except DataError:  # reported where the files are checked
+            continue
+        files = found.get("data_files")
+        entries = [files] if isinstance(files, str) else list(files.values()) if isinstance(files, dict) else files
+        for entry in entries or []:
+            for pattern in [entry] if isinstance(entry, str) else entry:
+                matches = glob.glob(pattern, recursive=True) or [pattern]
+                out.extend((f"the `{where}` data file", Path(m)) for m in matches)
+        if "data_dir" in found:
+            out.append((f"the `{where}.data_dir` folder", Path(found["data_dir"])))
+    return out
+
+
+def _check_recipe(recipe: Recipe, output: Path, output_field: str = "`output.dir`") -> list[ResolvedModel]:
     """Everything that can be checked without loading weights: models, files, output, push token."""
     from .export import check_output
 
-    check_output(output, recipe.output.overwrite)
     resolved = [resolve_model(ref, where, fetch=False, allow_pickle=recipe.allow_pickle) for where, ref in recipe.refs]
     for (where, ref), res in zip(recipe.refs, resolved, strict=True):
         if res.folder is not None and (res.folder / "config.json").is_file():
@@ -196,6 +237,7 @@ def _check_recipe(recipe: Recipe, output: Path) -> list[ResolvedModel]:
         _check_data_files(recipe.data, "data")
     if recipe.evaluate is not None:
         _check_data_files(recipe.evaluate.data, "evaluate.data")
+    check_output(output, recipe.output.overwrite, inputs=_read_paths(recipe, resolved), where=output_field)
     push = recipe.output.push_to_hub
     if push is not None:
         from . import hub
@@ -255,7 +297,21 @@ def _check_adapter(recipe: Recipe, resolved: Sequence[ResolvedModel]) -> list[st
     return [f"the adapter names {named!r} as its base; `base` is {base} (check_base: false)"]
 
 
-def _load_finetune(base: LoadedModel, folder: Path, allow_pickle: bool) -> tuple[LoadedModel, LoraAdapter | None]:
+def _load(folder: Path, recipe: Recipe, where: str) -> LoadedModel:
+    """`models.load_model` with the recipe's settings; a user error names the recipe field."""
+    from .models import load_model
+
+    try:
+        return load_model(folder, allow_pickle=recipe.allow_pickle, trust_remote_code=recipe.trust_remote_code)
+    except RebasinUserError as e:
+        if str(e).startswith("`"):
+            raise
+        raise type(e)(f"`{where}`: {e}") from None
+
+
+def _load_finetune(
+    base: LoadedModel, folder: Path, allow_pickle: bool, recipe: Recipe | None = None
+) -> tuple[LoadedModel, LoraAdapter | None]:
     """A transport's fine-tune, checked against its base: a full model of the same model type (its
     head may differ: a classifier trained on A's features), or a LoRA adapter merged into A."""
     from .lora import apply_adapter, is_adapter, read_adapter
@@ -266,7 +322,7 @@ def _load_finetune(base: LoadedModel, folder: Path, allow_pickle: bool) -> tuple
         adapter = read_adapter(folder, base.model, allow_pickle=allow_pickle, where="finetuned.model")
         merged = rebuild(base.model, apply_adapter(adapter, base.model.state_dict()))
         return LoadedModel(merged, base.graph, folder), adapter
-    ft = load_model(folder, allow_pickle=allow_pickle)
+    ft = _load(folder, recipe, "finetuned.model") if recipe else load_model(folder, allow_pickle=allow_pickle)
     type_a, type_ft = base.model.config.model_type, ft.model.config.model_type
     if type_a != type_ft:
         raise IncompatibleModelsError(
@@ -294,6 +350,10 @@ def _check_remote_code(recipe: Recipe, folder: Path, where: str, ref: ModelRef) 
             f"{', '.join(sorted(config['auto_map']))}); hf-rebasin never runs repository code. Set "
             "`trust_remote_code: true` to load its weights into the stock class of its model_type instead"
         )
+    from .remote_code import refuse_remote_code
+
+    # tokenizer, processor and generation configs too: any file a transformers loader reads
+    refuse_remote_code(folder, where, trusted=recipe.trust_remote_code)
 
 
 def _config_json(folder: Path) -> dict[str, Any]:
@@ -331,10 +391,15 @@ def _output_of(recipe: Recipe, output: Path | None) -> Path:
     return Path(output if output is not None else recipe.output.dir).expanduser().absolute()
 
 
+def _output_field(output: Path | None) -> str:
+    """How messages name the output: the recipe's field, or the command-line option overriding it."""
+    return "--output" if output is not None else "`output.dir`"
+
+
 def plan(recipe: Recipe, *, output: Path | None = None) -> list[str]:
     """The plan of ``--dry-run``: `describe` plus the checks that need no weights (typed errors)."""
     target = _output_of(recipe, output)
-    resolved = _check_recipe(recipe, target)
+    resolved = _check_recipe(recipe, target, _output_field(output))
     lines = describe(recipe)
     for (_, ref), res in zip(recipe.refs, resolved, strict=True):
         if res.commit is not None:
@@ -370,8 +435,9 @@ def _processor(folder: Path, task: Task) -> Any:
     kind = "image processor (preprocessor_config.json)" if image else "tokenizer (tokenizer.json or vocab files)"
     try:
         if image:
-            return transformers.AutoImageProcessor.from_pretrained(str(folder))
-        return transformers.AutoTokenizer.from_pretrained(str(folder))
+            # never interactive, never code: a file naming its own class gets the stock class it declares
+            return transformers.AutoImageProcessor.from_pretrained(str(folder), trust_remote_code=False)
+        return transformers.AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
         raise ModelNotFoundError(
             f"`models.0.model`: the reference folder {str(folder)!r} has no usable {kind}, which {task} data "
@@ -470,14 +536,15 @@ def _inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 def _function_gap(
     model_b: PreTrainedModel, alignment: Alignment, aligned: Mapping[str, Tensor], inputs: Mapping[str, Tensor]
-) -> float:
-    """max |Δ logits| between B and B in A's basis (rebuilt from ``aligned``) on ``inputs``."""
+) -> tuple[float, float]:
+    """max |Δ logits| between B and B in A's basis (rebuilt from ``aligned``) on ``inputs``, and
+    max |logits| of B (the scale float32 rounding grows with)."""
     rebuilt = _rebuilt(model_b, aligned, bool(alignment.untied))
     model_b.eval()
     with torch.no_grad():
         before = model_b(**inputs).logits.float()
         after = rebuilt(**inputs).logits.float()
-    return float((after - before).abs().max())
+    return float((after - before).abs().max()), float(before.abs().max())
 
 
 def _check_inputs(
@@ -678,6 +745,31 @@ class _CacheUse:
             self.run.notes.append(f"alignment of {self.label} not cached: cannot write {cache.cache_dir()} ({e})")
 
 
+def _tolerance(scale: float) -> float:
+    """The preservation tolerance for logits of magnitude ``scale``: 1e-4 (`verify`'s) up to |logits|
+    of 1, relative beyond, since float32 rounding of a transformed model grows with its outputs."""
+    from .verify import TOLERANCE
+
+    return TOLERANCE * max(1.0, scale)
+
+
+def _check_preserved(gaps: Sequence[tuple[float, float]], others: Sequence[LoadedModel]) -> None:
+    """A function-preserving alignment that changed a model's outputs (or made them NaN/Inf) is a
+    bug: raised before anything is written, never reported as a result."""
+    import math
+
+    from .errors import FunctionNotPreservedError
+
+    for (gap, scale), lm in zip(gaps, others, strict=True):
+        tol = _tolerance(scale) if math.isfinite(scale) else 0.0
+        if not (math.isfinite(gap) and gap <= tol):
+            raise FunctionNotPreservedError(
+                f"function not preserved: aligned, {str(lm.path)!r} gives outputs that differ from its own by "
+                f"max |Δ logits| = {gap:.3g} (tolerance {tol:.3g}: 1e-4 × max(1, max |logits| = {scale:.3g})); "
+                "nothing was written"
+            )
+
+
 def _preservation(
     strategy: str,
     others: Sequence[LoadedModel],
@@ -694,7 +786,12 @@ def _preservation(
             "reason": f"strategy {strategy!r} with these options does not preserve B's function (experimental)",
         }
     gaps = [_function_gap(lm.model, al, sd, inputs) for lm, al, sd in zip(others, alignments, aligned, strict=True)]
-    return {"max_abs_diff": max(gaps), "inputs": "evaluation or alignment data" if real else "random example inputs"}
+    _check_preserved(gaps, others)
+    return {
+        "max_abs_diff": max(g for g, _ in gaps),
+        "tolerance": max(_tolerance(scale) for _, scale in gaps),
+        "inputs": "evaluation or alignment data" if real else "random example inputs",
+    }
 
 
 def _curve(
@@ -728,14 +825,44 @@ def _curve(
 # The run
 
 
+def _recipe_dir(recipe: Recipe) -> Path:
+    return Path(recipe.source).absolute().parent if Path(recipe.source).is_file() else Path.cwd()
+
+
+def _relative(value: Any, base: Path) -> Any:
+    """A local path as rebasin.json records it: relative to the recipe's folder (the record is
+    published with the model; it must not show the user's own folder layout)."""
+    import os
+
+    if not isinstance(value, str) or not Path(value).is_absolute():
+        return value
+    try:
+        return Path(os.path.relpath(value, base)).as_posix()
+    except ValueError:  # another drive (Windows)
+        return Path(value).name
+
+
+_PATH_KEYS = frozenset({"model", "dir", "data_files", "data_dir", "dataset"})
+
+
+def _relative_paths(data: Any, base: Path, key: str | None = None) -> Any:
+    """``data`` (a recipe dump) with every local path under a path key made relative to ``base``."""
+    if isinstance(data, dict):
+        return {k: _relative_paths(v, base, k) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_relative_paths(v, base, key) for v in data]
+    return _relative(data, base) if key in _PATH_KEYS else data
+
+
 def _model_entries(recipe: Recipe, resolved: Sequence[ResolvedModel]) -> list[dict[str, Any]]:
+    base = _recipe_dir(recipe)
     return [
         {
-            "model": ref.model,
+            "model": _relative(ref.model, base),
             "revision": ref.revision,
             "commit": r.commit,
             "source": ref.source,
-            "folder": str(r.folder),
+            "folder": _relative(str(r.folder), base) if ref.source == "local" else None,  # caches: not recorded
             **({"role": where.split(".")[0]} if recipe.job == "transport" else {}),
         }
         for (where, ref), r in zip(recipe.refs, resolved, strict=True)
@@ -758,14 +885,17 @@ def _dataset_entries(recipe: Recipe) -> list[dict[str, Any]]:
             continue
         local = spec.dataset in LOCAL_BUILDERS or Path(spec.dataset).is_absolute()
         source = "builtin" if spec.dataset in BUILTIN_DATASETS else "local" if local else "hub"
-        out.append({"role": role, "dataset": spec.dataset, "name": spec.name, "split": spec.split, "source": source})
+        dataset = _relative(spec.dataset, _recipe_dir(recipe))
+        out.append({"role": role, "dataset": dataset, "name": spec.name, "split": spec.split, "source": source})
     return out
 
 
 def _recipe_record(recipe: Recipe, output: Path) -> dict[str, Any]:
+    """The recipe as run (``--output`` applied), local paths relative to the recipe's folder."""
     dumped: dict[str, Any] = recipe.model_dump(mode="json")
     dumped["output"]["dir"] = str(output)
-    return dumped
+    relative: dict[str, Any] = _relative_paths(dumped, _recipe_dir(recipe))
+    return relative
 
 
 def run_recipe(
@@ -780,18 +910,40 @@ def run_recipe(
 
     ``output`` and ``device`` override the recipe's; ``command`` is the line the model card gives
     to reproduce the run (default ``hf-rebasin <recipe file>``). Nothing is written until everything is computed,
-    and then into a temporary folder renamed into place (see `export.output_folder`).
+    and then into a temporary folder renamed into place (see `export.output_folder`). The output is
+    held for the whole run (`export.claim_output`): a second run on it is refused at once, and the
+    leftovers of a killed run are cleaned up first (the result's notes say what was done).
     """
+    from .export import claim_output
+
+    target = _output_of(recipe, output)
+    where = _output_field(output)
+    checked = _check_recipe(recipe, target, where)
+    with claim_output(target, overwrite=recipe.output.overwrite, where=where) as recovered:
+        result = _run_recipe(recipe, target, checked, where, device=device, progress=progress, command=command)
+    result.notes = [*recovered, *result.notes]
+    return result
+
+
+def _run_recipe(
+    recipe: Recipe,
+    target: Path,
+    checked: list[ResolvedModel],
+    where: str,
+    *,
+    device: str | None,
+    progress: Progress | None,
+    command: str | None,
+) -> RunResult:
+    """`run_recipe` once the recipe is checked and the output held."""
     from .evaluate import barrier, task_of
-    from .export import copy_preprocessor_files, output_folder, save_merged_model, write_text
+    from .export import check_inputs, copy_preprocessor_files, output_folder, save_merged_model, write_text
     from .merge import merge_state_dicts
-    from .models import check_compatible, load_model
+    from .models import check_compatible
     from .report import markdown_table, plot_curves
     from .strategies import AlignmentData, Pair, get_strategy
 
     report = progress or _noop
-    target = _output_of(recipe, output)
-    checked = _check_recipe(recipe, target)
     dev = _device(device or recipe.device)
     base_dir = Path(recipe.source).parent if Path(recipe.source).is_file() else Path.cwd()
     timings: dict[str, float] = {"load": 0.0, "align": 0.0, "evaluate": 0.0, "save": 0.0}
@@ -806,8 +958,9 @@ def run_recipe(
         for (where, ref), c in zip(recipe.refs, checked, strict=True)
     ]
     folders = [r.folder for r in resolved if r.folder is not None]
-    for (where, ref), folder in zip(recipe.refs, folders, strict=True):
-        _check_remote_code(recipe, folder, where, ref)
+    check_inputs(target, _read_paths(recipe, resolved), where)  # downloaded Hub folders are inputs too
+    for (ref_where, ref), folder in zip(recipe.refs, folders, strict=True):
+        _check_remote_code(recipe, folder, ref_where, ref)
     if untrained:
         timings["train"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -818,9 +971,9 @@ def run_recipe(
     report(LOAD_STAGE, 0, len(folders))
     for i, folder in enumerate(folders):
         if recipe.job == "transport" and i == 2:  # the fine-tune: a full model (any head) or an adapter
-            lm, adapter = _load_finetune(loaded[1], folder, recipe.allow_pickle)
+            lm, adapter = _load_finetune(loaded[1], folder, recipe.allow_pickle, recipe)
         else:
-            lm = load_model(folder, allow_pickle=recipe.allow_pickle)
+            lm = _load(folder, recipe, recipe.refs[i][0])
             if loaded:
                 check_compatible(loaded[0], lm)
         _move(lm.model, dev)
@@ -1044,7 +1197,8 @@ def _universe(
     if preserved.get("max_abs_diff") is not None:
         aligned = [al.aligned_b() for al in result.alignments]
         again = _preservation(recipe.strategy.name, loaded, result.alignments, aligned, inputs, real=True)
-        preserved = {**preserved, "max_abs_diff": max(preserved["max_abs_diff"], again["max_abs_diff"])}  # same inputs
+        worst = {k: max(preserved[k], again[k]) for k in ("max_abs_diff", "tolerance")}  # same inputs
+        preserved = {**preserved, **worst}
     return result.merged, result.reference, result.record(), preserved
 
 

@@ -5,6 +5,7 @@ This is the proof that an adapter is right, and what ``hf-rebasin verify`` runs 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,8 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return self.max_abs_diff <= self.tolerance
+        """Within tolerance; NaN or Inf is a failure (a NaN compares false with every bound)."""
+        return math.isfinite(self.max_abs_diff) and self.max_abs_diff <= self.tolerance
 
 
 def example_inputs(spec: ArchitectureSpec, config: Any, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -66,7 +68,10 @@ def compare(
     before: dict[str, torch.Tensor],
     after: dict[str, torch.Tensor],
 ) -> float:
-    """Max |Δ| between outputs, mapping outputs that live in a space (hidden states) through it."""
+    """Max |Δ| between outputs, mapping outputs that live in a space (hidden states) through it.
+
+    NaN anywhere makes the result NaN (Python's ``max`` would drop it: ``max(0.0, nan)`` is 0.0).
+    """
     worst = 0.0
     for key, ref in before.items():
         expected = ref
@@ -77,7 +82,10 @@ def compare(
             m = graph.axis_map(transform, space)
             if m is not None:
                 expected = m.apply(ref, ref.dim() - 1)
-        worst = max(worst, (after[key] - expected).abs().max().item())
+        diff = float((after[key] - expected).abs().max().item())
+        if not math.isfinite(diff):
+            return diff
+        worst = max(worst, diff)
     return worst
 
 

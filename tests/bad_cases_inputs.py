@@ -1,7 +1,448 @@
-"""Bad-input corpus rows: inputs (see tests/bad_input.py)."""
+"""Bad-input corpus rows: inputs, i.e. recipes, data files and the Hub (see tests/bad_input.py)."""
 
 from __future__ import annotations
 
-from bad_input import Case
+import io
+import json
+from typing import Any
 
-CASES: list[Case] = []
+import yaml
+
+from bad_input import Case, Outcome, Workspace
+from hub_server import ALICE_TOKEN, client_env
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _untouched(ws: Workspace, result: Outcome) -> None:
+    """Nothing written: the inputs as they were, no output folder, no leftovers."""
+    ws.unchanged()
+    assert not (ws.root / "out").exists()
+    assert not ws.leftovers(), ws.leftovers()
+
+
+def _merge_with(ws: Workspace, **changes: Any) -> list[str]:
+    """The vanilla merge of ./a and ./b with top-level sections replaced (``evaluate`` included)."""
+    body = yaml.safe_load(ws.merge_recipe().read_text(encoding="utf-8"))
+    body.update(changes)
+    recipe = ws.recipe(body)
+    ws.snapshot()
+    return [str(recipe)]
+
+
+def _eval_data(ws: Workspace, data: dict[str, Any], task: str = "causal-lm") -> list[str]:
+    """A merge of ./a and ./b evaluated on ``data``."""
+    return _merge_with(ws, evaluate={"task": task, "data": data, "points": 3})
+
+
+# -- recipes ------------------------------------------------------------------------------------
+
+
+def _alias_bomb(ws: Workspace) -> list[str]:
+    ws.merge_recipe()
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 10)]
+    text = (ws.root / "recipe.yaml").read_text(encoding="utf-8") + "\n".join(lines) + "\n"
+    recipe = ws.recipe(text)
+    ws.snapshot()
+    return [str(recipe)]
+
+
+def _python_tag(ws: Workspace) -> list[str]:
+    ws.merge_recipe()
+    text = (ws.root / "recipe.yaml").read_text(encoding="utf-8")
+    text = text.replace("strategy: vanilla", "strategy: !!python/object/apply:os.system ['echo pwned > pwned']")
+    recipe = ws.recipe(text)
+    ws.snapshot()
+    return [str(recipe)]
+
+
+def _points_huge(ws: Workspace) -> list[str]:
+    ws.text()
+    data = {"dataset": "text", "data_files": "corpus.txt"}
+    return _merge_with(ws, evaluate={"task": "causal-lm", "data": data, "points": 1_000_000_000})
+
+
+def _model(ws: Workspace, ref: str) -> list[str]:
+    return _merge_with(ws, models=[ref, "./b"])
+
+
+def _zoo(ws: Workspace, *extra: str) -> list[str]:
+    return [*_merge_with(ws, models=["zoo:gpt2-seed99999999999999999999", "./b"]), *extra]
+
+
+def _set_option(value: str) -> Any:
+    def build(ws: Workspace) -> list[str]:
+        ws.model("a", seed=0)
+        ws.model("b", seed=1)
+        ws.snapshot()
+        return ["align", "./a", "./b", "--strategy", "weight-matching", "--set", value]
+
+    return build
+
+
+# -- data files ---------------------------------------------------------------------------------
+
+
+def _corpus(body: bytes) -> Any:
+    def build(ws: Workspace) -> list[str]:
+        ws.write("corpus.txt", body)
+        return _eval_data(ws, {"dataset": "text", "data_files": "corpus.txt"})
+
+    return build
+
+
+def _jsonl(ws: Workspace) -> list[str]:
+    good = json.dumps({"text": "to be, or not to be, that is the question"})
+    ws.write("data.jsonl", "\n".join([good, good, '{"text": "unterminated', good]) + "\n")
+    return _eval_data(ws, {"dataset": "json", "data_files": "data.jsonl"})
+
+
+def _vit_images(ws: Workspace, bad: bytes) -> list[str]:
+    import transformers as T
+    from PIL import Image
+
+    processor = T.ViTImageProcessor(size={"height": 8, "width": 8}, image_mean=[0.5], image_std=[0.5])
+    for name, seed in (("a", 0), ("b", 1)):
+        processor.save_pretrained(str(ws.model(name, kind="vit", seed=seed)))
+    for i in range(4):
+        buf = io.BytesIO()
+        Image.new("L", (8, 8), color=i * 40).save(buf, format="PNG")
+        ws.write(f"images/{i % 2}/{i}.png", buf.getvalue())
+    ws.write("images/1/bad.png", bad)
+    return _merge_with(
+        ws,
+        evaluate={
+            "task": "image-classification",
+            "data": {"dataset": "imagefolder", "data_dir": "images"},
+            "points": 3,
+            "compare": [],
+        },
+    )
+
+
+def _corrupt_png(ws: Workspace) -> list[str]:
+    buf = io.BytesIO()
+    from PIL import Image
+
+    Image.new("L", (8, 8)).save(buf, format="PNG")
+    data = buf.getvalue()
+    return _vit_images(ws, data[:40] + b"\x00garbage" * 4)
+
+
+def _bomb_png(ws: Workspace) -> list[str]:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (20000, 20000)).save(buf, format="PNG", optimize=True)  # 400 Mpixel, ~50 KB on disk
+    return _vit_images(ws, buf.getvalue())
+
+
+# -- the Hub (a local server: `Case.hub`) ------------------------------------------------------
+
+SECRET = "hf_bad_input_secret_token_0123456789"
+
+
+def _hub_env(ws: Workspace, token: str = ALICE_TOKEN, **extra: str) -> None:
+    """The CLI talks to ``ws.hub`` with ``token``, downloads allowed, caches inside the case."""
+    env = client_env(ws.hub, token, ws.root)
+    ws.env.update({k: v for k, v in env.items() if k.startswith(("HF_", "NO_PROXY", "no_proxy"))})
+    ws.env.update(
+        HF_HUB_OFFLINE="0",
+        TRANSFORMERS_OFFLINE="0",
+        HF_HUB_CACHE=str(ws.root / "hf-home" / "hub"),  # under hf-home: not an input `ws.unchanged` tracks
+        HF_XET_CACHE=str(ws.root / "hf-home" / "xet"),
+        HF_REBASIN_HUB_TIMEOUT="1",
+        **extra,
+    )
+
+
+def _hub_models(ws: Workspace, *extra: str, advertise: dict[str, int] | None = None) -> list[str]:
+    """alice/gpt2-a and alice/gpt2-b on the local Hub (b advertising ``advertise``), merged by id."""
+    for name, seed in (("a", 0), ("b", 1)):
+        ws.hub.create_repo(f"alice/gpt2-{name}")
+        ws.hub.add_commit(f"alice/gpt2-{name}", ws.model(f"hub-{name}", seed=seed))
+    if advertise:
+        ws.hub.advertise("alice/gpt2-b", advertise)
+    _hub_env(ws)
+    return [*_merge_with(ws, models=["alice/gpt2-a", "alice/gpt2-b"]), *extra]
+
+
+def _nothing_downloaded(ws: Workspace, result: Outcome) -> None:
+    _untouched(ws, result)
+    assert not [p for m, p in ws.hub.requests if "/resolve/" in p], ws.hub.requests
+
+
+def _hang_info(ws: Workspace) -> list[str]:
+    argv = _hub_models(ws)
+    ws.hub.hang_next("info", times=20)
+    return argv
+
+
+def _push(ws: Workspace, token: str = ALICE_TOKEN) -> list[str]:
+    """A local merge pushed to alice/merged."""
+    _hub_env(ws, token)
+    return _merge_with(ws, output={"dir": "out", "push_to_hub": {"repo": "alice/merged"}})
+
+
+def _push_hangs(ws: Workspace) -> list[str]:
+    argv = _push(ws)
+    ws.hub.hang_next("commit", times=20)
+    return argv
+
+
+def _push_garbled(ws: Workspace) -> list[str]:
+    argv = _push(ws)
+    ws.hub.garble_next("commit", times=20)
+    return argv
+
+
+def _push_kept(ws: Workspace, result: Outcome) -> None:
+    """The result folder is complete and the retry command is printed."""
+    ws.unchanged(allow_new=("out/",))
+    assert (ws.root / "out" / "model.safetensors").is_file() and (ws.root / "out" / "rebasin.json").is_file()
+    assert "hf-rebasin push " in result.err and "--repo alice/merged" in result.err
+    assert not ws.leftovers(), ws.leftovers()
+
+
+def _secret_kept(ws: Workspace, result: Outcome) -> None:
+    _push_kept(ws, result)
+    written = "".join(p.read_text(errors="ignore") for p in (ws.root / "out").iterdir() if p.is_file())
+    assert SECRET not in result.stdout + result.stderr + written
+
+
+def _bomb_warning_png(ws: Workspace) -> list[str]:
+    """Past PIL's warning size (89 Mpixel) and under its error size: a warning only, unless made one."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (12000, 12000)).save(buf, format="PNG", optimize=True)
+    return _vit_images(ws, buf.getvalue())
+
+
+CASES: list[Case] = [
+    Case(
+        "yaml-alias-bomb",
+        "recipe",
+        _alias_bomb,
+        2,
+        needles=("recipe.yaml", "alias"),
+        check=_untouched,
+        before="still running after 15 s (stopped; the issue saw 57 s, then MemoryError): aliases expanded downstream",
+        timeout=30,
+    ),
+    Case(
+        "yaml-python-tag",
+        "recipe",
+        _python_tag,
+        2,
+        needles=("recipe.yaml", "YAML"),
+        check=_untouched,
+    ),
+    Case(
+        "evaluate-points-huge",
+        "recipe",
+        _points_huge,
+        2,
+        needles=("evaluate.points", "1001"),
+        check=_untouched,
+        before="validated; the run loaded everything, then evaluated for > 20 s (killed)",
+    ),
+    Case(
+        "model-url",
+        "recipe",
+        lambda ws: _model(ws, "https://huggingface.co/gpt2"),
+        2,
+        needles=("models.0.model",),
+        check=_untouched,
+        before="exit 1, internal error HFValidationError (repo id must be in the form ...)",
+    ),
+    Case(
+        "model-dot-dot",
+        "recipe",
+        lambda ws: _model(ws, "a..b"),
+        2,
+        needles=("models.0.model",),
+        check=_untouched,
+        before="exit 1, internal error HFValidationError (cannot have -- or .. in repo_id)",
+    ),
+    Case(
+        "model-extra-slash",
+        "recipe",
+        lambda ws: _model(ws, "org/name/extra"),
+        2,
+        needles=("models.0.model",),
+        check=_untouched,
+        before="exit 1, internal error HFValidationError (repo id must be in the form ...)",
+    ),
+    Case(
+        "zoo-seed-overflow",
+        "recipe",
+        _zoo,
+        2,
+        needles=("models.0.model", "seed"),
+        check=_untouched,
+        before="exit 1, internal error ValueError: Overflow when unpacking long long (torch.manual_seed)",
+    ),
+    Case(
+        "zoo-seed-overflow-dry-run",
+        "recipe",
+        lambda ws: _zoo(ws, "--dry-run"),
+        2,
+        needles=("models.0.model", "seed"),
+        check=_untouched,
+        before="exit 0: the dry run planned a zoo model the run cannot train",
+    ),
+    Case(
+        "align-set-unclosed",
+        "recipe",
+        _set_option("max_iter=[1,"),
+        2,
+        needles=("--set", "max_iter"),
+        check=_untouched,
+        before="exit 1, internal error ParserError (YAML of the --set value)",
+    ),
+    Case(
+        "align-set-not-scalar",
+        "recipe",
+        _set_option("max_iter=!!binary aGVsbG8="),
+        2,
+        needles=("--set", "max_iter"),
+        check=_untouched,
+        before="exit 2, but the message named strategy.max_iter, not --set, and blamed the integer parse",
+    ),
+    Case(
+        "corpus-empty",
+        "data",
+        _corpus(b""),
+        2,
+        needles=("corpus.txt",),
+        check=_untouched,
+        before="exit 1, internal error DatasetGenerationError",
+    ),
+    Case(
+        "corpus-nul-bytes",
+        "data",
+        _corpus(b"to be or not\x00\x00 to be\n" * 20),
+        2,
+        needles=("corpus.txt",),
+        check=_untouched,
+        before="exit 0: the NUL bytes were tokenized and evaluated as text",
+    ),
+    Case(
+        "corpus-binary",
+        "data",
+        _corpus(bytes(range(128, 256)) * 40),
+        2,
+        needles=("corpus.txt",),
+        check=_untouched,
+        before="exit 1, internal error DatasetGenerationError (UnicodeDecodeError)",
+    ),
+    Case(
+        "jsonl-malformed-line",
+        "data",
+        _jsonl,
+        2,
+        needles=("data.jsonl",),
+        check=_untouched,
+        before="exit 1, internal error DatasetGenerationError",
+    ),
+    Case(
+        "image-corrupt-png",
+        "data",
+        _corrupt_png,
+        2,
+        needles=("bad.png",),
+        check=_untouched,
+        before="exit 1, internal error UnidentifiedImageError",
+    ),
+    Case(
+        "image-decompression-bomb-warning",
+        "data",
+        _bomb_warning_png,
+        2,
+        needles=("bad.png", "decompression bomb"),
+        check=_untouched,
+        before="exit 0: PIL only warned, and a 144 Mpixel image was decoded and resized",
+    ),
+    Case(
+        "image-decompression-bomb",
+        "data",
+        _bomb_png,
+        2,
+        needles=("bad.png",),
+        check=_untouched,
+        before="exit 1, internal error DecompressionBombError",
+    ),
+    Case(
+        "hub-metadata-never-answers",
+        "hub",
+        _hang_info,
+        2,
+        needles=("models.0.model", "did not answer", "HF_REBASIN_HUB_TIMEOUT"),
+        check=_untouched,
+        before="hung: no answer after 30 s (the client waits forever)",
+        hub=True,
+        timeout=30,
+    ),
+    Case(
+        "hub-upload-never-answers",
+        "hub",
+        _push_hangs,
+        2,
+        needles=("output.push_to_hub", "did not answer", "The result is kept in"),
+        check=_push_kept,
+        before="hung: no answer after 40 s (the client waits forever)",
+        hub=True,
+        timeout=40,
+    ),
+    Case(
+        "hub-push-garbled-answer",
+        "hub",
+        _push_garbled,
+        2,
+        needles=("output.push_to_hub", "The result is kept in"),
+        check=_push_kept,
+        before="exit 1, internal error UnicodeDecodeError from the client; no retry command",
+        hub=True,
+    ),
+    Case(
+        "hub-token-never-printed",
+        "hub",
+        lambda ws: _push(ws, SECRET),
+        2,
+        needles=("rejected the token", "The result is kept in"),
+        check=_secret_kept,
+        hub=True,
+    ),
+    Case(
+        "hub-sibling-dot-dot",
+        "hub",
+        lambda ws: _hub_models(ws, advertise={"config.json/../x": 10, "../../evil.json": 10}),
+        2,
+        needles=("models.1.model", "/../", "outside the repository"),
+        check=_nothing_downloaded,
+        before="exit 0: the repo was used although it lists files outside itself",
+        hub=True,
+    ),
+    Case(
+        "hub-config-advertised-huge",
+        "hub",
+        lambda ws: _hub_models(ws, "--dry-run", advertise={"config.json": 10 << 30}),
+        2,
+        needles=("models.1.model", "config.json", "refusing to download"),
+        check=_nothing_downloaded,
+        before="exit 0: a 10 GiB config.json was planned for download",
+        hub=True,
+    ),
+    Case(
+        "hub-weights-far-larger-than-config",
+        "hub",
+        lambda ws: _hub_models(ws, advertise={"model.safetensors": 3 << 30}),
+        2,
+        needles=("models.1.model", "parameters", "refusing to download"),
+        check=_untouched,
+        before="exit 0: 3 GiB of weights for a tiny config were accepted for download",
+        hub=True,
+    ),
+]

@@ -63,6 +63,7 @@ class Workspace:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.env: dict[str, str] = {}
+        self.hub: Any = None  # the local Hub server (tests/hub_server.py) when the case asks for one
         self._snap: dict[str, str] | None = None
 
     # -- inputs ---------------------------------------------------------------------------------
@@ -146,7 +147,9 @@ class Workspace:
 
     def leftovers(self) -> list[str]:
         """Hidden temporary folders and lock files a run left beside its outputs."""
-        return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name)
+        return sorted(
+            p.relative_to(self.root).as_posix() for p in self.root.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name
+        )
 
 
 Build = Callable[[Workspace], list[str]]
@@ -175,6 +178,8 @@ class Case:
     slow: bool = False
     timeout: float = 120.0
     env: Mapping[str, str] = field(default_factory=dict)
+    hub: bool = False  # a local Hub server in ``Workspace.hub`` (the `hub` fixture); implies a subprocess
+    max_file_bytes: int | None = None  # a full disk: writes past this size fail (RLIMIT_FSIZE); implies a subprocess
 
 
 @contextlib.contextmanager
@@ -204,10 +209,19 @@ def offline_env(ws: Workspace) -> dict[str, str]:
     }
 
 
+def _limit_file_size(size: int | None) -> None:
+    """In the child: writes past ``size`` bytes fail with EFBIG, as on a full disk (SIGXFSZ ignored)."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+
 def run_case(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
     """Run the CLI with ``argv`` from ``ws.root`` as the case asks (in process or in a subprocess)."""
     env = {**offline_env(ws), **case.env, **ws.env}
-    if case.subprocess:
+    if case.subprocess or case.hub or case.max_file_bytes:
         environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG"}
         environ.update(env)
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -219,6 +233,7 @@ def run_case(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
             text=True,
             timeout=case.timeout,
             stdin=subprocess.DEVNULL,
+            preexec_fn=(lambda: _limit_file_size(case.max_file_bytes)) if case.max_file_bytes else None,
         )
         return Outcome(proc.returncode, proc.stdout, proc.stderr)
     from hf_rebasin.cli import main

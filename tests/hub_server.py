@@ -60,7 +60,7 @@ __all__ = [
 ALICE_TOKEN, BOB_TOKEN = "hf_alice_token", "hf_bob_token"
 DEFAULT_TOKENS = {ALICE_TOKEN: "alice", BOB_TOKEN: "bob"}
 
-# Names accepted by `fail_next` / `drop_next` (one per kind of request the server answers).
+# Names accepted by `fail_next` / `drop_next` / `hang_next` / `garble_next` (one per kind of request the server answers).
 ENDPOINTS = frozenset(
     {
         "whoami",
@@ -164,7 +164,9 @@ class HubServer:
         self.tokens = dict(tokens)
         self.requests: list[tuple[str, str]] = []  # (method, path without query, still percent-encoded)
         self._repos: dict[tuple[str, str], Repo] = {}
-        self._faults: list[tuple[str, str, int]] = []  # (endpoint, "fail" | "drop", status)
+        self._faults: list[tuple[str, str, int]] = []  # (endpoint, "fail" | "drop" | "hang" | "garble", status)
+        self._advertised: dict[tuple[str, str], dict[str, int]] = {}  # extra / resized siblings in repo info
+        self._stopping = threading.Event()
         self._lock = threading.RLock()
         self._counter = itertools.count()
         self._httpd: ThreadingHTTPServer | None = None
@@ -185,6 +187,7 @@ class HubServer:
     def stop(self) -> None:
         if self._httpd is None:
             return
+        self._stopping.set()  # requests held by `hang_next` end now
         self._httpd.shutdown()
         self._httpd.server_close()
         if self._thread is not None:
@@ -215,6 +218,20 @@ class HubServer:
     def drop_next(self, endpoint: str, times: int = 1) -> None:
         """Close the connection of the next `times` requests to `endpoint` without answering (body is read)."""
         self._add_fault(endpoint, "drop", 0, times)
+
+    def hang_next(self, endpoint: str, times: int = 1) -> None:
+        """Accept the next `times` requests to `endpoint` and never answer them (until the server stops)."""
+        self._add_fault(endpoint, "hang", 0, times)
+
+    def garble_next(self, endpoint: str, times: int = 1) -> None:
+        """Answer the next `times` requests to `endpoint` with 200 and a body that is not JSON."""
+        self._add_fault(endpoint, "garble", 200, times)
+
+    def advertise(self, repo_id: str, sizes: dict[str, int], repo_type: str = "model") -> None:
+        """List these files with these sizes in the repo's info (``siblings``), whatever the repo holds:
+        a file that is not there (``../../evil.json``) or a size that is not true."""
+        with self._lock:
+            self._advertised.setdefault((repo_type, repo_id), {}).update(sizes)
 
     def _add_fault(self, endpoint: str, kind: str, status: int, times: int) -> None:
         if endpoint not in ENDPOINTS:
@@ -441,6 +458,13 @@ class _Handler(BaseHTTPRequestHandler):
                 if kind == "drop":
                     self.close_connection = True
                     return
+                if kind == "hang":
+                    hub._stopping.wait(300)
+                    self.close_connection = True
+                    return
+                if kind == "garble":
+                    self._send(status, b"<html>not json \x00\xff", "application/json")
+                    return
                 raise HubError(status, f"Injected failure on '{endpoint}' ({status})")
             self.user = self._authenticate()
             handler(*args)
@@ -661,6 +685,12 @@ class _Handler(BaseHTTPRequestHandler):
                 {"rfilename": p, "size": self.hub._blob_size(b), "blobId": b} for p, b in sorted(tree.items())
             ],
         }
+        advertised = self.hub._advertised.get((repo.repo_type, repo.repo_id), {})
+        if advertised:
+            siblings = {s["rfilename"]: s for s in info["siblings"]}
+            for name, size in advertised.items():
+                siblings[name] = {**siblings.get(name, {"rfilename": name, "blobId": "0" * 40}), "size": size}
+            info["siblings"] = list(siblings.values())
         if card:
             info["cardData"] = card
         if repo.repo_type == "model":

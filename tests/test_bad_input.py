@@ -29,8 +29,10 @@ def test_case_ids_are_unique() -> None:
 
 
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])
-def test_bad_input(case: Case, tmp_path: Path) -> None:
+def test_bad_input(case: Case, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     ws = Workspace(tmp_path)
+    if case.hub:
+        ws.hub = request.getfixturevalue("hub")
     argv = case.build(ws)
     result = run_case(case, ws, argv)
     assert_outcome(case, result)

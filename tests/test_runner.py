@@ -137,8 +137,8 @@ def test_causal_lm_canonical_merge_at_weight_one_is_model_a(tmp_path: Path, text
     data = _rebasin_json(out)
     assert data["strategy"] == "generalized-orthogonal"
     assert data["models"] == [
-        {"model": str(a), "revision": None, "commit": None, "source": "local", "folder": str(a)},
-        {"model": str(b), "revision": None, "commit": None, "source": "local", "folder": str(b)},
+        {"model": a.name, "revision": None, "commit": None, "source": "local", "folder": a.name},
+        {"model": b.name, "revision": None, "commit": None, "source": "local", "folder": b.name},
     ]
     assert data["recipe"]["job"] == "merge" and data["recipe"]["strategy"]["iterations"] == 2
     _check_curves(data, ["generalized-orthogonal", "vanilla"], 3)
@@ -199,7 +199,7 @@ def test_image_classification_merge_of_three_models(tmp_path: Path, env) -> None
     data = _rebasin_json(out)
     _check_curves(data, ["weight-matching"], 3)
     assert set(data["curves"]["weight-matching"]["metric"]) == {"accuracy"}
-    assert [m["model"] for m in data["models"]] == [str(f) for f in folders]
+    assert [m["model"] for m in data["models"]] == [f.name for f in folders]  # relative to the recipe
     assert data["function_preserved"]["max_abs_diff"] < 1e-4
     assert "accuracy at λ=½" in (out / "barrier.md").read_text(encoding="utf-8")
     merged = T.ViTForImageClassification.from_pretrained(str(out))
@@ -238,11 +238,11 @@ def test_masked_lm_barrier_with_alignment_data(tmp_path: Path, text: str, env) -
     names = {p.name for p in output.iterdir()}
     assert names == {"rebasin.json", "barrier.png", "barrier.md", "README.md"}  # job: barrier saves no model
     data = _rebasin_json(output)
-    assert data["recipe"]["output"]["dir"] == str(output)
+    assert data["recipe"]["output"]["dir"] == "elsewhere"  # relative to the recipe: no local folder layout
     _check_curves(data, ["head-perm", "vanilla"], 3)
     assert set(data["curves"]["vanilla"]["metric"]) == {"pseudo_perplexity"}
     assert data["function_preserved"]["max_abs_diff"] < 1e-4
-    assert data["models"][0] == {"model": str(a), "revision": None, "commit": None, "source": "local", "folder": str(a)}
+    assert data["models"][0] == {"model": a.name, "revision": None, "commit": None, "source": "local", "folder": a.name}
     assert "activation statistics" in proc.stdout
 
 
@@ -360,6 +360,7 @@ def test_overwrite_replaces_the_folder(tmp_path: Path, capsys: Any, gpt2_pair) -
     out = tmp_path / "out"
     out.mkdir()
     (out / "stale.txt").write_text("earlier result")
+    (out / "rebasin.json").write_text("{}")  # an earlier hf-rebasin output: the only kind overwrite replaces
     recipe = _recipe(tmp_path, _merge_body(output={"dir": "out", "overwrite": True}))
     assert main([str(recipe)]) == 0, capsys.readouterr().err  # in process: the subprocess runs are above
     names = {p.name for p in out.iterdir()}
@@ -441,15 +442,16 @@ def test_output_folder_leaves_nothing_half_written(tmp_path: Path) -> None:
         raise RuntimeError("failed while saving")
     assert list(tmp_path.iterdir()) == []
     with output_folder(target, overwrite=False) as tmp:
-        (tmp / "a.txt").write_text("first")
+        (tmp / "rebasin.json").write_text("first")  # an hf-rebasin output: overwrite may replace it
     with pytest.raises(OutputExistsError, match="overwrite"), output_folder(target, overwrite=False):
         pass
     with pytest.raises(RuntimeError), output_folder(target, overwrite=True) as tmp:
         raise RuntimeError("failed while saving")
-    assert [p.name for p in tmp_path.iterdir()] == ["result"] and (target / "a.txt").read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["result"] and (target / "rebasin.json").read_text() == "first"
     with output_folder(target, overwrite=True) as tmp:
-        (tmp / "b.txt").write_text("second")
-    assert [p.name for p in tmp_path.iterdir()] == ["result"] and [p.name for p in target.iterdir()] == ["b.txt"]
+        (tmp / "rebasin.json").write_text("second")
+    assert [p.name for p in tmp_path.iterdir()] == ["result"] and [p.name for p in target.iterdir()] == ["rebasin.json"]
+    assert (target / "rebasin.json").read_text() == "second"
 
 
 def test_custom_code_needs_trust_remote_code_and_never_runs(tmp_path: Path, capsys: Any, gpt2_pair) -> None:

