@@ -1,7 +1,7 @@
 """The model card (README.md) of an output folder, rendered from ``model_cards/rebasin.md``.
 
-The card is built from ``rebasin.json`` alone (DESIGN.md §9), so a card can be re-rendered from
-an old output folder. Data preparation (escaping, number formatting, picking Hub ids for the
+The card is built from ``rebasin.json`` alone, so a card can be re-rendered from an old output
+folder. Data preparation (escaping, number formatting, picking Hub ids for the
 metadata) lives here; layout lives in the Jinja template. Nothing time- or machine-dependent is
 added, so the same record always gives the same card (golden-file tests rely on it).
 """
@@ -12,7 +12,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import PurePath
+from pathlib import Path, PurePath, PureWindowsPath
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -79,7 +79,23 @@ def card_metadata(record: Mapping[str, Any]) -> ModelCardData:
     hub_datasets = _unique(str(d["dataset"]) for d in record.get("datasets") or [] if d.get("source") == "hub")
     if hub_datasets:
         fields["datasets"] = hub_datasets
+    licenses = _unique(str(m["license"]) for m in _models(record) if m.get("license"))
+    if len(licenses) == 1:  # the inputs that declare a licence agree: the result inherits it
+        fields["license"] = licenses[0]
     return ModelCardData(**fields)
+
+
+def read_license(folder: Path) -> str | None:
+    """The ``license`` a model folder's README.md declares in its metadata, None if none (or no card)."""
+    from huggingface_hub.repocard import metadata_load
+
+    path = Path(folder) / "README.md"
+    try:
+        metadata = metadata_load(path) if path.is_file() else None
+    except Exception:  # a broken card (bad YAML, not text): no licence read from it
+        return None
+    value = (metadata or {}).get("license")
+    return value.strip() if isinstance(value, str) and value.strip() else None
 
 
 # --- data preparation for the template ---------------------------------------------------------
@@ -125,7 +141,34 @@ def _context(record: Mapping[str, Any], recipe_text: str, command: str) -> dict[
         "recipe_fence": _fence(recipe),
         "version": str(record.get("hf_rebasin_version") or "unknown"),
         "load": _load(record) if job in _MODEL_JOBS else None,
+        "dtype": _dtype(record, job),
     }
+
+
+_DTYPE_SOURCES = {
+    "output.dtype": "as `output.dtype` asks",
+    "finetuned": "the adapter's own dtype",
+    "target": "the target B's dtype",
+    "A": "model A's dtype",
+}
+
+
+def _dtype(record: Mapping[str, Any], job: str) -> str | None:
+    """One sentence on the dtype of the written weights, and that the scores are of those weights
+    (rounded to it) while every computation ran in float32; None for old records and reports."""
+    entry = record.get("dtype") or {}
+    out = entry.get("output")
+    if job not in _MODEL_JOBS or not out:
+        return None
+    adapter = bool((record.get("transport") or {}).get("adapter"))
+    what = "The adapter's tensors are" if adapter else "The weights are"
+    why = _DTYPE_SOURCES.get(str(entry.get("from")), "the reference model's dtype")
+    compute = _cell(str(entry.get("compute") or "float32"))
+    sentence = f"{what} stored as {_cell(str(out))} ({why}); every computation ran in {compute}"
+    scored = bool(record.get("merged")) or bool((record.get("transport") or {}).get("loss"))
+    if scored and out != compute:
+        sentence += f", and the scores above are of the weights rounded to {_cell(str(out))}, as stored"
+    return sentence + "."
 
 
 def _moved(transport: Mapping[str, Any]) -> list[str]:
@@ -380,7 +423,7 @@ def _load(record: Mapping[str, Any]) -> dict[str, str]:
     recipe = record.get("recipe") or {}
     output = recipe.get("output") or {}
     push = output.get("push_to_hub") or {}
-    where = str(push.get("repo") or output.get("dir") or "path/to/this/folder")
+    where = str(push.get("repo") or _shown_dir(output.get("dir")))
     task = str(record.get("task"))
     models = _models(record)
     target = str(models[0]["model"]) if models and _source(models[0]) == "hub" else "path/to/target"
@@ -391,6 +434,20 @@ def _load(record: Mapping[str, Any]) -> dict[str, str]:
         "processor_var": "processor" if task == "image-classification" else "tokenizer",
         "path": json.dumps(where),
     }
+
+
+def _shown_dir(value: Any) -> str:
+    """The output folder as the card may show it: a relative path inside the recipe's folder as
+    given; an absolute path or one reaching outside (``../``) only by its name, which would
+    otherwise publish the user's own folder layout."""
+    if not value:
+        return "path/to/this/folder"
+    text = str(value)
+    posix, windows = PurePath(text), PureWindowsPath(text)
+    outside = posix.is_absolute() or windows.is_absolute() or bool(windows.drive) or text.startswith("~")
+    if outside or ".." in windows.parts:
+        return windows.name or "path/to/this/folder"
+    return text
 
 
 def _fence(text: str) -> str:

@@ -276,7 +276,7 @@ def print_verify_report(console: Console, report: VerifyReport, model_desc: str,
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin verify``: load a folder, run a random allowed transform, report max |Δ|."""
     _quiet_libraries()
-    from .models import load_model
+    from .models import dtype_name, load_model
     from .verify import verify_model
 
     try:
@@ -286,6 +286,8 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     model = loaded.model
     config: Any = getattr(model, "config", None)
     desc = f"{loaded.path} ({type(model).__name__}, model_type {getattr(config, 'model_type', '?')})"
+    # loaded as float32 whatever is stored: a bf16 model would round away more than the tolerance
+    desc += f"; stored as {dtype_name(loaded.stored_dtype)}, compared in float32"
     with console.status("verifying…"):
         report = verify_model(model, args.transform_class, args.seed)
     print_verify_report(console, report, desc, args.seed)
@@ -318,18 +320,18 @@ def _parse_options(items: Sequence[str]) -> dict[str, Any]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise StrategyOptionError(f"--set {item!r}: expected KEY=VALUE, e.g. --set iterations=5")
+            raise StrategyOptionError(f"`--set {item}`: expected KEY=VALUE, e.g. --set max_iter=5")
         try:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError as e:
             what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
             raise StrategyOptionError(
-                f"--set {item!r}: the value of {key.strip()} is not valid YAML ({what or e}); quote it, "
+                f"`--set {item}`: the value of {key.strip()} is not valid YAML ({what or e}); quote it, "
                 "e.g. --set name='[1, 2]', or write a number, true/false, a word or a [list]"
             ) from None
         if not _plain_yaml(parsed):
             raise StrategyOptionError(
-                f"--set {item!r}: the value of {key.strip()} is a {type(parsed).__name__}; an option is a number, "
+                f"`--set {item}`: the value of {key.strip()} is a {type(parsed).__name__}; an option is a number, "
                 "true/false, a string, or a list or mapping of those"
             )
         out[key.strip()] = parsed
@@ -352,12 +354,16 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     _quiet_libraries()
-    from .models import check_compatible, check_output_folder, load_model, save_model
-    from .strategies import Pair, get_strategy
+    import torch
+
+    from .models import WRITABLE_DTYPES, check_compatible, check_output_folder, dtype_name, load_model, save_model
+    from .recipe import strategy_spec
+    from .strategies import Pair
     from .strategies.base import relative_distance
 
-    strategy = get_strategy(args.strategy)
-    options = strategy.parse(_parse_options(args.options))
+    given = {item.partition("=")[0].strip(): item for item in args.options}
+    spec = strategy_spec(args.strategy, _parse_options(args.options), given)  # checked as a recipe's section
+    strategy, options = spec.strategy, spec.options
     inputs = [(label, Path(value)) for label, value in (("MODEL_A", args.model_a), ("MODEL_B", args.model_b))]
     if args.output:
         check_output_folder(args.output, inputs)
@@ -383,8 +389,10 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     if alignment.untied:
         console.print("untied for the canonical form: " + escape(", ".join(alignment.untied)), soft_wrap=True)
     if args.output:
-        folder = save_model(b.model, aligned, args.output, untie=bool(alignment.untied), inputs=inputs)
-        console.print(f"aligned B saved to {escape(str(folder))}")
+        # aligned B is written as B is stored (the alignment ran in float32)
+        dtype = b.stored_dtype if b.stored_dtype in WRITABLE_DTYPES else torch.float32
+        folder = save_model(b.model, aligned, args.output, untie=bool(alignment.untied), inputs=inputs, dtype=dtype)
+        console.print(f"aligned B saved to {escape(str(folder))} ({dtype_name(dtype)}, as B is stored)")
     return EXIT_OK
 
 
@@ -540,7 +548,12 @@ def cmd_push(args: argparse.Namespace, console: Console) -> int:
     _quiet_libraries()
     with console.status(f"pushing {folder} to {args.repo}…"):
         result = hub.push_folder(
-            folder, args.repo, private=args.private or None, revision=args.revision, commit_message=args.message
+            folder,
+            args.repo,
+            private=args.private or None,
+            revision=args.revision,
+            commit_message=args.message,
+            retry=False,  # the user just ran the command to retry with
         )
     console.print(f"pushed to {escape(result.repo)}@{escape(result.revision)}: commit {result.commit}")
     console.print(escape(result.url), soft_wrap=True)

@@ -74,6 +74,10 @@ class StrategyOptionError(RebasinUserError, ValueError):
     """A strategy name or option that does not exist or does not apply to the models at hand."""
 
 
+class MetricError(RebasinUserError, ValueError):
+    """An `evaluate.metrics` entry that does not load, or fails on (or does not fit) the task's predictions."""
+
+
 class MissingDataError(RebasinUserError, ValueError):
     """A strategy (or one of its options) needs alignment data and none was given."""
 

@@ -66,9 +66,16 @@ SPEC_KEYS: tuple[str, ...] = (
     "image_column",
     "max_examples",
     "max_tokens",
+    "sample_by",
 )
 # builders whose files are UTF-8 text: refused up front when empty, binary or not UTF-8
 TEXT_BUILDERS: tuple[str, ...] = ("text", "json", "csv")
+# how the `text` builder cuts a file into records; line breaks are kept in every mode, so the
+# records joined back are the file (a model trained on line-broken text is scored on that text)
+SampleBy = Literal["line", "paragraph", "document"]
+SAMPLE_BY: tuple[SampleBy, ...] = ("line", "paragraph", "document")
+DEFAULT_SAMPLE_BY: SampleBy = "document"  # the whole file is the corpus: tokenized as one text
+PARAGRAPH_BREAK = "\n\n"  # what `sample_by: paragraph` splits on (and the builder drops)
 _SCAN_CHUNK = 1 << 20
 MLM_PROBABILITY = 0.15  # BERT: 15 % of positions predicted, of which 80 % [MASK], 10 % random, 10 % kept
 _TOKENIZE_CHUNK = 1000  # texts per tokenizer call (lets max_tokens stop early on large corpora)
@@ -244,7 +251,8 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
     ``imagefolder``, a Hub dataset id or a local dataset folder), ``data_files`` (a path, glob,
     list or {split: paths}) and ``data_dir`` (relative paths resolve against ``base_dir``, the
     recipe's folder), ``name``, ``revision``, ``split`` (default ``train``), ``column``,
-    ``label_column``, ``image_column`` (each must exist), ``max_examples`` (keep the first n).
+    ``label_column``, ``image_column`` (each must exist), ``max_examples`` (keep the first n),
+    ``sample_by`` (the ``text`` builder only, see `text_options`).
     Keys set to None count as absent, so a pydantic ``model_dump()`` can be passed as is.
     """
     given = {k: v for k, v in spec.items() if v is not None}
@@ -257,6 +265,8 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
     split = given.get("split", "train")
     if not isinstance(split, str) or not split:
         raise DataError(f"`split` must be a split name such as 'train', not {split!r}")
+    sample_by = given.pop("sample_by", None)
+    options = text_options(dataset, sample_by)
     if dataset in BUILTIN_DATASETS:
         return _checked(builtin_records(dataset, given.get("name"), split, given), given, repr(dataset))
     base_dir = Path(base_dir)
@@ -273,13 +283,40 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
     for key in ("name", "revision"):
         if key in given:
             kwargs[key] = given[key]
+    kwargs.update(options)
     where = _where(given)
     splits = _load(dataset, kwargs, None, where)
     base = split.split("[", 1)[0]
     if base not in splits:
         raise DataError(f"dataset {where} has no split {base!r}; its splits are {', '.join(sorted(splits))}")
     records = splits[split] if base == split else _load(dataset, kwargs, split, where)
+    if options.get("sample_by") == "paragraph":
+        # the builder drops the blank lines it splits on: put them back, so the joined records are the text
+        records = records.map(lambda r: {"text": r["text"] + PARAGRAPH_BREAK}, keep_in_memory=True)
     return _checked(records, given, where)
+
+
+def text_options(dataset: str, sample_by: Any) -> dict[str, Any]:
+    """Keyword arguments of the ``text`` builder: ``sample_by`` (default ``document``), line breaks kept.
+
+    The builder's own default (one record per line, line breaks dropped) scores a model on text with
+    no line breaks, which it never saw. ``document``: one record per file, tokenized whole, as a
+    tokenizer sees the file; ``line``: one record per line, line break kept (run_clm's
+    ``keep_linebreaks``), read in chunks so ``max_tokens`` stops early on a large file;
+    ``paragraph``: one record per blank-line-separated paragraph, the blank line put back. Records
+    are joined with nothing between them (run_clm's ``group_texts``), so every mode reads the same
+    characters. Other builders take no ``sample_by``.
+    """
+    if sample_by is None:
+        return {"sample_by": DEFAULT_SAMPLE_BY, "keep_linebreaks": True} if dataset == "text" else {}
+    if sample_by not in SAMPLE_BY:
+        raise DataError(f"`sample_by` must be one of {', '.join(SAMPLE_BY)}, not {sample_by!r}")
+    if dataset != "text":
+        raise DataError(
+            f"`sample_by` applies to the `text` builder only, not to {dataset!r}: remove it "
+            "(records of json / csv files are read as they are)"
+        )
+    return {"sample_by": sample_by, "keep_linebreaks": True}
 
 
 def _checked(records: datasets.Dataset, given: Mapping[str, Any], where: str) -> datasets.Dataset:
@@ -352,14 +389,15 @@ def check_column(records: datasets.Dataset, column: str, key: str = "column", wh
 
 
 def _texts(records: datasets.Dataset, column: str) -> Iterator[list[str]]:
-    """Non-blank texts of ``column`` in chunks (blank lines of the ``text`` builder hold nothing)."""
+    """Non-empty texts of ``column`` in chunks. Whitespace-only texts are kept: a blank line (``"\\n"``
+    with line breaks kept) is text the model reads too."""
     check_column(records, column)
     for start in range(0, len(records), _TOKENIZE_CHUNK):
         chunk = records[start : start + _TOKENIZE_CHUNK][column]
         for value in chunk:
             if value is not None and not isinstance(value, str):
                 raise DataError(f"column {column!r} must hold text, but holds {type(value).__name__} values")
-        yield [t for t in chunk if t is not None and t.strip()]
+        yield [t for t in chunk if t]
 
 
 def _token_stream(

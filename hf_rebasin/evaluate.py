@@ -2,19 +2,21 @@
 
 All losses are in nats. A curve reuses one model object: each λ loads an interpolated state dict
 into it in place, and the batches are materialised once, so a 21-point curve costs 21 forward
-passes over the same tensors and nothing else.
+passes over the same tensors and nothing else. Loss and perplexity are computed in torch; metrics
+a recipe names (``evaluate.metrics``, classification only) go through the `evaluate` library.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
-from .errors import DataError, IncompatibleModelsError, UnsupportedArchitectureError
+from .errors import DataError, IncompatibleModelsError, MetricError, UnsupportedArchitectureError
 from .merge import StorageKey, storage_key
 
 if TYPE_CHECKING:
@@ -22,6 +24,9 @@ if TYPE_CHECKING:
 
 Task = Literal["causal-lm", "masked-lm", "sequence-classification", "image-classification"]
 TASKS: tuple[Task, ...] = get_args(Task)
+CLASSIFICATION_TASKS: tuple[Task, ...] = ("sequence-classification", "image-classification")
+# metrics every run computes in torch (the plot adds a panel only for metrics a recipe asks for)
+BUILTIN_METRICS: tuple[str, ...] = ("perplexity", "pseudo_perplexity", "accuracy")
 Batch = Mapping[str, Tensor]
 
 # class-name suffix -> task; GPT-2's causal LM is the odd one out ("LMHeadModel")
@@ -54,6 +59,74 @@ class Curve:
     def as_dict(self) -> dict[str, Any]:
         """The ``curves.<name>`` entry of ``rebasin.json`` (DESIGN.md §9)."""
         return {"lambdas": list(self.lambdas), "loss": list(self.losses), "metric": dict(self.metrics)}
+
+
+@dataclass(frozen=True)
+class Metric:
+    """An `evaluate` metric loaded once, and the keyword arguments its ``compute`` takes
+    (e.g. ``average: macro`` for F1 on more than two classes)."""
+
+    name: str
+    module: Any
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def compute(self, predictions: Tensor, references: Tensor) -> dict[str, float]:
+        """The metric's numbers on class ids; a failure or a value that is not a number is the user's to fix."""
+        try:
+            out = self.module.compute(predictions=predictions.tolist(), references=references.tolist(), **self.kwargs)
+        except Exception as e:  # a metric script may raise anything on arguments it does not take
+            raise MetricError(
+                f"`evaluate.metrics`: {self.name!r} failed on the predictions ({type(e).__name__}: {_line(e)}); "
+                "fix its `kwargs` (e.g. `average: macro` for f1, precision or recall on more than two classes) "
+                "or remove it"
+            ) from None
+        values: dict[str, float] = {}
+        for key, value in (out or {}).items():
+            try:
+                values[str(key)] = float(value)
+            except (TypeError, ValueError):
+                raise MetricError(
+                    f"`evaluate.metrics`: {self.name!r} returned {key}={value!r}, not one number; pass `kwargs` "
+                    "that make it one (e.g. `average: macro`) or remove it"
+                ) from None
+        return values
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def load_metric(entry: str, base_dir: Path, kwargs: Mapping[str, Any] | None = None) -> Metric:
+    """``evaluate.load`` of a metric name on the Hub (``accuracy``, ``f1``) or of a local metric script
+    (a ``.py`` file, or a folder holding ``<folder name>.py``; relative paths resolve against
+    ``base_dir``, the recipe's folder). Anything that does not load is a `MetricError`."""
+    import evaluate
+
+    path = Path(entry).expanduser()
+    local = entry.endswith(".py") or "/" in entry or "\\" in entry or (Path(base_dir) / path).exists()
+    if local:
+        path = path if path.is_absolute() else Path(base_dir).absolute() / path
+        if not path.exists():
+            raise MetricError(
+                f"`evaluate.metrics`: the metric script {entry!r} is not there (looked for {path}); give the path "
+                "of an `evaluate` metric script, relative to the recipe, or a metric name such as accuracy"
+            )
+    target = str(path) if local else entry
+    try:
+        module = evaluate.load(target)
+    except Exception as e:  # evaluate.load raises FileNotFoundError, ConnectionError, ImportError, …
+        where = (
+            "a local metric script that does not load"
+            if local
+            else "not a metric `evaluate` could load (Hub names need the network or a copy in the evaluate cache)"
+        )
+        raise MetricError(
+            f"`evaluate.metrics`: {entry!r} is {where}: {type(e).__name__}: {_line(e)}. Give the path of a local "
+            "`evaluate` metric script (relative to the recipe), or run once with network access so the Hub "
+            "metric is cached, or remove it"
+        ) from None
+    return Metric(name=entry, module=module, kwargs=dict(kwargs or {}))
 
 
 def task_of_class(name: str) -> Task | None:
@@ -89,15 +162,19 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def evaluate_loss(model: nn.Module, batches: Iterable[Batch], task: Task) -> EvalResult:
+def evaluate_loss(model: nn.Module, batches: Iterable[Batch], task: Task, metrics: Sequence[Metric] = ()) -> EvalResult:
     """Cross-entropy of ``model`` over ``batches``: the sum of per-prediction losses / their count.
 
     Summing (instead of averaging batch means) makes the result independent of how the data were
     batched and of padding. Causal LM: every non-pad next token (labels -100 are skipped); masked
-    LM: positions whose label is not -100; classification: every example, plus accuracy.
-    The model is put in eval mode; no gradients are kept.
+    LM: positions whose label is not -100; classification: every example, plus accuracy and each
+    of ``metrics`` on the argmax predictions. The model is put in eval mode; no gradients are kept.
     """
     _check_task(task)
+    if metrics and task not in CLASSIFICATION_TASKS:
+        raise MetricError(f"`evaluate.metrics` apply to {' and '.join(CLASSIFICATION_TASKS)}, not to {task}")
+    predictions: list[Tensor] = []
+    references: list[Tensor] = []
     device = _device(model)
     model.eval()
     total = torch.zeros((), dtype=torch.float64)
@@ -118,8 +195,12 @@ def evaluate_loss(model: nn.Module, batches: Iterable[Batch], task: Task) -> Eva
             total += loss.double().cpu()
             keep = target != -100
             count += int(keep.sum())
-            if task in ("sequence-classification", "image-classification"):
-                correct += int((flat.argmax(-1)[keep] == target[keep]).sum())
+            if task in CLASSIFICATION_TASKS:
+                predicted = flat.argmax(-1)[keep]
+                correct += int((predicted == target[keep]).sum())
+                if metrics:
+                    predictions.append(predicted.cpu())
+                    references.append(target[keep].cpu())
     if count == 0:
         raise DataError("no predictions to evaluate: the data are empty or every label is -100")
     mean = float(total) / count
@@ -130,6 +211,8 @@ def evaluate_loss(model: nn.Module, batches: Iterable[Batch], task: Task) -> Eva
         metric = {"pseudo_perplexity": _exp(mean)}
     else:
         metric = {"accuracy": correct / count}
+        for m in metrics:
+            metric.update(m.compute(torch.cat(predictions), torch.cat(references)))
     return EvalResult(loss=mean, metric=metric, count=count)
 
 
@@ -221,30 +304,32 @@ def loss_curve(
     lambdas: Sequence[float],
     *,
     progress: Callable[[int, float, EvalResult], None] | None = None,
+    metrics: Sequence[Metric] = (),
 ) -> Curve:
     """Evaluate θ(λ) = λ·A + (1−λ)·B at every λ, reusing ``model`` (same architecture as A and B).
 
     Each λ writes the interpolated weights into ``model``'s own tensors (names and shapes must
     match A's state dict exactly); afterwards ``model`` holds θ(last λ). ``batches`` is consumed once into a list.
-    ``progress(i, λ, result)`` is called after each point.
+    ``progress(i, λ, result)`` is called after each point; ``metrics`` (classification) are
+    computed at every λ beside the loss.
     """
     _check_task(task)
     data = list(batches)
     sd_a, sd_b = _own_copy(model, sd_a), _own_copy(model, sd_b)
     losses: list[float] = []
-    metrics: dict[str, list[float]] = {}
+    values: dict[str, list[float]] = {}
     live = model.state_dict()
     if live.keys() != sd_a.keys():
         model.load_state_dict(interpolate(sd_a, sd_b, 1.0), strict=True)  # raises, naming the tensors
     for i, lam in enumerate(lambdas):
         _lerp_into(live, sd_a, sd_b, float(lam))
-        result = evaluate_loss(model, data, task)
+        result = evaluate_loss(model, data, task, metrics)
         losses.append(result.loss)
         for k, v in result.metric.items():
-            metrics.setdefault(k, []).append(v)
+            values.setdefault(k, []).append(v)
         if progress is not None:
             progress(i, float(lam), result)
-    return Curve(lambdas=[float(x) for x in lambdas], losses=losses, metrics=metrics)
+    return Curve(lambdas=[float(x) for x in lambdas], losses=losses, metrics=values)
 
 
 def barrier(lambdas: Sequence[float], losses: Sequence[float]) -> dict[str, float]:

@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are n
     fcntl = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
+    import torch
     from torch import Tensor
     from transformers import PreTrainedModel
 
@@ -42,38 +43,73 @@ RECORD = "rebasin.json"  # what marks a folder as an hf-rebasin output (the only
 _AFFIX = 16  # bytes the temporary / aside / lock names add to the target's name (".NAME.tmp-XXXXXXXX")
 
 __all__ = [
-    "PREPROCESSOR_FILES",
     "OutputInterrupted",
     "check_inputs",
     "check_output",
     "check_output_path",
     "claim_output",
-    "copy_preprocessor_files",
+    "copy_support_files",
+    "is_support_file",
     "output_folder",
     "recover",
     "save_merged_model",
+    "support_files",
     "write_json",
     "write_text",
 ]
 
-# tokenizer, image-processor and processor files that `save_pretrained` of their classes writes
-PREPROCESSOR_FILES: tuple[str, ...] = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "tokenizer.model",
-    "preprocessor_config.json",
-    "processor_config.json",
-    "image_processor_config.json",
-    "chat_template.json",
-    "chat_template.jinja",
+# The one list of what is *not* carried from model A to the output: weights in every format (the
+# output's own are written by `save_merged_model`), its config (written with the weights), its card
+# and hf-rebasin's own files (the output gets new ones), adapters, code and hidden files. Every
+# other top-level file of A (tokenizer, generation config, chat template, processor configs,
+# licence texts, ...) reaches the output byte for byte; `hub` downloads the same set.
+WEIGHT_SUFFIXES: tuple[str, ...] = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".gguf",
+    ".pkl",
+    ".pickle",
+    ".npz",
+    ".npy",
+    ".ot",
+    ".tflite",
+    ".index.json",  # model.safetensors.index.json, pytorch_model.bin.index.json
 )
+NOT_CARRIED: tuple[str, ...] = ("config.json", "README.md", RECORD, "barrier.png", "barrier.md")
+NOT_CARRIED_PREFIXES: tuple[str, ...] = ("adapter_", ".")
+CODE_SUFFIXES: tuple[str, ...] = (".py", ".pyc", ".so", ".dll", ".dylib", ".sh")
+
+
+def is_support_file(name: str) -> bool:
+    """Whether the file ``name`` (relative to a model folder, ``/``-separated) is one of model A's
+    files that the output keeps as it is: top level, not weights, not config.json, not code."""
+    if "/" in name or "\\" in name or not name:
+        return False  # sub-folders hold other formats (onnx/, original/) or code
+    lower = name.lower()
+    return not (
+        name in NOT_CARRIED
+        or name.startswith(NOT_CARRIED_PREFIXES)
+        or lower.endswith(WEIGHT_SUFFIXES)
+        or lower.endswith(CODE_SUFFIXES)
+    )
+
+
+def support_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` that `is_support_file` keeps (symbolic links followed, as in a Hub
+    snapshot), sorted by name."""
+    folder = Path(folder)
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return []
+    return [p for p in entries if p.is_file() and is_support_file(p.name)]
+
 
 Inputs = Iterable[tuple[str, Path]]
 """``(label, path)`` of what a run reads: model folders, adapter, data files, the recipe file."""
@@ -463,14 +499,17 @@ def _replace(tmp: Path, target: Path, overwrite: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def copy_preprocessor_files(source: Path, dest: Path) -> list[str]:
-    """Copy the tokenizer / image-processor files of ``source`` (model A) into ``dest``; their names."""
+def copy_support_files(source: Path, dest: Path) -> list[str]:
+    """Copy every support file of ``source`` (model A) into ``dest``, replacing what ``dest`` has
+    (``save_pretrained`` writes its own generation_config.json; A's, with its eos ids and sampling
+    defaults, is the one a user expects); their names."""
     copied: list[str] = []
-    for name in PREPROCESSOR_FILES:
-        src = Path(source) / name
-        if src.is_file():
-            shutil.copy2(src, Path(dest) / name)
-            copied.append(name)
+    for src in support_files(source):
+        target = Path(dest) / src.name
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        shutil.copyfile(src, target)  # the bytes, following a snapshot's link into the blob store
+        copied.append(src.name)
     return copied
 
 
@@ -481,15 +520,21 @@ def save_merged_model(
     *,
     untie: bool = False,
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """``state_dict`` saved as a standard folder of ``template``'s class and config (safetensors).
 
     ``untie`` stores a tied LM head apart (canonical forms of orthogonal strategies); the folder
     still loads with the stock class, which reads ``tie_word_embeddings: false`` from the config.
+    ``dtype`` casts every floating tensor for writing (the work is done in float32, but a bf16
+    input should not come out twice its size); config.json's ``dtype`` then says so, and
+    ``from_pretrained`` loads it in that dtype. None writes the tensors as they are.
     """
     from .models import rebuild
 
     model = rebuild(template, dict(state_dict), untie=untie)  # rebuilt on the CPU
+    if dtype is not None:
+        model.to(dtype=dtype)  # type: ignore[call-arg]  # floating tensors only; transformers wraps .to
     model.save_pretrained(str(dest), max_shard_size=max_shard_size)  # safetensors, sharded past the size
 
 

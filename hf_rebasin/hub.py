@@ -1,8 +1,10 @@
 """The Hugging Face Hub: resolve and download models by id and revision, push result folders.
 
-The only module that touches the network (DESIGN.md §2). Downloads are restricted to what
-hf-rebasin reads (config, safetensors, tokenizer / processor and adapter files), pinned to the
-commit the revision resolved to, so a run records exactly which weights it used. Pickle
+The only module that touches the network. Downloads are restricted to what hf-rebasin reads or
+carries into its output (config, card, safetensors, adapter files and the non-weight files
+`export.is_support_file` keeps: tokenizer, generation config, chat template, processor configs),
+pinned to the commit the revision resolved to, so a run records exactly which weights it used.
+With ``HF_HUB_OFFLINE=1`` models come from the local Hugging Face cache instead (`cached_model`). Pickle
 checkpoints are refused unless the recipe allows them, and no repository code is ever fetched or
 run. The token comes from ``HF_TOKEN`` or the login cache through `huggingface_hub` itself; this
 module never reads, stores or prints it.
@@ -24,9 +26,11 @@ __all__ = [
     "HubError",
     "PushError",
     "Snapshot",
+    "cached_model",
     "download_model",
     "endpoint",
     "is_repo_id",
+    "offline",
     "push_folder",
     "repo_id_problem",
     "resolve_revision",
@@ -35,23 +39,10 @@ __all__ = [
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
 PICKLE_PATTERNS = ("*.bin", "*.bin.index.json")
-# everything else a model folder needs: config, tokenizer, image processor, PEFT adapter config
-SUPPORT_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "*.model",  # sentencepiece (tokenizer.model, spiece.model)
-    "preprocessor_config.json",
-    "processor_config.json",
-    "chat_template.jinja",
-    "adapter_config.json",
-)
+# besides the weights: the config, the card (its licence) and every file of the model that
+# `export.is_support_file` carries into the output (tokenizer, generation config, chat template,
+# processor configs, ...): one list for what is downloaded and what is copied
+CONFIG_FILES = ("config.json", "README.md")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 # every network call gives up after this many seconds without progress (connect, each read or
@@ -223,9 +214,60 @@ def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+def offline() -> bool:
+    """Whether downloads are off (``HF_HUB_OFFLINE=1``, the norm on cluster nodes): Hub models then
+    come from the local Hugging Face cache, as ``from_pretrained(local_files_only=True)`` finds them."""
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    return bool(constants.HF_HUB_OFFLINE) or flag
+
+
+def cache_dir() -> str:
+    """The Hugging Face cache the client reads (``HF_HUB_CACHE`` / ``HF_HOME``, read at import)."""
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def cached_model(repo: str, revision: str | None = None, *, allow_pickle: bool = False, where: str = "") -> Snapshot:
+    """``repo`` at ``revision`` from the local Hugging Face cache, without the network; the commit
+    is the cached snapshot's (the branch or tag as the cache last saw it, or the commit given)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    at = f"{where}: " if where else ""
+    shown = f"{repo}@{revision or 'main'}"
+    # the snapshot folder the cache's ref (or the commit given) points at, found through a file every
+    # model (config.json) or adapter has; not snapshot_download, which wants every file of the repo
+    found = [try_to_load_from_cache(repo, name, revision=revision) for name in ("config.json", "adapter_config.json")]
+    paths = [Path(f) for f in found if isinstance(f, str)]
+    if not paths:
+        raise ModelNotFoundError(
+            f"{at}{shown!r} is not in the local Hugging Face cache ({cache_dir()}) and downloads from "
+            f"the Hub are off (HF_HUB_OFFLINE=1). Run once with network access to fill the cache (e.g. `hf download {repo}"
+            f"{f' --revision {revision}' if revision else ''}` or the same recipe), set HF_HUB_OFFLINE=0, "
+            "or give a local folder"
+        )
+    folder = paths[0].parent
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    try:
+        weight_patterns(repo, revision, files, allow_pickle=allow_pickle, where=where)
+    except ModelNotFoundError as e:
+        raise ModelNotFoundError(
+            f"{e}, in the local Hugging Face cache ({folder}): only part of it was downloaded; run once with "
+            "network access (or HF_HUB_OFFLINE=0) to fetch the rest"
+        ) from None
+    return Snapshot(repo=repo, revision=revision, commit=folder.name, folder=folder)
+
+
 def resolve_revision(repo: str, revision: str | None, *, where: str = "") -> tuple[str, list[str]]:
-    """(commit id, file names) of ``repo`` at ``revision`` (default main): metadata only, no weights."""
+    """(commit id, file names) of ``repo`` at ``revision`` (default main): metadata only, no weights
+    (offline: the cached snapshot's)."""
     from huggingface_hub import HfApi
+
+    if offline():
+        snap = cached_model(repo, revision, allow_pickle=True, where=where)
+        return snap.commit, sorted(p.relative_to(snap.folder).as_posix() for p in snap.folder.rglob("*") if p.is_file())
 
     info = _call(
         lambda: HfApi().model_info(repo, revision=revision, files_metadata=True, timeout=timeout()),
@@ -257,9 +299,17 @@ def check_file_name(name: str, at: str) -> None:
         )
 
 
+def support_names(files: Sequence[str]) -> list[str]:
+    """The files of a repo that a run reads or carries into its output besides the weights."""
+    from .export import is_support_file
+
+    return [f for f in files if f in CONFIG_FILES or is_support_file(f)]
+
+
 def _limit(name: str) -> tuple[int, str] | None:
     """(largest size, kind) for a file hf-rebasin may download, None for files it never fetches."""
-    if not any(fnmatch.fnmatch(name, p) for p in (*SUPPORT_PATTERNS, *WEIGHT_PATTERNS, *PICKLE_PATTERNS)):
+    fetched = (*WEIGHT_PATTERNS, *PICKLE_PATTERNS, "adapter_config.json", "adapter_model.*")
+    if not support_names([name]) and not any(fnmatch.fnmatch(name, p) for p in fetched):
         return None
     base = name.rsplit("/", 1)[-1]
     if base.endswith((".safetensors", ".bin")):
@@ -333,32 +383,40 @@ def weight_patterns(
 ) -> list[str]:
     """The allow-patterns to download: support files plus safetensors (or, if allowed, pickles)."""
     at = f"{where}: " if where else ""
+    card = ["README.md"] if "README.md" in files else []  # its licence, for the output's card
     if "config.json" not in files and "adapter_config.json" in files:  # a PEFT adapter
         if "adapter_model.safetensors" in files:
-            return ["adapter_config.json", "adapter_model.safetensors"]
+            return ["adapter_config.json", "adapter_model.safetensors", *card]
         if "adapter_model.bin" in files:
             if not allow_pickle:
                 raise PickleRefusedError(
                     f"{at}{repo!r}@{revision or 'main'} holds its adapter only as a pickle (adapter_model.bin), and "
                     "loading a pickle can run code; set `allow_pickle: true` in the recipe if you trust its author"
                 )
-            return ["adapter_config.json", "adapter_model.bin"]
+            return ["adapter_config.json", "adapter_model.bin", *card]
         raise ModelNotFoundError(f"{at}{repo!r}@{revision or 'main'} has adapter_config.json but no adapter weights")
     if "config.json" not in files:
         raise ModelNotFoundError(
             f"{at}{repo!r}@{revision or 'main'} has no config.json, so it is not a Transformers model "
             f"(files: {', '.join(sorted(files)[:10]) or 'none'})"
         )
+    # names, not globs: a name with [ or * in it must match only itself
+    support = [glob_escape(f) for f in support_names(files)]
     if any(f.endswith(".safetensors") for f in files):
-        return [*SUPPORT_PATTERNS, *WEIGHT_PATTERNS]
+        return [*support, *WEIGHT_PATTERNS]
     if any(f.endswith(".bin") for f in files):
         if not allow_pickle:
             raise PickleRefusedError(
                 f"{at}{repo!r}@{revision or 'main'} holds only pickle weights (.bin), and loading a pickle can run "
                 "code; set `allow_pickle: true` in the recipe (or --allow-pickle) if you trust its author"
             )
-        return [*SUPPORT_PATTERNS, *PICKLE_PATTERNS]
+        return [*support, *PICKLE_PATTERNS]
     raise ModelNotFoundError(f"{at}{repo!r}@{revision or 'main'} has no weights (.safetensors or .bin)")
+
+
+def glob_escape(name: str) -> str:
+    """``name`` as an fnmatch pattern that matches only itself."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def download_model(
@@ -376,6 +434,8 @@ def download_model(
     """
     from huggingface_hub import snapshot_download
 
+    if offline():
+        return cached_model(repo, revision, allow_pickle=allow_pickle, where=where)
     commit, files = resolved if resolved is not None else resolve_revision(repo, revision, where=where)
     for name in files:
         check_file_name(name, f"{where}: {repo!r}@{revision or 'main'}")
@@ -393,7 +453,24 @@ def download_model(
         repo,
         revision or commit,
     )
+    _remember_ref(Path(folder), revision, commit)
     return Snapshot(repo=repo, revision=revision, commit=commit, folder=Path(folder))
+
+
+def _remember_ref(folder: Path, revision: str | None, commit: str) -> None:
+    """Record in the cache which commit ``revision`` (default main) resolved to, as the client does
+    when it downloads by branch: the download went by commit id, and an offline run (or
+    ``from_pretrained(local_files_only=True)``) finds ``org/name@revision`` through this ref."""
+    name = revision or "main"
+    if name == commit or folder.parent.name != "snapshots":
+        return
+    ref = folder.parent.parent / "refs" / name
+    try:
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        if not ref.is_file() or ref.read_text(encoding="utf-8").strip() != commit:
+            ref.write_text(commit, encoding="utf-8")
+    except OSError:  # a read-only cache: offline runs then need the commit id
+        pass
 
 
 def _config(repo: str, commit: str, where: str, revision: str | None) -> dict[str, Any]:
@@ -433,13 +510,16 @@ class PushResult:
 
 
 def retry_command(folder: Path, repo: str, *, private: bool | None, revision: str | None) -> str:
-    """The command that pushes ``folder`` again (printed when a push fails)."""
+    """The command that pushes ``folder`` again (printed when a push fails), quoted for a POSIX
+    shell: a folder with spaces or quotes in its name pastes back as one argument."""
+    import shlex
+
     parts = ["hf-rebasin", "push", str(folder), "--repo", repo]
     if private:
         parts.append("--private")
     if revision:
         parts += ["--revision", revision]
-    return " ".join(parts)
+    return shlex.join(parts)
 
 
 def push_folder(
@@ -449,29 +529,39 @@ def push_folder(
     private: bool | None = None,
     revision: str | None = None,
     commit_message: str | None = None,
+    retry: bool = True,
 ) -> PushResult:
     """Create ``repo`` if needed, then upload ``folder`` as one commit (to ``revision``, default main).
 
-    On failure a `PushError` names the cause and the command to retry; ``folder`` is left as it is.
+    On failure a `PushError` names the cause and how to retry; ``folder`` is left as it is.
+    ``retry``: print the command that pushes again (off for ``hf-rebasin push`` itself, whose user
+    only needs to run the same command again).
     """
     from huggingface_hub import HfApi
 
     folder = Path(folder)
-    retry = retry_command(folder, repo, private=private, revision=revision)
+    where = "output.push_to_hub" if retry else "--repo"
+    if retry:
+        again = f"The result is kept in {folder}; push it again with: " + retry_command(
+            folder, repo, private=private, revision=revision
+        )
+        then = "Then run: " + retry_command(folder, repo, private=private, revision=revision)
+    else:
+        again = f"{folder} is unchanged; run the same command again once that is fixed"
+        then = "Then run the same command again"
 
     def attempt(fn: Callable[[], T]) -> T:
         try:
-            return _call(fn, "output.push_to_hub", repo, revision)
+            return _call(fn, where, repo, revision)
         except RebasinUserError as e:
-            raise PushError(f"{e}. The result is kept in {folder}; push it again with: {retry}") from None
+            raise PushError(f"{e}. {again}") from None
         except Exception as e:  # whatever the client raised (a garbled answer, a bug of its own): same advice
             raise PushError(
-                f"output.push_to_hub: pushing to {repo!r} failed ({type(e).__name__}: {_first_line(e)}). "
-                f"The result is kept in {folder}; push it again with: {retry}"
+                f"{where}: pushing to {repo!r} failed ({type(e).__name__}: {_first_line(e)}). {again}"
             ) from None
 
     if not has_token():
-        raise PushError(f"output.push_to_hub: pushing needs a token: {_token_hint()}. Then run: {retry}")
+        raise PushError(f"{where}: pushing needs a token: {_token_hint()}. {then}")
     api = HfApi()
     attempt(lambda: api.create_repo(repo, private=private, exist_ok=True, repo_type="model"))
     branch = revision or "main"

@@ -115,6 +115,17 @@ class LoraAdapter:
     full: dict[str, tuple[str, Tensor]] = field(default_factory=dict)  # file key → (state-dict name, tensor)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype most of the adapter's floating values are stored in: a transported adapter is
+        written back in it (the moves themselves run in float32 or float64)."""
+        sizes: dict[torch.dtype, int] = {}
+        tensors = [t for m in self.modules.values() for t in (m.a, m.b)] + [t for _, t in self.full.values()]
+        for t in tensors:
+            if t.is_floating_point():
+                sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+        return max(sizes.items(), key=lambda kv: (kv[1], kv[0] == torch.float32))[0] if sizes else torch.float32
+
+    @property
     def base_name(self) -> str | None:
         value = self.config.get("base_model_name_or_path")
         return str(value) if value else None
@@ -444,11 +455,13 @@ def save_adapter(
     alpha: float = 1.0,
     target: Mapping[str, Tensor] | None = None,
     whole: Mapping[str, str] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> list[str]:
     """Write a PEFT adapter folder for ``base_model`` holding ``tensors`` scaled by ``alpha``.
 
     α scales each update: B factors by α, whole tensors (the adapter's own and ``whole``: file key
-    → state-dict name) as ``target + α·(saved − target)``.
+    → state-dict name) as ``target + α·(saved − target)``. ``dtype`` casts every floating tensor
+    for writing (None: as computed; the biases stored whole then come in the target's dtype).
     Returns the file names written.
     """
     from safetensors.torch import save_file
@@ -464,6 +477,8 @@ def save_adapter(
             t = (target[name].to(torch.float32) + alpha * (t.to(torch.float32) - target[name].to(torch.float32))).to(
                 t.dtype
             )
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
         out[key] = t.detach().contiguous().cpu()
     config = dict(adapter.config)
     if set(whole_names) - set(adapter.full) and config.get("bias", "none") == "none":

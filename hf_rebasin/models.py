@@ -9,8 +9,9 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +37,55 @@ PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 @dataclass
 class LoadedModel:
+    """A loaded model (float32 for every computation), its symmetry graph and folder.
+
+    ``stored_dtype`` is the dtype of its floating weights on disk: what an output written from
+    it is cast back to (a bf16 Hub model stays bf16), read without loading a weight.
+    """
+
     model: PreTrainedModel
     graph: SymmetryGraph
     path: Path
+    stored_dtype: torch.dtype = torch.float32
+
+
+# safetensors header dtype names of floating tensors
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+# dtypes an output is written in; another stored dtype (float8) is written as float32
+WRITABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how rebasin.json, the card and config.json name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _main_dtype(sizes: Mapping[torch.dtype, int]) -> torch.dtype | None:
+    """The floating dtype holding the most values (a bf16 model may keep a few float32 tensors)."""
+    if not sizes:
+        return None
+    return max(sizes.items(), key=lambda kv: (kv[1], kv[0] == torch.float32))[0]
+
+
+def _config_dtype(folder: Path) -> torch.dtype | None:
+    """config.json's ``dtype`` (``torch_dtype`` before transformers 5): a fallback only, since
+    configs often say float32 for bf16 weights or name no dtype at all."""
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = (raw.get("dtype") or raw.get("torch_dtype")) if isinstance(raw, dict) else None
+    found = getattr(torch, value, None) if isinstance(value, str) else None
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else None
 
 
 def read_config(folder: Path) -> Any:
@@ -192,6 +239,15 @@ class _Checkpoint:
 
     shapes: dict[str, tuple[int, ...]]
     files: dict[str, str]  # tensor -> file name
+    dtypes: dict[str, torch.dtype | None] = field(default_factory=dict)  # tensor -> stored dtype (None: not floating)
+
+    def stored_dtype(self) -> torch.dtype | None:
+        """The dtype most floating values are stored in (None: no floating tensor)."""
+        sizes: dict[torch.dtype, int] = {}
+        for key, dtype in self.dtypes.items():
+            if dtype is not None:
+                sizes[dtype] = sizes.get(dtype, 0) + math.prod(self.shapes[key])
+        return _main_dtype(sizes)
 
 
 def _read_index(path: Path) -> list[Path]:
@@ -241,8 +297,10 @@ def _checkpoint_shapes(folder: Path, allow_pickle: bool) -> _Checkpoint:
         try:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
-                    out.shapes[k] = tuple(h.get_slice(k).get_shape())
+                    piece = h.get_slice(k)
+                    out.shapes[k] = tuple(piece.get_shape())
                     out.files[k] = f.name
+                    out.dtypes[k] = _SAFETENSORS_DTYPES.get(piece.get_dtype())
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"{str(f)!r} is not a readable safetensors file: {e}") from None
     return out
@@ -266,6 +324,7 @@ def _pickle_shapes(folder: Path) -> _Checkpoint:
         for k, v in sd.items():
             out.shapes[str(k)] = tuple(v.shape)
             out.files[str(k)] = f.name
+            out.dtypes[str(k)] = v.dtype if v.is_floating_point() else None
     return out
 
 
@@ -474,11 +533,13 @@ def load_model(
     state_dict = model.state_dict()
     graph = spec.graph(model.config, state_dict.keys())
     graph.check(state_dict, source=str(folder))
-    return LoadedModel(model, graph, folder)
+    stored = checkpoint.stored_dtype() or _config_dtype(folder) or torch.float32
+    return LoadedModel(model, graph, folder, stored)
 
 
 def rebuild(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], *, untie: bool = False) -> PreTrainedModel:
-    """A fresh model of the same stock class holding ``state_dict`` (untied when asked)."""
+    """A fresh model of the same stock class holding ``state_dict`` (untied when asked), in
+    ``model``'s dtype (the caller casts for writing)."""
     config = copy.deepcopy(model.config)
     if untie:
         config.tie_word_embeddings = False
@@ -558,12 +619,14 @@ def save_model(
     untie: bool = False,
     inputs: Iterable[tuple[str, Path]] = (),
     where: str = "--output",
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write ``state_dict`` as a standard model folder (the class and config of ``model``) through
-    `export.output_folder`: a temporary sibling renamed when complete, the output locked, never an input."""
-    from .export import output_folder
+    `export.output_folder`: a temporary sibling renamed when complete, the output locked, never an input.
+    ``dtype`` casts the floating weights for writing (None: as they are)."""
+    from .export import output_folder, save_merged_model
 
     folder = check_output_folder(path, inputs, where)
     with output_folder(folder, overwrite=False, inputs=inputs, where=where) as tmp:
-        rebuild(model, state_dict, untie=untie).save_pretrained(str(tmp))
+        save_merged_model(model, state_dict, tmp, untie=untie, dtype=dtype)
     return folder

@@ -34,8 +34,8 @@ from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
 from .errors import DataError, RebasinUserError
-from .evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS, check_files
-from .evaluate import Task
+from .evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS, SampleBy, check_files
+from .evaluate import CLASSIFICATION_TASKS, Task
 from .export import DEFAULT_SHARD_SIZE
 from .hub import is_repo_id, repo_id_problem, split_ref
 from .strategies import REGISTRY, Options, Strategy, get_strategy
@@ -60,6 +60,7 @@ __all__ = [
     "loads_recipe",
     "parse_recipe",
     "recipe_json_schema",
+    "strategy_spec",
 ]
 
 Job = Literal["merge", "barrier", "transport"]
@@ -260,6 +261,11 @@ class DataSpec(_Section):
     label_column: str | None = Field(None, description="label column (classification); default: `label`")
     max_tokens: int | None = Field(None, ge=1, description="read at most this many tokens")
     max_examples: int | None = Field(None, ge=1, description="read at most this many examples")
+    sample_by: SampleBy | None = Field(
+        None,
+        description="text builder: one record per `document` (the default: each file whole), `line` or "
+        "`paragraph`; line breaks are kept in every mode and records are joined as they are",
+    )
 
     @field_validator("data_files", mode="before")
     @classmethod
@@ -278,6 +284,12 @@ class DataSpec(_Section):
     @model_validator(mode="after")
     def _resolve_local(self, info: ValidationInfo) -> DataSpec:
         base = _base_dir(info)
+        if self.sample_by is not None and self.dataset != "text":
+            raise PydanticCustomError(
+                "recipe",
+                "`sample_by` applies to the `text` builder only, not to `{dataset}`: remove it",
+                {"dataset": self.dataset, "at": "sample_by"},
+            )
         if self.dataset in BUILTIN_DATASETS:
             given = [k for k in ("data_files", "data_dir", "revision") if getattr(self, k) is not None]
             if given:
@@ -411,6 +423,13 @@ else:
     StrategyName = Literal[tuple(REGISTRY.names)]
 
 
+class MetricSpec(_Section):
+    """An `evaluate` metric and the keyword arguments of its ``compute``."""
+
+    name: str = Field(min_length=1, description="metric name on the Hub, or path of a local metric script")
+    kwargs: dict[str, Any] = Field({}, description="keyword arguments of the metric's compute, e.g. {average: macro}")
+
+
 class Evaluate(_Section):
     """The loss curve along λ ∈ [0, 1]: task, data, number of points, curves to compare against."""
 
@@ -427,6 +446,11 @@ class Evaluate(_Section):
     support: DataSpec | None = Field(
         None, description="transport: data of what the target should keep (e.g. its pretraining text), also scored"
     )
+    metrics: list[Union[str, MetricSpec]] = Field(  # noqa: UP007 (pydantic needs a runtime union)
+        [],
+        description="classification: `evaluate` metrics computed at every λ (names such as accuracy or f1, or "
+        "paths of local metric scripts relative to the recipe; {name, kwargs} to pass compute arguments)",
+    )
 
     @field_validator("compare")
     @classmethod
@@ -434,6 +458,21 @@ class Evaluate(_Section):
         if len(set(value)) != len(value):
             raise PydanticCustomError("compare", "list each strategy at most once")
         return value
+
+    @model_validator(mode="after")
+    def _metrics_fit_the_task(self) -> Evaluate:
+        if self.metrics and self.task not in CLASSIFICATION_TASKS:
+            raise PydanticCustomError(
+                "recipe",
+                "`evaluate.metrics` apply to classification (sequence-classification, image-classification), "
+                "not to {task}: its loss and perplexity are always reported; remove `metrics`",
+                {"task": self.task, "at": "metrics"},
+            )
+        return self
+
+    def metric_specs(self) -> list[MetricSpec]:
+        """``metrics`` with every plain name turned into ``{name, kwargs: {}}``."""
+        return [MetricSpec(name=m, kwargs={}) if isinstance(m, str) else m for m in self.metrics]
 
     @model_validator(mode="after")
     def _one_budget(self) -> Evaluate:
@@ -479,6 +518,11 @@ class Output(_Section):
         description="split model.safetensors into shards past this size: bytes, or a string such as 2GB or 500MB",
     )
     push_to_hub: PushToHub | None = Field(None, description="also publish the folder to the Hub")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="dtype of the written weights; default: the reference model's stored dtype "
+        "(merge: model A, transport: the target B or the adapter's own); the work is done in float32",
+    )
 
     @field_validator("max_shard_size")
     @classmethod
@@ -602,6 +646,11 @@ class Recipe(_Section):
         False,
         description="accept models whose config names custom code (auto_map): their weights are loaded into the "
         "stock class of their model_type; repository code is never run",
+    )
+    allow_different_tokenizers: bool = Field(
+        False,
+        description="run although the models' tokenizers differ (vocabulary, special tokens or merges): their "
+        "token ids may mean different things; the card says so",
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
     cache: bool = Field(
@@ -855,6 +904,9 @@ def _problem(err: Mapping[str, Any], lines: Lines) -> Problem:
     elif kind == "union_tag_invalid":
         path, line = f"{path}.name", lines.get((*loc, "name"), line)
         message = f"unknown strategy {_given(ctx.get('tag'))}; allowed: {ctx.get('expected_tags', '')}"
+        close = difflib.get_close_matches(str(ctx.get("tag")), REGISTRY.names, n=1)
+        if close:
+            message += f" (did you mean `{close[0]}`?)"
     elif kind == "union_tag_not_found":
         message = f"needs a `name`: one of {', '.join(REGISTRY.names)}"
     elif kind in ("model_type", "model_attributes_type", "dict_type"):
@@ -894,6 +946,27 @@ def parse_recipe(data: Mapping[str, Any], source: str, base_dir: Path, *, lines:
         raise RecipeError(source, problems) from None
     recipe._source = source
     return recipe
+
+
+def strategy_spec(name: str, options: Mapping[str, Any], given: Mapping[str, str] | None = None) -> StrategySpec:
+    """A strategy and its options from the command line (``--strategy``, ``--set``), checked as a
+    recipe's ``strategy:`` section is: a wrong name or option gets the same message (allowed
+    values, "did you mean"), naming the option as it was typed (``given``: key -> ``--set`` item)."""
+    from pydantic import TypeAdapter
+
+    from .errors import StrategyOptionError
+
+    try:
+        return TypeAdapter(StrategySection).validate_python({**options, "name": name})
+    except ValidationError as e:
+        problems = []
+        for err in e.errors(include_url=False):
+            problem = _problem({**err, "loc": ("strategy", *err["loc"])}, {})
+            parts = problem.path.split(".")
+            key = parts[1] if len(parts) > 1 else "name"
+            label = "--strategy" if key == "name" else f"--set {(given or {}).get(key, key)}"
+            problems.append(str(Problem(label, None, problem.message)))
+        raise StrategyOptionError("; ".join(problems)) from None
 
 
 def _line_map(node: yaml.Node, path: tuple[str, ...], lines: dict[tuple[str, ...], int], source: str) -> None:
@@ -1022,7 +1095,7 @@ def _data_line(spec: DataSpec) -> str:
         if getattr(spec, key) is not None:
             parts.append(f"{key}={getattr(spec, key)}")
     parts.append(f"split={spec.split}")
-    for key in ("column", "image_column", "label_column", "max_tokens", "max_examples"):
+    for key in ("column", "image_column", "label_column", "max_tokens", "max_examples", "sample_by"):
         if getattr(spec, key) is not None:
             parts.append(f"{key}={getattr(spec, key)}")
     try:
@@ -1116,5 +1189,6 @@ def describe(recipe: Recipe) -> list[str]:
     out.append(
         f"device: {recipe.device}; allow_pickle: {str(recipe.allow_pickle).lower()}; "
         f"trust_remote_code: {str(recipe.trust_remote_code).lower()}"
+        + ("; allow_different_tokenizers: true" if recipe.allow_different_tokenizers else "")
     )
     return out

@@ -7,7 +7,7 @@ so the caller's backend and pyplot state are left alone and nothing needs a disp
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .evaluate import Curve, barrier
@@ -23,20 +23,37 @@ def _check(curves: Mapping[str, Curve]) -> None:
             raise ValueError(f"curve {name!r} has {len(c.lambdas)} lambdas and {len(c.losses)} losses")
 
 
-def plot_curves(curves: Mapping[str, Curve], path: Path, *, title: str, ylabel: str = "loss (nats)") -> Path:
+def metric_names(curves: Mapping[str, Curve]) -> list[str]:
+    """The metrics of ``curves`` worth a plot panel of their own: all but the perplexities, which
+    are the loss again on another scale."""
+    names = dict.fromkeys(k for c in curves.values() for k in c.metrics)
+    return [k for k in names if "perplexity" not in k]
+
+
+def plot_curves(
+    curves: Mapping[str, Curve],
+    path: Path,
+    *,
+    title: str,
+    ylabel: str = "loss (nats)",
+    metrics: Sequence[str] = (),
+) -> Path:
     """One line per curve, loss against λ (the weight on model A), saved as a PNG at ``path``.
 
     λ = 0 is model B (aligned), λ = 1 is model A; each evaluated λ carries a marker so a
-    coarse sweep is not mistaken for a smooth one. Returns ``path``.
+    coarse sweep is not mistaken for a smooth one. ``metrics`` (names in the curves' metrics, e.g.
+    the recipe's ``evaluate.metrics``) get a second panel below, one line per curve and metric.
+    Returns ``path``.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     _check(curves)
     path = Path(path)
-    fig = Figure(figsize=(6.4, 4.0), dpi=120, layout="constrained")
+    shown = [m for m in metrics if any(m in c.metrics for c in curves.values())]
+    fig = Figure(figsize=(6.4, 6.8 if shown else 4.0), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(2, 1, 1) if shown else fig.add_subplot()
     markers = "osD^v<>ph*"
     for i, (name, c) in enumerate(curves.items()):
         ax.plot(c.lambdas, c.losses, marker=markers[i % len(markers)], markersize=4, linewidth=1.5, label=name)
@@ -46,6 +63,24 @@ def plot_curves(curves: Mapping[str, Curve], path: Path, *, title: str, ylabel: 
     ax.set_xlim(-0.02, 1.02)
     ax.grid(True, alpha=0.3)
     ax.legend()
+    if shown:
+        low = fig.add_subplot(2, 1, 2, sharex=ax)
+        styles = ["-", "--", ":", "-."]
+        for i, (name, c) in enumerate(curves.items()):
+            for j, m in enumerate(x for x in shown if x in c.metrics):
+                low.plot(
+                    c.lambdas,
+                    c.metrics[m],
+                    marker=markers[i % len(markers)],
+                    linestyle=styles[j % len(styles)],
+                    markersize=4,
+                    linewidth=1.5,
+                    label=f"{name}: {m}",
+                )
+        low.set_xlabel("λ (weight on model A; 0 = B, 1 = A)")
+        low.set_ylabel("metric")
+        low.grid(True, alpha=0.3)
+        low.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path

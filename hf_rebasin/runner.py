@@ -1,4 +1,4 @@
-"""Running a recipe end to end: load, align, merge, evaluate, write (DESIGN.md §2, §5, §9).
+"""Running a recipe end to end: load, align, merge, evaluate, write.
 
 This module holds the order of the stages and nothing else: loading is `models`, alignment the
 strategies, averaging `merge`, losses `evaluate`, files `export`. It never prints; the CLI passes a
@@ -29,7 +29,7 @@ from .recipe import DEVICE_PATTERN, DataSpec, ModelRef, Recipe, describe
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .evaluate import Curve, Task
+    from .evaluate import Curve, Metric, Task
     from .lora import LoraAdapter
     from .models import LoadedModel
     from .strategies import Alignment, AlignmentData
@@ -43,7 +43,7 @@ Progress = Callable[[str, int, int], None]
 LOAD_STAGE = "loading models"
 SWEEP_STAGE = "λ sweep"
 TEXT_TASKS = ("causal-lm", "masked-lm")
-MAX_BLOCK = 128  # tokens per block of evaluation / alignment text (DESIGN.md §5: 128-token blocks)
+MAX_BLOCK = 128  # tokens per block of evaluation / alignment text
 CHECK_ROWS = 4  # examples on which function preservation is measured
 
 
@@ -85,6 +85,7 @@ class ResolvedModel:
     folder: Path | None
     commit: str | None = None
     files: tuple[str, ...] | None = None  # a Hub model resolved without download: the files of its commit
+    cached: bool = False  # a Hub model taken from the local Hugging Face cache (HF_HUB_OFFLINE=1)
 
 
 def resolve_model(
@@ -141,6 +142,9 @@ def _resolve(
     if ref.source == "hub":
         from . import hub
 
+        if hub.offline():  # no network: the snapshot the cache holds, in a dry run too
+            snap = hub.cached_model(ref.model, ref.revision, allow_pickle=allow_pickle, where=where)
+            return ResolvedModel(snap.folder, snap.commit, cached=True)
         if not fetch:
             commit, files = hub.resolve_revision(ref.model, ref.revision, where=where)
             hub.weight_patterns(ref.model, ref.revision, files, allow_pickle=allow_pickle, where=where)
@@ -230,6 +234,7 @@ def _check_recipe(recipe: Recipe, output: Path, output_field: str = "`output.dir
             _check_remote_code(recipe, res.folder, where, ref)
     if recipe.job == "transport":
         _check_adapter(recipe, resolved)
+    _check_tokenizers(recipe, [r.folder for r in resolved])  # Hub models not downloaded yet: after download
     task_folder = _task_folder(recipe, resolved)
     if task_folder is not None:
         _check_task_of_folder(recipe, task_folder)
@@ -297,6 +302,43 @@ def _check_adapter(recipe: Recipe, resolved: Sequence[ResolvedModel]) -> list[st
     return [f"the adapter names {named!r} as its base; `base` is {base} (check_base: false)"]
 
 
+_CACHED = " (resolved from the local Hugging Face cache, offline)"
+
+
+def _check_tokenizers(recipe: Recipe, folders: Sequence[Path | None]) -> list[str]:
+    """Every model's tokenizer against the reference's (vocabulary, special tokens, merges): token
+    ids that mean different things make a merge or transport garbage with a normal-looking card.
+
+    Refused unless ``allow_different_tokenizers``; then the difference is a note (rebasin.json and
+    the card). Models without a tokenizer (image models, adapters) or not downloaded yet are skipped.
+    """
+    from .vocab import load_tokenizer, tokenizer_difference
+
+    if not folders or folders[0] is None:
+        return []
+    reference = load_tokenizer(folders[0])
+    if reference is None:
+        return []
+    first = recipe.refs[0][0]
+    notes: list[str] = []
+    for (where, ref), folder in zip(recipe.refs[1:], folders[1:], strict=True):
+        other = load_tokenizer(folder) if folder is not None else None
+        found = tokenizer_difference(reference, other, f"`{first}`", f"`{where}`") if other is not None else None
+        if found is None:
+            continue
+        if not recipe.allow_different_tokenizers:
+            raise IncompatibleModelsError(
+                f"`{where}`: the tokenizer of {ref} differs from that of {recipe.refs[0][1]} (`{first}`): {found}. "
+                "Token ids that mean different things make the result garbage. Use models that share a "
+                "tokenizer, or set `allow_different_tokenizers: true` if you know better (the card will say so)"
+            )
+        notes.append(
+            f"the tokenizers differ (allowed by `allow_different_tokenizers: true`): {found}; token ids may mean "
+            "different things in the models combined"
+        )
+    return notes
+
+
 def _load(folder: Path, recipe: Recipe, where: str) -> LoadedModel:
     """`models.load_model` with the recipe's settings; a user error names the recipe field."""
     from .models import load_model
@@ -321,7 +363,7 @@ def _load_finetune(
     if is_adapter(folder) and not (folder / "config.json").is_file():
         adapter = read_adapter(folder, base.model, allow_pickle=allow_pickle, where="finetuned.model")
         merged = rebuild(base.model, apply_adapter(adapter, base.model.state_dict()))
-        return LoadedModel(merged, base.graph, folder), adapter
+        return LoadedModel(merged, base.graph, folder, adapter.dtype), adapter
     ft = _load(folder, recipe, "finetuned.model") if recipe else load_model(folder, allow_pickle=allow_pickle)
     type_a, type_ft = base.model.config.model_type, ft.model.config.model_type
     if type_a != type_ft:
@@ -403,7 +445,7 @@ def plan(recipe: Recipe, *, output: Path | None = None) -> list[str]:
     lines = describe(recipe)
     for (_, ref), res in zip(recipe.refs, resolved, strict=True):
         if res.commit is not None:
-            lines.append(f"resolved: {ref} -> commit {res.commit}")
+            lines.append(f"resolved: {ref} -> commit {res.commit}{_CACHED if res.cached else ''}")
     if output is not None:
         lines = [f"output: {target} (from --output)" if line.startswith("output: ") else line for line in lines]
     lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
@@ -460,6 +502,14 @@ def _label2id(records: Any, column: str, config: Any) -> Mapping[str, int] | Non
     if names is not None and not set(names) <= set(label2id):
         return None  # class folders such as 0..9: ids as they are
     return label2id or None
+
+
+def _metrics(recipe: Recipe, base_dir: Path) -> list[Metric]:
+    """The recipe's ``evaluate.metrics``, loaded once through `evaluate.load`."""
+    from .evaluate import load_metric
+
+    ev = recipe.evaluate
+    return [load_metric(m.name, base_dir, m.kwargs) for m in ev.metric_specs()] if ev is not None else []
 
 
 def _batches(
@@ -574,10 +624,16 @@ def _rebuilt(template: PreTrainedModel, sd: Mapping[str, Tensor], untie: bool) -
 class _Scorer:
     """Scores state dicts on one rebuilt model per (template, untie), loading each in place:
     rebuilding per α or per comparison would re-initialise every weight first (2.7 s for GPT-2
-    small on 2 cores, against 0.04 s to load new weights)."""
+    small on 2 cores, against 0.04 s to load new weights).
 
-    def __init__(self) -> None:
+    ``dtype`` is the dtype the output is written in: each state dict is rounded to it (and back to
+    float32, where the scoring runs) first, so a score is that of the weights the user gets, not of
+    the float32 weights before the cast. float32 changes nothing."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, metrics: Sequence[Metric] = ()) -> None:
         self._models: dict[tuple[int, bool], PreTrainedModel] = {}
+        self.dtype = dtype
+        self.metrics = tuple(metrics)  # `evaluate.metrics`, scored beside the loss
 
     def __call__(
         self,
@@ -590,13 +646,15 @@ class _Scorer:
         """Loss and metric of ``sd`` on the evaluation batches (``rebasin.json``'s ``merged``)."""
         from .evaluate import evaluate_loss
 
+        if self.dtype != torch.float32:
+            sd = {k: v.to(self.dtype).to(v.dtype) if v.is_floating_point() else v for k, v in sd.items()}
         key = (id(template), untie)
         model = self._models.get(key)
         if model is None:
             model = self._models[key] = _rebuilt(template, sd, untie)
         else:
             model.load_state_dict(dict(sd), strict=True)
-        result = evaluate_loss(model, batches, task)
+        result = evaluate_loss(model, batches, task, self.metrics)
         return {"loss": result.loss, "metric": dict(result.metric), "count": result.count}
 
 
@@ -666,7 +724,7 @@ class _RunCache:
         ``label`` names the pair in notes (default: the models' letters in the recipe, "B to A");
         ``graph`` is the graph of the `Pair` when it is not ``reference.graph``."""
         from . import cache
-        from .export import PREPROCESSOR_FILES
+        from .export import support_files
         from .strategies import get_strategy
 
         if not self.enabled or strategy in cache.NOT_CACHED:
@@ -686,9 +744,7 @@ class _RunCache:
                     evaluate_task=ev.task if ev is not None else None,
                     batch_size=ev.batch_size if ev is not None else 8,
                     seed=ev.seed if ev is not None else 0,
-                    processor=cache.files_identity(
-                        [reference.path / f for f in PREPROCESSOR_FILES], base=reference.path
-                    ),
+                    processor=cache.files_identity(support_files(reference.path), base=reference.path),
                 )
             key = cache.alignment_key(
                 ref_res,
@@ -803,6 +859,7 @@ def _curve(
     points: int,
     name: str,
     report: Progress,
+    metrics: Sequence[Metric] = (),
 ) -> Curve:
     """The loss along λ between A and aligned B, in the form (original or canonical) of the alignment."""
     from .evaluate import lambdas, loss_curve
@@ -818,6 +875,7 @@ def _curve(
         task,
         grid,
         progress=_sweep_progress(report, stage, len(grid)),
+        metrics=metrics,
     )
 
 
@@ -855,6 +913,8 @@ def _relative_paths(data: Any, base: Path, key: str | None = None) -> Any:
 
 
 def _model_entries(recipe: Recipe, resolved: Sequence[ResolvedModel]) -> list[dict[str, Any]]:
+    from .card import read_license
+
     base = _recipe_dir(recipe)
     return [
         {
@@ -864,6 +924,7 @@ def _model_entries(recipe: Recipe, resolved: Sequence[ResolvedModel]) -> list[di
             "source": ref.source,
             "folder": _relative(str(r.folder), base) if ref.source == "local" else None,  # caches: not recorded
             **({"role": where.split(".")[0]} if recipe.job == "transport" else {}),
+            **({"license": lic} if r.folder is not None and (lic := read_license(r.folder)) else {}),
         }
         for (where, ref), r in zip(recipe.refs, resolved, strict=True)
     ]
@@ -937,10 +998,10 @@ def _run_recipe(
 ) -> RunResult:
     """`run_recipe` once the recipe is checked and the output held."""
     from .evaluate import barrier, task_of
-    from .export import check_inputs, copy_preprocessor_files, output_folder, save_merged_model, write_text
+    from .export import check_inputs, copy_support_files, output_folder, save_merged_model, write_text
     from .merge import merge_state_dicts
     from .models import check_compatible
-    from .report import markdown_table, plot_curves
+    from .report import markdown_table, metric_names, plot_curves
     from .strategies import AlignmentData, Pair, get_strategy
 
     report = progress or _noop
@@ -949,6 +1010,7 @@ def _run_recipe(
     timings: dict[str, float] = {"load": 0.0, "align": 0.0, "evaluate": 0.0, "save": 0.0}
     notes: list[str] = []
     run_cache = _RunCache(recipe, base_dir, notes, report)
+    metrics = _metrics(recipe, base_dir)  # before any model loads: a metric that does not load fails fast
 
     # load (zoo models are trained first when not cached: timed apart as "train")
     start = time.perf_counter()
@@ -961,6 +1023,12 @@ def _run_recipe(
     check_inputs(target, _read_paths(recipe, resolved), where)  # downloaded Hub folders are inputs too
     for (ref_where, ref), folder in zip(recipe.refs, folders, strict=True):
         _check_remote_code(recipe, folder, ref_where, ref)
+    notes.extend(
+        f"{ref} resolved from the local Hugging Face cache (offline): commit {res.commit}"
+        for (_, ref), res in zip(recipe.refs, resolved, strict=True)
+        if res.cached
+    )
+    notes.extend(_check_tokenizers(recipe, folders))
     if untrained:
         timings["train"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -980,6 +1048,7 @@ def _run_recipe(
         loaded.append(lm)
         report(LOAD_STAGE, i + 1, len(folders))
     a = loaded[0]
+    out_dtype, dtype_record = _output_dtype(recipe, loaded, adapter, notes)
     # a transport is scored on the fine-tune's task (its head may be new); alignment data go through the bases
     task = _task(recipe, loaded[2].model if recipe.job == "transport" else a.model, task_of)
     align_task = task_of(a.model) if recipe.job == "transport" else task
@@ -1032,6 +1101,8 @@ def _run_recipe(
             notes,
             run_cache,
             adapter,
+            score=_Scorer(out_dtype, metrics),
+            dtype_record=dtype_record,
         )
         return _transport(ctx, processor, base_dir, report, command, dev)
 
@@ -1069,7 +1140,9 @@ def _run_recipe(
                 al = _timed_align(curve_name, compared, pair, report, timings, cache=cached)
                 aligned_b = al.aligned_b()
             start = time.perf_counter()
-            curves[curve_name] = _curve(a.model, al, aligned_b, eval_batches, task, ev.points, curve_name, report)
+            curves[curve_name] = _curve(
+                a.model, al, aligned_b, eval_batches, task, ev.points, curve_name, report, metrics
+            )
             barriers[curve_name] = barrier(curves[curve_name].lambdas, curves[curve_name].losses)
             timings["evaluate"] += time.perf_counter() - start
 
@@ -1078,7 +1151,7 @@ def _run_recipe(
     scores: dict[str, dict[str, Any]] = {}
     merged: dict[str, Tensor] = {}
     universe: dict[str, Any] | None = None
-    score = _Scorer()
+    score = _Scorer(out_dtype, metrics)  # the merged model is scored as written (rounded to out_dtype)
     if recipe.job == "merge" and recipe.merge.universe is not None:
         merged, reference, universe, preserved = _universe(
             recipe, loaded, alignments, weights, data, inputs, preserved, report, timings, notes
@@ -1109,11 +1182,17 @@ def _run_recipe(
     with output_folder(target, overwrite=recipe.output.overwrite) as tmp:
         if recipe.job == "merge":
             save_merged_model(
-                a.model, merged, tmp, untie=bool(primary.untied), max_shard_size=recipe.output.max_shard_size
+                a.model,
+                merged,
+                tmp,
+                untie=bool(primary.untied),
+                max_shard_size=recipe.output.max_shard_size,
+                dtype=out_dtype,
             )
-            copy_preprocessor_files(folders[0], tmp)
+            copy_support_files(folders[0], tmp)  # after save_pretrained: A's files as they were
         if curves:
-            plot_curves(curves, tmp / "barrier.png", title=_title(recipe, task))
+            shown = metric_names(curves) if metrics else []  # a metric panel when the recipe asks for metrics
+            plot_curves(curves, tmp / "barrier.png", title=_title(recipe, task), metrics=shown)
             write_text(tmp / "barrier.md", markdown_table(curves, barriers))
         timings["save"] = time.perf_counter() - start
         files = _write_record(
@@ -1136,6 +1215,7 @@ def _run_recipe(
             notes=notes,
             timings=timings,
             cache=run_cache.record(),
+            dtype=dtype_record,
         )
     pushed, push_error = _push(recipe, target, report)
     return RunResult(
@@ -1240,6 +1320,12 @@ class _Context:
     run_cache: _RunCache
     adapter: LoraAdapter | None = None  # transport: the fine-tune is this LoRA adapter (merged into A in loaded[2])
     score: _Scorer = field(default_factory=_Scorer)
+    dtype_record: dict[str, Any] = field(default_factory=dict)  # rebasin.json's ``dtype`` (see `_output_dtype`)
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype the output is written in (the scorer rounds to it)."""
+        return self.score.dtype
 
 
 def _transport_scores(
@@ -1265,11 +1351,11 @@ def _transport_scores(
         else:
             out["loss"][key], out["metric"][key] = score["loss"], score["metric"]
 
-    ft = evaluate_loss(a_ft.model, batches, ctx.task)
+    ft = evaluate_loss(a_ft.model, batches, ctx.task, ctx.score.metrics)
     if moved.carried:
         put("target", ctx.score(moved.template, moved.theta(0.0), moved.untie, batches, ctx.task), False)
     else:
-        target = evaluate_loss(b.model, batches, ctx.task)
+        target = evaluate_loss(b.model, batches, ctx.task, ctx.score.metrics)
         put("target", {"loss": target.loss, "metric": dict(target.metric)}, False)
     put("finetuned", {"loss": ft.loss, "metric": dict(ft.metric)}, False)
     for alpha in ctx.recipe.alphas:
@@ -1324,7 +1410,7 @@ def _transport(
 ) -> RunResult:
     """job: transport: align the old base A to the target B, move τ = A_ft − A, save B + α·π(τ)
     (a model folder), or for a LoRA adapter the adapter with its factors moved."""
-    from .export import copy_preprocessor_files, output_folder, save_merged_model
+    from .export import copy_support_files, output_folder, save_merged_model
     from .strategies import Pair, align
 
     recipe, timings, notes = ctx.recipe, ctx.timings, ctx.notes
@@ -1403,7 +1489,14 @@ def _transport(
                 ctx.adapter, graph, alignment.transform, sd_a, sd_b, canonical_graph=canonical
             )
             save_adapter(
-                ctx.adapter, factors, tmp, base_model=str(recipe.target), alpha=alphas[0], target=sd_b, whole=whole
+                ctx.adapter,
+                factors,
+                tmp,
+                base_model=str(recipe.target),
+                alpha=alphas[0],
+                target=sd_b,
+                whole=whole,
+                dtype=ctx.out_dtype,
             )
             record["adapter"] = {
                 **ctx.adapter.summary(),
@@ -1417,8 +1510,9 @@ def _transport(
                 tmp,
                 untie=moved.untie,
                 max_shard_size=recipe.output.max_shard_size,
+                dtype=ctx.out_dtype,
             )
-        copy_preprocessor_files(ctx.folders[0], tmp)
+        copy_support_files(ctx.folders[0], tmp)  # after save_pretrained: B's files as they were
         timings["save"] = time.perf_counter() - start
         files = _write_record(
             tmp,
@@ -1438,6 +1532,7 @@ def _transport(
             function_preserved=preserved,
             notes=notes,
             timings=timings,
+            dtype=ctx.dtype_record,
         )
     pushed, push_error = _push(recipe, ctx.output, report)
     return RunResult(
@@ -1457,10 +1552,54 @@ def _transport(
     )
 
 
+def _output_dtype(
+    recipe: Recipe, loaded: Sequence[LoadedModel], adapter: LoraAdapter | None, notes: list[str]
+) -> tuple[torch.dtype, dict[str, Any]]:
+    """The dtype the output is written in, and ``rebasin.json``'s ``dtype`` entry.
+
+    ``output.dtype`` when set; else the reference model's stored dtype (merge: A; transport: the
+    target B, or for an adapter the adapter's own), so a bf16 model stays bf16. Inputs stored in
+    different dtypes follow the reference, with a note. The work itself always runs in float32.
+    """
+    from .models import WRITABLE_DTYPES, dtype_name
+
+    roles = ["target", "base", "finetuned"] if recipe.job == "transport" else [_letter(i) for i in range(len(loaded))]
+    inputs = {role: dtype_name(lm.stored_dtype) for role, lm in zip(roles, loaded, strict=False)}
+    entry: dict[str, Any] = {"inputs": inputs, "output": None, "from": None, "compute": "float32"}
+    if recipe.job == "barrier":  # no weights written
+        return torch.float32, entry
+    if recipe.output.dtype is not None:
+        chosen, source = getattr(torch, recipe.output.dtype), "output.dtype"
+    elif adapter is not None:
+        chosen, source = adapter.dtype, "finetuned"
+    else:
+        chosen, source = loaded[0].stored_dtype, roles[0]
+        written = list(loaded) if recipe.job == "merge" else [*loaded[:1], *loaded[2:]]  # transport: B, fine-tune
+        if len({lm.stored_dtype for lm in written}) > 1:
+            shown = ", ".join(f"{role} {name}" for role, name in inputs.items() if role != "base")
+            who = "the target B's" if recipe.job == "transport" else "model A's (the reference)"
+            notes.append(
+                f"the inputs are stored in different dtypes ({shown}): the output is written in "
+                f"{dtype_name(chosen)}, {who}; set `output.dtype` to choose another"
+            )
+    if chosen not in WRITABLE_DTYPES:
+        notes.append(
+            f"{roles[0]} is stored in {dtype_name(chosen)}, which hf-rebasin does not write: written as float32"
+        )
+        chosen = torch.float32
+    entry["output"], entry["from"] = dtype_name(chosen), source
+    return chosen, entry
+
+
+def _letter(i: int) -> str:
+    """A model's name in notes and records: A (the reference), B, C, …"""
+    return chr(ord("A") + i) if i < 26 else f"#{i + 1}"
+
+
 def _write_record(
     folder: Path, recipe: Recipe, output: Path, resolved: Sequence[ResolvedModel], command: str | None, **fields: Any
 ) -> list[str]:
-    """Write ``rebasin.json`` (DESIGN.md §9) and the card into ``folder``; return the folder's file names."""
+    """Write ``rebasin.json`` and the card into ``folder``; return the folder's file names."""
     from .card import render_card
     from .export import write_json, write_text
 

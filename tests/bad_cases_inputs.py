@@ -211,6 +211,34 @@ def _secret_kept(ws: Workspace, result: Outcome) -> None:
     assert SECRET not in result.stdout + result.stderr + written
 
 
+# -- tokenizers and the offline cache ------------------------------------------------------------
+
+
+def _other_tokenizer(ws: Workspace, *extra: str, **changes: Any) -> list[str]:
+    """./a and ./b whose tokenizers differ: B's vocabulary has '!' and 'x' (ids shift from "'" on)."""
+    from bad_input import TEXT
+    from hf_rebasin.data import char_tokenizer
+
+    ws.model("a", seed=0)
+    ws.model("b", seed=1)
+    char_tokenizer(TEXT + "x!").save_pretrained(str(ws.root / "b"))
+    return [*_merge_with(ws, **changes), *extra]
+
+
+def _tokenizers_noted(ws: Workspace, result: Outcome) -> None:
+    """The run went ahead and says so: rebasin.json's notes and the card name the difference."""
+    ws.unchanged(allow_new=("out/",))
+    record = json.loads((ws.root / "out" / "rebasin.json").read_text(encoding="utf-8"))
+    assert any("tokenizers differ" in n and "is id 5" in n for n in record["notes"]), record["notes"]
+    card = (ws.root / "out" / "README.md").read_text(encoding="utf-8")
+    assert "tokenizers differ" in card and "allow_different_tokenizers: true" in card
+
+
+def _offline_uncached(ws: Workspace) -> list[str]:
+    """A Hub id that the (empty) local cache does not hold, with HF_HUB_OFFLINE=1."""
+    return _merge_with(ws, models=["alice/never-downloaded@v1", "./b"])
+
+
 def _bomb_warning_png(ws: Workspace) -> list[str]:
     """Past PIL's warning size (89 Mpixel) and under its error size: a warning only, unless made one."""
     from PIL import Image
@@ -221,6 +249,42 @@ def _bomb_warning_png(ws: Workspace) -> list[str]:
 
 
 CASES: list[Case] = [
+    Case(
+        "tokenizers-differ",
+        "recipe",
+        _other_tokenizer,
+        2,
+        needles=("models.1.model", 'token "\'" is id 5 in `models.0.model` but 6', "allow_different_tokenizers"),
+        check=_untouched,
+        before="exit 0: merged silently; the card looked normal",
+    ),
+    Case(
+        "tokenizers-differ-dry-run",
+        "recipe",
+        lambda ws: _other_tokenizer(ws, "--dry-run"),
+        2,
+        needles=("models.1.model", "is id 5", "allow_different_tokenizers"),
+        check=_untouched,
+        before="exit 0: planned as if the models matched",
+    ),
+    Case(
+        "tokenizers-differ-allowed",
+        "recipe",
+        lambda ws: _other_tokenizer(ws, allow_different_tokenizers=True),
+        0,
+        check=_tokenizers_noted,
+        before="exit 2: `allow_different_tokenizers` was not a recipe key",
+    ),
+    Case(
+        "hub-offline-not-cached",
+        "hub",
+        _offline_uncached,
+        2,
+        needles=("models.0.model", "alice/never-downloaded@v1", "local Hugging Face cache", "HF_HUB_OFFLINE=0"),
+        check=_untouched,
+        before="exit 2, but without naming the cache or how to fill it",
+        subprocess=True,
+    ),
     Case(
         "yaml-alias-bomb",
         "recipe",
@@ -384,6 +448,7 @@ CASES: list[Case] = [
         before="hung: no answer after 30 s (the client waits forever)",
         hub=True,
         timeout=30,
+        slow=True,  # waits out a Hub timeout
     ),
     Case(
         "hub-upload-never-answers",
@@ -395,6 +460,7 @@ CASES: list[Case] = [
         before="hung: no answer after 40 s (the client waits forever)",
         hub=True,
         timeout=40,
+        slow=True,  # waits out a Hub timeout
     ),
     Case(
         "hub-push-garbled-answer",

@@ -91,6 +91,12 @@ def merge_record() -> dict[str, Any]:
         },
         "function_preserved": {"max_abs_diff": 2.9802322387695312e-05, "inputs": "evaluation data"},
         "notes": ["B's attention heads were matched by weight, not by activations"],
+        "dtype": {
+            "inputs": {"A": "bfloat16", "B": "bfloat16"},
+            "output": "bfloat16",
+            "from": "A",
+            "compute": "float32",
+        },
         "timings": {"load": 1.0, "align": 2.0, "evaluate": 3.0, "save": 0.5},
         "hf_rebasin_version": "0.1.0",
     }
@@ -151,6 +157,12 @@ def transport_record() -> dict[str, Any]:
         "curves": {},
         "function_preserved": {"max_abs_diff": 2.5e-06, "inputs": "evaluation data"},
         "notes": [],
+        "dtype": {
+            "inputs": {"target": "float32", "base": "float32", "finetuned": "float32"},
+            "output": "float32",
+            "from": "target",
+            "compute": "float32",
+        },
         "timings": {"load": 1.0, "align": 2.0, "evaluate": 3.0, "save": 0.5},
         "hf_rebasin_version": "0.1.0",
     }

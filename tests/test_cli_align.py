@@ -53,7 +53,11 @@ def test_inapplicable_or_unknown_options_exit_2(saved_model):
     assert_user_error(
         run_cli("align", a, b, "--strategy", "generalized-orthogonal", "--set", "sinkhorn=true"), "learned"
     )
-    assert_user_error(run_cli("align", a, b, "--strategy", "transfusion", "--set", "heads=monotonic"), "strategy.heads")
+    assert_user_error(
+        run_cli("align", a, b, "--strategy", "transfusion", "--set", "heads=monotonic"),
+        "`--set heads=monotonic`",
+        "not an option",
+    )
     assert_user_error(run_cli("align", a, b, "--strategy", "nope"), "unknown strategy", "weight-matching")
 
 

@@ -40,7 +40,7 @@ def _bert_tokenizer() -> T.PreTrainedTokenizerBase:
 @pytest.fixture
 def text_file(tmp_path: Path) -> Path:
     lines = _lines(300)
-    lines[5] = ""  # blank lines are skipped, as the `text` builder yields them
+    lines[5] = ""  # a blank line: a line break the model reads like any other text
     path = tmp_path / "corpus.txt"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
@@ -55,7 +55,7 @@ def test_text_json_csv_load(tmp_path: Path, text_file: Path) -> None:
         w.writerows(rows)
 
     text = load_records({"dataset": "text", "data_files": "corpus.txt", "column": "text"}, tmp_path)
-    assert text.column_names == ["text"] and len(text) == 300
+    assert text.column_names == ["text"] and text["text"] == [text_file.read_text(encoding="utf-8")]
     js = load_records(
         {"dataset": "json", "data_files": ["d.jsonl"], "column": "sentence", "label_column": "label"}, tmp_path
     )
@@ -86,9 +86,8 @@ def test_causal_batches_shapes_and_tokens(text_file: Path) -> None:
     attn = torch.cat([b["attention_mask"] for b in out])
     labels = torch.cat([b["labels"] for b in out])
     assert torch.equal(labels[attn == 1], ids[attn == 1]) and (labels[attn == 0] == -100).all()
-    # nothing lost or reordered: the unpadded tokens are the non-blank lines, concatenated
-    lines = [t for t in text_file.read_text(encoding="utf-8").splitlines() if t.strip()]
-    expected = [i for line in lines for i in tok(line, add_special_tokens=False)["input_ids"]]
+    # nothing lost or reordered: the unpadded tokens are the file's, line breaks and blank line included
+    expected = tok(text_file.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     assert ids[attn == 1].tolist() == expected
 
     capped = text_batches(records, tok, task="causal-lm", block_size=32, batch_size=4, max_tokens=100)
@@ -102,7 +101,7 @@ def test_causal_batches_shapes_and_tokens(text_file: Path) -> None:
 
 
 def test_masked_lm_masks_are_seeded_and_skip_specials(text_file: Path) -> None:
-    records = load_records({"dataset": "text", "data_files": str(text_file)}, text_file.parent)
+    records = load_records({"dataset": "text", "data_files": str(text_file), "sample_by": "line"}, text_file.parent)
     tok = _bert_tokenizer()
     kw = {"task": "masked-lm", "block_size": 64, "batch_size": 8}
     first, again = text_batches(records, tok, seed=3, **kw), text_batches(records, tok, seed=3, **kw)
@@ -118,7 +117,7 @@ def test_masked_lm_masks_are_seeded_and_skip_specials(text_file: Path) -> None:
     attn = torch.cat([b["attention_mask"] for b in first])
     masked = torch.cat([b["input_ids"] for b in first])
     special = torch.isin(orig, torch.tensor(tok.all_special_ids)) | (attn == 0)
-    assert int(special[attn == 1].sum()) >= 2 * 299  # [CLS] … [SEP] around every non-blank line
+    assert int(special[attn == 1].sum()) >= 2 * 299  # [CLS] … [SEP] around every line
     chosen = labels != -100
     assert not (chosen & special).any()  # never a special token or padding
     assert torch.equal(masked[special], orig[special])
@@ -133,6 +132,34 @@ def test_masked_lm_masks_are_seeded_and_skip_specials(text_file: Path) -> None:
 
     result = evaluate_loss(tiny.bert_mlm(), first, "masked-lm")
     assert result.count == int(chosen.sum()) and "pseudo_perplexity" in result.metric
+
+
+@pytest.mark.parametrize("sample_by", ["line", "paragraph", "document", None])
+def test_text_files_keep_their_line_breaks(tmp_path: Path, sample_by: str | None) -> None:
+    """Every `sample_by` reads the file's characters: records joined as they are give the text back
+    (the builder's own default, lines without their line breaks, scored a model on text it never saw)."""
+    text = "HAMLET:\nTo be, or not to be.\n\n\nHORATIO:\nMy lord?\n  \nEnd\n"
+    (tmp_path / "play.txt").write_text(text, encoding="utf-8")
+    spec = {"dataset": "text", "data_files": "play.txt", "sample_by": sample_by}
+    records = load_records(spec, tmp_path)
+    joined = "".join(records["text"])
+    want = {"line": text.count("\n"), "paragraph": 2, "document": 1, None: 1}[sample_by]
+    assert len(records) == want
+    # paragraphs get back the blank line the builder splits on (the last one too)
+    assert joined == (text + "\n\n" if sample_by == "paragraph" else text)
+    tok = char_tokenizer(text)
+    batches = text_batches(records, tok, task="causal-lm", block_size=8, batch_size=2)
+    ids = torch.cat([b["input_ids"] for b in batches])[torch.cat([b["attention_mask"] for b in batches]) == 1]
+    assert tok.decode(ids.tolist()) == joined  # blank and whitespace-only lines are kept
+
+
+def test_sample_by_is_for_the_text_builder(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"text": "a b"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"`sample_by` applies to the `text` builder only"):
+        load_records({"dataset": "json", "data_files": "d.jsonl", "sample_by": "line"}, tmp_path)
+    (tmp_path / "t.txt").write_text("a\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"`sample_by` must be one of line, paragraph, document"):
+        load_records({"dataset": "text", "data_files": "t.txt", "sample_by": "page"}, tmp_path)
 
 
 def test_imagefolder_loads_and_batches(tmp_path: Path) -> None:

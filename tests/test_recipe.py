@@ -199,7 +199,11 @@ def test_unknown_top_level_key(tmp_path: Path) -> None:
     err = problems(MERGE + "strategyy: vanilla\n", tmp_path)
     assert paths(err) == ["strategyy"]
     assert err.problems[0].line == 18
-    assert "line 18" in str(err) and "did you mean `strategy`" in str(err) and "allowed: allow_pickle" in str(err)
+    assert (
+        "line 18" in str(err)
+        and "did you mean `strategy`" in str(err)
+        and "allowed: allow_different_tokenizers, allow_pickle" in str(err)
+    )
 
 
 def test_unknown_strategy_option_names_the_allowed_options(tmp_path: Path) -> None:

@@ -1,0 +1,105 @@
+"""Do two models mean the same thing by the same token id? Their tokenizers, compared.
+
+Independently trained models are the ones most likely to have different vocabularies, and a merge
+of two models whose token ids mean different things produces garbage with a normal-looking card.
+The tokenizers are compared as loaded (vocabulary, special tokens, BPE merges), not as file bytes:
+the same tokenizer saved by two library versions gives different files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TOKENIZER_FILES", "has_tokenizer", "load_tokenizer", "tokenizer_difference"]
+
+# the files from which transformers builds a tokenizer; a folder with none of them has no tokenizer
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds tokenizer files (image models and adapters usually do not)."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(folder: Path) -> Any | None:
+    """The tokenizer of ``folder`` (never repository code), None when it has none or it cannot be
+    read (the run reports an unreadable tokenizer where it needs one)."""
+    if not has_tokenizer(folder):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception:  # any loader failure: nothing to compare, not a reason to refuse here
+        return None
+
+
+def _specials(tokenizer: Any) -> dict[str, tuple[str, int | None]]:
+    """Role (bos, eos, pad, ...) -> (token, id) of the named special tokens."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for role, token in sorted((getattr(tokenizer, "special_tokens_map", None) or {}).items()):
+        if isinstance(token, str):
+            ids = tokenizer.convert_tokens_to_ids([token])
+            out[str(role).removesuffix("_token")] = (token, int(ids[0]) if ids and ids[0] is not None else None)
+    return out
+
+
+def _model_json(tokenizer: Any) -> Mapping[str, Any]:
+    """The ``model`` section of the fast tokenizer's tokenizer.json (type, merges), {} if none."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return {}
+    try:
+        model = json.loads(backend.to_str()).get("model")
+    except (ValueError, AttributeError):
+        return {}
+    return model if isinstance(model, Mapping) else {}
+
+
+def _merge(rule: Any) -> str:
+    return " ".join(map(str, rule)) if isinstance(rule, Sequence) and not isinstance(rule, str) else str(rule)
+
+
+def tokenizer_difference(a: Any, b: Any, name_a: str = "A", name_b: str = "B") -> str | None:
+    """The first way tokenizer ``b`` differs from ``a`` in words ("token 'the' is id 12 in A but 40
+    in B", the models named ``name_a`` and ``name_b``), None when they agree on vocabulary, special
+    tokens and merges."""
+    vocab_a, vocab_b = a.get_vocab(), b.get_vocab()
+    for token, id_a in sorted(vocab_a.items(), key=lambda kv: (kv[1], kv[0])):
+        id_b = vocab_b.get(token)
+        if id_b is None:
+            return f"token {token!r} (id {id_a} in {name_a}) is not in {name_b}'s vocabulary"
+        if id_b != id_a:
+            return f"token {token!r} is id {id_a} in {name_a} but {id_b} in {name_b}"
+    for token, id_b in sorted(vocab_b.items(), key=lambda kv: (kv[1], kv[0])):
+        if token not in vocab_a:
+            return f"token {token!r} (id {id_b} in {name_b}) is not in {name_a}'s vocabulary"
+    specials_a, specials_b = _specials(a), _specials(b)
+    for role in sorted(set(specials_a) | set(specials_b)):
+        sa, sb = specials_a.get(role), specials_b.get(role)
+        if sa != sb:
+            shown_a = f"{sa[0]!r} (id {sa[1]})" if sa else "not set"
+            shown_b = f"{sb[0]!r} (id {sb[1]})" if sb else "not set"
+            return f"the {role} token is {shown_a} in {name_a} but {shown_b} in {name_b}"
+    model_a, model_b = _model_json(a), _model_json(b)
+    if model_a.get("type") != model_b.get("type"):
+        return f"the tokenizer model is {model_a.get('type')!r} in {name_a} but {model_b.get('type')!r} in {name_b}"
+    merges_a, merges_b = list(model_a.get("merges") or []), list(model_b.get("merges") or [])
+    for i, (ma, mb) in enumerate(zip(merges_a, merges_b, strict=False)):
+        if _merge(ma) != _merge(mb):
+            return f"BPE merge rule {i} is {_merge(ma)!r} in {name_a} but {_merge(mb)!r} in {name_b}"
+    if len(merges_a) != len(merges_b):
+        return f"{name_a} has {len(merges_a)} BPE merge rules and {name_b} {len(merges_b)}"
+    return None

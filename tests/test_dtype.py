@@ -1,0 +1,191 @@
+"""dtypes: a bf16 model comes out bf16 (half the bytes of float32), the work runs in float32.
+
+Inputs are tiny GPT-2 saved with ``model.to(dtype).save_pretrained``; outputs are read back with
+``safetensors.safe_open`` and ``AutoModelForCausalLM.from_pretrained(dtype="auto")``, independently
+of hf-rebasin. Runs go through the CLI in process (``cli.main``) to stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as T
+import yaml
+from safetensors import safe_open
+
+import tiny
+from hf_rebasin.cli import main
+from hf_rebasin.data import char_tokenizer, shakespeare_text
+from hf_rebasin.models import load_model
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return shakespeare_text(["hamlet"])[:2000].lower()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory, text: str) -> dict[str, Path]:
+    """Two tiny GPT-2 in bf16 and B in float32 too, with a character tokenizer, and a corpus."""
+    root = tmp_path_factory.mktemp("dtype")
+    tok = char_tokenizer(text)
+    out: dict[str, Path] = {}
+    for name, seed, dtype in (("a16", 0, torch.bfloat16), ("b16", 1, torch.bfloat16), ("b32", 1, torch.float32)):
+        folder = root / name
+        tiny.gpt2(seed).to(dtype).save_pretrained(str(folder))
+        tok.save_pretrained(str(folder))
+        out[name] = folder
+    (root / "corpus.txt").write_text(text, encoding="utf-8")
+    out["root"] = root
+    return out
+
+
+def _run(root: Path, name: str, models: list[Path], capsys: Any, **output: Any) -> tuple[int, str, Path]:
+    """A vanilla merge recipe of ``models`` evaluated on the corpus; (exit code, stderr, output folder)."""
+    body = {
+        "job": "merge",
+        "models": [str(m) for m in models],
+        "strategy": {"name": "vanilla"},
+        "evaluate": {"task": "causal-lm", "data": {"dataset": "text", "data_files": "corpus.txt"}, "points": 2},
+        "output": {"dir": f"out/{name}", **output},
+        "cache": False,
+    }
+    recipe = root / f"{name}.yaml"
+    recipe.write_text(yaml.safe_dump(body), encoding="utf-8")
+    capsys.readouterr()
+    code = main([str(recipe)])
+    captured = capsys.readouterr()
+    return code, " ".join(captured.err.split()), root / "out" / name
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A folder's weights in float32 (exactly the values a bf16 file holds), loaded by transformers."""
+    model = T.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    return dict(model.state_dict())
+
+
+def _stored(folder: Path) -> set[str]:
+    """The dtypes in model.safetensors, read without hf-rebasin."""
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as h:
+        return {str(h.get_slice(k).get_dtype()) for k in h.keys()}
+
+
+def test_bf16_merge_is_written_in_bf16_at_half_the_size(folders: dict[str, Path], capsys: Any) -> None:
+    root, a, b = folders["root"], folders["a16"], folders["b16"]
+    code, err, out = _run(root, "bf16", [a, b], capsys)
+    assert code == 0, err
+    assert _stored(out) == {"BF16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model = T.AutoModelForCausalLM.from_pretrained(str(out), dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    record = json.loads((out / "rebasin.json").read_text())
+    assert record["dtype"] == {
+        "inputs": {"A": "bfloat16", "B": "bfloat16"},
+        "output": "bfloat16",
+        "from": "A",
+        "compute": "float32",
+    }
+    card = (out / "README.md").read_text()
+    assert "stored as bfloat16 (model A's dtype)" in card and "rounded to bfloat16" in card
+
+    # the merged model is scored as written: the loss of the bf16 weights (computed in float32)
+    sd_a, sd_b, sd_out = _weights(a), _weights(b), _weights(out)
+    assert sd_out.keys() == sd_a.keys()
+    for k, v in sd_out.items():  # (a + b) / 2 is exact in float32 for bf16 values; then rounded once
+        assert torch.equal(v, ((sd_a[k] + sd_b[k]) / 2).to(torch.bfloat16).float()), k
+
+    code, err, out32 = _run(root, "f32", [a, b], capsys, dtype="float32")
+    assert code == 0, err
+    assert _stored(out32) == {"F32"}
+    size16, size32 = ((o / "model.safetensors").stat().st_size for o in (out, out32))
+    assert 0.45 < size16 / size32 < 0.55, (size16, size32)
+    record32 = json.loads((out32 / "rebasin.json").read_text())
+    assert record32["dtype"]["output"] == "float32" and record32["dtype"]["from"] == "output.dtype"
+    # the float32 output is scored unrounded; the bf16 one after rounding: close, not equal
+    loss16, loss32 = record["merged"]["vanilla"]["loss"], record32["merged"]["vanilla"]["loss"]
+    assert loss16 != loss32 and abs(loss16 - loss32) < 0.05
+
+
+def test_float16_output_and_mixed_inputs(folders: dict[str, Path], capsys: Any) -> None:
+    root, a16, b32 = folders["root"], folders["a16"], folders["b32"]
+    code, err, out = _run(root, "f16", [a16, b32], capsys, dtype="float16")
+    assert code == 0, err
+    assert _stored(out) == {"F16"}
+    model = T.AutoModelForCausalLM.from_pretrained(str(out), dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+    # A bf16, B float32: the output takes the reference A's dtype, and a note says so
+    code, err, out = _run(root, "mixed", [a16, b32], capsys)
+    assert code == 0, err
+    assert _stored(out) == {"BF16"}
+    record = json.loads((out / "rebasin.json").read_text())
+    assert record["dtype"]["inputs"] == {"A": "bfloat16", "B": "float32"}
+    assert any("different dtypes (A bfloat16, B float32)" in n and "output.dtype" in n for n in record["notes"])
+
+
+def test_stored_dtype_is_read_from_the_checkpoint(folders: dict[str, Path]) -> None:
+    """The header's dtype, not config.json's (which may say float32 for bf16 weights); loaded as float32."""
+    folder = folders["root"] / "lying-config"
+    tiny.gpt2(0).to(torch.bfloat16).save_pretrained(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = load_model(folder)
+    assert loaded.stored_dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.float32}
+    pickled = folders["root"] / "pickled"  # a pickle: the dtype of its tensors
+    model = tiny.gpt2(0).to(torch.float16)
+    model.save_pretrained(str(pickled))
+    (pickled / "model.safetensors").unlink()
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    assert load_model(pickled, allow_pickle=True).stored_dtype == torch.float16
+
+
+def test_unknown_output_dtype_is_a_user_error(folders: dict[str, Path], capsys: Any) -> None:
+    root = folders["root"]
+    code, err, out = _run(root, "int8", [folders["a16"], folders["b16"]], capsys, dtype="int8")
+    assert code == 2, err
+    assert err.startswith("error:") and "output.dtype" in err, err
+    assert all(name in err for name in ("float32", "bfloat16", "float16")), err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_verify_a_bf16_model_compares_in_float32(folders: dict[str, Path], capsys: Any) -> None:
+    capsys.readouterr()
+    code = main(["verify", str(folders["a16"]), "--class", "orthogonal"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert code == 0, printed
+    assert "stored as bfloat16, compared in float32" in printed
+    diff = float(printed.split("max |Δ| = ")[1].split()[0])
+    assert diff < 1e-4  # a bf16 comparison would be off by ~1e-2
+
+
+def test_align_output_keeps_b_dtype(folders: dict[str, Path], capsys: Any) -> None:
+    out = folders["root"] / "aligned"
+    capsys.readouterr()
+    code = main(
+        ["align", str(folders["a16"]), str(folders["b16"]), "--strategy", "weight-matching", "--output", str(out)]
+    )
+    printed = " ".join(capsys.readouterr().out.split())
+    assert code == 0, printed
+    assert _stored(out) == {"BF16"} and "(bfloat16, as B is stored)" in printed
+
+
+def test_transported_adapter_is_written_in_its_own_dtype(tmp_path: Path) -> None:
+    """Factors moved in float64 and biases computed from the float32 target go back to the adapter's bf16."""
+    from hf_rebasin.lora import LoraAdapter, LoraModule, save_adapter
+
+    prefix = "base_model.model.transformer.h.0.mlp.c_fc"
+    a, b = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(8, 2, dtype=torch.bfloat16)
+    keys = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
+    module = LoraModule("transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_fc.weight", "conv1d", *keys, a, b, 1.0)
+    adapter = LoraAdapter(tmp_path, {"peft_type": "LORA"}, {module.module: module})
+    assert adapter.dtype == torch.bfloat16
+    moved = {module.key_a: a.double(), module.key_b: b.double(), f"{prefix}.base_layer.bias": torch.zeros(8)}
+    save_adapter(adapter, moved, tmp_path, base_model="target", dtype=adapter.dtype)
+    with safe_open(str(tmp_path / "adapter_model.safetensors"), framework="pt") as h:
+        assert {str(h.get_slice(k).get_dtype()) for k in h.keys()} == {"BF16"}
