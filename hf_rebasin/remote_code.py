@@ -93,7 +93,7 @@ def refuse_remote_code(folder: Path, where: str | None = None, *, trusted: bool 
     others = f" (and {len(found) - 1} more: {', '.join(sorted({f[0] for f in found[1:]}))})" if len(found) > 1 else ""
     label = f"`{where}`: " if where else ""
     raise UnsupportedArchitectureError(
-        f"{label}{str(Path(folder))!r} names its own code: `{key}` in {name} ({named}){others}; "
+        f"{label}{str(Path(folder))!r} ships its own modeling code: `{key}` in {name} ({named}){others}; "
         "hf-rebasin never runs repository code. In a recipe, `trust_remote_code: true` ignores these "
         "references (the code is still never run): the weights are loaded into the stock class of the "
         "model_type, the tokenizer or processor into the stock class its file declares"

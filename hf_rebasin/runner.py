@@ -229,9 +229,9 @@ def _check_recipe(recipe: Recipe, output: Path, output_field: str = "`output.dir
     from .export import check_output
 
     resolved = [resolve_model(ref, where, fetch=False, allow_pickle=recipe.allow_pickle) for where, ref in recipe.refs]
-    for (where, ref), res in zip(recipe.refs, resolved, strict=True):
+    for (where, _), res in zip(recipe.refs, resolved, strict=True):
         if res.folder is not None and (res.folder / "config.json").is_file():
-            _check_remote_code(recipe, res.folder, where, ref)
+            _check_remote_code(recipe, res.folder, where)
     if recipe.job == "transport":
         _check_adapter(recipe, resolved)
     _check_tokenizers(recipe, [r.folder for r in resolved])  # Hub models not downloaded yet: after download
@@ -351,20 +351,18 @@ def _load(folder: Path, recipe: Recipe, where: str) -> LoadedModel:
         raise type(e)(f"`{where}`: {e}") from None
 
 
-def _load_finetune(
-    base: LoadedModel, folder: Path, allow_pickle: bool, recipe: Recipe | None = None
-) -> tuple[LoadedModel, LoraAdapter | None]:
+def _load_finetune(base: LoadedModel, folder: Path, recipe: Recipe) -> tuple[LoadedModel, LoraAdapter | None]:
     """A transport's fine-tune, checked against its base: a full model of the same model type (its
     head may differ: a classifier trained on A's features), or a LoRA adapter merged into A."""
     from .lora import apply_adapter, is_adapter, read_adapter
-    from .models import LoadedModel, check_same_shapes, load_model, rebuild
+    from .models import LoadedModel, check_same_shapes, rebuild
     from .transport import check_shared
 
     if is_adapter(folder) and not (folder / "config.json").is_file():
-        adapter = read_adapter(folder, base.model, allow_pickle=allow_pickle, where="finetuned.model")
+        adapter = read_adapter(folder, base.model, allow_pickle=recipe.allow_pickle, where="finetuned.model")
         merged = rebuild(base.model, apply_adapter(adapter, base.model.state_dict()))
         return LoadedModel(merged, base.graph, folder, adapter.dtype), adapter
-    ft = _load(folder, recipe, "finetuned.model") if recipe else load_model(folder, allow_pickle=allow_pickle)
+    ft = _load(folder, recipe, "finetuned.model")
     type_a, type_ft = base.model.config.model_type, ft.model.config.model_type
     if type_a != type_ft:
         raise IncompatibleModelsError(
@@ -379,22 +377,12 @@ def _load_finetune(
     return ft, None
 
 
-def _check_remote_code(recipe: Recipe, folder: Path, where: str, ref: ModelRef) -> None:
-    """A model whose config.json names its own modeling code (``auto_map``) needs ``trust_remote_code``.
-
-    hf-rebasin never downloads or runs repository code: with ``trust_remote_code: true`` the weights
-    are loaded into the stock class of their ``model_type`` (every tensor's shape is checked).
-    """
-    config = _config_json(folder)
-    if config.get("auto_map") and not recipe.trust_remote_code:
-        raise UnsupportedArchitectureError(
-            f"`{where}`: {ref} ships its own modeling code (auto_map in config.json: "
-            f"{', '.join(sorted(config['auto_map']))}); hf-rebasin never runs repository code. Set "
-            "`trust_remote_code: true` to load its weights into the stock class of its model_type instead"
-        )
+def _check_remote_code(recipe: Recipe, folder: Path, where: str) -> None:
+    """A model whose loader files (config, tokenizer, processor, generation config) name their own
+    code (``auto_map``) needs ``trust_remote_code``, and even then no repository code runs: the
+    weights go into the stock class of their ``model_type`` (every tensor's shape is checked)."""
     from .remote_code import refuse_remote_code
 
-    # tokenizer, processor and generation configs too: any file a transformers loader reads
     refuse_remote_code(folder, where, trusted=recipe.trust_remote_code)
 
 
@@ -760,7 +748,7 @@ class _RunCache:
             return None
         if label is None:
             folders = [r.folder for r in resolved]
-            letter = {p: chr(ord("A") + folders.index(p)) for p in (reference.path, other.path) if p in folders}
+            letter = {p: _letter(folders.index(p)) for p in (reference.path, other.path) if p in folders}
             label = f"{letter.get(other.path, 'B')} to {letter.get(reference.path, 'A')}"
         return _CacheUse(self, key, strategy, label)
 
@@ -1021,8 +1009,8 @@ def _run_recipe(
     ]
     folders = [r.folder for r in resolved if r.folder is not None]
     check_inputs(target, _read_paths(recipe, resolved), where)  # downloaded Hub folders are inputs too
-    for (ref_where, ref), folder in zip(recipe.refs, folders, strict=True):
-        _check_remote_code(recipe, folder, ref_where, ref)
+    for (ref_where, _), folder in zip(recipe.refs, folders, strict=True):
+        _check_remote_code(recipe, folder, ref_where)
     notes.extend(
         f"{ref} resolved from the local Hugging Face cache (offline): commit {res.commit}"
         for (_, ref), res in zip(recipe.refs, resolved, strict=True)
@@ -1039,7 +1027,7 @@ def _run_recipe(
     report(LOAD_STAGE, 0, len(folders))
     for i, folder in enumerate(folders):
         if recipe.job == "transport" and i == 2:  # the fine-tune: a full model (any head) or an adapter
-            lm, adapter = _load_finetune(loaded[1], folder, recipe.allow_pickle, recipe)
+            lm, adapter = _load_finetune(loaded[1], folder, recipe)
         else:
             lm = _load(folder, recipe, recipe.refs[i][0])
             if loaded:
