@@ -64,7 +64,7 @@ def differences(before: dict[str, Any], after: dict[str, Any], tol: float) -> li
     for key in sorted(set(before) | set(after)):
         old, new = before.get(key, "<missing>"), after.get(key, "<missing>")
         numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (old, new))
-        if numbers and (math.isnan(old) and math.isnan(new) or abs(old - new) <= tol):
+        if numbers and ((math.isnan(old) and math.isnan(new)) or abs(old - new) <= tol):
             continue
         if not numbers and old == new:
             continue
