@@ -1,6 +1,6 @@
 """The ``hf-rebasin`` command: parses arguments, runs a job, prints the result.
 
-This is the only module that prints. Exit codes (DESIGN.md §9): 0 success, 1 internal error or a
+This is the only module that prints. Exit codes: 0 success, 1 internal error or a
 verification outside tolerance, 2 user error (bad input, missing model) with a one-paragraph
 message and no traceback.
 """
@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     verify.add_argument(
-        "model", metavar="MODEL", help="a local model folder (config.json + model.safetensors) or a Hub id[@revision]"
+        "model",
+        metavar="MODEL",
+        help="a local model folder (config.json + model.safetensors), a Hub id[@revision] or zoo:KIND-seedN",
     )
     verify.add_argument("--seed", type=int, default=0, help="seed of the random transform and inputs (default 0)")
     verify.add_argument(
@@ -110,12 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="bring model B into model A's basis with one strategy and report how far apart they are",
         description=(
             "Align model B to model A (same architecture) with a data-free strategy, print the distance "
-            "between their weights before and after, and optionally save aligned B as a standard model folder. "
+            "between their weights before and after, and optionally write both models in one basis as standard model "
+            "folders, ready for any merge tool (mergekit, a notebook). "
             "Recipes (`hf-rebasin RECIPE.yaml`) add alignment data, merging and barriers."
         ),
     )
-    al.add_argument("model_a", metavar="MODEL_A", help="reference model folder")
-    al.add_argument("model_b", metavar="MODEL_B", help="model folder to align to MODEL_A")
+    al.add_argument(
+        "model_a", metavar="MODEL_A", help="reference model: a local folder, a Hub id[@revision] or zoo:KIND-seedN"
+    )
+    al.add_argument(
+        "model_b", metavar="MODEL_B", help="model to align to MODEL_A: a local folder or a Hub id[@revision]"
+    )
     al.add_argument("--strategy", default="weight-matching", help="strategy name (default weight-matching)")
     al.add_argument(
         "--set",
@@ -125,7 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a strategy option (YAML value), e.g. --set iterations=5; repeatable",
     )
-    al.add_argument("--output", metavar="DIR", help="save aligned B here (refused if it exists)")
+    al.add_argument(
+        "--output",
+        metavar="DIR",
+        help="write both models in one basis here, as DIR/a (A, in canonical form when the strategy uses one) and "
+        "DIR/b (B in A's basis), for mergekit or any other merge tool (refused if DIR exists)",
+    )
+    al.add_argument("--device", metavar="DEVICE", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
     al.add_argument("--allow-pickle", action="store_true", help="load pytorch_model.bin checkpoints")
     al.set_defaults(func=cmd_align)
 
@@ -294,17 +307,24 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK if report.ok else EXIT_INTERNAL
 
 
-def _model_folder(value: str, allow_pickle: bool) -> str:
-    """A folder as given, or a Hub ``id[@revision]`` downloaded (what hf-rebasin reads of it)."""
+def _model_folder(value: str, allow_pickle: bool, where: str = "MODEL") -> str:
+    """A folder as given, a zoo model (``zoo:gpt2-seed0``, trained on first use) or a Hub
+    ``id[@revision]`` downloaded (what hf-rebasin reads of it)."""
     from pathlib import Path
 
     from . import hub
+    from .recipe import ZOO_PATTERN
 
+    zoo = ZOO_PATTERN.fullmatch(value)
+    if zoo is not None:
+        from .train import cached_model
+
+        return str(cached_model(zoo.group(1), int(zoo.group(2))))
     repo, revision = hub.split_ref(value)
     if Path(value).exists() or hub.is_path(value) or not hub.is_repo_id(repo):
         return value
     try:
-        return str(hub.download_model(repo, revision, allow_pickle=allow_pickle, where="MODEL").folder)
+        return str(hub.download_model(repo, revision, allow_pickle=allow_pickle, where=where).folder)
     except RebasinUserError as e:
         if "/" in repo:
             raise
@@ -350,13 +370,12 @@ def _plain_yaml(value: Any) -> bool:
 
 
 def cmd_align(args: argparse.Namespace, console: Console) -> int:
-    """``hf-rebasin align``: load two folders, align B to A, report distances, optionally save B."""
+    """``hf-rebasin align``: align B to A (folders or Hub ids), report distances, optionally write both."""
     from pathlib import Path
 
     _quiet_libraries()
-    import torch
-
-    from .models import WRITABLE_DTYPES, check_compatible, check_output_folder, dtype_name, load_model, save_model
+    from .basis import check_gaps, function_gap, write_pair
+    from .models import check_compatible, check_output_folder, load_model, resolve_device
     from .recipe import strategy_spec
     from .strategies import Pair
     from .strategies.base import relative_distance
@@ -364,35 +383,66 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     given = {item.partition("=")[0].strip(): item for item in args.options}
     spec = strategy_spec(args.strategy, _parse_options(args.options), given)  # checked as a recipe's section
     strategy, options = spec.strategy, spec.options
-    inputs = [(label, Path(value)) for label, value in (("MODEL_A", args.model_a), ("MODEL_B", args.model_b))]
+    device = resolve_device(args.device, where="--device")
+    named = {"A": args.model_a, "B": args.model_b}
+    if args.output:  # before any download or load: a refused output costs nothing
+        check_output_folder(args.output, [(f"MODEL_{k}", Path(v)) for k, v in named.items()])
+    folders = {k: _model_folder(v, args.allow_pickle, where=f"MODEL_{k}") for k, v in named.items()}
+    inputs = [(f"MODEL_{k}", Path(v)) for k, v in folders.items()]
     if args.output:
         check_output_folder(args.output, inputs)
-    a = load_model(args.model_a, allow_pickle=args.allow_pickle)
-    b = load_model(args.model_b, allow_pickle=args.allow_pickle)
+    a, b = (load_model(folders[k], allow_pickle=args.allow_pickle) for k in ("A", "B"))
     check_compatible(a, b)
+    for loaded in (a, b):
+        loaded.model.to(device)  # type: ignore[arg-type]  # transformers types .to for dtypes only
     pair = Pair(a.graph, a.model.state_dict(), b.model.state_dict(), a.model, b.model)
-    with console.status(f"aligning with {strategy.name}…"):
+    with console.status(f"aligning with {strategy.name} on {device}…"):
         alignment = strategy.run(pair, options, None)
         aligned = alignment.aligned_b()
+    distance = {
+        "before": relative_distance(alignment.sd_a, alignment.sd_b),
+        "after": relative_distance(alignment.sd_a, aligned),
+    }
+    gaps = {}
+    if args.output and alignment.exact:
+        with console.status("checking that both models compute what they did…"):
+            gaps = {"A": function_gap(a.model, alignment.sd_a, bool(alignment.untied))}
+            gaps["B"] = function_gap(b.model, aligned, bool(alignment.untied))
     table = Table(title=f"{strategy.name}: {strategy.paper}", title_justify="left")
     table.add_column("")
     table.add_column("value", justify="right")
-    table.add_row("‖A − B‖ / ‖A‖ before", f"{relative_distance(alignment.sd_a, alignment.sd_b):.4f}")
-    table.add_row("‖A − B‖ / ‖A‖ after", f"{relative_distance(alignment.sd_a, aligned):.4f}")
+    table.add_row("‖A − B‖ / ‖A‖ before", f"{distance['before']:.4f}")
+    table.add_row("‖A − B‖ / ‖A‖ after", f"{distance['after']:.4f}")
     table.add_row(
         "seconds (of which in solvers)", f"{alignment.timings['total']:.2f} ({alignment.timings['solver']:.2f})"
     )
     table.add_row("function preserving", "yes" if alignment.exact else "[red]no[/] (experimental option)")
+    for label, gap in gaps.items():
+        table.add_row(f"max |Δ logits| of {label} as written", f"{gap.max_abs_diff:.2e} (≤ {gap.tolerance:.0e})")
     console.print(table)
     for note in alignment.notes:
         console.print(f"note: {escape(note)}", soft_wrap=True)
     if alignment.untied:
         console.print("untied for the canonical form: " + escape(", ".join(alignment.untied)), soft_wrap=True)
     if args.output:
-        # aligned B is written as B is stored (the alignment ran in float32)
-        dtype = b.stored_dtype if b.stored_dtype in WRITABLE_DTYPES else torch.float32
-        folder = save_model(b.model, aligned, args.output, untie=bool(alignment.untied), inputs=inputs, dtype=dtype)
-        console.print(f"aligned B saved to {escape(str(folder))} ({dtype_name(dtype)}, as B is stored)")
+        check_gaps(gaps)
+        summary = {
+            "strategy": strategy.name,
+            "options": options.model_dump(mode="json"),
+            "exact": alignment.exact,
+            "distance": distance,
+            "function_preserved": {
+                k: {"max_abs_diff": g.max_abs_diff, "tolerance": g.tolerance} for k, g in gaps.items()
+            },
+        }
+        models = {k: (named[k], loaded) for k, loaded in (("A", a), ("B", b))}
+        folder = write_pair(Path(args.output), models, alignment, aligned, summary, inputs=inputs)
+        what = "A in canonical form" if alignment.canonical else "A"
+        console.print(
+            f"written to {escape(str(folder))}: a/ ({what}) and b/ (B in A's basis), each as its input is stored; "
+            "alignment.json and README.md say how they were made; mergekit.yaml merges them with mergekit",
+            soft_wrap=True,
+        )
     return EXIT_OK
 
 

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters as task vectors: read, densify, transport factor by factor, write (DESIGN.md §3).
+"""PEFT LoRA adapters as task vectors: read, densify, transport factor by factor, write.
 
 A LoRA update of a weight W is ``ΔW = s·B·A`` (``s = lora_alpha / r``, or ``/ √r`` with rsLoRA).
 A transform ``W ↦ T_out W T_inᵀ`` maps it to ``s·(T_out B)(A T_inᵀ)``: the same rank, so the

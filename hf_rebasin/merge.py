@@ -1,4 +1,4 @@
-"""Weighted averages of models that already share one basis (DESIGN.md §2, `merge`).
+"""Weighted averages of models that already share one basis.
 
 Alignment happens before this module: every state dict handed here is in the reference model's
 basis (and, for orthogonal strategies, in the same canonical form), so merging is a plain

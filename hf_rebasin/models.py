@@ -25,6 +25,7 @@ from .errors import (
     IncompatibleModelsError,
     ModelNotFoundError,
     PickleRefusedError,
+    RebasinUserError,
 )
 from .symmetry import SymmetryGraph
 
@@ -601,6 +602,22 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
             f"in {str(untied.path)!r} ({setting(untied)}); aligned in one form, the other model's {name} would be "
             "lost. Align models that tie their weights alike (save both with the same tie_word_embeddings)"
         )
+
+
+def resolve_device(name: str | None, where: str = "`device`") -> torch.device:
+    """``auto`` is CUDA when there is one, else the CPU; a device asked for but absent is a user error."""
+    import re
+
+    name = name or "auto"
+    if not re.fullmatch(r"auto|cpu|cuda|cuda:\d+|mps", name):
+        raise RebasinUserError(f"{where}: {name!r} is not a device; allowed: auto, cpu, cuda, cuda:N, mps")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RebasinUserError(f"{where}: {name!r} was asked for, but no CUDA device is available here")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise RebasinUserError(f"{where}: 'mps' was asked for, but MPS is not available here")
+    return torch.device(name)
 
 
 def check_output_folder(path: str | Path, inputs: Iterable[tuple[str, Path]] = (), where: str = "--output") -> Path:

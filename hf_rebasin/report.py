@@ -1,4 +1,4 @@
-"""The barrier report: a PNG of the loss curves and Markdown tables for the model card (DESIGN.md §5).
+"""The barrier report: a PNG of the loss curves and Markdown tables for the model card.
 
 Plots are drawn on a bare `matplotlib.figure.Figure` with the Agg canvas, never through pyplot,
 so the caller's backend and pyplot state are left alone and nothing needs a display.

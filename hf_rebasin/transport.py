@@ -1,4 +1,4 @@
-"""Transport of task vectors onto a new base release: θ = B + α·π(τ), τ = A_ft − A (DESIGN.md §3).
+"""Transport of task vectors onto a new base release: θ = B + α·π(τ), τ = A_ft − A.
 
 The alignment is found between the two bases (the target B as the reference, the old base A as
 the model brought into its basis), so π is the transform that maps A onto B. It is then applied,

@@ -1,6 +1,6 @@
 """The ``hf-rebasin`` command, run as a user runs it: a subprocess on model folders.
 
-Covers the CLI contract of DESIGN.md §9: exit 0 when outputs are preserved, 1 on an internal error
+Covers the CLI contract: exit 0 when outputs are preserved, 1 on an internal error
 or outputs outside tolerance, 2 on a user error with a one-paragraph message and no traceback.
 """
 

@@ -164,7 +164,7 @@ def test_verify_a_bf16_model_compares_in_float32(folders: dict[str, Path], capsy
     assert diff < 1e-4  # a bf16 comparison would be off by ~1e-2
 
 
-def test_align_output_keeps_b_dtype(folders: dict[str, Path], capsys: Any) -> None:
+def test_align_output_keeps_each_model_dtype(folders: dict[str, Path], capsys: Any) -> None:
     out = folders["root"] / "aligned"
     capsys.readouterr()
     code = main(
@@ -172,7 +172,9 @@ def test_align_output_keeps_b_dtype(folders: dict[str, Path], capsys: Any) -> No
     )
     printed = " ".join(capsys.readouterr().out.split())
     assert code == 0, printed
-    assert _stored(out) == {"BF16"} and "(bfloat16, as B is stored)" in printed
+    assert _stored(out / "a") == _stored(out / "b") == {"BF16"}
+    assert "each as its input is stored" in printed
+    assert json.loads((out / "alignment.json").read_text())["models"]["B"]["dtype"] == "bfloat16"
 
 
 def test_transported_adapter_is_written_in_its_own_dtype(tmp_path: Path) -> None:

@@ -159,6 +159,7 @@ def test_wheel_ships_the_recipes_and_the_card_template(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "hf_rebasin/model_cards/rebasin.md" in names
     assert {f"hf_rebasin/recipes/{p.name}" for p in EXAMPLES} <= names
+    assert "hf_rebasin/recipes/metrics/f1.py" in names  # the metric script barrier-vanilla.yaml names
     assert "hf_rebasin/strategies/generalized_orthogonal.py" in names and "hf_rebasin/adapters/gpt2.py" in names
 
 

@@ -1,4 +1,4 @@
-"""Recipes against a Hub: models pulled by id@revision, results pushed with their card (DESIGN.md §9).
+"""Recipes against a Hub: models pulled by id@revision, results pushed with their card.
 
 A Hub-compatible server (tests/hub_server.py) runs in this process; the CLI and every client check
 run as subprocesses pointed at it (`huggingface_hub` reads HF_ENDPOINT at import).
@@ -194,3 +194,14 @@ def test_verify_a_hub_model_by_id(hub: HubServer, seeded: dict[str, Any], tmp_pa
     assert_user_error(run_cli("verify", "alice/nope", env=_env(hub, tmp_path)), "MODEL", "'alice/nope' was not found")
     proc = run_cli("verify", "tiny-gpt2", env=_env(hub, tmp_path))  # a folder typo, read as a Hub id
     assert_user_error(proc, "'tiny-gpt2' was not found", "no local folder 'tiny-gpt2'", "./tiny-gpt2")
+
+
+def test_align_hub_models_by_id(hub: HubServer, seeded: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "pair"
+    env = _env(hub, tmp_path, token=None)
+    proc = run_cli("align", f"alice/gpt2-a@{seeded['a']}", f"alice/gpt2-b@{seeded['b']}", "--output", str(out), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "b" / "tokenizer.json").read_bytes() == (tmp_path / "gpt2-1" / "tokenizer.json").read_bytes()
+    record = json.loads((out / "alignment.json").read_text())
+    assert record["models"]["B"]["given"] == f"alice/gpt2-b@{seeded['b']}"
+    assert_user_error(run_cli("align", "alice/nope", "alice/gpt2-b", env=env), "MODEL_A", "'alice/nope' was not found")

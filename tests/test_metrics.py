@@ -17,7 +17,7 @@ from PIL import Image
 from hf_rebasin import data, train
 from test_cli import assert_user_error, run_cli
 
-METRIC = Path(__file__).resolve().parent / "metrics" / "simple_f1.py"
+METRIC = Path(__file__).resolve().parent.parent / "recipes" / "metrics" / "f1.py"  # shipped with the recipes
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Recipes through the real CLI: ``hf-rebasin RECIPE.yaml`` on tiny models saved to folders.
 
 Every task gets a merge or barrier run on tiny random models with their own tokenizer or image
-processor; the output folder is checked file by file against DESIGN.md §6 and §9, and broken
+processor; the output folder is checked file by file (model, card, plot, tables, rebasin.json), and broken
 recipes must exit 2 naming the field, without a traceback and without creating the output.
 """
 

@@ -42,7 +42,7 @@ from hf_rebasin.verify import example_inputs
 from test_cli import flat, run_cli
 from test_strategies import _text_data
 
-TOL = 1e-4  # max |Δ logits| of a function-preserving map, float32 (DESIGN.md §3)
+TOL = 1e-4  # max |Δ logits| of a function-preserving map, float32
 THIRDS = [1 / 3, 1 / 3, 1 / 3]
 
 

@@ -1,4 +1,10 @@
-"""A local `evaluate` metric (no network): F1 by hand, macro-averaged or of one positive class."""
+"""F1 as a local `evaluate` metric script: what a recipe's `evaluate.metrics` loads without the network.
+
+``evaluate.load("f1")`` fetches the Hub's F1 (scikit-learn underneath); this file computes the same
+number by hand, macro-averaged or of one positive class, so the shipped recipes and the tests run
+offline. A recipe names it by its path relative to the recipe: ``metrics: [{name: metrics/f1.py,
+kwargs: {average: macro}}]``.
+"""
 
 from __future__ import annotations
 

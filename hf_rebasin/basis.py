@@ -1,0 +1,164 @@
+"""Two models written in one basis: what ``hf-rebasin align --output`` leaves for other tools.
+
+A merge tool (mergekit's SLERP or TIES, a notebook) averages tensors by name; it can only merge
+two independently trained models once they are in one basis. ``align`` writes both: ``a/`` is model
+A (in canonical form when the strategy used one: LayerNorm scales folded into the next weights, a
+tied head stored apart) and ``b/`` is model B moved into A's basis. Each is a stock model folder
+with its own tokenizer and support files, and each computes what its input computed: checked on
+fixed example inputs before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from . import __version__
+from .adapters import get_adapter
+from .errors import FunctionNotPreservedError
+from .export import copy_support_files, output_folder, save_merged_model, write_json, write_text
+from .hub import is_path
+from .models import WRITABLE_DTYPES, LoadedModel, dtype_name, rebuild
+from .verify import TOLERANCE, example_inputs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .strategies import Alignment
+
+FOLDERS = ("a", "b")
+"""Sub-folders of an ``align`` output: model A, model B in A's basis."""
+
+
+@dataclass(frozen=True)
+class Gap:
+    """max |Δ logits| between a model and its rewritten form, and the tolerance it is held to."""
+
+    max_abs_diff: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return math.isfinite(self.max_abs_diff) and self.max_abs_diff <= self.tolerance
+
+
+def function_gap(original: PreTrainedModel, state_dict: Mapping[str, Tensor], untie: bool) -> Gap:
+    """How far ``original`` rebuilt from ``state_dict`` moves its logits on `verify`'s example inputs.
+
+    The tolerance is `verify`'s 1e-4 up to |logits| of 1 and relative beyond: float32 rounding of a
+    transformed model grows with its outputs.
+    """
+    spec = get_adapter(original.config.model_type)
+    device = next(original.parameters()).device
+    inputs = example_inputs(spec, original.config, torch.Generator().manual_seed(0))
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    rebuilt = rebuild(original, dict(state_dict), untie=untie)
+    rebuilt.to(device)  # type: ignore[arg-type]  # transformers types .to for dtypes only
+    original.eval()
+    with torch.no_grad():
+        before = original(**inputs).logits.float()
+        after = rebuilt(**inputs).logits.float()
+    scale = float(before.abs().max())
+    tolerance = TOLERANCE * max(1.0, scale) if math.isfinite(scale) else 0.0
+    return Gap(float((after - before).abs().max()), tolerance)
+
+
+def check_gaps(gaps: Mapping[str, Gap]) -> None:
+    """An exact alignment that changed a model's outputs is a bug: refused before anything is written."""
+    for label, gap in gaps.items():
+        if not gap.ok:
+            raise FunctionNotPreservedError(
+                f"function not preserved: written in one basis, model {label} gives outputs that differ from its "
+                f"own by max |Δ logits| = {gap.max_abs_diff:.3g} (tolerance {gap.tolerance:.3g}); nothing was written"
+            )
+
+
+def written_dtype(loaded: LoadedModel) -> torch.dtype:
+    """Each model is written as it is stored (the alignment ran in float32)."""
+    return loaded.stored_dtype if loaded.stored_dtype in WRITABLE_DTYPES else torch.float32
+
+
+def write_pair(
+    folder: Path,
+    models: Mapping[str, tuple[str, LoadedModel]],
+    alignment: Alignment,
+    aligned_b: Mapping[str, Tensor],
+    summary: Mapping[str, Any],
+    *,
+    inputs: Iterable[tuple[str, Path]],
+) -> Path:
+    """Write ``a/``, ``b/``, ``alignment.json``, a README and a mergekit config into ``folder`` (a temporary sibling
+    renamed when complete; never an input). ``models`` maps ``A``/``B`` to (as given, loaded)."""
+    (given_a, a), (given_b, b) = models["A"], models["B"]
+    untie = bool(alignment.untied)
+    record = {
+        **summary,
+        "hf_rebasin_version": __version__,
+        "models": {
+            "A": {"given": given_a, "folder": "a", "dtype": dtype_name(written_dtype(a))},
+            "B": {"given": given_b, "folder": "b", "dtype": dtype_name(written_dtype(b))},
+        },
+        "canonical": alignment.canonical,
+        "untied": list(alignment.untied),
+    }
+    with output_folder(Path(folder), overwrite=False, inputs=inputs, where="--output") as tmp:
+        for sub, loaded, state in (("a", a, alignment.sd_a), ("b", b, aligned_b)):
+            cpu = {k: v.detach().cpu() for k, v in state.items()}
+            save_merged_model(loaded.model.cpu(), cpu, tmp / sub, untie=untie, dtype=written_dtype(loaded))
+            copy_support_files(loaded.path, tmp / sub)
+        write_json(tmp / "alignment.json", record)
+        write_text(tmp / "README.md", readme(record))
+        write_text(tmp / "mergekit.yaml", mergekit_config(record["models"]["A"]["dtype"]))
+    return Path(folder)
+
+
+def mergekit_config(dtype: str) -> str:
+    """A mergekit SLERP of ``a/`` and ``b/`` at the midpoint (``./``: mergekit asks the Hub about bare names)."""
+    return f"""merge_method: slerp
+base_model: ./a
+models:
+  - model: ./a
+  - model: ./b
+parameters:
+  t: 0.5
+dtype: {dtype}
+"""
+
+
+def _short(given: str) -> str:
+    """A Hub id as it is, a folder by its name (no local absolute path in a file meant to be shared)."""
+    return Path(given).name if is_path(given) or Path(given).exists() else given
+
+
+def readme(record: Mapping[str, Any]) -> str:
+    """What the folder holds and how to merge it with another tool."""
+    a, b = record["models"]["A"], record["models"]["B"]
+    canonical = (
+        "in canonical form (LayerNorm scales folded into the next weights"
+        + (", " + ", ".join(record["untied"]) + " stored apart" if record["untied"] else "")
+        + "): the same function as A, stored differently"
+        if record["canonical"]
+        else "as it was"
+    )
+    distance = record["distance"]
+    return f"""# {_short(a["given"])} and {_short(b["given"])} in one basis
+
+Written by `hf-rebasin align` with strategy `{record["strategy"]}` (hf-rebasin {record["hf_rebasin_version"]}).
+
+- `a/`: model A, {canonical}.
+- `b/`: model B with its heads, units and residual stream moved into A's basis: the same function as B.
+
+Relative distance ‖A − B‖ / ‖A‖: {distance["before"]:.4f} before, {distance["after"]:.4f} after.
+Both folders load with the stock `transformers` class and can be merged tensor by tensor by any
+tool. With mergekit, in this folder (`mergekit.yaml` is a SLERP at the midpoint):
+
+```
+mergekit-yaml mergekit.yaml merged/
+```
+"""
