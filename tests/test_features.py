@@ -18,6 +18,7 @@ import torch
 
 import tiny
 from hf_rebasin.adapters import graph_for
+from hf_rebasin.errors import IncompatibleModelsError
 from hf_rebasin.features import (
     Collector,
     CollectorStateError,
@@ -360,6 +361,9 @@ def test_illegal_transitions_raise():
         col.begin(batch, Phase.FORWARD_A)  # no hooks yet
     with col:
         assert col.phase is Phase.READY and _hooked(model_a) and _hooked(model_b)
+        with pytest.raises(CollectorStateError, match="opened once"), col:
+            pass
+        assert col.phase is Phase.READY and _hooked(model_a)  # the live collection is left alone
         with pytest.raises(CollectorStateError, match="'ready' to 'forward B'"):
             col.to_b()
         with pytest.raises(CollectorStateError, match="'ready' to 'ready'"):
@@ -413,6 +417,17 @@ def test_hooks_removed_after_an_error_inside_the_context():
     assert not _hooked(model_a) and not _hooked(model_b)
     with pytest.raises(CollectorStateError, match="'aborted'"):
         col.result()
+    # features that find no partner are a model mismatch, and the batch is never closed
+    for runs_of_b in (0, 2):
+        col = _collector(model_a, model_b)
+        with pytest.raises(IncompatibleModelsError, match="never did" if runs_of_b == 0 else "more often"), col:
+            col.begin(batch, Phase.FORWARD_A)
+            model_a(**batch)
+            col.to_b()
+            for _ in range(runs_of_b):
+                model_b(**batch)
+            col.end_batch()
+        assert col.phase is Phase.ABORTED and not _hooked(model_a) and not _hooked(model_b)
     # hooks half registered when registering fails (a module B lacks): the ones on are removed
     plan = HookPlan.of(_graph(model_a), model_a, None)
     broken = Collector(model_a, model_b, dataclasses.replace(plan, modules=(*plan.modules, "no.such")), "all", None)

@@ -172,6 +172,17 @@ class _Group:
 
 
 @dataclass
+class _Structure:
+    """What the first forward of A shows: the hooked modules in firing order, the residual readers'
+    groups (one per input tensor, over every residual space), and the key of each kept group, by
+    the group's first module."""
+
+    order: list[str] = field(default_factory=list)
+    groups: list[_Group] = field(default_factory=list)
+    keys: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class _Discovery:
     """The first forward of A only: residual inputs seen so far (strong refs: ids get reused) and
     A's features of each new group, kept until the groups are named."""
@@ -239,7 +250,7 @@ class Collector:
     ) -> None:
         self.model_a, self.model_b, self.plan, self.residual, self.special = model_a, model_b, plan, residual, special
         self.same = model_a is model_b
-        self.tokens = 0
+        self._tokens = 0
         self._phase = Phase.IDLE
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._modes: tuple[bool, bool] | None = None
@@ -247,14 +258,17 @@ class Collector:
         self._pairs: dict[str, _Pairing] = {
             s.key: _Pairing(s.key, s.size) for sites in plan.plain.values() for s in sites
         }
-        self._order: list[str] = []
-        self._groups: list[_Group] = []
-        self._rep: dict[str, str] = {}  # first module of a kept residual group -> its key
+        self._structure = _Structure()
         self._discovery: _Discovery | None = _Discovery()  # None once the structure is known
 
     @property
     def phase(self) -> Phase:
         return self._phase
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the batches paired so far (after masking)."""
+        return self._tokens
 
     @property
     def sealed(self) -> bool:
@@ -269,6 +283,8 @@ class Collector:
     # ---- context: hooks on, and always off again ---------------------------------------------
 
     def __enter__(self) -> Collector:
+        if self._phase is not Phase.IDLE:  # checked before the cleanup below: never close a live one
+            raise CollectorStateError(f"a collector is opened once; this one is {self._phase.value!r}")
         try:
             self._open()
         except BaseException:
@@ -280,8 +296,6 @@ class Collector:
         self.close()
 
     def _open(self) -> None:
-        if self._phase is not Phase.IDLE:
-            raise CollectorStateError(f"a collector is opened once; this one is {self._phase.value!r}")
         self._modes = (self.model_a.training, self.model_b.training)
         self.model_a.eval()
         self.model_b.eval()
@@ -339,19 +353,20 @@ class Collector:
         """Close the batch: after a probe the structure is known; after a pair of forwards every
         feature of A found its B and the batch's tokens are counted."""
         phase, batch = self._phase, self._batch
+        if phase in (Phase.FORWARD_B, Phase.FORWARD_AB):  # a mismatch leaves the batch open: ABORTED
+            left = sorted(p.key for p in self._pairs.values() if p.waiting)
+            if left:
+                raise IncompatibleModelsError(
+                    f"model A produced features for {left} that model B never did: the two models must share "
+                    "one architecture and configuration"
+                )
         self._move(Phase.READY)
         self._batch = None
         if phase is Phase.PROBE:
             self._seal()
             return
-        left = sorted(p.key for p in self._pairs.values() if p.waiting)
-        if left:
-            raise IncompatibleModelsError(
-                f"model A produced features for {left} that model B never did: the two models must share "
-                "one architecture and configuration"
-            )
         assert batch is not None
-        self.tokens += batch.tokens or 0
+        self._tokens += batch.tokens or 0
 
     # ---- hooks -------------------------------------------------------------------------------
 
@@ -372,9 +387,9 @@ class Collector:
         keep = self._phase is not Phase.PROBE
         if self._discovery is not None:
             self._discover(self._discovery, batch, module, x, keep)
-        elif keep and module in self._rep:
+        elif keep and module in self._structure.keys:
             site = self.plan.residual[module]
-            self._pairs[self._rep[module]].waiting.append(batch.features(x, 0, site.size, True))
+            self._pairs[self._structure.keys[module]].waiting.append(batch.features(x, 0, site.size, True))
         if keep:
             for site in self.plan.plain.get(module, ()):
                 t = x if site.where == "input" else out
@@ -382,31 +397,32 @@ class Collector:
 
     def _discover(self, d: _Discovery, batch: _Batch, module: str, x: Tensor, keep: bool) -> None:
         """First forward of A: firing order and residual groups (by identity of the input)."""
-        if module not in self._order:
-            self._order.append(module)
+        st = self._structure
+        if module not in st.order:
+            st.order.append(module)
         site = self.plan.residual.get(module)
         if site is None:
             return
         for t, gi in d.seen:
             if t is x:
-                self._groups[gi].modules.append(module)
+                st.groups[gi].modules.append(module)
                 return
-        gi = len(self._groups)
+        gi = len(st.groups)
         d.seen.append((x, gi))
-        self._groups.append(_Group(site.key, [module]))
+        st.groups.append(_Group(site.key, [module]))
         if keep and self.residual != "none" and site.key in self.plan.wanted:
             d.first[gi] = batch.features(x, 0, site.size, True)
 
     def _seal(self) -> None:
         """After the first forward of A: name the kept residual groups and queue their features."""
-        d = self._discovery
+        d, st = self._discovery, self._structure
         assert d is not None
         keys: dict[int, str] = {}
         if self.residual != "none":
-            for space in dict.fromkeys(g.space for g in self._groups):
+            for space in dict.fromkeys(g.space for g in st.groups):
                 if space not in self.plan.wanted:
                     continue
-                idx = [i for i, g in enumerate(self._groups) if g.space == space]
+                idx = [i for i, g in enumerate(st.groups) if g.space == space]
                 if self.residual == "first":
                     keys[idx[0]] = space
                 elif self.residual == "last":
@@ -416,8 +432,8 @@ class Collector:
                 else:
                     keys.update({i: f"{space}@{j}" for j, i in enumerate(idx)})
         for gi in sorted(keys):
-            module, key = self._groups[gi].modules[0], keys[gi]
-            self._rep[module] = key
+            module, key = st.groups[gi].modules[0], keys[gi]
+            st.keys[module] = key
             pairing = self._pairs.setdefault(key, _Pairing(key, self.plan.residual[module].size))
             if gi in d.first:
                 pairing.waiting.append(d.first[gi])
@@ -427,8 +443,8 @@ class Collector:
         batch = self._batch
         assert batch is not None
         todo = [(s.key, x if s.where == "input" else out, s.offset, s.size) for s in self.plan.plain.get(module, ())]
-        if module in self._rep:
-            todo.append((self._rep[module], x, 0, self.plan.residual[module].size))
+        if module in self._structure.keys:
+            todo.append((self._structure.keys[module], x, 0, self.plan.residual[module].size))
         for key, t, offset, size in todo:
             pairing = self._pairs[key]
             a = pairing.take(module)
@@ -440,12 +456,13 @@ class Collector:
         """This process's statistics (``seconds`` left 0); only after a clean close."""
         if self._phase is not Phase.CLOSED:
             raise CollectorStateError(f"results are read after a clean close; the collector is {self._phase.value!r}")
+        st = self._structure
         return ActivationStats(
             moments={key: p.result() for key, p in self._pairs.items()},
-            residual_groups=[list(g.modules) for g in self._groups],
-            module_order=list(self._order),
-            tokens=self.tokens,
-            residual_spaces=[g.space for g in self._groups],
+            residual_groups=[list(g.modules) for g in st.groups],
+            module_order=list(st.order),
+            tokens=self._tokens,
+            residual_spaces=[g.space for g in st.groups],
         )
 
 

@@ -20,9 +20,9 @@ class Site:
     """Where the features of one space (or head-space role) are read.
 
     ``key``: a space ref (``"h.0.mlp"``, ``"h.0.attn:o"``), the residual space's name, or in
-    :class:`~.activations.ActivationStats` a residual key such as ``"res@3"``. The features are the last axis of
-    ``module``'s input or output, sliced ``[offset, offset + size)`` (GPT-2's fused ``c_attn``
-    output holds q | k | v).
+    :class:`~.activations.ActivationStats` a residual key such as ``"res@3"``. The features are
+    the last axis of ``module``'s input or output, sliced ``[offset, offset + size)`` (GPT-2's
+    fused ``c_attn`` output holds q | k | v).
     """
 
     key: str
