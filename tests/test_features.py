@@ -1,10 +1,11 @@
 """Streamed activation statistics: exact moments, sites derived from the graph, masking, lockstep
-of two models, memory that does not grow with the data, and the same numbers under accelerate with
-two processes as with one."""
+of two models, the collector's state machine, memory that does not grow with the data, and the same
+numbers under accelerate with two processes as with one."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import socket
 import subprocess
@@ -17,7 +18,16 @@ import torch
 
 import tiny
 from hf_rebasin.adapters import graph_for
-from hf_rebasin.features import CrossMoments, activation_sites, activation_stats
+from hf_rebasin.errors import IncompatibleModelsError
+from hf_rebasin.features import (
+    Collector,
+    CollectorStateError,
+    CrossMoments,
+    HookPlan,
+    Phase,
+    activation_sites,
+    activation_stats,
+)
 from hf_rebasin.models import rebuild
 from hf_rebasin.symmetry import AxisMap, HeadMap, HeadSpace, SymmetryGraph
 
@@ -327,6 +337,119 @@ def test_hooks_removed_and_modes_restored_even_on_error():
     assert model_a.training and not model_b.training
     for model in (model_a, model_b):
         assert not any(m._forward_hooks for m in model.modules())
+
+
+# --------------------------------------------------------------------------------------------
+# The collector's state machine
+# --------------------------------------------------------------------------------------------
+
+
+def _collector(model_a: torch.nn.Module, model_b: torch.nn.Module) -> Collector:
+    return Collector(model_a, model_b, HookPlan.of(_graph(model_a), model_a, None), "all", None)
+
+
+def _hooked(model: torch.nn.Module) -> bool:
+    return any(m._forward_hooks for m in model.modules())
+
+
+@torch.no_grad()
+def test_illegal_transitions_raise():
+    model_a, model_b = tiny.gpt2(0), tiny.gpt2(1)
+    (batch,) = _tokens(1)
+    col = _collector(model_a, model_b)
+    with pytest.raises(CollectorStateError, match="'idle' to 'forward A'"):
+        col.begin(batch, Phase.FORWARD_A)  # no hooks yet
+    with col:
+        assert col.phase is Phase.READY and _hooked(model_a) and _hooked(model_b)
+        with pytest.raises(CollectorStateError, match="opened once"), col:
+            pass
+        assert col.phase is Phase.READY and _hooked(model_a)  # the live collection is left alone
+        with pytest.raises(CollectorStateError, match="'ready' to 'forward B'"):
+            col.to_b()
+        with pytest.raises(CollectorStateError, match="'ready' to 'ready'"):
+            col.end_batch()
+        with pytest.raises(CollectorStateError, match="FORWARD_AB needs one model"):
+            col.begin(batch, Phase.FORWARD_AB)  # two models
+        with pytest.raises(CollectorStateError, match=r"model A ran .* while the collector was 'ready'"):
+            model_a(**batch)  # a forward outside a batch
+        col.begin(batch, Phase.FORWARD_A)
+        with pytest.raises(CollectorStateError, match=r"model B ran .* while the collector was 'forward A'"):
+            model_b(**batch)
+        with pytest.raises(CollectorStateError, match="'forward A' to 'ready'"):
+            col.end_batch()  # B has not run
+        model_a(**batch)
+        col.to_b()
+        with pytest.raises(CollectorStateError, match="model A ran"):
+            model_a(**batch)
+        model_b(**batch)
+        col.end_batch()
+        assert col.phase is Phase.READY and col.tokens == 37
+        with pytest.raises(CollectorStateError, match="knows already"):
+            col.begin(batch, Phase.PROBE)  # the first forward of A showed the structure
+        with pytest.raises(CollectorStateError, match="after a clean close"):
+            col.result()
+    assert col.phase is Phase.CLOSED and not _hooked(model_a) and not _hooked(model_b)
+    assert col.result().tokens == 37
+    with pytest.raises(CollectorStateError, match="'closed' to 'forward A'"):
+        col.begin(batch, Phase.FORWARD_A)
+    with pytest.raises(CollectorStateError, match="opened once"), col:
+        pass
+    with _collector(model_a, model_a) as same:
+        with pytest.raises(CollectorStateError, match="run each batch once"):
+            same.begin(batch, Phase.FORWARD_A)
+        with pytest.raises(CollectorStateError, match="after a probe"):
+            same.begin(batch, Phase.FORWARD_AB)  # the keys are not known before a probe
+
+
+@torch.no_grad()
+def test_hooks_removed_after_an_error_inside_the_context():
+    model_a, model_b = tiny.gpt2(0), tiny.gpt2(1)
+    model_a.train()
+    (batch,) = _tokens(1)
+    col = _collector(model_a, model_b)
+    with pytest.raises(ZeroDivisionError), col:
+        col.begin(batch, Phase.FORWARD_A)
+        model_a(**batch)
+        assert not model_a.training
+        _ = 1 / 0
+    assert col.phase is Phase.ABORTED
+    assert model_a.training and not model_b.training
+    assert not _hooked(model_a) and not _hooked(model_b)
+    with pytest.raises(CollectorStateError, match="'aborted'"):
+        col.result()
+    # features that find no partner are a model mismatch, and the batch is never closed
+    for runs_of_b in (0, 2):
+        col = _collector(model_a, model_b)
+        with pytest.raises(IncompatibleModelsError, match="never did" if runs_of_b == 0 else "more often"), col:
+            col.begin(batch, Phase.FORWARD_A)
+            model_a(**batch)
+            col.to_b()
+            for _ in range(runs_of_b):
+                model_b(**batch)
+            col.end_batch()
+        assert col.phase is Phase.ABORTED and not _hooked(model_a) and not _hooked(model_b)
+    # hooks half registered when registering fails (a module B lacks): the ones on are removed
+    plan = HookPlan.of(_graph(model_a), model_a, None)
+    broken = Collector(model_a, model_b, dataclasses.replace(plan, modules=(*plan.modules, "no.such")), "all", None)
+    with pytest.raises(AttributeError), broken:
+        pass
+    assert broken.phase is Phase.CLOSED and model_a.training
+    assert not _hooked(model_a) and not _hooked(model_b)
+
+
+def test_two_half_batches_give_the_statistics_of_one_batch():
+    model_a, model_b = tiny.gpt2(0), tiny.gpt2(1)
+    graph = _graph(model_a)
+    (whole,) = _tokens(1)
+    halves = [{k: v[rows] for k, v in whole.items()} for rows in (slice(0, 2), slice(2, 4))]
+    one = activation_stats(model_a, model_b, graph, [whole], residual="separate")
+    two = activation_stats(model_a, model_b, graph, halves, residual="separate")
+    assert one.tokens == two.tokens == 37
+    assert one.residual_groups == two.residual_groups and one.module_order == two.module_order
+    assert one.moments.keys() == two.moments.keys()
+    for key in one.moments:
+        assert torch.equal(one.moments[key].count, two.moments[key].count), key
+        _assert_same_moments(one.moments[key], two.moments[key], 1e-6)
 
 
 # --------------------------------------------------------------------------------------------

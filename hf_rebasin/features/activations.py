@@ -1,0 +1,572 @@
+"""Activation statistics: models A and B see the same batches, forward hooks read each site's features.
+
+A :class:`Collector` is a small state machine over one collection (see :class:`Phase`): per batch A
+runs first and its hooks queue A's (masked, float32) features per key; B's hooks then pair each with
+B's features into float64 :class:`~.moments.CrossMoments` and free A's copy. Nothing holds n×d
+activations beyond one batch of A's. The first forward of A also shows the structure that only a
+run reveals: the hooked modules' firing order and the residual readers' groups (one per input
+tensor). Hooks come off and the models' train/eval modes come back when the collector's ``with``
+block ends, error or not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from ..errors import IncompatibleModelsError
+from ..symmetry import SymmetryGraph, split_ref
+from .moments import CrossMoments, all_reduce_sum, distributed
+from .sites import Site, activation_sites, bound_linears, candidate_sites, is_residual, wanted_spaces
+
+ResidualMode = Literal["none", "first", "last", "all", "separate"]
+RESIDUAL_MODES: tuple[ResidualMode, ...] = ("none", "first", "last", "all", "separate")
+Side = Literal["a", "b", "ab"]
+
+
+@dataclass
+class ActivationStats:
+    """Cross moments of A's and B's features per site key, and the structure seen in the forward.
+
+    ``residual_groups``: residual readers in forward order, one group per input tensor (q/k/v of
+    a layer read one tensor), over every residual space; ``residual_spaces[g]`` names the space of
+    group g (CLIP has two), and ``"<space>@j"`` keys count that space's groups only.
+    ``module_order``: every hooked module in firing order. ``tokens``: tokens counted after
+    masking, over all processes. ``seconds``: wall time of the collection.
+    """
+
+    moments: dict[str, CrossMoments]
+    residual_groups: list[list[str]]
+    module_order: list[str]
+    tokens: int
+    seconds: float = 0.0
+    residual_spaces: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# The collector's parts: what to hook, one batch, one key's accumulator, the structure
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HookPlan:
+    """What a collection hooks, fixed before any model runs.
+
+    ``modules``: every bound Linear / Conv1D module, hooked in both models (residual readers of
+    every residual space are needed to learn the groups, kept or not). ``plain``: module -> its
+    chosen non-residual sites. ``residual``: module -> its residual input site. ``wanted``: the
+    spaces whose residual keys are kept.
+    """
+
+    modules: tuple[str, ...]
+    plain: Mapping[str, tuple[Site, ...]]
+    residual: Mapping[str, Site]
+    wanted: frozenset[str]
+
+    @classmethod
+    def of(cls, graph: SymmetryGraph, model: torch.nn.Module, spaces: Collection[str] | None) -> HookPlan:
+        wanted = wanted_spaces(graph, spaces)
+        sites = candidate_sites(graph, model, set(graph.spaces))
+        chosen = set(activation_sites(graph, model, spaces))
+        plain: dict[str, list[Site]] = {}
+        for s in sites:
+            if s in chosen and not is_residual(graph, split_ref(s.key)[0]):
+                plain.setdefault(s.module, []).append(s)
+        residual = {s.module: s for s in sites if s.where == "input" and is_residual(graph, split_ref(s.key)[0])}
+        return cls(
+            modules=tuple(bound_linears(graph, model)),
+            plain={m: tuple(v) for m, v in plain.items()},
+            residual=residual,
+            wanted=frozenset(wanted),
+        )
+
+
+@dataclass
+class _Batch:
+    """One batch's mask of kept positions and its token count.
+
+    ``tokens`` is None until known: text batches count kept tokens up front, image batches the rows
+    of the first hooked activation. ``mask_on`` caches the mask per device (models may sit on
+    different devices, or be split over several).
+    """
+
+    mask: Tensor | None
+    tokens: int | None
+    mask_on: dict[torch.device, Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, batch: Mapping[str, Any], special: Tensor | None) -> _Batch:
+        mask = batch.get("attention_mask")
+        mask = mask.bool() if isinstance(mask, Tensor) else None
+        ids = batch.get("input_ids")
+        if special is not None and isinstance(ids, Tensor):
+            plain = ~torch.isin(ids, special.to(ids.device))
+            mask = plain if mask is None else mask & plain
+        if mask is not None:
+            return cls(mask, int(mask.sum()))
+        return cls(None, ids.numel() if isinstance(ids, Tensor) else None)
+
+    def count(self, x: Tensor) -> None:
+        """Count the batch from the first hooked activation when it has no token ids."""
+        if self.tokens is None:
+            self.tokens = x.numel() // x.shape[-1]
+
+    def features(self, t: Tensor, offset: int, size: int, copy: bool) -> Tensor:
+        """Masked features ``[n_tok, size]`` of the last axis of ``t``; a fresh float32 copy when
+        asked (A's features must outlive the forward and survive in-place ops)."""
+        if offset != 0 or size != t.shape[-1]:
+            t = t[..., offset : offset + size]
+        mask = self.mask
+        if mask is not None and tuple(t.shape[:-1]) == tuple(mask.shape):
+            if t.device not in self.mask_on:
+                self.mask_on[t.device] = mask.to(t.device)
+            return t[self.mask_on[t.device]].to(torch.float32)
+        flat = t.reshape(-1, size)
+        return flat.to(torch.float32, copy=True) if copy else flat
+
+
+@dataclass
+class _Pairing:
+    """One key's accumulator: A's features waiting for B's, and the moments of the pairs so far.
+
+    The moments live on the device of A's features, created at the first pair.
+    """
+
+    key: str
+    size: int
+    waiting: deque[Tensor] = field(default_factory=deque)
+    moments: CrossMoments | None = None
+
+    def take(self, module: str) -> Tensor:
+        """A's oldest waiting features; B running a site more often than A is a model mismatch."""
+        if not self.waiting:
+            raise IncompatibleModelsError(
+                f"model B ran {module!r} ({self.key}) more often than model A: the two models must share "
+                "one architecture and configuration"
+            )
+        return self.waiting.popleft()
+
+    def add(self, a: Tensor, b: Tensor) -> None:
+        if self.moments is None:
+            self.moments = CrossMoments.zeros(self.size, self.size, device=a.device)
+        self.moments.update(a, b)
+
+    def result(self) -> CrossMoments:
+        """The moments; zeros (on the default device) for a key that never saw a token."""
+        return self.moments if self.moments is not None else CrossMoments.zeros(self.size, self.size)
+
+
+@dataclass
+class _Group:
+    """Residual readers of one input tensor (q/k/v of a layer), in firing order."""
+
+    space: str
+    modules: list[str]
+
+
+@dataclass
+class _Structure:
+    """What the first forward of A shows: the hooked modules in firing order, the residual readers'
+    groups (one per input tensor, over every residual space), and the key of each kept group, by
+    the group's first module."""
+
+    order: list[str] = field(default_factory=list)
+    groups: list[_Group] = field(default_factory=list)
+    keys: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Discovery:
+    """The first forward of A only: residual inputs seen so far (strong refs: ids get reused) and
+    A's features of each new group, kept until the groups are named."""
+
+    seen: list[tuple[Tensor, int]] = field(default_factory=list)
+    first: dict[int, Tensor] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# The state machine
+# --------------------------------------------------------------------------------------------
+
+
+class CollectorStateError(RuntimeError):
+    """A collector was driven out of order (a bug in the caller, not in the models or data)."""
+
+
+class Phase(Enum):
+    """Where a collection stands; every call and every hook checks it."""
+
+    IDLE = "idle"  # built; no hooks yet
+    READY = "ready"  # hooks on, between batches
+    PROBE = "probe"  # model A runs only to learn firing order and residual groups; nothing is kept
+    FORWARD_A = "forward A"  # model A runs; its hooks queue A's features
+    FORWARD_B = "forward B"  # model B runs; its hooks pair them with B's
+    FORWARD_AB = "forward A=B"  # one model compared with itself: each hook queues and pairs at once
+    CLOSED = "closed"  # hooks off between batches; the results may be read
+    ABORTED = "aborted"  # hooks off in the middle of a batch (an error): nothing may be read
+
+
+_NEXT: dict[Phase, frozenset[Phase]] = {
+    Phase.IDLE: frozenset({Phase.READY}),
+    Phase.READY: frozenset({Phase.PROBE, Phase.FORWARD_A, Phase.FORWARD_AB}),
+    Phase.PROBE: frozenset({Phase.READY}),
+    Phase.FORWARD_A: frozenset({Phase.FORWARD_B}),
+    Phase.FORWARD_B: frozenset({Phase.READY}),
+    Phase.FORWARD_AB: frozenset({Phase.READY}),
+}
+# the phases in which each kind of hook may fire (B's hooks never fire while A runs, and back)
+_FIRES: dict[Side, frozenset[Phase]] = {
+    "a": frozenset({Phase.PROBE, Phase.FORWARD_A}),
+    "b": frozenset({Phase.FORWARD_B}),
+    "ab": frozenset({Phase.PROBE, Phase.FORWARD_AB}),
+}
+
+
+class Collector:
+    """Hooks on models A and B for one collection, driven batch by batch.
+
+    IDLE → READY (``with``: hooks on, eval mode); per batch READY → FORWARD_A → FORWARD_B → READY
+    (``begin``, ``to_b``, ``end_batch``), or READY → FORWARD_AB → READY when A is B (one forward
+    serves both, after one PROBE that learns the keys); PROBE → READY also learns the structure of a
+    process with no batch. Leaving the ``with`` block gives CLOSED (from READY) or ABORTED (from
+    inside a batch). Any other move raises :class:`CollectorStateError`. The caller runs the models:
+    the collector only watches them, so it does not care where or how they run.
+    """
+
+    def __init__(
+        self,
+        model_a: torch.nn.Module,
+        model_b: torch.nn.Module,
+        plan: HookPlan,
+        residual: ResidualMode,
+        special: Tensor | None,
+    ) -> None:
+        self.model_a, self.model_b, self.plan, self.residual, self.special = model_a, model_b, plan, residual, special
+        self.same = model_a is model_b
+        self._tokens = 0
+        self._phase = Phase.IDLE
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._modes: tuple[bool, bool] | None = None
+        self._batch: _Batch | None = None
+        self._pairs: dict[str, _Pairing] = {
+            s.key: _Pairing(s.key, s.size) for sites in plan.plain.values() for s in sites
+        }
+        self._structure = _Structure()
+        self._discovery: _Discovery | None = _Discovery()  # None once the structure is known
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the batches paired so far (after masking)."""
+        return self._tokens
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the structure (firing order, residual groups and keys) is known."""
+        return self._discovery is None
+
+    def _move(self, to: Phase) -> None:
+        if to not in _NEXT.get(self._phase, frozenset()):
+            raise CollectorStateError(f"a collector cannot go from {self._phase.value!r} to {to.value!r}")
+        self._phase = to
+
+    # ---- context: hooks on, and always off again ---------------------------------------------
+
+    def __enter__(self) -> Collector:
+        if self._phase is not Phase.IDLE:  # checked before the cleanup below: never close a live one
+            raise CollectorStateError(f"a collector is opened once; this one is {self._phase.value!r}")
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> None:
+        self._modes = (self.model_a.training, self.model_b.training)
+        self.model_a.eval()
+        self.model_b.eval()
+        for module in self.plan.modules:
+            if self.same:
+                self._register(self.model_a, module, "ab")
+                continue
+            self._register(self.model_a, module, "a")
+            self._register(self.model_b, module, "b")
+        self._move(Phase.READY)
+
+    def _register(self, model: torch.nn.Module, module: str, side: Side) -> None:
+        def hook(_mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+            x = args[0] if args else next(iter(kwargs.values()))
+            self._fire(module, side, x, out)
+
+        self._handles.append(model.get_submodule(module).register_forward_hook(hook, with_kwargs=True))
+
+    def close(self) -> None:
+        """Remove every hook, drop queued features, restore the train/eval modes (idempotent)."""
+        if self._phase in (Phase.CLOSED, Phase.ABORTED):
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for p in self._pairs.values():
+            p.waiting.clear()
+        self._discovery = None
+        self._batch = None
+        if self._modes is not None:
+            self.model_a.train(self._modes[0])
+            self.model_b.train(self._modes[1])
+        self._phase = Phase.CLOSED if self._phase in (Phase.IDLE, Phase.READY) else Phase.ABORTED
+
+    # ---- per batch ---------------------------------------------------------------------------
+
+    def begin(self, batch: Mapping[str, Any], phase: Literal[Phase.PROBE, Phase.FORWARD_A, Phase.FORWARD_AB]) -> None:
+        """Start a batch; the caller then runs model A (the one model, for FORWARD_AB) on it."""
+        if phase is Phase.PROBE and self.sealed:
+            raise CollectorStateError("a probe learns the structure, which this collector knows already")
+        if phase is Phase.FORWARD_A and self.same:
+            raise CollectorStateError("model A is model B: run each batch once, as FORWARD_AB")
+        if phase is Phase.FORWARD_AB and not (self.same and self.sealed):
+            raise CollectorStateError("FORWARD_AB needs one model compared with itself, after a probe")
+        self._move(phase)
+        self._batch = _Batch.of(batch, self.special)
+
+    def to_b(self) -> None:
+        """A's forward is done (its structure is known from now on); the caller then runs model B."""
+        self._move(Phase.FORWARD_B)
+        if not self.sealed:
+            self._seal()
+
+    def end_batch(self) -> None:
+        """Close the batch: after a probe the structure is known; after a pair of forwards every
+        feature of A found its B and the batch's tokens are counted."""
+        phase, batch = self._phase, self._batch
+        if phase in (Phase.FORWARD_B, Phase.FORWARD_AB):  # a mismatch leaves the batch open: ABORTED
+            left = sorted(p.key for p in self._pairs.values() if p.waiting)
+            if left:
+                raise IncompatibleModelsError(
+                    f"model A produced features for {left} that model B never did: the two models must share "
+                    "one architecture and configuration"
+                )
+        self._move(Phase.READY)
+        self._batch = None
+        if phase is Phase.PROBE:
+            self._seal()
+            return
+        assert batch is not None
+        self._tokens += batch.tokens or 0
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    def _fire(self, module: str, side: Side, x: Tensor, out: Tensor) -> None:
+        phase = self._phase
+        if phase not in _FIRES[side]:
+            model = {"a": "A", "b": "B", "ab": "A (= B)"}[side]
+            raise CollectorStateError(f"model {model} ran {module!r} while the collector was {phase.value!r}")
+        if phase is not Phase.FORWARD_B:
+            self._on_a(module, x, out)
+        if phase is not Phase.PROBE and phase is not Phase.FORWARD_A:
+            self._on_b(module, x, out)
+
+    def _on_a(self, module: str, x: Tensor, out: Tensor) -> None:
+        batch = self._batch
+        assert batch is not None
+        batch.count(x)
+        keep = self._phase is not Phase.PROBE
+        if self._discovery is not None:
+            self._discover(self._discovery, batch, module, x, keep)
+        elif keep and module in self._structure.keys:
+            site = self.plan.residual[module]
+            self._pairs[self._structure.keys[module]].waiting.append(batch.features(x, 0, site.size, True))
+        if keep:
+            for site in self.plan.plain.get(module, ()):
+                t = x if site.where == "input" else out
+                self._pairs[site.key].waiting.append(batch.features(t, site.offset, site.size, True))
+
+    def _discover(self, d: _Discovery, batch: _Batch, module: str, x: Tensor, keep: bool) -> None:
+        """First forward of A: firing order and residual groups (by identity of the input)."""
+        st = self._structure
+        if module not in st.order:
+            st.order.append(module)
+        site = self.plan.residual.get(module)
+        if site is None:
+            return
+        for t, gi in d.seen:
+            if t is x:
+                st.groups[gi].modules.append(module)
+                return
+        gi = len(st.groups)
+        d.seen.append((x, gi))
+        st.groups.append(_Group(site.key, [module]))
+        if keep and self.residual != "none" and site.key in self.plan.wanted:
+            d.first[gi] = batch.features(x, 0, site.size, True)
+
+    def _seal(self) -> None:
+        """After the first forward of A: name the kept residual groups and queue their features."""
+        d, st = self._discovery, self._structure
+        assert d is not None
+        keys: dict[int, str] = {}
+        if self.residual != "none":
+            for space in dict.fromkeys(g.space for g in st.groups):
+                if space not in self.plan.wanted:
+                    continue
+                idx = [i for i, g in enumerate(st.groups) if g.space == space]
+                if self.residual == "first":
+                    keys[idx[0]] = space
+                elif self.residual == "last":
+                    keys[idx[-1]] = space
+                elif self.residual == "all":
+                    keys.update({i: space for i in idx})
+                else:
+                    keys.update({i: f"{space}@{j}" for j, i in enumerate(idx)})
+        for gi in sorted(keys):
+            module, key = st.groups[gi].modules[0], keys[gi]
+            st.keys[module] = key
+            pairing = self._pairs.setdefault(key, _Pairing(key, self.plan.residual[module].size))
+            if gi in d.first:
+                pairing.waiting.append(d.first[gi])
+        self._discovery = None
+
+    def _on_b(self, module: str, x: Tensor, out: Tensor) -> None:
+        batch = self._batch
+        assert batch is not None
+        todo = [(s.key, x if s.where == "input" else out, s.offset, s.size) for s in self.plan.plain.get(module, ())]
+        if module in self._structure.keys:
+            todo.append((self._structure.keys[module], x, 0, self.plan.residual[module].size))
+        for key, t, offset, size in todo:
+            pairing = self._pairs[key]
+            a = pairing.take(module)
+            pairing.add(a, batch.features(t, offset, size, False))
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def result(self) -> ActivationStats:
+        """This process's statistics (``seconds`` left 0); only after a clean close."""
+        if self._phase is not Phase.CLOSED:
+            raise CollectorStateError(f"results are read after a clean close; the collector is {self._phase.value!r}")
+        st = self._structure
+        return ActivationStats(
+            moments={key: p.result() for key, p in self._pairs.items()},
+            residual_groups=[list(g.modules) for g in st.groups],
+            module_order=list(st.order),
+            tokens=self._tokens,
+            residual_spaces=[g.space for g in st.groups],
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Driving a collection
+# --------------------------------------------------------------------------------------------
+
+
+def _process_grid() -> tuple[int, int]:
+    """(number of processes, this process's index) from accelerate's ``PartialState``.
+
+    ``ACCELERATE_USE_CPU`` is honoured as ``Accelerator`` does (a bare ``PartialState()`` ignores
+    it), so a CPU multi-process launch reduces over gloo instead of running P lone copies.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    return state.num_processes, state.process_index
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
+
+
+def _to(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+def _probe(col: Collector, batch: Mapping[str, Any], device: torch.device) -> None:
+    """Run A once without keeping features, to learn firing order and residual groups."""
+    col.begin(batch, Phase.PROBE)
+    col.model_a(**_to(batch, device))
+    col.end_batch()
+
+
+def activation_stats(
+    model_a: torch.nn.Module,
+    model_b: torch.nn.Module,
+    graph: SymmetryGraph,
+    batches: Iterable[Mapping[str, Tensor]],
+    *,
+    spaces: Collection[str] | None = None,
+    residual: ResidualMode = "all",
+    special_ids: Collection[int] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ActivationStats:
+    """Correlation statistics of A's and B's features on the same batches, for every site.
+
+    Per batch A runs first and its hooks keep the (masked, float32) features of each site; B's
+    hooks then add (A, B) pairs into float64 :class:`~.moments.CrossMoments` and free A's copy:
+    extra memory is one batch of A's features plus O(d²) per key. Padded positions
+    (``attention_mask == 0``) and, when ``special_ids`` is given, special tokens are dropped
+    wherever an activation's leading dims are the batch's ``[batch, seq]``.
+
+    ``residual`` picks the residual readers' groups (one group per input tensor, forward order):
+    ``first`` / ``last`` one group, ``all`` every group pooled under the space's name, ``separate``
+    one key per group (``"res@0"``, …), ``none`` no residual key.
+
+    Under ``accelerate launch`` process p takes batches p, p + P, p + 2P, … and the sums are
+    reduced over processes, so every process returns the same statistics as one process would.
+    """
+    if residual not in RESIDUAL_MODES:
+        raise ValueError(f"residual must be one of {RESIDUAL_MODES}, got {residual!r}")
+    start = time.perf_counter()
+    nproc, rank = _process_grid()
+    plan = HookPlan.of(graph, model_a, spaces)
+    special = torch.tensor(sorted(set(special_ids)), dtype=torch.long) if special_ids else None
+    dev_a, dev_b = _device_of(model_a), _device_of(model_b)
+    with Collector(model_a, model_b, plan, residual, special) as col, torch.no_grad():
+        first: Mapping[str, Tensor] | None = None
+        for i, batch in enumerate(batches):
+            if i == 0:
+                first = batch
+            if i % nproc != rank:
+                continue
+            if col.same:
+                if not col.sealed:
+                    _probe(col, batch, dev_a)  # one hook does A and B: it must know the keys first
+                col.begin(batch, Phase.FORWARD_AB)
+                model_a(**_to(batch, dev_a))
+            else:
+                col.begin(batch, Phase.FORWARD_A)
+                model_a(**_to(batch, dev_a))
+                col.to_b()
+                model_b(**_to(batch, dev_b))
+            col.end_batch()
+            if progress is not None:
+                progress(col.tokens)
+        if not col.sealed and first is not None:
+            # fewer batches than processes: learn the structure so all processes hold the same keys
+            _probe(col, first, dev_a)
+    stats = col.result()
+    if nproc > 1:
+        if not distributed():
+            raise RuntimeError(
+                f"accelerate reports {nproc} processes but torch.distributed is not initialised: "
+                "the statistics of the other processes' batches cannot be summed"
+            )
+        for m in stats.moments.values():
+            m.all_reduce()
+        stats.tokens = int(all_reduce_sum(torch.tensor(float(stats.tokens), dtype=torch.float64)).item())
+    stats.seconds = time.perf_counter() - start
+    return stats

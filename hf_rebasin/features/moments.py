@@ -1,0 +1,125 @@
+"""Streamed cross moments of two feature sets, and their sum over processes.
+
+:class:`CrossMoments` keeps float64 running sums, so memory is O(d²) per feature set whatever the
+number of tokens, and batches and processes combine by plain addition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class CrossMoments:
+    """Running float64 sums for the correlation of two feature sets (like git re-basin's
+    ``online_stats``): ``count``, ``Σx``, ``Σy``, ``Σx²``, ``Σy²`` and ``Σ x yᵀ``.
+
+    Sums (not means) so that batches and processes combine by plain addition.
+    """
+
+    count: Tensor
+    sum_a: Tensor
+    sum_b: Tensor
+    sq_a: Tensor
+    sq_b: Tensor
+    cross: Tensor
+
+    @classmethod
+    def zeros(cls, da: int, db: int, device: torch.device | str | None = None) -> CrossMoments:
+        def z(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=torch.float64, device=device)
+
+        return cls(z(), z(da), z(db), z(da), z(db), z(da, db))
+
+    def _fields(self) -> tuple[Tensor, ...]:
+        return (self.count, self.sum_a, self.sum_b, self.sq_a, self.sq_b, self.cross)
+
+    def update(self, x: Tensor, y: Tensor) -> None:
+        """Add ``n`` samples: row k of ``x`` [n, da] and of ``y`` [n, db] is the same token.
+
+        The per-batch products run in the inputs' precision (at least float32, for speed) on data
+        shifted by the batch mean, and the shift is added back in float64: products of centred
+        data keep float32's relative error on the covariance instead of on the raw second moment,
+        which large mean activations (residual streams) would otherwise swamp.
+        """
+        da, db = self.sum_a.shape[0], self.sum_b.shape[0]
+        if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or x.shape[1] != da or y.shape[1] != db:
+            raise ValueError(
+                f"CrossMoments({da}, {db}).update needs x [n, {da}] and y [n, {db}] with the same n; "
+                f"got {tuple(x.shape)} and {tuple(y.shape)}"
+            )
+        n = x.shape[0]
+        if n == 0:
+            return
+        device = self.cross.device
+        work = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+        x = x.to(device=device, dtype=work)
+        y = y.to(device=device, dtype=work)
+        sx = x.sum(0, dtype=torch.float64)
+        sy = y.sum(0, dtype=torch.float64)
+        cx = (sx / n).to(work)  # the shift, exactly representable in both precisions
+        cy = (sy / n).to(work)
+        xc, yc = x - cx, y - cy
+        cx64, cy64 = cx.to(torch.float64), cy.to(torch.float64)
+        # Σ x yᵀ = Σ (x − c)(y − d)ᵀ + c (Σy)ᵀ + (Σx − n c) dᵀ   (exact for any shift c, d), added in
+        # place: a d×d float64 temporary per term would cost more than the product itself
+        self.cross.add_(xc.T @ yc)
+        self.cross.addr_(cx64, sy)
+        self.cross.addr_(sx - n * cx64, cy64)
+        self.sq_a += (xc * xc).sum(0, dtype=torch.float64) + 2 * cx64 * sx - n * cx64 * cx64
+        self.sq_b += (yc * yc).sum(0, dtype=torch.float64) + 2 * cy64 * sy - n * cy64 * cy64
+        self.sum_a += sx
+        self.sum_b += sy
+        self.count += n
+
+    def correlation(self, eps: float = 1e-8) -> Tensor:
+        """Pearson correlation ``[da, db]`` (float64). A feature whose variance is at most
+        ``eps · mean²`` (a constant, up to rounding) correlates 0 with everything: no NaN, and a
+        LAP on it is indifferent, as it should be."""
+        n = self.count.clamp_min(1.0)
+        mean_a, mean_b = self.sum_a / n, self.sum_b / n
+        var_a = (self.sq_a / n - mean_a * mean_a).clamp_min(0.0)
+        var_b = (self.sq_b / n - mean_b * mean_b).clamp_min(0.0)
+        live_a = var_a > eps * mean_a * mean_a
+        live_b = var_b > eps * mean_b * mean_b
+        if self.count.item() == 0:
+            live_a = torch.zeros_like(live_a)
+        cov = self.cross / n - torch.outer(mean_a, mean_b)
+        std_a = torch.where(live_a, var_a.sqrt(), torch.ones_like(var_a))
+        std_b = torch.where(live_b, var_b.sqrt(), torch.ones_like(var_b))
+        corr = (cov / torch.outer(std_a, std_b)).clamp(-1.0, 1.0)
+        return torch.where(torch.outer(live_a, live_b), corr, torch.zeros_like(corr))
+
+    def all_reduce(self) -> None:
+        """Sum the moments over all processes (accelerate / torch.distributed); a no-op in one."""
+        if not distributed():
+            return
+        fields = self._fields()
+        buf = all_reduce_sum(torch.cat([f.reshape(-1) for f in fields]))
+        offset = 0
+        for f in fields:
+            f.copy_(buf[offset : offset + f.numel()].view_as(f))
+            offset += f.numel()
+
+
+def distributed() -> bool:
+    """Whether a process group of more than one process is up (``accelerate launch``)."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def all_reduce_sum(t: Tensor) -> Tensor:
+    """Sum ``t`` over processes, on the device the backend needs (NCCL: the current GPU)."""
+    import torch.distributed as dist
+
+    device = t.device
+    if dist.get_backend() == "nccl":
+        work = t.to(torch.device("cuda", torch.cuda.current_device()))
+    else:
+        work = t.cpu() if device.type != "cpu" else t.clone()
+    dist.all_reduce(work, op=dist.ReduceOp.SUM)
+    return work.to(device)

@@ -1,0 +1,122 @@
+"""Sites: which module input or output carries a space's features.
+
+Derived from the symmetry graph and the module types alone (Linear / Conv1D weights bound to
+spaces): no per-architecture code, so every adapter gets activation statistics for free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..symmetry import Fused, Space, SymmetryGraph, split_ref
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where the features of one space (or head-space role) are read.
+
+    ``key``: a space ref (``"h.0.mlp"``, ``"h.0.attn:o"``), the residual space's name, or in
+    :class:`~.activations.ActivationStats` a residual key such as ``"res@3"``. The features are
+    the last axis of ``module``'s input or output, sliced ``[offset, offset + size)`` (GPT-2's
+    fused ``c_attn`` output holds q | k | v).
+    """
+
+    key: str
+    module: str
+    where: Literal["input", "output"]
+    offset: int
+    size: int
+
+
+def _linear_axes(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(input axis, output axis) of a linear module's weight; None for anything else."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, Conv1D):
+        return 0, 1  # [in, out]
+    if isinstance(module, torch.nn.Linear):
+        return 1, 0  # [out, in]
+    return None
+
+
+def bound_linears(graph: SymmetryGraph, model: torch.nn.Module) -> dict[str, tuple[Any, Any]]:
+    """Every Linear / Conv1D module with a bound weight: name -> (input ref, output ref), in the
+    model's registration order."""
+    rank = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    found: dict[str, tuple[Any, Any]] = {}
+    for name, binding in graph.bindings.items():
+        if not name.endswith(".weight") or len(binding.axes) != 2:
+            continue
+        module_name = name[: -len(".weight")]
+        if module_name not in rank:
+            continue
+        axes = _linear_axes(model.get_submodule(module_name))
+        if axes is not None:
+            found[module_name] = (binding.axes[axes[0]], binding.axes[axes[1]])
+    return dict(sorted(found.items(), key=lambda kv: rank[kv[0]]))
+
+
+def is_residual(graph: SymmetryGraph, space: str) -> bool:
+    """Whether ``space`` is a residual stream: its readers are grouped per input tensor, not keyed."""
+    s = graph.spaces.get(space)
+    return isinstance(s, Space) and s.kind == "residual"
+
+
+def wanted_spaces(graph: SymmetryGraph, spaces: Collection[str] | None) -> set[str]:
+    """The space names behind ``spaces`` (refs such as ``"h.0.attn:o"`` allowed); all when None."""
+    if spaces is None:
+        return set(graph.spaces)
+    wanted = {split_ref(s)[0] for s in spaces}
+    unknown = sorted(wanted - set(graph.spaces))
+    if unknown:
+        raise ValueError(f"no space(s) {unknown} in the {graph.family!r} graph; it has {sorted(graph.spaces)}")
+    return wanted
+
+
+def candidate_sites(graph: SymmetryGraph, model: torch.nn.Module, wanted: set[str]) -> list[Site]:
+    """All sites of the wanted spaces, in module order: every input site, and output sites of
+    non-residual spaces (a residual writer's output is only part of the stream)."""
+    sites: list[Site] = []
+    for module, (in_ref, out_ref) in bound_linears(graph, model).items():
+        if isinstance(in_ref, str) and split_ref(in_ref)[0] in wanted:
+            sites.append(Site(in_ref, module, "input", 0, graph.ref_size(in_ref)))
+        parts: tuple[str, ...] = out_ref.parts if isinstance(out_ref, Fused) else (out_ref,) if out_ref else ()
+        offset = 0
+        for part in parts:
+            size = graph.ref_size(part)
+            space = split_ref(part)[0]
+            if space in wanted and not is_residual(graph, space):
+                sites.append(Site(part, module, "output", offset, size))
+            offset += size
+    return sites
+
+
+def activation_sites(graph: SymmetryGraph, model: torch.nn.Module, spaces: Collection[str] | None = None) -> list[Site]:
+    """The sites to hook, in module order: one per space / head role, plus every residual reader.
+
+    Per key an *input* site is preferred (the reader sees exactly the space: the MLP down
+    projection's input is the post-activation unit, o_proj's input the attention output before
+    W_O); otherwise an output site (q and k from q_proj / k_proj or slices of a fused c_attn).
+    Role v is skipped when o exists (they share the inner map). For a residual space (kind
+    ``"residual"``) every input site is returned under the space's name: which of them are kept
+    depends on forward order and tensor identity, known only when the model runs
+    (:func:`~.activations.activation_stats`).
+    """
+    wanted = wanted_spaces(graph, spaces)
+    candidates = candidate_sites(graph, model, wanted)
+    residual = [s for s in candidates if is_residual(graph, split_ref(s.key)[0])]
+    chosen: dict[str, Site] = {}
+    for where in ("input", "output"):
+        for s in candidates:
+            if s.where == where and s.key not in chosen and not is_residual(graph, split_ref(s.key)[0]):
+                chosen[s.key] = s
+    for key in list(chosen):
+        space, role = split_ref(key)
+        if role == "v" and f"{space}:o" in chosen:
+            del chosen[key]
+    keep = set(chosen.values()) | set(residual)
+    return [s for s in candidates if s in keep]
