@@ -1,8 +1,9 @@
 """The YAML recipe, schema v1: pydantic models, loading, and errors that teach.
 
 The README documents every key; `recipe_json_schema` (``hf-rebasin schema``) is built from these
-models. Importing this module imports no torch: names, defaults and strategy options come from
-torch-free modules, so validating a recipe, ``--dry-run`` and ``--help`` stay fast.
+models. Importing this module imports no torch (nor transformers, datasets, scipy): names, defaults
+and strategy options come from torch-free modules, so validating a recipe or printing its schema
+takes a fraction of a second (tests/test_imports.py keeps it so).
 
 Parsing is strict on purpose: unknown keys are errors, every enumerated choice is a ``Literal``,
 and a strategy's options are validated by that strategy's own options model (built from the

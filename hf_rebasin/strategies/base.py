@@ -139,7 +139,8 @@ class StrategyRegistry:
         if strategy.name in self._by_name:
             raise ValueError(f"strategy {strategy.name!r} is registered twice")
         # found, not imported: a misspelt module fails here, at import of the registry, not mid-run
-        if not isinstance(strategy.module, str) or importlib.util.find_spec(f"{__package__}.{strategy.module}") is None:
+        module = strategy.module if isinstance(strategy.module, str) else ""
+        if not (module.isidentifier() and importlib.util.find_spec(f"{__package__}.{module}") is not None):
             raise ValueError(f"strategy {strategy.name!r} names no module of {__package__}: {strategy.module!r}")
         self._by_name[strategy.name] = strategy
 
