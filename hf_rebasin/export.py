@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import OutputBusyError, OutputExistsError, OutputPathError, OutputWriteError
+from .names import DEFAULT_SHARD_SIZE
 
 try:
     import fcntl
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from torch import Tensor
     from transformers import PreTrainedModel
 
-DEFAULT_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default: one file unless a model is larger
 RECORD = "rebasin.json"  # what marks a folder as an hf-rebasin output (the only kind overwrite replaces)
 _AFFIX = 16  # bytes the temporary / aside / lock names add to the target's name (".NAME.tmp-XXXXXXXX")
 

@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from .errors import ModelNotFoundError, PickleRefusedError, RebasinUserError
+from .export import is_support_file
 
 __all__ = [
     "HubError",
@@ -301,8 +302,6 @@ def check_file_name(name: str, at: str) -> None:
 
 def support_names(files: Sequence[str]) -> list[str]:
     """The files of a repo that a run reads or carries into its output besides the weights."""
-    from .export import is_support_file
-
     return [f for f in files if f in CONFIG_FILES or is_support_file(f)]
 
 

@@ -1,4 +1,9 @@
-"""The YAML recipe, schema v1 (DESIGN.md §9): pydantic models, loading, and errors that teach.
+"""The YAML recipe, schema v1: pydantic models, loading, and errors that teach.
+
+The README documents every key; `recipe_json_schema` (``hf-rebasin schema``) is built from these
+models. Importing this module imports no torch (nor transformers, datasets, scipy): names, defaults
+and strategy options come from torch-free modules, so validating a recipe or printing its schema
+takes a fraction of a second (tests/test_imports.py keeps it so).
 
 Parsing is strict on purpose: unknown keys are errors, every enumerated choice is a ``Literal``,
 and a strategy's options are validated by that strategy's own options model (built from the
@@ -33,14 +38,22 @@ from pydantic import (
 from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
+from .datafiles import check_files
 from .errors import DataError, RebasinUserError
-from .evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS, SampleBy, check_files
-from .evaluate import CLASSIFICATION_TASKS, Task
-from .export import DEFAULT_SHARD_SIZE
 from .hub import is_repo_id, repo_id_problem, split_ref
+from .names import (
+    BUILTIN_DATASETS,
+    CLASSIFICATION_TASKS,
+    DEFAULT_ITERATIONS,
+    DEFAULT_SHARD_SIZE,
+    DEFAULT_TOL,
+    KINDS,
+    LOCAL_BUILDERS,
+    SampleBy,
+    Task,
+)
 from .strategies import REGISTRY, Options, Strategy, get_strategy
-from .train import KINDS, is_trained, zoo_folder
-from .universe import DEFAULT_ITERATIONS, DEFAULT_TOL
+from .zoo import is_trained, zoo_folder
 
 __all__ = [
     "JOBS",
@@ -69,7 +82,7 @@ TRANSPORT_MODELS = ("base", "finetuned", "target")  # job: transport names these
 DEFAULT_TRANSPORT_STRATEGY = "transfusion"  # data-free, the TransFusion paper's own method
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
-# a model of the zoo (`hf_rebasin.train`): trained by hf-rebasin on first use, then cached
+# a model of the zoo (`hf_rebasin.zoo`, trained by `hf_rebasin.train` on first use, then cached)
 ZOO_PATTERN = re.compile(rf"zoo:({'|'.join(KINDS)})-seed(\d+)")
 # the largest zoo seed: training derives further seeds from it (seed × 100003 + epoch) for
 # torch.Generator, which takes at most 2**64 - 1, and numpy takes at most 2**32 - 1

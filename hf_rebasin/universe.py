@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from .merge import merge_state_dicts
+from .names import DEFAULT_ITERATIONS, DEFAULT_TOL
 from .strategies import Alignment, AlignmentData, Options, Pair, Progress, get_strategy
 from .symmetry import SymmetryGraph
 
@@ -40,9 +41,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = ["DEFAULT_ITERATIONS", "DEFAULT_TOL", "UniverseResult", "universe_merge"]
-
-DEFAULT_ITERATIONS = 5  # rounds of "align all to the mean, average" at most
-DEFAULT_TOL = 1e-4  # stop when the mean moves less than this, relative to its norm
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Alignment strategies; each returns one map per space of model B in A's basis.
 
 One explicit registry (no registration by import side effect). Every strategy has the same shape:
-a pydantic options model and ``run(pair, options, progress) -> Alignment``.
+a pydantic options model and registry entry in `options` (torch-free: recipes, the JSON Schema and
+dry runs read them) and a module of its own whose ``run(pair, options, progress) -> Alignment``
+does the work, imported when the strategy runs.
 """
 
 from __future__ import annotations
@@ -9,15 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import generalized_orthogonal, head_perm, transfusion, vanilla, weight_matching
 from .base import Alignment, AlignmentData, Options, Pair, Progress, Strategy, StrategyRegistry
+from .options import GENERALIZED_ORTHOGONAL, HEAD_PERM, TRANSFUSION, VANILLA, WEIGHT_MATCHING
 
 REGISTRY = StrategyRegistry()
-for _module in (vanilla, weight_matching, transfusion, head_perm, generalized_orthogonal):
-    REGISTRY.register(_module.STRATEGY)
+for _strategy in (VANILLA, WEIGHT_MATCHING, TRANSFUSION, HEAD_PERM, GENERALIZED_ORTHOGONAL):
+    REGISTRY.register(_strategy)
 
 
 def get_strategy(name: str) -> Strategy:
+    """The registered strategy ``name``; an unknown name is a user error listing the known ones."""
     return REGISTRY.get(name)
 
 

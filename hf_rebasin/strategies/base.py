@@ -3,10 +3,16 @@
 A strategy is a function ``run(pair, options, progress) -> Alignment`` plus a pydantic options
 model (``extra="forbid"``: recipes validate against it) and a few facts the runner needs before
 loading anything: whether the options need alignment data, and whether they preserve the function.
+
+Torch-free at import: the registry, the options and these types are what a recipe and a dry run
+need, so tensors, solvers and the symmetry graph are only named for type checking here; a
+strategy's module (and with it torch) is imported when the strategy runs.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -15,14 +21,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from torch import Tensor
 
 from ..errors import MissingDataError, StrategyOptionError
-from ..solvers import solver_clock
-from ..symmetry import SymmetryGraph, Transform
 
 if TYPE_CHECKING:
+    from torch import Tensor
     from transformers import PreTrainedModel
+
+    from ..symmetry import SymmetryGraph, Transform
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: the CLI turns it into progress bars."""
@@ -88,15 +94,27 @@ class Alignment:
 
 @dataclass(frozen=True)
 class Strategy:
-    """One registered strategy. ``run`` does the work; the rest is what reports and recipes need."""
+    """One registered strategy: what reports and recipes need, and the module whose ``run`` does the work.
+
+    ``module`` is a module of this package (``"head_perm"``) with a function
+    ``run(pair, options, progress) -> Alignment``; it is imported by `Strategy.run`, so naming,
+    validating and describing a strategy never imports torch.
+    """
 
     name: str
     paper: str
     options: type[Options]
-    run: Callable[[Pair, Any, Progress | None], Alignment]
+    module: str
     needs_data: Callable[[Any], bool] = lambda _o: False
     exact: Callable[[Any], bool] = lambda _o: True
     summary: str = ""
+
+    def run(self, pair: Pair, options: Any, progress: Progress | None) -> Alignment:
+        """Bring B of ``pair`` into A's basis: ``run`` of this strategy's module (imported now)."""
+        run: Callable[[Pair, Any, Progress | None], Alignment] = importlib.import_module(
+            f"{__package__}.{self.module}"
+        ).run
+        return run(pair, options, progress)
 
     def parse(self, options: Mapping[str, Any] | Options | None) -> Options:
         """Options from a mapping (a recipe's ``strategy`` section minus ``name``)."""
@@ -120,6 +138,10 @@ class StrategyRegistry:
             raise ValueError(f"bad strategy name {strategy.name!r}: lowercase words joined by '-'")
         if strategy.name in self._by_name:
             raise ValueError(f"strategy {strategy.name!r} is registered twice")
+        # found, not imported: a misspelt module fails here, at import of the registry, not mid-run
+        module = strategy.module if isinstance(strategy.module, str) else ""
+        if not (module.isidentifier() and importlib.util.find_spec(f"{__package__}.{module}") is not None):
+            raise ValueError(f"strategy {strategy.name!r} names no module of {__package__}: {strategy.module!r}")
         self._by_name[strategy.name] = strategy
 
     @property
@@ -150,6 +172,8 @@ def require_data(pair: Pair, strategy: str, why: str) -> AlignmentData:
 def timed() -> Iterator[dict[str, float]]:
     """Wall time (``total``) and time inside the solvers (``solver``) of the block, plus any stage
     times the block adds itself; filled in when the block ends."""
+    from ..solvers import solver_clock  # torch: a strategy is running, so it is loaded already
+
     timings: dict[str, float] = {}
     start = time.perf_counter()
     with solver_clock() as clock:

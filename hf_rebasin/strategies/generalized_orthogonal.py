@@ -12,32 +12,15 @@ model (see :mod:`hf_rebasin.strategies.learned`).
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
-
 from ..canonical import canonicalize
 from ..features import WeightViews
 from ..symmetry import HeadSpace, Space
-from .base import Alignment, Options, Pair, Progress, Strategy, require_data, timed
+from .base import Alignment, Pair, Progress, require_data, timed
 from .descent import anchor_init, descend, space_solver, view_graph
-
-LEARNED_ONLY = ("steps", "lr", "sinkhorn", "temperature")
-
-
-class GeneralizedOrthogonalOptions(Options):
-    iterations: int = Field(10, ge=1, description="alternating rounds at most (stops early when stable)")
-    learned: bool = Field(False, description="refine on the loss of the interpolated model (needs data)")
-    steps: int = Field(200, ge=1, description="learned: optimisation steps")
-    lr: float = Field(1e-2, gt=0, description="learned: Adam learning rate")
-    sinkhorn: bool = Field(False, description="learned: soft (Sinkhorn) permutations during optimisation")
-    temperature: float = Field(0.05, gt=0, description="learned + sinkhorn: temperature of the soft permutations")
-    seed: int = Field(0, description="seed of the permutation stage's visiting order and of learned λ samples")
-
-    @model_validator(mode="after")
-    def _learned_options_need_learned(self) -> GeneralizedOrthogonalOptions:
-        stray = [k for k in LEARNED_ONLY if k in self.model_fields_set]
-        if stray and not self.learned:
-            raise ValueError(f"{', '.join(stray)} only apply with `learned: true`")
-        return self
+from .learned import LearnedSettings, refine
+from .options import GENERALIZED_ORTHOGONAL as STRATEGY  # noqa: F401 (re-exported: its registry entry)
+from .options import LEARNED_ONLY as LEARNED_ONLY  # re-exported, as before
+from .options import GeneralizedOrthogonalOptions
 
 
 def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | None) -> Alignment:
@@ -81,10 +64,14 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         timings["rounds"] = passes
         notes = graph.fallbacks("orthogonal")
         if options.learned:
-            from .learned import refine
-
-            assert pair.data is not None and pair.model_a is not None
-            transform, learned_notes = refine(pair, graph, sd_a, sd_b, transform, untied, options, progress)
+            settings = LearnedSettings(
+                steps=options.steps,
+                lr=options.lr,
+                sinkhorn=options.sinkhorn,
+                temperature=options.temperature,
+                seed=options.seed,
+            )
+            transform, learned_notes = refine(pair, graph, sd_a, sd_b, transform, untied, settings, progress)
             notes += learned_notes
     return Alignment(
         "generalized-orthogonal",
@@ -97,13 +84,3 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         notes=notes,
         timings=timings,
     )
-
-
-STRATEGY = Strategy(
-    name="generalized-orthogonal",
-    paper="Theus et al., Generalized Linear Mode Connectivity for Transformers (2025)",
-    options=GeneralizedOrthogonalOptions,
-    run=run,
-    needs_data=lambda o: bool(o.learned),
-    summary="data-free: orthogonal residual map (canonical form), heads by QK/OV circuits, units by LAP",
-)

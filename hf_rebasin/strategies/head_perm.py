@@ -15,40 +15,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Literal
 
 import torch
-from pydantic import Field, field_validator
 from torch import Tensor
 
 from ..errors import StrategyOptionError
 from ..features import ActivationStats, activation_stats
 from ..solvers import lap
 from ..symmetry import AxisMap, Binding, Fused, HeadMap, HeadSpace, Space, SymmetryGraph, Transform, split_ref
-from .base import Alignment, Options, Pair, Progress, Strategy, require_data, timed
+from .base import Alignment, Pair, Progress, require_data, timed
 from .descent import solve_heads, solve_plain
-
-Heads = Literal["head-perm", "monotonic", "ignore-heads", "vanilla-attention"]
-Residual = Literal["identity", "first", "last", "all", "separate"]
-Component = Literal["ff", "attn", "residual"]
-
-
-class HeadPermOptions(Options):
-    heads: Heads = Field("head-perm", description="how attention heads are matched")
-    residual: Residual = Field("identity", description="which residual features give the residual permutation")
-    components: tuple[Component, ...] = Field(("ff", "attn", "residual"), description="which spaces to align")
-    special_tokens: bool = Field(True, description="count special tokens ([CLS], [SEP], padding ids) in the statistics")
-
-    @field_validator("components")
-    @classmethod
-    def _no_duplicates(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if len(set(v)) != len(v) or not v:
-            raise ValueError("list each of ff, attn, residual at most once, and at least one")
-        return v
-
-
-def exact(options: HeadPermOptions) -> bool:
-    return options.heads != "ignore-heads" and not (options.residual == "separate" and "residual" in options.components)
+from .options import HEAD_PERM as STRATEGY  # noqa: F401 (re-exported: its registry entry)
+from .options import Component as Component  # re-exported, as before
+from .options import HeadPermOptions, Heads
+from .options import Residual as Residual
+from .options import head_perm_exact as exact
 
 
 def _check_applicable(graph: SymmetryGraph, options: HeadPermOptions, batches_have_tokens: bool) -> None:
@@ -242,14 +223,3 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
     return Alignment(
         "head-perm", out_graph, pair.sd_a, pair.sd_b, transform, exact=exact(options), notes=notes, timings=timings
     )
-
-
-STRATEGY = Strategy(
-    name="head-perm",
-    paper="Verma & Elbayad, Merging Text Transformer Models from Different Initializations (TMLR 2024)",
-    options=HeadPermOptions,
-    run=run,
-    needs_data=lambda _o: True,
-    exact=exact,
-    summary="activation matching: correlation of features on alignment data, heads permuted as units",
-)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,8 +28,17 @@ from ..solvers import lap, procrustes, sinkhorn, svd
 from ..symmetry import AxisMap, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, Transform
 from .base import Pair, Progress
 
-if TYPE_CHECKING:
-    from .generalized_orthogonal import GeneralizedOrthogonalOptions
+
+@dataclass(frozen=True)
+class LearnedSettings:
+    """How the refinement optimises: its own settings, so that this module needs nothing of the
+    strategy that calls it (generalized-orthogonal fills them from its ``learned`` options)."""
+
+    steps: int  # optimisation steps
+    lr: float  # Adam learning rate
+    sinkhorn: bool  # soft (Sinkhorn) permutations during optimisation instead of straight-through ones
+    temperature: float  # of the soft permutations
+    seed: int  # of the λ samples
 
 
 def _project_orthogonal(m: Tensor, centered: bool) -> Tensor:
@@ -137,7 +147,7 @@ def refine(
     sd_b: Mapping[str, Tensor],
     transform: Transform,
     untied: list[str],
-    options: GeneralizedOrthogonalOptions,
+    settings: LearnedSettings,
     progress: Progress | None,
 ) -> tuple[Transform, list[str]]:
     """Optimize ``transform`` on the loss of the interpolated model; returns it and report notes."""
@@ -148,9 +158,9 @@ def refine(
         p.requires_grad_(False)
     a = {k: v.detach().float() if v.is_floating_point() else v for k, v in sd_a.items()}
     b = {k: v.detach().float() if v.is_floating_point() else v for k, v in sd_b.items()}
-    maps = _Maps(graph, transform, options.sinkhorn, options.temperature)
-    opt = torch.optim.Adam(maps.parameters(), lr=options.lr)
-    rng = random.Random(options.seed)
+    maps = _Maps(graph, transform, settings.sinkhorn, settings.temperature)
+    opt = torch.optim.Adam(maps.parameters(), lr=settings.lr)
+    rng = random.Random(settings.seed)
 
     def midpoint(t: Mapping[str, SpaceMap]) -> float:
         with torch.no_grad():
@@ -158,7 +168,7 @@ def refine(
             return sum(float(_loss(model, mixed, x)) for x in batches) / len(batches)
 
     before = midpoint(transform)
-    for step in range(options.steps):
+    for step in range(settings.steps):
         lam = rng.uniform(0.4, 0.6)
         batch = batches[step % len(batches)]
         loss = _loss(model, interpolate(a, graph.apply(b, maps.current(), check=False), lam), batch)
@@ -167,7 +177,7 @@ def refine(
         opt.step()
         maps.project()
         if progress is not None:
-            progress("learned matching", step + 1, options.steps)
+            progress("learned matching", step + 1, settings.steps)
     learned = maps.final()
     after = midpoint(learned)
     if after < before:

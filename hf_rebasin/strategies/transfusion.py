@@ -13,19 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from pydantic import Field
 from torch import Tensor
 
 from ..features import WeightViews
 from ..solvers import lap, lap_batch, singular_values
 from ..symmetry import HeadMap, HeadSpace, SymmetryGraph
-from .base import Alignment, Options, Pair, Progress, Strategy, timed
+from .base import Alignment, Pair, Progress, timed
 from .descent import anchor_init, descend, space_solver
-
-
-class TransfusionOptions(Options):
-    max_iter: int = Field(100, ge=1, description="passes over all spaces at most")
-    seed: int = Field(0, description="seed of the random visiting order")
+from .options import TRANSFUSION as STRATEGY  # noqa: F401 (re-exported: its registry entry)
+from .options import TransfusionOptions
 
 
 def head_spectra(graph: SymmetryGraph, sd: Mapping[str, Tensor], space: str) -> dict[str, Tensor]:
@@ -88,12 +84,3 @@ def run(pair: Pair, options: TransfusionOptions, progress: Progress | None) -> A
             views=views,
         )
     return Alignment("transfusion", graph, pair.sd_a, pair.sd_b, transform, timings=timings)
-
-
-STRATEGY = Strategy(
-    name="transfusion",
-    paper="Rinaldi et al., Update Your Transformer to the Latest Release: Re-Basin of Task Vectors (ICML 2025)",
-    options=TransfusionOptions,
-    run=run,
-    summary="data-free: heads paired by singular-value spectra, then permutations inside heads and of units",
-)

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-from .base import Alignment, Options, Pair, Progress, Strategy, timed
-
-
-class VanillaOptions(Options):
-    pass
+from .base import Alignment, Pair, Progress, timed
+from .options import VANILLA as STRATEGY  # noqa: F401 (re-exported: its registry entry)
+from .options import VanillaOptions
 
 
 def run(pair: Pair, options: VanillaOptions, progress: Progress | None) -> Alignment:
     with timed() as timings:
         transform = pair.graph.identity()
     return Alignment("vanilla", pair.graph, pair.sd_a, pair.sd_b, transform, timings=timings)
-
-
-STRATEGY = Strategy(
-    name="vanilla",
-    paper="no alignment (plain weight averaging)",
-    options=VanillaOptions,
-    run=run,
-    summary="identity transform: interpolate the weights as they are",
-)

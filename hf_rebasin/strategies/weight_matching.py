@@ -10,18 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pydantic import Field
 from torch import Tensor
 
 from ..features import WeightViews
 from ..symmetry import SymmetryGraph, Transform, TransformClass
-from .base import Alignment, Options, Pair, Progress, Strategy, timed
+from .base import Alignment, Pair, Progress, timed
 from .descent import anchor_init, descend, space_solver, view_graph
-
-
-class WeightMatchingOptions(Options):
-    max_iter: int = Field(100, ge=1, description="passes over all spaces at most")
-    seed: int = Field(0, description="seed of the random visiting order")
+from .options import WEIGHT_MATCHING as STRATEGY  # noqa: F401 (re-exported: its registry entry)
+from .options import WeightMatchingOptions
 
 
 def weight_matching(
@@ -53,12 +49,3 @@ def run(pair: Pair, options: WeightMatchingOptions, progress: Progress | None) -
             pair.graph, pair.sd_a, pair.sd_b, max_iter=options.max_iter, seed=options.seed, progress=progress
         )
     return Alignment("weight-matching", pair.graph, pair.sd_a, pair.sd_b, transform, timings=timings)
-
-
-STRATEGY = Strategy(
-    name="weight-matching",
-    paper="Ainsworth, Hayase & Srinivasa, Git Re-Basin: Merging Models modulo Permutation Symmetries (ICLR 2023)",
-    options=WeightMatchingOptions,
-    run=run,
-    summary="data-free: permutations of units, heads and the residual stream maximizing weight similarity",
-)

