@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -41,21 +42,26 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def run_recipe(recipe: Path, output: Path) -> dict[str, Any]:
-    """The flattened rebasin.json of one recipe, run in process with the alignment cache off."""
+def run_recipe(recipe: Path, folder: Path) -> dict[str, Any]:
+    """The flattened rebasin.json of one recipe, run in process with the alignment cache off.
+
+    The recipe runs as a copy in ``folder`` (beside copies of the files it names, such as a metric
+    script), writing into ``folder/<name>``: the paths ``rebasin.json`` records stay the same from run to run.
+    """
     import yaml
 
     from hf_rebasin.cli import main
 
+    shutil.copytree(recipe.parent, folder, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.yaml", "out"))
     spec = yaml.safe_load(recipe.read_text())
     spec["cache"] = False
     spec.pop("push_to_hub", None)
-    copy = output.parent / recipe.name
+    copy = folder / recipe.name
     copy.write_text(yaml.safe_dump(spec))
-    code = main(["run", str(copy), "--output", str(output)])
+    code = main(["run", str(copy), "--output", str(folder / recipe.stem)])
     if code != 0:
         return {"exit": code}
-    return flatten(json.loads((output / "rebasin.json").read_text()))
+    return flatten(json.loads((folder / recipe.stem / "rebasin.json").read_text()))
 
 
 def differences(before: dict[str, Any], after: dict[str, Any], tol: float) -> list[str]:
@@ -84,7 +90,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="compare-recipes-") as tmp:
         for recipe in recipes:
             start = time.perf_counter()
-            results[recipe.name] = run_recipe(recipe, Path(tmp) / recipe.stem)
+            results[recipe.name] = run_recipe(recipe, Path(tmp))
             print(f"{recipe.name}: {len(results[recipe.name])} values, {time.perf_counter() - start:.0f} s", flush=True)
     if args.save:
         args.save.write_text(json.dumps(results, indent=1, sort_keys=True))
