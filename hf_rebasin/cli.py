@@ -514,7 +514,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     from .recipe import load_recipe
-    from .runner import plan, run_recipe
+    from .run import plan, run_recipe
 
     recipe = load_recipe(args.recipe)
     output = Path(args.output) if args.output else None
@@ -573,7 +573,7 @@ def cmd_zoo(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin zoo KIND SEED...``: the zoo folders (trained on first use), one per line."""
     _quiet_libraries()
     from .recipe import ModelRef
-    from .runner import resolve_model
+    from .run import resolve_model
 
     with _progress_bars(Console(stderr=True, highlight=False)) as bars:  # stdout: the folders only
         folders = [
