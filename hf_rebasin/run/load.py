@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,7 @@ def load_workspace(plan: Plan, *, device_name: str | None = None, progress: Prog
         out_dtype, dtype_entry = output_dtype(recipe, models, adapter, notes)
         task, align_task = _tasks(recipe, models)
         ev = recipe.evaluate
-        proc = processor(_folder(inputs.reference), task) if (recipe.data is not None or ev is not None) else None
+        proc = processor(inputs.reference.path, task) if (recipe.data is not None or ev is not None) else None
         align = _alignment_data(recipe, base_dir, align_task, proc, models.reference)
         eval_spec = BatchSpec.for_evaluation(recipe, task)
         eval_batches = None
@@ -126,11 +127,6 @@ def load_workspace(plan: Plan, *, device_name: str | None = None, progress: Prog
         plan, inputs, models, task, proc, align, eval_batches, clock, notes, run_cache,
         Scorer(out_dtype, metric_list), dtype_entry, dev, base_dir, report, adapter,
     )  # fmt: skip
-
-
-def _folder(m: PlannedModel) -> Path:
-    assert m.folder is not None  # fetched
-    return m.folder
 
 
 def _fetch(plan: Plan, report: Progress, notes: list[str]) -> Roles[PlannedModel]:
@@ -145,7 +141,7 @@ def _fetch(plan: Plan, report: Progress, notes: list[str]) -> Roles[PlannedModel
     check_inputs(plan.output, read_paths(recipe, inputs.all), plan.output_field)  # downloaded folders are inputs too
     for i, m in enumerate(inputs.all):
         if i not in plan.remote_checked:
-            check_remote_code(recipe, _folder(m), m.where)
+            check_remote_code(recipe, m.path, m.where)
     notes.extend(
         f"{m.ref} resolved from the local Hugging Face cache (offline): commit {m.resolved.commit}"
         for m in inputs.all
@@ -182,17 +178,17 @@ def _load_models(
         return lm
 
     def compatible(m: PlannedModel, reference: LoadedModel) -> LoadedModel:
-        lm = _load(_folder(m), recipe, m.where)
+        lm = _load(m.path, recipe, m.where)
         check_compatible(reference, lm)
         return lm
 
     report(LOAD_STAGE, 0, total)
-    reference = placed(lambda: _load(_folder(inputs.reference), recipe, inputs.reference.where))
+    reference = placed(lambda: _load(inputs.reference.path, recipe, inputs.reference.where))
     if isinstance(inputs, MergeRoles):
-        others = tuple(placed(lambda m=m: compatible(m, reference)) for m in inputs.others)  # type: ignore[misc]
-        return MergeRoles(reference, others), None
-    base = placed(lambda: compatible(inputs.base, reference))
-    finetune, adapter = _load_finetune(base, _folder(inputs.finetune), recipe)
+        others = [placed(partial(compatible, m, reference)) for m in inputs.others]
+        return MergeRoles(reference, tuple(others)), None
+    base = placed(partial(compatible, inputs.base, reference))
+    finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe)
     placed(lambda: finetune)
     return TransportRoles(reference, base, finetune), adapter
 

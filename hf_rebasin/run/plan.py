@@ -9,10 +9,11 @@ the plan could not see (a Hub model not downloaded yet, a zoo model not trained 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ..export import check_output
-from ..recipe import Recipe, describe
+from ..recipe import ModelRef, Recipe, describe
 from .checks import (
     check_adapter,
     check_data_files,
@@ -68,21 +69,22 @@ def output_path(recipe: Recipe, output: Path | None) -> Path:
     return Path(output if output is not None else recipe.output.dir).expanduser().absolute()
 
 
+def _planned(recipe: Recipe, entry: tuple[str, ModelRef]) -> PlannedModel:
+    """A model resolved without downloading or training it."""
+    where, ref = entry
+    return PlannedModel(where, ref, resolve_model(ref, where, fetch=False, allow_pickle=recipe.allow_pickle))
+
+
 def build_plan(recipe: Recipe, *, output: Path | None = None) -> Plan:
     """Resolve and check ``recipe`` without loading a weight (typed errors name the recipe field)."""
     target = output_path(recipe, output)
     field = "--output" if output is not None else "`output.dir`"
-    refs = recipe_roles(recipe)
-    models = refs.map(
-        lambda wr: PlannedModel(
-            wr[0], wr[1], resolve_model(wr[1], wr[0], fetch=False, allow_pickle=recipe.allow_pickle)
-        )
-    )
+    models = recipe_roles(recipe).map(partial(_planned, recipe))
     remote = frozenset(
         i for i, m in enumerate(models.all) if m.folder is not None and (m.folder / "config.json").is_file()
     )
     for i in sorted(remote):
-        check_remote_code(recipe, models.all[i].folder, models.all[i].where)  # type: ignore[arg-type]
+        check_remote_code(recipe, models.all[i].path, models.all[i].where)
     adapter_notes: tuple[str, ...] | None = None
     if isinstance(models, TransportRoles):
         notes = tuple(check_adapter(recipe, models))

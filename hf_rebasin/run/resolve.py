@@ -37,6 +37,13 @@ class PlannedModel:
         return self.resolved.folder
 
     @property
+    def path(self) -> Path:
+        """The folder, once known (a fetched model, or a local one)."""
+        if self.resolved.folder is None:
+            raise RuntimeError(f"{self.ref} has no folder yet: it is downloaded when the run loads")
+        return self.resolved.folder
+
+    @property
     def ready(self) -> bool:
         """Whether its folder holds the model already (not a Hub model to download or a zoo model to train)."""
         folder = self.resolved.folder

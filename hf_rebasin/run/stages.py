@@ -194,8 +194,10 @@ def curves(
     if ev is None or ws.eval_batches is None:
         return {}, {}
     name = ws.recipe.strategy.name
-    if len(models.all) > 2:
-        ws.notes.append(f"curves are between A and B ({ws.inputs.all[1].ref.model}); the other models are merged only")
+    if len(models.others) > 1:
+        inputs = ws.inputs
+        assert isinstance(inputs, MergeRoles)
+        ws.notes.append(f"curves are between A and B ({inputs.others[0].ref.model}); the other models are merged only")
     for curve_name in dict.fromkeys([name, *ev.compare]):
         al, aligned = primary, aligned_b
         if curve_name != name:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+from torch import Tensor
 
 from ...evaluate import Curve
 from ...export import write_text
@@ -42,8 +45,11 @@ def run(ws: Workspace) -> JobOutput:
 
 
 def aligned_preservation(
-    ws: Workspace, models: MergeRoles[LoadedModel], alignments: list[Alignment], aligned: list[dict]
-) -> dict:
+    ws: Workspace,
+    models: MergeRoles[LoadedModel],
+    alignments: list[Alignment],
+    aligned: list[dict[str, Tensor]],
+) -> dict[str, Any]:
     """``function_preserved`` of every aligned model, on real inputs when the run has data."""
     real = [ws.eval_batches, ws.align_batches]
     inputs = check_inputs(models.reference, real, ws.device)
@@ -53,12 +59,15 @@ def aligned_preservation(
 def findings_of(
     ws: Workspace,
     primary: Alignment,
-    preserved: dict,
+    preserved: dict[str, Any],
     found: dict[str, Curve],
     barriers: dict[str, dict[str, float]],
-    **more: object,
+    *,
+    merged: dict[str, dict[str, Any]] | None = None,
+    merge_weights: list[float] | None = None,
+    universe: dict[str, Any] | None = None,
 ) -> Findings:
-    """The record's findings of a barrier, or with ``more`` (merged scores, weights) of a merge."""
+    """The record's findings of a barrier, or with the merged scores and weights, of a merge."""
     strategy = ws.recipe.strategy
     return Findings(
         strategy=strategy.name,
@@ -69,14 +78,18 @@ def findings_of(
         function_preserved=preserved,
         barrier=barriers,
         curves={k: c.as_dict() for k, c in found.items()},
-        **more,  # type: ignore[arg-type]
+        merged=merged or {},
+        merge_weights=merge_weights,
+        universe=universe,
     )
 
 
 def title(ws: Workspace) -> str:
     """The plot's title: the task, and A and B by name."""
-    names = [Path(m.ref.model).name or m.ref.model for m in ws.inputs.all[:2]]
-    return f"{ws.task}: {names[0]} (λ=1) ↔ {names[1]} (λ=0), loss in nats"
+    inputs = ws.inputs
+    assert isinstance(inputs, MergeRoles)
+    a, b = (Path(m.ref.model).name or m.ref.model for m in (inputs.reference, inputs.others[0]))
+    return f"{ws.task}: {a} (λ=1) ↔ {b} (λ=0), loss in nats"
 
 
 def save_curves(ws: Workspace, folder: Path, found: dict[str, Curve], barriers: dict[str, dict[str, float]]) -> None:

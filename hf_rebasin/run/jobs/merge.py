@@ -53,8 +53,7 @@ def run(ws: Workspace) -> JobOutput:
         untied=list(primary.untied),
         universe=universe or {},
     )
-    more: dict[str, Any] = {"merged": scores, "merge_weights": mix, "universe": universe}
-    findings = findings_of(ws, primary, preserved, found, barriers, **more)
+    findings = findings_of(ws, primary, preserved, found, barriers, merged=scores, merge_weights=mix, universe=universe)
 
     def save(folder: Path) -> None:
         _save_model(ws, models.reference, merged, bool(primary.untied), folder)
@@ -136,4 +135,4 @@ def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie:
     save_merged_model(
         a.model, merged, folder, untie=untie, max_shard_size=ws.recipe.output.max_shard_size, dtype=ws.score.dtype
     )
-    copy_support_files(ws.inputs.reference.folder, folder)  # type: ignore[arg-type]  # after save_pretrained
+    copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained

@@ -217,8 +217,9 @@ def _scores_on(
     put("finetuned", finetuned, False)
     for alpha in ws.recipe.alphas:
         put("transported", scored(moved, alpha), True)
-    for alpha in ws.recipe.alphas if naive is not None else ():
-        put("naive", scored(naive, alpha), True)  # type: ignore[arg-type]
+    if naive is not None:
+        for alpha in ws.recipe.alphas:
+            put("naive", scored(naive, alpha), True)
     return out
 
 
@@ -263,4 +264,4 @@ def _save(
             "canonical": canonical is not None,  # factors took the norm scales (generalized-orthogonal)
             "whole_biases": sorted(whole.values()),  # biases that carry a folded β's shift, stored whole
         }
-    copy_support_files(ws.inputs.reference.folder, folder)  # type: ignore[arg-type]  # after save_pretrained: B's files as they were
+    copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained: B's files as they were
