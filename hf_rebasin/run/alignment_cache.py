@@ -91,6 +91,7 @@ class CacheUse:
     hit: bool = False
 
     def read(self, pair: Pair, name: str) -> Alignment | None:
+        """The cached alignment, or None on a miss (a note says why, when there is a reason)."""
         try:
             alignment = cache.read_alignment(self.key, pair, name)
         except cache.CacheMiss as miss:
@@ -106,6 +107,7 @@ class CacheUse:
         return alignment
 
     def write(self, alignment: Alignment, pair: Pair) -> None:
+        """Store a computed alignment; a cache that cannot be written is a note, not a failure."""
         try:
             cache.save_alignment(self.key, alignment, pair)
         except OSError as e:

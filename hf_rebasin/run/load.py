@@ -124,9 +124,23 @@ def load_workspace(plan: Plan, *, device_name: str | None = None, progress: Prog
             config = (models.finetune if isinstance(models, TransportRoles) else models.reference).model.config
             eval_batches = batches(ev.data, eval_spec, base_dir, proc, config, where="evaluate.data")
     return Workspace(
-        plan, inputs, models, task, proc, align, eval_batches, clock, notes, run_cache,
-        Scorer(out_dtype, metric_list), dtype_entry, dev, base_dir, report, adapter,
-    )  # fmt: skip
+        plan=plan,
+        inputs=inputs,
+        models=models,
+        task=task,
+        processor=proc,
+        align=align,
+        eval_batches=eval_batches,
+        clock=clock,
+        notes=notes,
+        cache=run_cache,
+        score=Scorer(out_dtype, metric_list),
+        dtype=dtype_entry,
+        device=dev,
+        base_dir=base_dir,
+        progress=report,
+        adapter=adapter,
+    )
 
 
 def _fetch(plan: Plan, report: Progress, notes: list[str]) -> Roles[PlannedModel]:

@@ -53,7 +53,7 @@ def write_folder(ws: Workspace, done: JobOutput, command: str | None) -> list[st
             done.save(tmp)
         record = RunRecord(
             recipe=recipe_record(ws.recipe, ws.output),
-            models=model_entries(ws.recipe, ws.inputs.all),
+            models=model_entries(ws.recipe, ws.inputs),
             datasets=dataset_entries(ws.recipe),
             findings=done.findings,
             notes=ws.notes,

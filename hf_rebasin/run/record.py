@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from ..evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS
 from ..export import write_json, write_text
 from ..recipe import Recipe
 from .resolve import PlannedModel
+from .roles import Roles, TransportRoles
 
 __all__ = [
     "CacheStats",
@@ -53,6 +54,7 @@ class ModelEntry:
     license: str | None = None  # absent when the model's card declares none
 
     def to_json(self) -> dict[str, Any]:
+        """As written: ``role`` and ``license`` only when known."""
         out = dataclasses.asdict(self)
         return {k: v for k, v in out.items() if v is not None or k not in ("role", "license")}
 
@@ -87,10 +89,12 @@ class DtypeEntry:
     compute: str = "float32"
 
     def to_json(self) -> dict[str, Any]:
+        """As written: the source is ``from``."""
         return {"inputs": self.inputs, "output": self.output, "from": self.source, "compute": self.compute}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> DtypeEntry:
+        """Read back from ``rebasin.json``."""
         return cls(dict(data["inputs"]), data.get("output"), data.get("from"), data.get("compute", "float32"))
 
 
@@ -116,6 +120,7 @@ class Findings:
     transport: dict[str, Any] | None = None  # job: transport only
 
     def to_json(self) -> dict[str, Any]:
+        """The record's top-level keys for this job (see the class docstring for which are absent)."""
         out = dataclasses.asdict(self)
         if self.transport is None:
             out.pop("transport")
@@ -128,6 +133,7 @@ class Findings:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Findings:
+        """The findings among a whole record's keys."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -208,9 +214,10 @@ def recipe_record(recipe: Recipe, output: Path) -> dict[str, Any]:
     return relative
 
 
-def model_entries(recipe: Recipe, models: Sequence[PlannedModel]) -> list[ModelEntry]:
+def model_entries(recipe: Recipe, models: Roles[PlannedModel]) -> list[ModelEntry]:
     """The input models in the recipe's order, with their roles in a transport."""
     base = recipe_dir(recipe)
+    roles = models.names if isinstance(models, TransportRoles) else (None,) * len(models.all)
     return [
         ModelEntry(
             model=_relative(m.ref.model, base),
@@ -218,10 +225,10 @@ def model_entries(recipe: Recipe, models: Sequence[PlannedModel]) -> list[ModelE
             commit=m.resolved.commit,
             source=m.ref.source,
             folder=_relative(str(m.folder), base) if m.ref.source == "local" else None,
-            role=m.where.split(".")[0] if recipe.job == "transport" else None,
+            role=role,
             license=read_license(m.folder) if m.folder is not None else None,
         )
-        for m in models
+        for m, role in zip(models.all, roles, strict=True)
     ]
 
 

@@ -45,6 +45,7 @@ class MergeRoles(Generic[T]):
         return tuple(letter(i) for i in range(len(self.all)))
 
     def map(self, f: Callable[[T], U]) -> MergeRoles[U]:
+        """The same roles holding ``f`` of each value (references → resolved → loaded models)."""
         return MergeRoles(f(self.reference), tuple(f(x) for x in self.others))
 
 
@@ -63,6 +64,7 @@ class TransportRoles(Generic[T]):
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The recipe's field names, as records and notes call the models."""
         return TRANSPORT_ROLES
 
     @property
@@ -71,6 +73,7 @@ class TransportRoles(Generic[T]):
         return self.target
 
     def map(self, f: Callable[[T], U]) -> TransportRoles[U]:
+        """The same roles holding ``f`` of each value, called in the recipe's order."""
         return TransportRoles(f(self.target), f(self.base), f(self.finetune))
 
 

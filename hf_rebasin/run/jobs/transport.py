@@ -44,6 +44,7 @@ class Moved:
     untie: bool
 
     def theta(self, alpha: float) -> dict[str, Tensor]:
+        """The weights of ``B + α·τ`` (with the fine-tune's own tensors when its head is new)."""
         body = add_task_vector(self.target, self.tau, alpha)
         if not self.carried:
             return body
