@@ -74,7 +74,7 @@ HASH_STAGE = "hashing model files (alignment cache)"
 
 
 class ModelLike(Protocol):
-    """Where a model is (``runner.ResolvedModel`` fits): a folder, a Hub commit, or both."""
+    """Where a model is (``run.ResolvedModel`` fits): a folder, a Hub commit, or both."""
 
     @property
     def folder(self) -> Path | None: ...

@@ -25,6 +25,7 @@ from . import __version__
 from .errors import PickleRefusedError, RebasinUserError
 
 if TYPE_CHECKING:
+    from .run import RunResult
     from .verify import VerifyReport
 
 EXIT_OK = 0
@@ -464,7 +465,7 @@ _PASS = re.compile(r"(.*) \(pass \d+\)")
 
 
 def _stage_reporter(bars: Any) -> Any:
-    """``progress(stage, done, total)`` for the runner: a bar per stage, created on first sight.
+    """``progress(stage, done, total)`` for `run_recipe`: a bar per stage, created on first sight.
 
     Passes of one stage (``rotations (pass 3)``) share a bar that shows the current pass.
     """
@@ -484,7 +485,7 @@ def _stage_reporter(bars: Any) -> Any:
     return report
 
 
-def print_run_summary(console: Console, result: Any) -> None:
+def print_run_summary(console: Console, result: RunResult) -> None:
     """The final table: one row per curve (both barriers, loss at ½), then what was written."""
     from .evaluate import Curve
 
@@ -564,12 +565,12 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     from .recipe import load_recipe
-    from .runner import plan, run_recipe
+    from .run import build_plan, run_recipe
 
     recipe = load_recipe(args.recipe)
     output = Path(args.output) if args.output else None
     if args.dry_run:
-        for line in plan(recipe, output=output):
+        for line in build_plan(recipe, output=output).lines():
             console.print(escape(line), soft_wrap=True)
         return EXIT_OK
     _quiet_libraries()
@@ -623,7 +624,7 @@ def cmd_zoo(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin zoo KIND SEED...``: the zoo folders (trained on first use), one per line."""
     _quiet_libraries()
     from .recipe import ModelRef
-    from .runner import resolve_model
+    from .run import resolve_model
 
     with _progress_bars(Console(stderr=True, highlight=False)) as bars:  # stdout: the folders only
         folders = [

@@ -20,7 +20,7 @@ from hf_rebasin import cache
 from hf_rebasin.adapters import graph_for
 from hf_rebasin.data import char_tokenizer, shakespeare_text
 from hf_rebasin.recipe import load_recipe
-from hf_rebasin.runner import ResolvedModel, run_recipe
+from hf_rebasin.run import ResolvedModel, run_recipe
 from hf_rebasin.strategies import Pair, align
 
 

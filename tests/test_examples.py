@@ -22,7 +22,7 @@ from huggingface_hub import ModelCard
 from hf_rebasin import data, train
 from hf_rebasin.recipe import JOBS, load_recipe
 from hf_rebasin.resources import listing, resource
-from hf_rebasin.runner import plan
+from hf_rebasin.run import plan
 from hf_rebasin.strategies import REGISTRY
 from test_cli import ROOT, flat, run_cli
 

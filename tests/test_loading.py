@@ -34,7 +34,7 @@ def test_processor_is_loaded_without_asking_even_when_trusted(tmp_path: Path, mo
     """trust_remote_code: true ignores a processor's auto_map: the stock class its file declares,
     no prompt (a terminal user answering "y" would have run evil.py), no import."""
     from hf_rebasin.remote_code import code_references
-    from hf_rebasin.runner import _processor
+    from hf_rebasin.run.data import processor as _processor
 
     folder = _vit_with_processor_auto_map(tmp_path)
     assert code_references(folder) == [("preprocessor_config.json", "auto_map", "AutoImageProcessor")]
@@ -81,10 +81,10 @@ def test_compare_keeps_nan() -> None:
 def test_a_preservation_gap_above_tolerance_is_exit_1_and_writes_nothing(tmp_path: Path, monkeypatch: Any) -> None:
     """Whatever let it through, a gap of 3.8e-2 (tied A, untied B before it was refused) or NaN is
     never reported as a result."""
-    from hf_rebasin import runner
+    from hf_rebasin.run import stages
 
     for gap in (3.8e-2, math.nan):
-        monkeypatch.setattr(runner, "_function_gap", lambda *args, _gap=gap: (_gap, 1.0))
+        monkeypatch.setattr(stages, "function_gap", lambda *args, _gap=gap: (_gap, 1.0))
         ws = Workspace(tmp_path / str(gap))
         recipe = ws.merge_recipe(strategy="weight-matching")
         case = Case("gap", "weights", lambda ws: [], 1)

@@ -53,7 +53,7 @@ def _model(folder: Path, seed: int, *, license: str | None = "apache-2.0", extra
 
 def _run(recipe: Path) -> Any:
     from hf_rebasin.recipe import load_recipe
-    from hf_rebasin.runner import run_recipe
+    from hf_rebasin.run import run_recipe
 
     return run_recipe(load_recipe(recipe))
 
@@ -185,7 +185,7 @@ def test_hub_models_run_offline_from_the_cache(hub: HubServer, tmp_path: Path, m
 
     from hf_rebasin.errors import ModelNotFoundError
     from hf_rebasin.recipe import load_recipe
-    from hf_rebasin.runner import plan
+    from hf_rebasin.run import plan
 
     hub.create_repo("alice/tiny-a")
     commit_a = hub.add_commit("alice/tiny-a", _model(tmp_path / "src-a", 0, extras=True, license="mit"))

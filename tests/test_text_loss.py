@@ -21,7 +21,7 @@ import transformers as T
 import yaml
 
 from hf_rebasin import data, train
-from hf_rebasin.runner import MAX_BLOCK
+from hf_rebasin.run.data import MAX_BLOCK
 from test_cli import run_cli
 
 TOLERANCE = 0.005  # relative

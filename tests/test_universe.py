@@ -36,7 +36,7 @@ from hf_rebasin.recipe import (
     parse_recipe,
     recipe_json_schema,
 )
-from hf_rebasin.runner import plan
+from hf_rebasin.run import plan
 from hf_rebasin.universe import UniverseResult, universe_merge
 from hf_rebasin.verify import example_inputs
 from test_cli import flat, run_cli

@@ -1,0 +1,207 @@
+"""Checks that need no weights: model folders, repository code, tokenizers, adapters, data files,
+the task, the output folder and the push token. The plan runs each once on what it can see; the
+load step runs those the plan could not (a Hub model not downloaded, a zoo model not trained)."""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+from .. import hub
+from ..errors import DataError, IncompatibleModelsError, UnsupportedArchitectureError
+from ..evaldata import check_files
+from ..evaluate import task_of_class
+from ..lora import adapter_config, is_adapter
+from ..recipe import DataSpec, ModelRef, Recipe
+from ..remote_code import refuse_remote_code
+from ..vocab import load_tokenizer, tokenizer_difference
+from .resolve import PlannedModel
+from .roles import Roles, TransportRoles
+
+__all__ = [
+    "check_adapter",
+    "check_data_files",
+    "check_push_token",
+    "check_remote_code",
+    "check_task_of_folder",
+    "check_tokenizers",
+    "read_paths",
+    "task_folder",
+    "task_mismatch",
+]
+
+
+def check_data_files(spec: DataSpec, where: str) -> None:
+    """The files a data section names exist (globs match something), as `load_records` will check."""
+    try:
+        check_files(spec.data_files, spec.data_dir, Path.cwd())
+    except DataError as e:
+        raise DataError(f"`{where}`: {e}") from None
+
+
+def read_paths(recipe: Recipe, models: Sequence[PlannedModel]) -> list[tuple[str, Path]]:
+    """``(label, path)`` of everything a run reads: model folders, data files, the recipe file
+    (an output that overlaps one of them is refused)."""
+    out: list[tuple[str, Path]] = []
+    if Path(recipe.source).is_file():
+        out.append(("the recipe file", Path(recipe.source)))
+    for m in models:
+        label = f"`{m.where.removesuffix('.model')}`"
+        if m.ref.source == "local":
+            out.append((label, Path(m.ref.model)))
+        if m.folder is not None:
+            out.append((label, m.folder))
+    ev = recipe.evaluate
+    sections = (
+        ("data", recipe.data),
+        ("evaluate.data", ev.data if ev else None),
+        ("evaluate.support", ev.support if ev else None),
+    )
+    for where, spec in sections:
+        if spec is not None:
+            out.extend(_data_paths(where, spec))
+    return out
+
+
+def _data_paths(where: str, spec: DataSpec) -> list[tuple[str, Path]]:
+    out: list[tuple[str, Path]] = []
+    if Path(spec.dataset).is_absolute():  # a local dataset folder
+        out.append((f"the `{where}.dataset` folder", Path(spec.dataset)))
+    try:
+        found = check_files(spec.data_files, spec.data_dir, Path.cwd())
+    except DataError:  # reported where the files are checked
+        return out
+    files = found.get("data_files")
+    entries = [files] if isinstance(files, str) else list(files.values()) if isinstance(files, dict) else files
+    for entry in entries or []:
+        for pattern in [entry] if isinstance(entry, str) else entry:
+            matches = glob.glob(pattern, recursive=True) or [pattern]
+            out.extend((f"the `{where}` data file", Path(m)) for m in matches)
+    if "data_dir" in found:
+        out.append((f"the `{where}.data_dir` folder", Path(found["data_dir"])))
+    return out
+
+
+def task_folder(models: Roles[PlannedModel]) -> Path | None:
+    """The folder whose head sets the task: the reference, or for a transport the fine-tune (its
+    head may be new), unless that is an adapter (then its base)."""
+    if not isinstance(models, TransportRoles):
+        return models.reference.folder
+    ft = models.finetune.folder
+    return ft if ft is not None and (ft / "config.json").is_file() else models.base.folder
+
+
+def _same_base(named: str, ref: ModelRef, folder: Path | None) -> bool:
+    """Whether an adapter's ``base_model_name_or_path`` names the recipe's ``base``."""
+    candidates = {ref.model, str(ref)}
+    if folder is not None:
+        candidates.add(str(folder))
+        candidates.add(str(folder.resolve()))
+    if named in candidates:
+        return True
+    # a Hub id written with or without its owner (`gpt2` vs `openai-community/gpt2`)
+    return ref.source == "hub" and named.rsplit("/", 1)[-1] == ref.model.rsplit("/", 1)[-1]
+
+
+def check_adapter(recipe: Recipe, models: TransportRoles[PlannedModel]) -> list[str]:
+    """A LoRA ``finetuned``: readable, plain LoRA, and trained on ``base`` (or ``check_base: false``).
+
+    Returns notes for the run (a mismatch allowed by ``check_base: false``).
+    """
+    folder = models.finetune.folder
+    ft = recipe.finetuned
+    if folder is None or ft is None or not is_adapter(folder) or (folder / "config.json").is_file():
+        return []
+    config = adapter_config(folder, "finetuned.model")
+    named = config.get("base_model_name_or_path")
+    base = models.base.ref
+    if not named or _same_base(str(named), base, models.base.folder):
+        return []
+    if ft.check_base:
+        raise IncompatibleModelsError(
+            f"`finetuned.model`: the adapter {ft} was trained on {named!r} (base_model_name_or_path in "
+            f"adapter_config.json), but `base` is {base}. Transporting it from the wrong base moves the wrong "
+            f"task vector. If {named!r} is {base} under another name, set `finetuned.check_base: false`"
+        )
+    return [f"the adapter names {named!r} as its base; `base` is {base} (check_base: false)"]
+
+
+def check_tokenizers(
+    recipe: Recipe, models: Sequence[PlannedModel], skip: Collection[int] = ()
+) -> dict[int, str | None]:
+    """Every model's tokenizer against the reference's (vocabulary, special tokens, merges): token
+    ids that mean different things make a merge or transport garbage with a normal-looking card.
+
+    Refused unless ``allow_different_tokenizers``; then the difference is a note (rebasin.json and
+    the card), by the model's index. Models without a tokenizer (image models, adapters), not
+    downloaded yet, or in ``skip`` (checked already) are left out.
+    """
+    first = models[0]
+    reference = load_tokenizer(first.folder) if first.folder is not None else None
+    if reference is None:
+        return {}
+    found: dict[int, str | None] = {}
+    for i, m in enumerate(models[1:], start=1):
+        if i in skip:
+            continue
+        other = load_tokenizer(m.folder) if m.folder is not None else None
+        diff = tokenizer_difference(reference, other, f"`{first.where}`", f"`{m.where}`") if other is not None else None
+        if diff is not None and not recipe.allow_different_tokenizers:
+            raise IncompatibleModelsError(
+                f"`{m.where}`: the tokenizer of {m.ref} differs from that of {first.ref} (`{first.where}`): {diff}. "
+                "Token ids that mean different things make the result garbage. Use models that share a "
+                "tokenizer, or set `allow_different_tokenizers: true` if you know better (the card will say so)"
+            )
+        found[i] = diff and (
+            f"the tokenizers differ (allowed by `allow_different_tokenizers: true`): {diff}; token ids may mean "
+            "different things in the models combined"
+        )
+    return found
+
+
+def check_remote_code(recipe: Recipe, folder: Path, where: str) -> None:
+    """A model whose loader files (config, tokenizer, processor, generation config) name their own
+    code (``auto_map``) needs ``trust_remote_code``, and even then no repository code runs: the
+    weights go into the stock class of their ``model_type`` (every tensor's shape is checked)."""
+    refuse_remote_code(folder, where, trusted=recipe.trust_remote_code)
+
+
+def _config_json(folder: Path) -> dict[str, Any]:
+    """A folder's config.json as a dict; empty when missing or broken (loading reports those itself)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def task_mismatch(task: str, class_name: str, implied: str) -> UnsupportedArchitectureError:
+    """The error of an ``evaluate.task`` that does not fit the reference model's head."""
+    return UnsupportedArchitectureError(
+        f"`evaluate.task`: {task!r} does not fit the reference model, a {class_name} (its task is {implied!r}); "
+        f"set `task: {implied}`"
+    )
+
+
+def check_task_of_folder(recipe: Recipe, folder: Path) -> None:
+    """``evaluate.task`` against the head named in A's config.json (no weights needed)."""
+    if recipe.evaluate is None:
+        return
+    # a zoo model not trained yet has no config.json: its task is checked after loading
+    architectures = _config_json(folder).get("architectures") or []
+    implied = task_of_class(str(architectures[0])) if architectures else None
+    if implied is not None and implied != recipe.evaluate.task:
+        raise task_mismatch(recipe.evaluate.task, str(architectures[0]), implied)
+
+
+def check_push_token(recipe: Recipe) -> None:
+    """A push needs a token: refused before any work is done, not after an hour of it."""
+    push = recipe.output.push_to_hub
+    if push is not None and not hub.has_token():
+        raise hub.HubError(
+            f"`output.push_to_hub`: pushing to {push.repo!r} needs a token: set HF_TOKEN or run `hf auth login` "
+            "(checked before any work is done)"
+        )

@@ -1,0 +1,179 @@
+"""Data a run reads: the device, model A's tokenizer or image processor, and batches built once
+from a recipe data section with an explicit `BatchSpec` (the alignment cache keys on it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import DataError, ModelNotFoundError, RebasinUserError
+from ..evaldata import classification_batches, load_records, text_batches
+from ..evaluate import Metric, Task, load_metric
+from ..recipe import DEVICE_PATTERN, DataSpec, Recipe
+
+__all__ = ["MAX_BLOCK", "TEXT_TASKS", "BatchSpec", "batches", "device", "metrics", "processor"]
+
+TEXT_TASKS = ("causal-lm", "masked-lm")
+MAX_BLOCK = 128  # tokens per block of evaluation / alignment text
+ALIGN_BATCH_SIZE = 8  # alignment data without an `evaluate` section: its defaults
+ALIGN_SEED = 0
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """How a data section is cut into batches: the task, examples per batch, limits and the seed.
+
+    Built once per data section; the batches are made from it and the alignment cache keys on
+    the very same object, so a change in batching cannot reuse an alignment computed on other data.
+    """
+
+    task: Task
+    batch_size: int
+    max_tokens: int | None
+    max_examples: int | None
+    seed: int
+
+    @classmethod
+    def for_alignment(cls, recipe: Recipe, task: Task) -> BatchSpec | None:
+        """``data``'s batching: the task of the models aligned, and ``evaluate``'s batch size and seed."""
+        if recipe.data is None:
+            return None
+        ev = recipe.evaluate
+        return cls(
+            task,
+            ev.batch_size if ev is not None else ALIGN_BATCH_SIZE,
+            recipe.data.max_tokens,
+            recipe.data.max_examples,
+            ev.seed if ev is not None else ALIGN_SEED,
+        )
+
+    @classmethod
+    def for_evaluation(cls, recipe: Recipe, task: Task) -> BatchSpec | None:
+        """``evaluate.data``'s batching."""
+        ev = recipe.evaluate
+        if ev is None:
+            return None
+        return cls(task, ev.batch_size, ev.max_tokens, ev.max_examples, ev.seed)
+
+    def identity(self) -> dict[str, Any]:
+        """The spec as JSON values (the alignment cache's key)."""
+        return dataclasses.asdict(self)
+
+
+def device(name: str | None) -> torch.device:
+    """The recipe's (or ``--device``'s) device; ``auto`` is CUDA when there is one."""
+    name = name or "auto"
+    if not DEVICE_PATTERN.fullmatch(name):
+        raise RebasinUserError(f"`device`: {name!r} is not a device; allowed: auto, cpu, cuda, cuda:N, mps")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RebasinUserError(f"`device`: {name!r} was asked for, but no CUDA device is available here")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise RebasinUserError("`device`: 'mps' was asked for, but MPS is not available here")
+    return torch.device(name)
+
+
+def processor(folder: Path, task: Task) -> Any:
+    """Model A's tokenizer (text tasks) or image processor, read from its folder."""
+    import transformers  # heavy: only runs that read data need it
+
+    image = task == "image-classification"
+    kind = "image processor (preprocessor_config.json)" if image else "tokenizer (tokenizer.json or vocab files)"
+    try:
+        if image:
+            # never interactive, never code: a file naming its own class gets the stock class it declares
+            return transformers.AutoImageProcessor.from_pretrained(str(folder), trust_remote_code=False)
+        return transformers.AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelNotFoundError(
+            f"`models.0.model`: the reference folder {str(folder)!r} has no usable {kind}, which {task} data "
+            f"need; save it beside the model with `save_pretrained` ({type(e).__name__}: {e})"
+        ) from None
+
+
+def metrics(recipe: Recipe, base_dir: Path) -> list[Metric]:
+    """The recipe's ``evaluate.metrics``, loaded once through `evaluate.load`."""
+    ev = recipe.evaluate
+    return [load_metric(m.name, base_dir, m.kwargs) for m in ev.metric_specs()] if ev is not None else []
+
+
+def _block_size(config: Any) -> int:
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or MAX_BLOCK
+    if getattr(config, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
+        limit -= 2  # positions start after padding_idx
+    return int(min(MAX_BLOCK, limit))
+
+
+def _label2id(records: Any, column: str, config: Any) -> Mapping[str, int] | None:
+    """The model's label2id when the data name their labels in its terms; None to use ids as they are."""
+    label2id = dict(getattr(config, "label2id", None) or {})
+    feature = records.features.get(column)
+    names = getattr(feature, "names", None)
+    if names is not None and not set(names) <= set(label2id):
+        return None  # class folders such as 0..9: ids as they are
+    return label2id or None
+
+
+def batches(
+    spec: DataSpec, batching: BatchSpec, base_dir: Path, proc: Any, config: Any, *, where: str
+) -> list[dict[str, Tensor]]:
+    """Batches of ``batching.task`` from a recipe data section, built once."""
+    raw = spec.model_dump()
+    raw.pop("max_tokens", None)
+    if batching.max_examples is not None:
+        raw["max_examples"] = batching.max_examples
+    try:
+        records = load_records(raw, base_dir)
+        if batching.task in TEXT_TASKS:
+            return text_batches(
+                records,
+                proc,
+                task=batching.task,  # type: ignore[arg-type]
+                column=spec.column or "text",
+                block_size=_block_size(config),
+                batch_size=batching.batch_size,
+                max_tokens=batching.max_tokens,
+                seed=batching.seed,
+            )
+        out = _classification(spec, batching, records, proc, config)
+    except DataError as e:
+        raise DataError(f"`{where}`: {e}") from None
+    _check_labels(out, config, where)
+    return out
+
+
+def _classification(
+    spec: DataSpec, batching: BatchSpec, records: Any, proc: Any, config: Any
+) -> list[dict[str, Tensor]]:
+    label_column = spec.label_column or "label"
+    image = batching.task == "image-classification"
+    return classification_batches(
+        records,
+        proc,
+        task=batching.task,  # type: ignore[arg-type]
+        column=spec.column or "text",
+        image_column=spec.image_column or "image",
+        label_column=label_column,
+        batch_size=batching.batch_size,
+        label2id=_label2id(records, label_column, config),
+        max_length=None if image else _block_size(config),
+        image_mode=("L" if getattr(config, "num_channels", 3) == 1 else "RGB") if image else None,
+    )
+
+
+def _check_labels(out: list[dict[str, Tensor]], config: Any, where: str) -> None:
+    """Label ids inside the model's classes (a classifier would index out of range, or learn nothing)."""
+    n_labels = int(getattr(config, "num_labels", 0) or 0)
+    top = max(int(b["labels"].max()) for b in out)
+    if n_labels and (top >= n_labels or min(int(b["labels"].min()) for b in out) < 0):
+        raise DataError(
+            f"`{where}.label_column`: label id {top} is outside the model's {n_labels} classes (0..{n_labels - 1}); "
+            "name the labels as in the model's config (label2id) or renumber them"
+        )

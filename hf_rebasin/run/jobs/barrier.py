@@ -1,0 +1,101 @@
+"""job: barrier: align B to A, check that B's function is preserved, draw the loss curves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from ...evaluate import Curve
+from ...export import write_text
+from ...models import LoadedModel
+from ...report import markdown_table, metric_names, plot_curves
+from ...strategies import Alignment
+from ..load import Workspace
+from ..record import Findings
+from ..result import JobOutput, RunResult
+from ..roles import MergeRoles
+from ..stages import align_others, check_inputs, curves, preservation
+
+__all__ = ["run", "save_curves", "title"]
+
+
+def run(ws: Workspace) -> JobOutput:
+    """The loss barrier between A and B, before and after alignment (no weights written)."""
+    models = ws.models
+    assert isinstance(models, MergeRoles)  # the recipe's job
+    alignments = align_others(ws, models)
+    aligned = [al.aligned_b() for al in alignments]
+    preserved = aligned_preservation(ws, models, alignments, aligned)
+    found, barriers = curves(ws, models, alignments[0], aligned[0])
+    result = RunResult(
+        output=ws.output,
+        job=ws.recipe.job,
+        strategy=ws.recipe.strategy.name,
+        saved_model=False,
+        barriers=barriers,
+        curves=found,
+        function_preserved=preserved,
+        timings=ws.timings,
+        notes=ws.notes,
+    )
+    findings = findings_of(ws, alignments[0], preserved, found, barriers)
+    return JobOutput(result, lambda folder: save_curves(ws, folder, found, barriers), findings)
+
+
+def aligned_preservation(
+    ws: Workspace,
+    models: MergeRoles[LoadedModel],
+    alignments: list[Alignment],
+    aligned: list[dict[str, Tensor]],
+) -> dict[str, Any]:
+    """``function_preserved`` of every aligned model, on real inputs when the run has data."""
+    real = [ws.eval_batches, ws.align_batches]
+    inputs = check_inputs(models.reference, real, ws.device)
+    return preservation(ws.recipe.strategy.name, models.others, alignments, aligned, inputs, real=any(real))
+
+
+def findings_of(
+    ws: Workspace,
+    primary: Alignment,
+    preserved: dict[str, Any],
+    found: dict[str, Curve],
+    barriers: dict[str, dict[str, float]],
+    *,
+    merged: dict[str, dict[str, Any]] | None = None,
+    merge_weights: list[float] | None = None,
+    universe: dict[str, Any] | None = None,
+) -> Findings:
+    """The record's findings of a barrier, or with the merged scores and weights, of a merge."""
+    strategy = ws.recipe.strategy
+    return Findings(
+        strategy=strategy.name,
+        strategy_options=strategy.options.model_dump(mode="json"),
+        task=ws.task,
+        canonical=primary.canonical,
+        untied=list(primary.untied),
+        function_preserved=preserved,
+        barrier=barriers,
+        curves={k: c.as_dict() for k, c in found.items()},
+        merged=merged or {},
+        merge_weights=merge_weights,
+        universe=universe,
+    )
+
+
+def title(ws: Workspace) -> str:
+    """The plot's title: the task, and A and B by name."""
+    inputs = ws.inputs
+    assert isinstance(inputs, MergeRoles)
+    a, b = (Path(m.ref.model).name or m.ref.model for m in (inputs.reference, inputs.others[0]))
+    return f"{ws.task}: {a} (λ=1) ↔ {b} (λ=0), loss in nats"
+
+
+def save_curves(ws: Workspace, folder: Path, found: dict[str, Curve], barriers: dict[str, dict[str, float]]) -> None:
+    """barrier.png and barrier.md, when there are curves."""
+    if not found:
+        return
+    shown = metric_names(found) if ws.score.metrics else []  # a metric panel when the recipe asks for metrics
+    plot_curves(found, folder / "barrier.png", title=title(ws), metrics=shown)
+    write_text(folder / "barrier.md", markdown_table(found, barriers))

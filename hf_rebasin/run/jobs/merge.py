@@ -1,0 +1,138 @@
+"""job: merge: align every model to A, check preservation, draw the curves, average with the
+recipe's weights (or a universe merge), score the result and save it as a model folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from ...export import copy_support_files, save_merged_model
+from ...merge import merge_state_dicts
+from ...models import LoadedModel
+from ...strategies import Alignment
+from ...universe import universe_merge
+from ..load import Workspace, weights
+from ..result import JobOutput, RunResult
+from ..roles import MergeRoles
+from ..stages import align_others, check_inputs, curves, preservation
+from .barrier import aligned_preservation, findings_of, save_curves
+
+__all__ = ["run"]
+
+
+def run(ws: Workspace) -> JobOutput:
+    """The merged model of every model aligned to A (λ on A: ``merge.weight``)."""
+    models = ws.models
+    assert isinstance(models, MergeRoles)  # the recipe's job
+    alignments = align_others(ws, models)
+    primary = alignments[0]
+    aligned = [al.aligned_b() for al in alignments]
+    preserved = aligned_preservation(ws, models, alignments, aligned)
+    found, barriers = curves(ws, models, primary, aligned[0])
+    mix = ws.recipe.merge.weights(len(models.all))
+    universe: dict[str, Any] | None = None
+    if ws.recipe.merge.universe is not None:
+        merged, universe, preserved = _universe(ws, models, alignments, mix, preserved, bool(primary.untied))
+    else:
+        merged = merge_state_dicts([primary.sd_a, *aligned], mix)
+    scores = _scores(ws, models, merged, mix, bool(primary.untied), universe)
+    result = RunResult(
+        output=ws.output,
+        job=ws.recipe.job,
+        strategy=ws.recipe.strategy.name,
+        saved_model=True,
+        barriers=barriers,
+        curves=found,
+        merged=scores,
+        function_preserved=preserved,
+        timings=ws.timings,
+        notes=ws.notes,
+        canonical=primary.canonical,
+        untied=list(primary.untied),
+        universe=universe or {},
+    )
+    findings = findings_of(ws, primary, preserved, found, barriers, merged=scores, merge_weights=mix, universe=universe)
+
+    def save(folder: Path) -> None:
+        _save_model(ws, models.reference, merged, bool(primary.untied), folder)
+        save_curves(ws, folder, found, barriers)
+
+    return JobOutput(result, save, findings)
+
+
+def _scores(
+    ws: Workspace,
+    models: MergeRoles[LoadedModel],
+    merged: dict[str, Tensor],
+    mix: list[float],
+    untie: bool,
+    universe: dict[str, Any] | None,
+) -> dict[str, dict[str, Any]]:
+    """Loss and metric of the merged model as written, and of the unaligned average (``compare: [vanilla]``)."""
+    ev, name, a = ws.recipe.evaluate, ws.recipe.strategy.name, models.reference
+    if ev is None or ws.eval_batches is None:
+        return {}
+    scores: dict[str, dict[str, Any]] = {}
+    with ws.clock.stage("evaluate"):
+        scores[name] = ws.score(a.model, merged, untie, ws.eval_batches, ws.task)
+        if "vanilla" in ev.compare and name != "vanilla":
+            plain = merge_state_dicts([weights(lm) for lm in models.all], mix)
+            scores["vanilla"] = ws.score(a.model, plain, False, ws.eval_batches, ws.task)
+    if universe is not None:
+        ws.notes.append(
+            f"universe: loss {scores[name]['loss']:.4f} nats; the reference merge (every model aligned "
+            f"to A only) {universe['reference']['loss']:.4f}"
+        )
+    return scores
+
+
+def _universe(
+    ws: Workspace,
+    models: MergeRoles[LoadedModel],
+    alignments: list[Alignment],
+    mix: list[float],
+    preserved: dict[str, Any],
+    untie: bool,
+) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]]:
+    """``merge.universe``: the universe merge, its ``rebasin.json`` entry (with the score of the
+    reference merge it started from, every model aligned to A) and the preservation check widened
+    to every model's map into the merge's basis (model A's included)."""
+    recipe, settings = ws.recipe, ws.recipe.merge.universe
+    assert settings is not None  # the caller checked
+    with ws.clock.stage("align"):
+        result = universe_merge(
+            recipe.strategy.name,
+            recipe.strategy.options,
+            models.reference.graph,
+            [weights(lm) for lm in models.all],
+            mix,
+            models=[lm.model for lm in models.all],
+            data=ws.data,
+            iterations=settings.iterations,
+            tol=settings.tol,
+            leave_one_out=settings.leave_one_out,
+            initial=alignments,
+            progress=ws.progress,
+        )
+    ws.notes.extend(n for n in result.notes if n not in ws.notes)
+    if preserved.get("max_abs_diff") is not None:
+        aligned = [al.aligned_b() for al in result.alignments]
+        inputs = check_inputs(models.reference, [ws.eval_batches, ws.align_batches], ws.device)  # as before
+        again = preservation(recipe.strategy.name, models.all, result.alignments, aligned, inputs, real=True)
+        worst = {k: max(preserved[k], again[k]) for k in ("max_abs_diff", "tolerance")}  # same inputs
+        preserved = {**preserved, **worst}
+    record = result.record()
+    if ws.recipe.evaluate is not None and ws.eval_batches is not None:
+        with ws.clock.stage("evaluate"):
+            record["reference"] = ws.score(models.reference.model, result.reference, untie, ws.eval_batches, ws.task)
+    return result.merged, record, preserved
+
+
+def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie: bool, folder: Path) -> None:
+    """The merged model in A's class, then A's tokenizer and other files as they were."""
+    save_merged_model(
+        a.model, merged, folder, untie=untie, max_shard_size=ws.recipe.output.max_shard_size, dtype=ws.score.dtype
+    )
+    copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained

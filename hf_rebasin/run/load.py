@@ -1,0 +1,306 @@
+"""The workspace of a run: its models loaded by role, the alignment and evaluation data, the
+stage clock and the notes, built once from a `Plan`; every job reads it and nothing reloads.
+
+Jobs read a model's tensors through `weights`, not through the module, so that a tensor source
+reading from disk can stand in for a loaded model where no forward pass is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import IncompatibleModelsError, RebasinUserError, UnsupportedArchitectureError
+from ..evaluate import Task, task_of
+from ..export import check_inputs
+from ..lora import LoraAdapter, apply_adapter, is_adapter, read_adapter
+from ..models import WRITABLE_DTYPES, LoadedModel, check_compatible, check_same_shapes, dtype_name, load_model, rebuild
+from ..recipe import Recipe
+from ..strategies import AlignmentData
+from ..transport import check_shared
+from .alignment_cache import RunCache
+from .checks import check_adapter, check_remote_code, check_tokenizers, read_paths, task_mismatch
+from .clock import Progress, StageClock, noop
+from .data import BatchSpec, batches, device, metrics, processor
+from .plan import Plan
+from .record import DtypeEntry
+from .resolve import PlannedModel, resolve_model, untrained_zoo
+from .roles import MergeRoles, Roles, TransportRoles
+from .score import Scorer, move
+
+__all__ = ["LOAD_STAGE", "AlignInput", "Workspace", "load_workspace", "weights"]
+
+LOAD_STAGE = "loading models"
+
+
+def weights(lm: LoadedModel) -> dict[str, Tensor]:
+    """A model's tensors by name: the one place jobs read weights (a tensor source fits here)."""
+    return lm.model.state_dict()
+
+
+@dataclass
+class AlignInput:
+    """Alignment data as the strategies read them, with the batching that made them."""
+
+    spec: BatchSpec  # the alignment cache keys on this very spec
+    batches: list[dict[str, Tensor]]
+    data: AlignmentData
+
+
+@dataclass
+class Workspace:
+    """What every job has once its models and data are loaded."""
+
+    plan: Plan
+    inputs: Roles[PlannedModel]  # as resolved after download: every folder known
+    models: Roles[LoadedModel]
+    task: Task  # the data's task (a transport: the fine-tune's)
+    processor: Any  # A's tokenizer or image processor (None without data)
+    align: AlignInput | None
+    eval_batches: list[dict[str, Tensor]] | None
+    clock: StageClock
+    notes: list[str]
+    cache: RunCache
+    score: Scorer  # rounds to the output dtype
+    dtype: DtypeEntry
+    device: torch.device
+    base_dir: Path
+    progress: Progress
+    adapter: LoraAdapter | None = None  # transport: the fine-tune is this LoRA adapter (merged into A)
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.plan.recipe
+
+    @property
+    def output(self) -> Path:
+        return self.plan.output
+
+    @property
+    def data(self) -> AlignmentData | None:
+        return self.align.data if self.align is not None else None
+
+    @property
+    def align_batches(self) -> list[dict[str, Tensor]] | None:
+        return self.align.batches if self.align is not None else None
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.clock.seconds
+
+
+def load_workspace(plan: Plan, *, device_name: str | None = None, progress: Progress | None = None) -> Workspace:
+    """Download or train what the plan resolved, load every model by role, read the data once.
+
+    Zoo models trained on first use are timed apart (``train``); the rest is ``load``."""
+    recipe = plan.recipe
+    report = progress or noop
+    dev = device(device_name or recipe.device)
+    base_dir = Path(recipe.source).parent if Path(recipe.source).is_file() else Path.cwd()
+    clock, notes = StageClock(), list[str]()
+    run_cache = RunCache(recipe, base_dir, notes, report)
+    metric_list = metrics(recipe, base_dir)  # before any model loads: a metric that does not load fails fast
+    with clock.stage("train" if untrained_zoo(recipe) else "load"):
+        inputs = _fetch(plan, report, notes)
+    with clock.stage("load"):
+        if isinstance(inputs, TransportRoles):
+            notes.extend(plan.adapter_notes if plan.adapter_notes is not None else check_adapter(recipe, inputs))
+        models, adapter = _load_models(recipe, inputs, dev, report)
+        out_dtype, dtype_entry = output_dtype(recipe, models, adapter, notes)
+        task, align_task = _tasks(recipe, models)
+        ev = recipe.evaluate
+        proc = processor(inputs.reference.path, task) if (recipe.data is not None or ev is not None) else None
+        align = _alignment_data(recipe, base_dir, align_task, proc, models.reference)
+        eval_spec = BatchSpec.for_evaluation(recipe, task)
+        eval_batches = None
+        if ev is not None and eval_spec is not None:
+            config = (models.finetune if isinstance(models, TransportRoles) else models.reference).model.config
+            eval_batches = batches(ev.data, eval_spec, base_dir, proc, config, where="evaluate.data")
+    return Workspace(
+        plan=plan,
+        inputs=inputs,
+        models=models,
+        task=task,
+        processor=proc,
+        align=align,
+        eval_batches=eval_batches,
+        clock=clock,
+        notes=notes,
+        cache=run_cache,
+        score=Scorer(out_dtype, metric_list),
+        dtype=dtype_entry,
+        device=dev,
+        base_dir=base_dir,
+        progress=report,
+        adapter=adapter,
+    )
+
+
+def _fetch(plan: Plan, report: Progress, notes: list[str]) -> Roles[PlannedModel]:
+    """Download (pinned to the plan's commit) or train every model, and check what the plan could not."""
+    recipe = plan.recipe
+
+    def fetch(m: PlannedModel) -> PlannedModel:
+        resolved = resolve_model(m.ref, m.where, progress=report, allow_pickle=recipe.allow_pickle, checked=m.resolved)
+        return dataclasses.replace(m, resolved=resolved)
+
+    inputs = plan.models.map(fetch)
+    check_inputs(plan.output, read_paths(recipe, inputs.all), plan.output_field)  # downloaded folders are inputs too
+    for i, m in enumerate(inputs.all):
+        if i not in plan.remote_checked:
+            check_remote_code(recipe, m.path, m.where)
+    notes.extend(
+        f"{m.ref} resolved from the local Hugging Face cache (offline): commit {m.resolved.commit}"
+        for m in inputs.all
+        if m.resolved.cached
+    )
+    checked = dict(plan.tokenizer_notes)
+    found = {**checked, **check_tokenizers(recipe, inputs.all, skip=checked.keys())}
+    notes.extend(note for _, note in sorted(found.items()) if note)
+    return inputs
+
+
+def _load(folder: Path, recipe: Recipe, where: str) -> LoadedModel:
+    """`models.load_model` with the recipe's settings; a user error names the recipe field."""
+    try:
+        return load_model(folder, allow_pickle=recipe.allow_pickle, trust_remote_code=recipe.trust_remote_code)
+    except RebasinUserError as e:
+        if str(e).startswith("`"):
+            raise
+        raise type(e)(f"`{where}`: {e}") from None
+
+
+def _load_models(
+    recipe: Recipe, inputs: Roles[PlannedModel], dev: torch.device, report: Progress
+) -> tuple[Roles[LoadedModel], LoraAdapter | None]:
+    """Every model on ``dev``, each checked against the reference (a fine-tune: against its base)."""
+    total = len(inputs.all)
+    done: list[LoadedModel] = []
+
+    def placed(make: Callable[[], LoadedModel]) -> LoadedModel:
+        lm = make()
+        move(lm.model, dev)
+        done.append(lm)
+        report(LOAD_STAGE, len(done), total)
+        return lm
+
+    def compatible(m: PlannedModel, reference: LoadedModel) -> LoadedModel:
+        lm = _load(m.path, recipe, m.where)
+        check_compatible(reference, lm)
+        return lm
+
+    report(LOAD_STAGE, 0, total)
+    reference = placed(lambda: _load(inputs.reference.path, recipe, inputs.reference.where))
+    if isinstance(inputs, MergeRoles):
+        others = [placed(partial(compatible, m, reference)) for m in inputs.others]
+        return MergeRoles(reference, tuple(others)), None
+    base = placed(partial(compatible, inputs.base, reference))
+    finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe)
+    placed(lambda: finetune)
+    return TransportRoles(reference, base, finetune), adapter
+
+
+def _load_finetune(base: LoadedModel, folder: Path, recipe: Recipe) -> tuple[LoadedModel, LoraAdapter | None]:
+    """A transport's fine-tune, checked against its base: a full model of the same model type (its
+    head may differ: a classifier trained on A's features), or a LoRA adapter merged into A."""
+    if is_adapter(folder) and not (folder / "config.json").is_file():
+        adapter = read_adapter(folder, base.model, allow_pickle=recipe.allow_pickle, where="finetuned.model")
+        merged = rebuild(base.model, apply_adapter(adapter, weights(base)))
+        return LoadedModel(merged, base.graph, folder, adapter.dtype), adapter
+    ft = _load(folder, recipe, "finetuned.model")
+    type_a, type_ft = base.model.config.model_type, ft.model.config.model_type
+    if type_a != type_ft:
+        raise IncompatibleModelsError(
+            f"`finetuned.model`: {str(folder)!r} is a {type(ft.model).__name__} (model_type {type_ft!r}) but its "
+            f"base {str(base.path)!r} is a {type(base.model).__name__} (model_type {type_a!r}): a fine-tune keeps "
+            "the architecture of the base it was trained from"
+        )
+    sd_base, sd_ft = weights(base), weights(ft)
+    check_shared(sd_base, sd_ft, "`finetuned.model`")
+    if type(ft.model) is type(base.model) and sd_ft.keys() != sd_base.keys():
+        check_same_shapes(sd_base, sd_ft, "the base", "the fine-tune")
+    return ft, None
+
+
+def output_dtype(
+    recipe: Recipe, models: Roles[LoadedModel], adapter: LoraAdapter | None, notes: list[str]
+) -> tuple[torch.dtype, DtypeEntry]:
+    """The dtype the output is written in, and ``rebasin.json``'s ``dtype`` entry.
+
+    ``output.dtype`` when set; else the reference model's stored dtype (merge: A; transport: the
+    target B, or for an adapter the adapter's own), so a bf16 model stays bf16. Inputs stored in
+    different dtypes follow the reference, with a note. The work itself always runs in float32.
+    """
+    names = models.names
+    inputs = {role: dtype_name(lm.stored_dtype) for role, lm in zip(names, models.all, strict=True)}
+    entry = DtypeEntry(inputs)
+    if recipe.job == "barrier":  # no weights written
+        return torch.float32, entry
+    if recipe.output.dtype is not None:
+        chosen, source = getattr(torch, recipe.output.dtype), "output.dtype"
+    elif adapter is not None:
+        chosen, source = adapter.dtype, "finetuned"
+    else:
+        chosen, source = models.reference.stored_dtype, names[0]
+        transport = isinstance(models, TransportRoles)
+        written = (models.target, models.finetune) if isinstance(models, TransportRoles) else models.all
+        if len({lm.stored_dtype for lm in written}) > 1:
+            shown = ", ".join(f"{role} {name}" for role, name in inputs.items() if role != "base")
+            who = "the target B's" if transport else "model A's (the reference)"
+            notes.append(
+                f"the inputs are stored in different dtypes ({shown}): the output is written in "
+                f"{dtype_name(chosen)}, {who}; set `output.dtype` to choose another"
+            )
+    if chosen not in WRITABLE_DTYPES:
+        notes.append(
+            f"{names[0]} is stored in {dtype_name(chosen)}, which hf-rebasin does not write: written as float32"
+        )
+        chosen = torch.float32
+    entry.output, entry.source = dtype_name(chosen), source
+    return chosen, entry
+
+
+def _tasks(recipe: Recipe, models: Roles[LoadedModel]) -> tuple[Task, Task]:
+    """The task of the evaluation data and that of the alignment data: a transport is scored on
+    the fine-tune's task (its head may be new) while alignment data go through the bases."""
+    if isinstance(models, TransportRoles):
+        return _task(recipe, models.finetune.model), task_of(models.reference.model)
+    task = _task(recipe, models.reference.model)
+    return task, task
+
+
+def _task(recipe: Recipe, model: Any) -> Task:
+    """The task of the data: ``evaluate.task`` (checked against the model's head) or its head's."""
+    ev = recipe.evaluate
+    try:
+        implied: Task | None = task_of(model)
+    except UnsupportedArchitectureError:
+        implied = None
+    if ev is not None:
+        if implied is not None and implied != ev.task:
+            raise task_mismatch(ev.task, type(model).__name__, implied)
+        return ev.task
+    if implied is None and recipe.data is not None:
+        raise UnsupportedArchitectureError(
+            f"`data`: cannot tell how to batch alignment data for a {type(model).__name__}; "
+            "use a model with a task head (causal LM, masked LM, sequence or image classification)"
+        )
+    return implied or "causal-lm"
+
+
+def _alignment_data(recipe: Recipe, base_dir: Path, task: Task, proc: Any, reference: LoadedModel) -> AlignInput | None:
+    """``data`` batched once, with the spec that batched it (None without ``data``)."""
+    spec = BatchSpec.for_alignment(recipe, task)
+    if recipe.data is None or spec is None:
+        return None
+    made = batches(recipe.data, spec, base_dir, proc, reference.model.config, where="data")
+    special = frozenset(int(t) for t in getattr(proc, "all_special_ids", []) or [])
+    data = AlignmentData(made, special, description=f"{recipe.data.dataset} ({recipe.data.split})")
+    return AlignInput(spec, made, data)

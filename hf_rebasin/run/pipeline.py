@@ -1,0 +1,83 @@
+"""`run_recipe`: plan → load → job → write the folder → push. Each step is its own module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .. import hub
+from ..export import claim_output, output_folder
+from ..recipe import Recipe
+from .clock import Progress
+from .jobs import JOBS
+from .load import Workspace, load_workspace
+from .plan import Plan, build_plan
+from .record import RunRecord, dataset_entries, model_entries, recipe_record, write_record
+from .result import JobOutput, RunResult
+
+__all__ = ["run_recipe"]
+
+
+def run_recipe(
+    recipe: Recipe,
+    *,
+    output: Path | None = None,
+    device: str | None = None,
+    progress: Progress | None = None,
+    command: str | None = None,
+) -> RunResult:
+    """Run ``recipe``: align every model to the first, merge (job merge), evaluate, write the folder.
+
+    ``output`` and ``device`` override the recipe's; ``command`` is the line the model card gives
+    to reproduce the run (default ``hf-rebasin <recipe file>``). Nothing is written until everything is computed,
+    and then into a temporary folder renamed into place (see `export.output_folder`). The output is
+    held for the whole run (`export.claim_output`): a second run on it is refused at once, and the
+    leftovers of a killed run are cleaned up first (the result's notes say what was done).
+    """
+    plan = build_plan(recipe, output=output)
+    with claim_output(plan.output, overwrite=recipe.output.overwrite, where=plan.output_field) as recovered:
+        ws = load_workspace(plan, device_name=device, progress=progress)
+        done = JOBS[recipe.job](ws)
+        result = done.result
+        result.files = write_folder(ws, done, command)
+        result.pushed, result.push_error = push(plan, ws.progress)
+    result.notes = [*recovered, *result.notes]
+    return result
+
+
+def write_folder(ws: Workspace, done: JobOutput, command: str | None) -> list[str]:
+    """The job's files, then ``rebasin.json`` and the card, into a temporary folder renamed into
+    place; the folder's file names."""
+    with output_folder(ws.output, overwrite=ws.recipe.output.overwrite) as tmp:
+        with ws.clock.stage("save"):
+            done.save(tmp)
+        record = RunRecord(
+            recipe=recipe_record(ws.recipe, ws.output),
+            models=model_entries(ws.recipe, ws.inputs),
+            datasets=dataset_entries(ws.recipe),
+            findings=done.findings,
+            notes=ws.notes,
+            timings=ws.timings,
+            cache=ws.cache.stats,
+            dtype=ws.dtype,
+        )
+        return write_record(tmp, record, ws.recipe, command)
+
+
+def push(plan: Plan, report: Progress) -> tuple[Any, str | None]:
+    """Push the finished folder when the recipe asks; a failure is returned, the folder is kept."""
+    recipe = plan.recipe
+    push = recipe.output.push_to_hub
+    if push is None:
+        return None, None
+    stage = f"pushing to {push.repo}"
+    report(stage, 0, 1)
+    message = push.commit_message or f"hf-rebasin {recipe.job} with {recipe.strategy.name} ({Path(recipe.source).name})"
+    try:
+        result = hub.push_folder(
+            plan.output, push.repo, private=push.private, revision=push.revision, commit_message=message
+        )
+    except hub.PushError as e:
+        return None, str(e)
+    report(stage, 1, 1)
+    return result, None

@@ -1,0 +1,117 @@
+"""The plan of a run: every check that needs no weights, done once, before anything is loaded.
+
+`build_plan` resolves each model by role (Hub models to a commit, without downloading), checks
+repository code, tokenizers, an adapter's base, the task, data files, the output folder and the
+push token. ``--dry-run`` prints `Plan.lines`; a run loads from the plan and re-checks only what
+the plan could not see (a Hub model not downloaded yet, a zoo model not trained yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from ..export import check_output
+from ..recipe import ModelRef, Recipe, describe
+from .checks import (
+    check_adapter,
+    check_data_files,
+    check_push_token,
+    check_remote_code,
+    check_task_of_folder,
+    check_tokenizers,
+    read_paths,
+    task_folder,
+)
+from .resolve import PlannedModel, resolve_model
+from .roles import Roles, TransportRoles, recipe_roles
+
+__all__ = ["Plan", "build_plan", "plan"]
+
+CACHED = " (resolved from the local Hugging Face cache, offline)"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A recipe checked without weights: its models by role, the output, and what was checked."""
+
+    recipe: Recipe
+    output: Path  # absolute
+    output_field: str  # how messages name the output: `output.dir` or --output
+    models: Roles[PlannedModel]
+    output_given: bool = False  # ``--output`` overrides the recipe's
+    remote_checked: frozenset[int] = frozenset()  # models (by recipe index) checked for repository code
+    tokenizer_notes: tuple[tuple[int, str | None], ...] = ()  # (index, note or None) of each model checked
+    adapter_notes: tuple[str, ...] | None = None  # None: the adapter check waits for the download
+
+    @property
+    def all(self) -> tuple[PlannedModel, ...]:
+        """Every model in the recipe's order (the reference first)."""
+        return self.models.all
+
+    def lines(self) -> list[str]:
+        """What ``--dry-run`` prints: the recipe described, resolved commits, and that the checks passed."""
+        lines = describe(self.recipe)
+        for m in self.all:
+            if m.resolved.commit is not None:
+                lines.append(f"resolved: {m.ref} -> commit {m.resolved.commit}{CACHED if m.resolved.cached else ''}")
+        if self.output_given:
+            lines = [
+                f"output: {self.output} (from --output)" if line.startswith("output: ") else line for line in lines
+            ]
+        lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
+        return lines
+
+
+def output_path(recipe: Recipe, output: Path | None) -> Path:
+    """The output folder, absolute: ``output`` (``--output``) when given, else ``output.dir``."""
+    return Path(output if output is not None else recipe.output.dir).expanduser().absolute()
+
+
+def _planned(recipe: Recipe, entry: tuple[str, ModelRef]) -> PlannedModel:
+    """A model resolved without downloading or training it."""
+    where, ref = entry
+    return PlannedModel(where, ref, resolve_model(ref, where, fetch=False, allow_pickle=recipe.allow_pickle))
+
+
+def build_plan(recipe: Recipe, *, output: Path | None = None) -> Plan:
+    """Resolve and check ``recipe`` without loading a weight (typed errors name the recipe field)."""
+    target = output_path(recipe, output)
+    field = "--output" if output is not None else "`output.dir`"
+    models = recipe_roles(recipe).map(partial(_planned, recipe))
+    remote = frozenset(
+        i for i, m in enumerate(models.all) if m.folder is not None and (m.folder / "config.json").is_file()
+    )
+    for i in sorted(remote):
+        check_remote_code(recipe, models.all[i].path, models.all[i].where)
+    adapter_notes: tuple[str, ...] | None = None
+    if isinstance(models, TransportRoles):
+        notes = tuple(check_adapter(recipe, models))
+        adapter_notes = notes if models.base.ready and models.finetune.ready else None
+    tokenizers = check_tokenizers(recipe, models.all)  # Hub models not downloaded yet: after download
+    ready = models.reference.ready
+    folder = task_folder(models)
+    if folder is not None:
+        check_task_of_folder(recipe, folder)
+    if recipe.data is not None:
+        check_data_files(recipe.data, "data")
+    if recipe.evaluate is not None:
+        check_data_files(recipe.evaluate.data, "evaluate.data")
+    check_output(target, recipe.output.overwrite, inputs=read_paths(recipe, models.all), where=field)
+    check_push_token(recipe)
+    return Plan(
+        recipe,
+        target,
+        field,
+        models,
+        output_given=output is not None,
+        remote_checked=remote,
+        tokenizer_notes=tuple((i, note) for i, note in tokenizers.items() if ready and models.all[i].ready),
+        adapter_notes=adapter_notes,
+    )
+
+
+def plan(recipe: Recipe, *, output: Path | None = None) -> list[str]:
+    """The plan of ``--dry-run`` as lines: `describe` plus the checks that need no weights."""
+    return build_plan(recipe, output=output).lines()

@@ -1,0 +1,69 @@
+"""Scoring weights: a state dict's loss and metrics on the evaluation batches, as written."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..evaluate import Metric, Task, evaluate_loss
+from ..models import rebuild
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["Scorer", "move", "rebuilt"]
+
+
+def move(model: Any, device: torch.device) -> None:
+    """``model.to(device)`` in place (transformers' typing of ``.to`` does not take a device)."""
+    model.to(device)
+
+
+def rebuilt(template: PreTrainedModel, sd: Mapping[str, Tensor], untie: bool) -> PreTrainedModel:
+    """A model of ``template``'s class holding ``sd`` (a tied head stored apart when ``untie``), on its device."""
+    model = rebuild(template, dict(sd), untie=untie)
+    move(model, next(template.parameters()).device)
+    return model
+
+
+class Scorer:
+    """Scores state dicts on one rebuilt model per (template, untie), loading each in place:
+    rebuilding per α or per comparison would re-initialise every weight first (2.7 s for GPT-2
+    small on 2 cores, against 0.04 s to load new weights).
+
+    ``dtype`` is the dtype the output is written in: each state dict is rounded to it (and back to
+    float32, where the scoring runs) first, so a score is that of the weights the user gets, not of
+    the float32 weights before the cast. float32 changes nothing."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, metrics: Sequence[Metric] = ()) -> None:
+        self._models: dict[tuple[int, bool], PreTrainedModel] = {}
+        self.dtype = dtype
+        self.metrics = tuple(metrics)  # `evaluate.metrics`, scored beside the loss
+
+    def __call__(
+        self,
+        template: PreTrainedModel,
+        sd: Mapping[str, Tensor],
+        untie: bool,
+        batches: Sequence[Mapping[str, Tensor]],
+        task: Task,
+    ) -> dict[str, Any]:
+        """Loss and metric of ``sd`` on the evaluation batches (``rebasin.json``'s ``merged``)."""
+        if self.dtype != torch.float32:
+            sd = {k: v.to(self.dtype).to(v.dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        key = (id(template), untie)
+        model = self._models.get(key)
+        if model is None:
+            model = self._models[key] = rebuilt(template, sd, untie)
+        else:
+            model.load_state_dict(dict(sd), strict=True)
+        result = evaluate_loss(model, batches, task, self.metrics)
+        return {"loss": result.loss, "metric": dict(result.metric), "count": result.count}
+
+    def model(self, model: Any, batches: Sequence[Mapping[str, Tensor]], task: Task) -> dict[str, Any]:
+        """Loss and metric of a model as it is (an input: not rounded, not rebuilt)."""
+        result = evaluate_loss(model, batches, task, self.metrics)
+        return {"loss": result.loss, "metric": dict(result.metric)}

@@ -1,0 +1,212 @@
+"""Steps every job shares: alignment through the cache on the stage clock, the function
+preservation check, and loss curves along λ."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..adapters import get_adapter
+from ..errors import FunctionNotPreservedError
+from ..evaluate import Curve, Metric, Task, barrier, lambdas, loss_curve
+from ..models import LoadedModel
+from ..strategies import Alignment, Pair, align, get_strategy
+from ..verify import TOLERANCE, example_inputs
+from .alignment_cache import CacheUse
+from .clock import Progress
+from .load import Workspace, weights
+from .roles import MergeRoles, letter
+from .score import rebuilt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = [
+    "SWEEP_STAGE",
+    "align_others",
+    "check_inputs",
+    "curves",
+    "function_gap",
+    "preservation",
+    "timed_align",
+]
+
+SWEEP_STAGE = "λ sweep"
+CHECK_ROWS = 4  # examples on which function preservation is measured
+
+
+def timed_align(ws: Workspace, name: str, options: Any, pair: Pair, *, cache: CacheUse | None = None) -> Alignment:
+    """Align B of ``pair`` to A on the ``align`` clock. With ``cache`` (see `RunCache.use`) the
+    alignment is read from the alignment cache when it is there (``align`` ≈ 0) and stored when not."""
+    with ws.clock.stage("align"):
+        alignment = cache.read(pair, name) if cache is not None else None
+        if alignment is None:
+            alignment = align(name, pair, options, ws.progress)
+    if cache is not None and not cache.hit:
+        cache.write(alignment, pair)
+    return alignment
+
+
+def _label(ws: Workspace, reference: LoadedModel, other: LoadedModel) -> str:
+    """The pair's name in notes, "B to A": the models' letters in the recipe (by folder: a model given twice gets its first)."""
+    folders = [m.folder for m in ws.inputs.all]
+    found = {p: letter(folders.index(p)) for p in (reference.path, other.path) if p in folders}
+    return f"{found.get(other.path, 'B')} to {found.get(reference.path, 'A')}"
+
+
+def align_pair(ws: Workspace, models: MergeRoles[LoadedModel], i: int, name: str, options: Any) -> Alignment:
+    """The ``i``-th other model aligned to the reference A with strategy ``name`` (cached)."""
+    a, other = models.reference, models.others[i]
+    inputs = ws.inputs
+    assert isinstance(inputs, MergeRoles)
+    pair = Pair(a.graph, weights(a), weights(other), a.model, other.model, ws.data)
+    cached = ws.cache.use(
+        (inputs.reference.resolved, a),
+        inputs.others[i].resolved,
+        name,
+        options,
+        label=_label(ws, a, other),
+        batching=ws.align.spec if ws.align is not None else None,
+    )
+    return timed_align(ws, name, options, pair, cache=cached)
+
+
+def align_others(ws: Workspace, models: MergeRoles[LoadedModel]) -> list[Alignment]:
+    """Every other model aligned to A with the recipe's strategy; their notes, once each."""
+    strategy = ws.recipe.strategy
+    alignments = [align_pair(ws, models, i, strategy.name, strategy.options) for i in range(len(models.others))]
+    ws.notes.extend(dict.fromkeys(n for al in alignments for n in al.notes))
+    return alignments
+
+
+def check_inputs(
+    loaded: LoadedModel, batches: Sequence[Sequence[Mapping[str, Tensor]] | None], device: torch.device
+) -> dict[str, Tensor]:
+    """A few real inputs (evaluation or alignment data), else the fixed random ones of `verify`."""
+    for group in batches:
+        if group:
+            return {k: v[:CHECK_ROWS].to(device) for k, v in group[0].items() if k != "labels"}
+    spec = get_adapter(loaded.model.config.model_type)
+    inputs = example_inputs(spec, loaded.model.config, torch.Generator().manual_seed(0))
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def function_gap(
+    model_b: PreTrainedModel, alignment: Alignment, aligned: Mapping[str, Tensor], inputs: Mapping[str, Tensor]
+) -> tuple[float, float]:
+    """max |Δ logits| between B and B in A's basis (rebuilt from ``aligned``) on ``inputs``, and
+    max |logits| of B (the scale float32 rounding grows with)."""
+    again = rebuilt(model_b, aligned, bool(alignment.untied))
+    model_b.eval()
+    with torch.no_grad():
+        before = model_b(**inputs).logits.float()
+        after = again(**inputs).logits.float()
+    return float((after - before).abs().max()), float(before.abs().max())
+
+
+def tolerance(scale: float) -> float:
+    """The preservation tolerance for logits of magnitude ``scale``: 1e-4 (`verify`'s) up to |logits|
+    of 1, relative beyond, since float32 rounding of a transformed model grows with its outputs."""
+    return TOLERANCE * max(1.0, scale)
+
+
+def _check_preserved(gaps: Sequence[tuple[float, float]], others: Sequence[LoadedModel]) -> None:
+    """A function-preserving alignment that changed a model's outputs (or made them NaN/Inf) is a
+    bug: raised before anything is written, never reported as a result."""
+    for (gap, scale), lm in zip(gaps, others, strict=True):
+        tol = tolerance(scale) if math.isfinite(scale) else 0.0
+        if not (math.isfinite(gap) and gap <= tol):
+            raise FunctionNotPreservedError(
+                f"function not preserved: aligned, {str(lm.path)!r} gives outputs that differ from its own by "
+                f"max |Δ logits| = {gap:.3g} (tolerance {tol:.3g}: 1e-4 × max(1, max |logits| = {scale:.3g})); "
+                "nothing was written"
+            )
+
+
+def preservation(
+    strategy: str,
+    others: Sequence[LoadedModel],
+    alignments: Sequence[Alignment],
+    aligned: Sequence[Mapping[str, Tensor]],
+    inputs: Mapping[str, Tensor],
+    *,
+    real: bool,
+) -> dict[str, Any]:
+    """The ``function_preserved`` entry: worst max |Δ logits| over the aligned models, or why not measured."""
+    if not all(al.exact for al in alignments):
+        return {
+            "max_abs_diff": None,
+            "reason": f"strategy {strategy!r} with these options does not preserve B's function (experimental)",
+        }
+    gaps = [function_gap(lm.model, al, sd, inputs) for lm, al, sd in zip(others, alignments, aligned, strict=True)]
+    _check_preserved(gaps, others)
+    return {
+        "max_abs_diff": max(g for g, _ in gaps),
+        "tolerance": max(tolerance(scale) for _, scale in gaps),
+        "inputs": "evaluation or alignment data" if real else "random example inputs",
+    }
+
+
+def _sweep_progress(report: Progress, stage: str, total: int) -> Callable[[int, float, Any], None]:
+    def step(i: int, _lam: float, _result: Any) -> None:
+        report(stage, i + 1, total)
+
+    return step
+
+
+def curve(
+    template: PreTrainedModel,
+    alignment: Alignment,
+    aligned_b: Mapping[str, Tensor],
+    batches: Sequence[Mapping[str, Tensor]],
+    task: Task,
+    points: int,
+    name: str,
+    report: Progress,
+    metrics: Sequence[Metric] = (),
+) -> Curve:
+    """The loss along λ between A and aligned B, in the form (original or canonical) of the alignment."""
+    grid = lambdas(points)
+    stage = f"{SWEEP_STAGE}: {name}"
+    report(stage, 0, len(grid))
+    return loss_curve(
+        rebuilt(template, alignment.sd_a, bool(alignment.untied)),  # holds both ends, untied when canonical
+        alignment.sd_a,
+        aligned_b,
+        batches,
+        task,
+        grid,
+        progress=_sweep_progress(report, stage, len(grid)),
+        metrics=metrics,
+    )
+
+
+def curves(
+    ws: Workspace, models: MergeRoles[LoadedModel], primary: Alignment, aligned_b: Mapping[str, Tensor]
+) -> tuple[dict[str, Curve], dict[str, dict[str, float]]]:
+    """The strategy's curve between A and B and one per ``evaluate.compare`` entry, on the same
+    batches, with their barriers (none without ``evaluate``)."""
+    ev, found, barriers = ws.recipe.evaluate, {}, {}
+    if ev is None or ws.eval_batches is None:
+        return {}, {}
+    name = ws.recipe.strategy.name
+    if len(models.others) > 1:
+        inputs = ws.inputs
+        assert isinstance(inputs, MergeRoles)
+        ws.notes.append(f"curves are between A and B ({inputs.others[0].ref.model}); the other models are merged only")
+    for curve_name in dict.fromkeys([name, *ev.compare]):
+        al, aligned = primary, aligned_b
+        if curve_name != name:
+            al = align_pair(ws, models, 0, curve_name, get_strategy(curve_name).parse(None))
+            aligned = al.aligned_b()
+        with ws.clock.stage("evaluate"):
+            found[curve_name] = curve(
+                models.reference.model, al, aligned, ws.eval_batches, ws.task, ev.points, curve_name, ws.progress,
+                ws.score.metrics,
+            )  # fmt: skip
+            barriers[curve_name] = barrier(found[curve_name].lambdas, found[curve_name].losses)
+    return found, barriers
