@@ -23,6 +23,7 @@ from rich.table import Table
 
 from . import __version__
 from .errors import PickleRefusedError, RebasinUserError
+from .names import KINDS
 
 if TYPE_CHECKING:
     from .run import RunResult
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
             "name them as zoo:KIND-seedN."
         ),
     )
-    zoo.add_argument("kind", choices=ZOO_KINDS, help="which model")
+    zoo.add_argument("kind", choices=KINDS, help="which model")
     zoo.add_argument("seeds", nargs="*", type=int, default=[0, 1], metavar="SEED", help="seeds (default 0 1)")
     zoo.set_defaults(func=cmd_zoo)
 
@@ -214,13 +215,6 @@ def _run_options(parser: argparse.ArgumentParser, output_help: str, output: str 
 
 COMMANDS = ("verify", "align", "run", "demo", "zoo", "push", "schema")
 DEMO_OUTPUT = "rebasin-demo"
-ZOO_KINDS = (
-    "gpt2",
-    "vit",
-    "gpt2-ft",
-    "gpt2-lora",
-    "gpt2-next",
-)  # hf_rebasin.train.KINDS, restated so `--help` does not import torch
 RECIPE_SUFFIXES = (".yaml", ".yml")
 
 

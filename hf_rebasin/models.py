@@ -606,10 +606,10 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
 
 def resolve_device(name: str | None, where: str = "`device`") -> torch.device:
     """``auto`` is CUDA when there is one, else the CPU; a device asked for but absent is a user error."""
-    import re
+    from .recipe import DEVICE_PATTERN  # the schema's pattern (torch-free)
 
     name = name or "auto"
-    if not re.fullmatch(r"auto|cpu|cuda|cuda:\d+|mps", name):
+    if not DEVICE_PATTERN.fullmatch(name):
         raise RebasinUserError(f"{where}: {name!r} is not a device; allowed: auto, cpu, cuda, cuda:N, mps")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

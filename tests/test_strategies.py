@@ -186,7 +186,7 @@ def test_registry_lists_every_strategy_and_refuses_duplicates():
     with pytest.raises(ValueError, match="twice"):
         reg.register(get_strategy("vanilla"))
     with pytest.raises(ValueError, match="bad strategy name"):
-        reg.register(Strategy("Bad Name", "", VanillaOptions, get_strategy("vanilla").run))
+        reg.register(Strategy("Bad Name", "", VanillaOptions, "vanilla"))
 
 
 def _transformed_pair(case: str, seed: int = 3, noise: float = 0.0):

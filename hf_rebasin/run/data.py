@@ -9,15 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from ..errors import DataError, ModelNotFoundError, RebasinUserError
+from ..errors import DataError, ModelNotFoundError
 from ..evaldata import classification_batches, load_records, text_batches
 from ..evaluate import Metric, Task, load_metric
-from ..recipe import DEVICE_PATTERN, DataSpec, Recipe
+from ..recipe import DataSpec, Recipe
 
-__all__ = ["MAX_BLOCK", "TEXT_TASKS", "BatchSpec", "batches", "device", "metrics", "processor"]
+__all__ = ["MAX_BLOCK", "TEXT_TASKS", "BatchSpec", "batches", "metrics", "processor"]
 
 TEXT_TASKS = ("causal-lm", "masked-lm")
 MAX_BLOCK = 128  # tokens per block of evaluation / alignment text
@@ -64,20 +63,6 @@ class BatchSpec:
     def identity(self) -> dict[str, Any]:
         """The spec as JSON values (the alignment cache's key)."""
         return dataclasses.asdict(self)
-
-
-def device(name: str | None) -> torch.device:
-    """The recipe's (or ``--device``'s) device; ``auto`` is CUDA when there is one."""
-    name = name or "auto"
-    if not DEVICE_PATTERN.fullmatch(name):
-        raise RebasinUserError(f"`device`: {name!r} is not a device; allowed: auto, cpu, cuda, cuda:N, mps")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RebasinUserError(f"`device`: {name!r} was asked for, but no CUDA device is available here")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise RebasinUserError("`device`: 'mps' was asked for, but MPS is not available here")
-    return torch.device(name)
 
 
 def processor(folder: Path, task: Task) -> Any:

@@ -21,14 +21,23 @@ from ..errors import IncompatibleModelsError, RebasinUserError, UnsupportedArchi
 from ..evaluate import Task, task_of
 from ..export import check_inputs
 from ..lora import LoraAdapter, apply_adapter, is_adapter, read_adapter
-from ..models import WRITABLE_DTYPES, LoadedModel, check_compatible, check_same_shapes, dtype_name, load_model, rebuild
+from ..models import (
+    WRITABLE_DTYPES,
+    LoadedModel,
+    check_compatible,
+    check_same_shapes,
+    dtype_name,
+    load_model,
+    rebuild,
+    resolve_device,
+)
 from ..recipe import Recipe
 from ..strategies import AlignmentData
 from ..transport import check_shared
 from .alignment_cache import RunCache
 from .checks import check_adapter, check_remote_code, check_tokenizers, read_paths, task_mismatch
 from .clock import Progress, StageClock, noop
-from .data import BatchSpec, batches, device, metrics, processor
+from .data import BatchSpec, batches, metrics, processor
 from .plan import Plan
 from .record import DtypeEntry
 from .resolve import PlannedModel, resolve_model, untrained_zoo
@@ -102,7 +111,7 @@ def load_workspace(plan: Plan, *, device_name: str | None = None, progress: Prog
     Zoo models trained on first use are timed apart (``train``); the rest is ``load``."""
     recipe = plan.recipe
     report = progress or noop
-    dev = device(device_name or recipe.device)
+    dev = resolve_device(device_name or recipe.device)
     base_dir = Path(recipe.source).parent if Path(recipe.source).is_file() else Path.cwd()
     clock, notes = StageClock(), list[str]()
     run_cache = RunCache(recipe, base_dir, notes, report)
