@@ -6,6 +6,8 @@ or outputs outside tolerance, 2 on a user error with a one-paragraph message and
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -49,6 +51,17 @@ def finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
 def run_cli(*args: str, code: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the CLI to completion (see :func:`start_cli`)."""
     return finish(start_cli(*args, code=code, env=env))
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI run in this process: no interpreter start-up (4–5 s for torch and transformers), for
+    error paths that need no signals, environment or isolation."""
+    from hf_rebasin.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def flat(text: str) -> str:

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import tiny
 from hf_rebasin.data import char_tokenizer
-from test_cli import assert_user_error, flat, run_cli
+from test_cli import assert_user_error, flat, run_cli, run_main
 
 
 def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -82,44 +82,44 @@ def test_a_permutation_strategy_writes_a_as_it_is(saved_model, tmp_path):
 
 def test_device_that_is_not_there_exits_2_before_loading(saved_model):
     a, b = str(saved_model("gpt2")), str(saved_model("gpt2", seed=1))
-    assert_user_error(run_cli("align", a, b, "--device", "tpu"), "--device", "'tpu' is not a device")
+    assert_user_error(run_main("align", a, b, "--device", "tpu"), "--device", "'tpu' is not a device")
     if not torch.cuda.is_available():
-        assert_user_error(run_cli("align", a, b, "--device", "cuda"), "--device", "no CUDA device")
+        assert_user_error(run_main("align", a, b, "--device", "cuda"), "--device", "no CUDA device")
 
 
 def test_models_of_different_architectures_exit_2_naming_both(saved_model):
-    proc = run_cli("align", str(saved_model("gpt2")), str(saved_model("bert-mlm")))
+    proc = run_main("align", str(saved_model("gpt2")), str(saved_model("bert-mlm")))
     assert_user_error(proc, "BertForMaskedLM", "GPT2LMHeadModel")
 
 
 def test_models_of_different_shapes_name_the_first_differing_tensor(saved_model):
     small = tiny.FACTORIES["gpt2"](0)
     wide = T.GPT2LMHeadModel(T.GPT2Config(**{**small.config.to_dict(), "n_inner": 40}))
-    proc = run_cli("align", str(saved_model(small)), str(saved_model(wide)))
+    proc = run_main("align", str(saved_model(small)), str(saved_model(wide)))
     assert_user_error(proc, "transformer.h.0.mlp.c_fc.weight", "(32, 128)", "(32, 40)")
 
 
 def test_head_perm_without_data_exits_2(saved_model):
-    proc = run_cli("align", str(saved_model("gpt2")), str(saved_model("gpt2", seed=1)), "--strategy", "head-perm")
+    proc = run_main("align", str(saved_model("gpt2")), str(saved_model("gpt2", seed=1)), "--strategy", "head-perm")
     assert_user_error(proc, "head-perm", "data:")
 
 
 def test_inapplicable_or_unknown_options_exit_2(saved_model):
     a, b = str(saved_model("llama-gqa")), str(saved_model("llama-gqa", seed=1))
     assert_user_error(
-        run_cli("align", a, b, "--strategy", "generalized-orthogonal", "--set", "sinkhorn=true"), "learned"
+        run_main("align", a, b, "--strategy", "generalized-orthogonal", "--set", "sinkhorn=true"), "learned"
     )
     assert_user_error(
-        run_cli("align", a, b, "--strategy", "transfusion", "--set", "heads=monotonic"),
+        run_main("align", a, b, "--strategy", "transfusion", "--set", "heads=monotonic"),
         "`--set heads=monotonic`",
         "not an option",
     )
-    assert_user_error(run_cli("align", a, b, "--strategy", "nope"), "unknown strategy", "weight-matching")
+    assert_user_error(run_main("align", a, b, "--strategy", "nope"), "unknown strategy", "weight-matching")
 
 
 def test_existing_output_folder_is_refused_before_any_work(saved_model, tmp_path):
     a = saved_model("gpt2")
-    proc = run_cli("align", str(a), str(a), "--output", str(tmp_path))
+    proc = run_main("align", str(a), str(a), "--output", str(tmp_path))
     assert_user_error(proc, "already exists")
 
 
