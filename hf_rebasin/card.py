@@ -1,9 +1,10 @@
 """The model card (README.md) of an output folder, rendered from ``model_cards/rebasin.md``.
 
-The card is built from ``rebasin.json`` alone, so a card can be re-rendered from an old output
-folder. Data preparation (escaping, number formatting, picking Hub ids for the
-metadata) lives here; layout lives in the Jinja template. Nothing time- or machine-dependent is
-added, so the same record always gives the same card (golden-file tests rely on it).
+The card is built from the run record alone (a `RunRecord`, or ``rebasin.json`` read back with
+`RunRecord.from_json`), so a card can be re-rendered from an old output folder. Data preparation
+(escaping, number formatting, picking Hub ids for the metadata) lives here; layout lives in the
+Jinja template. Nothing time- or machine-dependent is added, so the same record always gives the
+same card (golden-file tests rely on it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .record import DatasetEntry, Findings, ModelEntry, RunRecord
 from .resources import resource
 
 TAGS = ("merge", "hf-rebasin", "re-basin")
@@ -42,13 +44,14 @@ _MODEL_JOBS = ("merge", "transport")
 _TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
 
 
-def render_card(record: Mapping[str, Any], *, recipe_text: str, command: str) -> str:
+def render_card(record: RunRecord | Mapping[str, Any], *, recipe_text: str, command: str) -> str:
     """The README.md of an output folder: Hub metadata (YAML front matter) + body.
 
-    ``record`` is what the runner writes as ``rebasin.json``; ``recipe_text`` the recipe verbatim
-    and ``command`` the one line that reproduces the run. Both are embedded so the card alone is
-    enough to redo the merge.
+    ``record`` is the run's record, or ``rebasin.json`` as read (old and partial records too);
+    ``recipe_text`` the recipe verbatim and ``command`` the one line that reproduces the run. Both
+    are embedded so the card alone is enough to redo the merge.
     """
+    record = _typed(record)
     template = resource("model_cards", "rebasin.md")
     card = ModelCard.from_template(
         card_metadata(record), template_path=str(template), **_context(record, recipe_text, command)
@@ -57,14 +60,15 @@ def render_card(record: Mapping[str, Any], *, recipe_text: str, command: str) ->
     return text if text.endswith("\n") else text + "\n"
 
 
-def card_metadata(record: Mapping[str, Any]) -> ModelCardData:
+def card_metadata(record: RunRecord | Mapping[str, Any]) -> ModelCardData:
     """Hub metadata: lineage (Hub ids only, never local paths), tags, task and datasets."""
-    job = _job(record)
-    hub_models = [str(m["model"]) for m in _models(record) if _source(m) == "hub"]
-    fields: dict[str, Any] = {"tags": _unique([*TAGS, str(record.get("strategy") or "")])}
-    adapter = bool((record.get("transport") or {}).get("adapter"))
+    record = _typed(record)
+    job, found = record.job, record.findings
+    hub_models = [m.model for m in record.models if m.source == "hub"]
+    fields: dict[str, Any] = {"tags": _unique([*TAGS, found.strategy])}
+    adapter = _adapter(found) is not None
     if adapter:  # an adapter's base is the model it loads onto: the target
-        hub_models = [str(m["model"]) for m in _models(record)[:1] if _source(m) == "hub"]
+        hub_models = [m.model for m in record.models[:1] if m.source == "hub"]
     if hub_models:
         fields["base_model"] = hub_models
         if job == "merge":
@@ -73,13 +77,13 @@ def card_metadata(record: Mapping[str, Any]) -> ModelCardData:
             fields["base_model_relation"] = "adapter"
     if job in _MODEL_JOBS:
         fields["library_name"] = "peft" if adapter else "transformers"
-        pipeline_tag = PIPELINE_TAGS.get(str(record.get("task")))
+        pipeline_tag = PIPELINE_TAGS.get(found.task)
         if pipeline_tag:
             fields["pipeline_tag"] = pipeline_tag
-    hub_datasets = _unique(str(d["dataset"]) for d in record.get("datasets") or [] if d.get("source") == "hub")
+    hub_datasets = _unique(d.dataset for d in record.datasets if d.source == "hub")
     if hub_datasets:
         fields["datasets"] = hub_datasets
-    licenses = _unique(str(m["license"]) for m in _models(record) if m.get("license"))
+    licenses = _unique(m.license for m in record.models if m.license)
     if len(licenses) == 1:  # the inputs that declare a licence agree: the result inherits it
         fields["license"] = licenses[0]
     return ModelCardData(**fields)
@@ -101,12 +105,23 @@ def read_license(folder: Path) -> str | None:
 # --- data preparation for the template ---------------------------------------------------------
 
 
-def _context(record: Mapping[str, Any], recipe_text: str, command: str) -> dict[str, Any]:
+def _typed(record: RunRecord | Mapping[str, Any]) -> RunRecord:
+    """The record, typed: a JSON object (``rebasin.json`` as read, old or partial) is parsed first."""
+    return record if isinstance(record, RunRecord) else RunRecord.from_json(record)
+
+
+def _adapter(found: Findings) -> Mapping[str, Any] | None:
+    """A transported LoRA adapter's entry (rank, modules, ...); None for a full model or a merge."""
+    return (found.transport or {}).get("adapter") or None
+
+
+def _context(record: RunRecord, recipe_text: str, command: str) -> dict[str, Any]:
     """Everything the template shows, already escaped and formatted (names avoid card_data's keys)."""
-    job = _job(record)
-    strategy = str(record.get("strategy") or "unknown")
+    job, found = record.job, record.findings
+    strategy = found.strategy or "unknown"
+    transport = found.transport or {}
     inputs = _inputs(record)
-    curves = _curves(record.get("curves") or {}, strategy)
+    curves = _curves(found.curves, strategy)
     recipe = _redact(recipe_text.rstrip("\n"))
     cmd = _redact(command.strip())
     return {
@@ -114,32 +129,29 @@ def _context(record: Mapping[str, Any], recipe_text: str, command: str) -> dict[
         "makes_model": job in _MODEL_JOBS,
         "title": _title(job, inputs),
         "inputs": inputs,
-        "show_weights": record.get("merge_weights") is not None,
+        "show_weights": found.merge_weights is not None,
         "strategy_name": strategy,
         "strategy_paper": _paper(strategy),
         "strategy_options": [
-            {"name": _cell(str(k)), "value": _cell(_value(v))}
-            for k, v in (record.get("strategy_options") or {}).items()
+            {"name": _cell(str(k)), "value": _cell(_value(v))} for k, v in found.strategy_options.items()
         ],
-        "data_sources": [_data_source(d) for d in record.get("datasets") or []],
-        "barrier_table": _barrier_table(curves, record.get("barrier") or {}),
-        "barrier_reading": _barrier_reading(curves, record.get("barrier") or {}, strategy),
-        "merged_scores": _merged_scores(record.get("merged") or {}, strategy, record.get("universe")),
-        "transport_rows": _transport_rows(record.get("transport") or {}),
-        "transport_support": _transport_rows(
-            (record.get("transport") or {}).get("support") or {}, record.get("transport")
-        ),
-        "adapter": (record.get("transport") or {}).get("adapter"),
-        "moved": _moved(record.get("transport") or {}),
-        "function_preserved": _function_preserved(record.get("function_preserved"), job),
-        "notes": [str(n) for n in record.get("notes") or []],
-        "canonical": bool(record.get("canonical")) and job in _MODEL_JOBS,
-        "untied": [str(u) for u in record.get("untied") or []] if job in _MODEL_JOBS else [],
+        "data_sources": [_data_source(d) for d in record.datasets],
+        "barrier_table": _barrier_table(curves, found.barrier),
+        "barrier_reading": _barrier_reading(curves, found.barrier, strategy),
+        "merged_scores": _merged_scores(found.merged, strategy, found.universe),
+        "transport_rows": _transport_rows(transport),
+        "transport_support": _transport_rows(transport.get("support") or {}, transport),
+        "adapter": _adapter(found),
+        "moved": _moved(transport),
+        "function_preserved": _function_preserved(found.function_preserved, job),
+        "notes": list(record.notes),
+        "canonical": found.canonical and job in _MODEL_JOBS,
+        "untied": list(found.untied) if job in _MODEL_JOBS else [],
         "command": cmd,
         "command_fence": _fence(cmd),
         "recipe_text": recipe,
         "recipe_fence": _fence(recipe),
-        "version": str(record.get("hf_rebasin_version") or "unknown"),
+        "version": record.hf_rebasin_version or "unknown",
         "load": _load(record) if job in _MODEL_JOBS else None,
         "dtype": _dtype(record, job),
     }
@@ -153,19 +165,18 @@ _DTYPE_SOURCES = {
 }
 
 
-def _dtype(record: Mapping[str, Any], job: str) -> str | None:
+def _dtype(record: RunRecord, job: str) -> str | None:
     """One sentence on the dtype of the written weights, and that the scores are of those weights
     (rounded to it) while every computation ran in float32; None for old records and reports."""
-    entry = record.get("dtype") or {}
-    out = entry.get("output")
+    entry, found = record.dtype, record.findings
+    out = entry.output
     if job not in _MODEL_JOBS or not out:
         return None
-    adapter = bool((record.get("transport") or {}).get("adapter"))
-    what = "The adapter's tensors are" if adapter else "The weights are"
-    why = _DTYPE_SOURCES.get(str(entry.get("from")), "the reference model's dtype")
-    compute = _cell(str(entry.get("compute") or "float32"))
+    what = "The adapter's tensors are" if _adapter(found) is not None else "The weights are"
+    why = _DTYPE_SOURCES.get(str(entry.source), "the reference model's dtype")
+    compute = _cell(entry.compute or "float32")
     sentence = f"{what} stored as {_cell(str(out))} ({why}); every computation ran in {compute}"
-    scored = bool(record.get("merged")) or bool((record.get("transport") or {}).get("loss"))
+    scored = bool(found.merged) or bool((found.transport or {}).get("loss"))
     if scored and out != compute:
         sentence += f", and the scores above are of the weights rounded to {_cell(str(out))}, as stored"
     return sentence + "."
@@ -246,19 +257,6 @@ def _transport_rows(scores: Mapping[str, Any], outer: Mapping[str, Any] | None =
     return rows
 
 
-def _job(record: Mapping[str, Any]) -> str:
-    return str((record.get("recipe") or {}).get("job") or "merge")
-
-
-def _models(record: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    return list(record.get("models") or [])
-
-
-def _source(model: Mapping[str, Any]) -> str:
-    """Where a model came from; records written before ``source`` existed only knew local folders."""
-    return str(model.get("source") or "local")
-
-
 def _unique(items: Iterable[str]) -> list[str]:
     return [x for x in dict.fromkeys(items) if x]
 
@@ -272,31 +270,30 @@ def _value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _short(model: Mapping[str, Any]) -> str:
+def _short(model: ModelEntry) -> str:
     """A model's name for titles: the Hub id, or a folder's last component."""
-    name = str(model.get("model", "?"))
-    return name if _source(model) == "hub" else (PurePath(name).name or name)
+    name = model.model
+    return name if model.source == "hub" else (PurePath(name).name or name)
 
 
 def _role(i: int) -> str:
     return "A (reference)" if i == 0 else chr(ord("A") + i) if i < 26 else f"#{i + 1}"
 
 
-def _inputs(record: Mapping[str, Any]) -> list[dict[str, str]]:
-    weights = record.get("merge_weights")
+def _inputs(record: RunRecord) -> list[dict[str, str]]:
+    weights = record.findings.merge_weights
     rows = []
-    for i, m in enumerate(_models(record)):
-        name = str(m.get("model", "?"))
-        source = _source(m)
-        shown = f"[{_cell(name)}](https://huggingface.co/{name})" if source == "hub" else f"`{_cell(name)}`"
+    for i, m in enumerate(record.models):
+        name = m.model
+        shown = f"[{_cell(name)}](https://huggingface.co/{name})" if m.source == "hub" else f"`{_cell(name)}`"
         weight = weights[i] if weights is not None and i < len(weights) else None
         rows.append(
             {
-                "role": _TRANSPORT_ROLES.get(str(m.get("role")), _role(i)),
+                "role": _TRANSPORT_ROLES.get(str(m.role), _role(i)),
                 "model": shown,
-                "source": source,
-                "revision": f"`{_cell(str(m['revision']))}`" if m.get("revision") else "—",
-                "commit": f"`{_cell(str(m['commit']))}`" if m.get("commit") else "—",
+                "source": m.source,
+                "revision": f"`{_cell(str(m.revision))}`" if m.revision else "—",
+                "commit": f"`{_cell(str(m.commit))}`" if m.commit else "—",
                 "weight": f"{float(weight):g}" if weight is not None else "—",
                 "short": _short(m),
             }
@@ -332,14 +329,13 @@ def _paper(name: str) -> str:
 _SOURCE_WORDS = {"hub": "Hub dataset", "local": "local files", "builtin": "built into hf-rebasin"}
 
 
-def _data_source(entry: Mapping[str, Any]) -> dict[str, str]:
-    name = str(entry.get("dataset", "?"))
-    source = entry.get("source")
-    details = [f"split `{entry['split']}`"] if entry.get("split") else []
+def _data_source(entry: DatasetEntry) -> dict[str, str]:
+    name, source = entry.dataset, entry.source
+    details = [f"split `{entry.split}`"] if entry.split else []
     if source in _SOURCE_WORDS:
         details.append(_SOURCE_WORDS[source])
     shown = f"[{name}](https://huggingface.co/datasets/{name})" if source == "hub" else f"`{name}`"
-    return {"role": str(entry.get("role", "data")), "dataset": shown, "details": ", ".join(details)}
+    return {"role": entry.role, "dataset": shown, "details": ", ".join(details)}
 
 
 def _curves(raw: Mapping[str, Any], strategy: str) -> dict[str, Any]:
@@ -418,15 +414,15 @@ def _function_preserved(entry: Mapping[str, Any] | None, job: str) -> str:
     return f"max |Δ logits| between {pair}: {float(diff):.2e}{where}{tol}."
 
 
-def _load(record: Mapping[str, Any]) -> dict[str, str]:
-    """How to load the output folder: the Hub repo it is pushed to, else the output folder."""
-    recipe = record.get("recipe") or {}
-    output = recipe.get("output") or {}
+def _load(record: RunRecord) -> dict[str, str]:
+    """How to load the output folder: the Hub repo it is pushed to, else the output folder (both
+    read from the recipe as run, a JSON object with the recipe schema of the version that wrote it)."""
+    output = record.recipe.get("output") or {}
     push = output.get("push_to_hub") or {}
     where = str(push.get("repo") or _shown_dir(output.get("dir")))
-    task = str(record.get("task"))
-    models = _models(record)
-    target = str(models[0]["model"]) if models and _source(models[0]) == "hub" else "path/to/target"
+    task = record.findings.task
+    models = record.models
+    target = models[0].model if models and models[0].source == "hub" else "path/to/target"
     return {
         "target": json.dumps(target),
         "model_class": AUTO_CLASSES.get(task, "AutoModel"),

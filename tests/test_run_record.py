@@ -1,11 +1,12 @@
-"""rebasin.json as a typed record (hf_rebasin.run.record): the keys of the contract, per job, and a
-round trip through JSON."""
+"""rebasin.json as a typed record (hf_rebasin.record): the keys of the contract, per job, a round
+trip through JSON, old and partial records read back, and the card the same from either form."""
 
 from __future__ import annotations
 
 import json
 
-from hf_rebasin.run.record import CacheStats, DatasetEntry, DtypeEntry, Findings, ModelEntry, RunRecord
+from hf_rebasin.card import render_card
+from hf_rebasin.record import CacheStats, DatasetEntry, DtypeEntry, Findings, ModelEntry, RunRecord
 
 CONTRACT = {"recipe", "models", "strategy", "barrier", "curves", "function_preserved", "timings"}
 
@@ -67,3 +68,32 @@ def test_a_transport_record_has_no_merge_keys_and_a_barrier_has_null_weights() -
 
     barrier = _record(Findings("vanilla", {}, "causal-lm", False, [], {"max_abs_diff": 0.0})).to_json()
     assert barrier["merge_weights"] is None and barrier["merged"] == {}
+
+
+def test_the_runner_exports_the_same_record() -> None:
+    from hf_rebasin import run
+    from hf_rebasin.run import record
+
+    assert run.RunRecord is RunRecord and record.Findings is Findings
+
+
+def test_an_old_partial_record_reads_back_with_defaults() -> None:
+    old = RunRecord.from_json({"recipe": {"job": "barrier"}, "models": [{"model": "./a"}], "strategy": "vanilla"})
+    assert old.job == "barrier" and old.models[0] == ModelEntry("./a", None, None, "local", None)
+    assert old.findings == Findings("vanilla", {}, "", False, [], {})
+    assert old.dtype == DtypeEntry({}) and old.cache == CacheStats(enabled=False)
+    assert old.datasets == [] and old.notes == [] and old.hf_rebasin_version == "unknown"
+    assert RunRecord.from_json({}).job == "merge"  # records from before jobs existed were merges
+    newer = RunRecord.from_json({"models": [{"model": "m", "source": "hub", "added_later": 1}], "added": {}})
+    assert newer.models == [ModelEntry("m", None, None, "hub", None)]  # unknown keys are ignored
+
+
+def test_the_card_is_the_same_from_the_record_and_from_its_json() -> None:
+    for findings in (
+        _merge_findings(),
+        Findings("vanilla", {}, "causal-lm", False, [], {"max_abs_diff": 0.0}, transport={"alphas": [1.0]}),
+    ):
+        record = _record(findings)
+        data = json.loads(json.dumps(record.to_json()))
+        card = render_card(record, recipe_text="job: merge", command="hf-rebasin r.yaml")
+        assert card == render_card(data, recipe_text="job: merge", command="hf-rebasin r.yaml")

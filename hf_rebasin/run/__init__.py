@@ -7,10 +7,10 @@ passes a ``progress(stage, done, total)`` callback and prints the `RunResult`.
 
 from __future__ import annotations
 
+from ..record import RunRecord
 from .clock import Progress
 from .pipeline import run_recipe
 from .plan import Plan, build_plan, plan
-from .record import RunRecord
 from .resolve import ResolvedModel, resolve_model
 from .result import RunResult
 

@@ -11,11 +11,11 @@ from .. import cache
 from ..export import support_files
 from ..models import LoadedModel
 from ..recipe import Recipe
+from ..record import CacheStats
 from ..strategies import Alignment, Pair, get_strategy
 from ..symmetry import SymmetryGraph
 from .clock import Progress, noop
 from .data import BatchSpec
-from .record import CacheStats
 from .resolve import ResolvedModel
 
 __all__ = ["CacheUse", "RunCache"]

@@ -32,6 +32,7 @@ from ..models import (
     resolve_device,
 )
 from ..recipe import Recipe
+from ..record import DtypeEntry
 from ..strategies import AlignmentData
 from ..transport import check_shared
 from .alignment_cache import RunCache
@@ -39,7 +40,6 @@ from .checks import check_adapter, check_remote_code, check_tokenizers, read_pat
 from .clock import Progress, StageClock, noop
 from .data import BatchSpec, batches, metrics, processor
 from .plan import Plan
-from .record import DtypeEntry
 from .resolve import PlannedModel, resolve_model, untrained_zoo
 from .roles import MergeRoles, Roles, TransportRoles
 from .score import Scorer, move

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..evaluate import Curve
-from .record import Findings
+from ..record import Findings
 
 __all__ = ["JobOutput", "RunResult"]
 

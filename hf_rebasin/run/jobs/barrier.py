@@ -10,10 +10,10 @@ from torch import Tensor
 from ...evaluate import Curve
 from ...export import write_text
 from ...models import LoadedModel
+from ...record import Findings
 from ...report import markdown_table, metric_names, plot_curves
 from ...strategies import Alignment
 from ..load import Workspace
-from ..record import Findings
 from ..result import JobOutput, RunResult
 from ..roles import MergeRoles
 from ..stages import align_others, check_inputs, curves, preservation

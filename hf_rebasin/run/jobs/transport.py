@@ -16,12 +16,12 @@ from torch import Tensor
 from ...export import copy_support_files, save_merged_model
 from ...lora import canonical_blocker, lora_graph, save_adapter, transport_adapter
 from ...models import LoadedModel
+from ...record import Findings
 from ...strategies import Alignment, Pair, align
 from ...symmetry import SymmetryGraph
 from ...transport import add_task_vector, move_finetune
 from ..data import BatchSpec, batches
 from ..load import Workspace, weights
-from ..record import Findings
 from ..result import JobOutput, RunResult
 from ..roles import TransportRoles
 from ..stages import check_inputs, preservation, timed_align
