@@ -43,7 +43,7 @@ class ModelEntry:
     def from_json(cls, data: Mapping[str, Any]) -> ModelEntry:
         """Read back; records written before ``source`` existed only knew local folders."""
         return cls(
-            model=str(data["model"]),
+            model=str(data.get("model", "?")),  # a damaged record still renders a card
             revision=data.get("revision"),
             commit=data.get("commit"),
             source=str(data.get("source") or "local"),
@@ -68,7 +68,7 @@ class DatasetEntry:
         """Read back; an entry without a role is shown as plain ``data``."""
         return cls(
             role=str(data.get("role") or "data"),
-            dataset=str(data["dataset"]),
+            dataset=str(data.get("dataset", "?")),
             name=data.get("name"),
             split=data.get("split"),
             source=data.get("source"),
