@@ -370,7 +370,7 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
 
     _quiet_libraries()
     from .basis import check_gaps, function_gap, write_pair
-    from .models import check_compatible, check_output_folder, load_model, resolve_device
+    from .models import check_compatible, check_output_folder, load_model, resolve_device, to_device
     from .recipe import strategy_spec
     from .strategies import Pair
     from .strategies.base import relative_distance
@@ -384,12 +384,12 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
         check_output_folder(args.output, [(f"MODEL_{k}", Path(v)) for k, v in named.items()])
     folders = {k: _model_folder(v, args.allow_pickle, where=f"MODEL_{k}") for k, v in named.items()}
     inputs = [(f"MODEL_{k}", Path(v)) for k, v in folders.items()]
-    if args.output:
+    if args.output and folders != named:  # a download: its folder is an input too
         check_output_folder(args.output, inputs)
     a, b = (load_model(folders[k], allow_pickle=args.allow_pickle) for k in ("A", "B"))
     check_compatible(a, b)
     for loaded in (a, b):
-        loaded.model.to(device)  # type: ignore[arg-type]  # transformers types .to for dtypes only
+        to_device(loaded.model, device)
     pair = Pair(a.graph, a.model.state_dict(), b.model.state_dict(), a.model, b.model)
     with console.status(f"aligning with {strategy.name} on {device}…"):
         alignment = strategy.run(pair, options, None)

@@ -27,6 +27,7 @@ from .errors import (
     PickleRefusedError,
     RebasinUserError,
 )
+from .names import DEVICE_PATTERN
 from .symmetry import SymmetryGraph
 
 if TYPE_CHECKING:
@@ -550,6 +551,19 @@ def rebuild(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], *, unti
     return new.eval()
 
 
+def to_device(model: Any, device: torch.device) -> None:
+    """``model.to(device)`` in place (transformers' typing of ``.to`` does not take a device)."""
+    model.to(device)
+
+
+def rebuilt(template: PreTrainedModel, sd: Mapping[str, Tensor], untie: bool) -> PreTrainedModel:
+    """`rebuild` on ``template``'s device: a model of its class holding ``sd`` (a tied head stored
+    apart when ``untie``), ready to run beside it."""
+    model = rebuild(template, dict(sd), untie=untie)
+    to_device(model, next(template.parameters()).device)
+    return model
+
+
 def check_same_shapes(
     sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], label_a: str = "model A", label_b: str = "model B"
 ) -> None:
@@ -606,8 +620,6 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
 
 def resolve_device(name: str | None, where: str = "`device`") -> torch.device:
     """``auto`` is CUDA when there is one, else the CPU; a device asked for but absent is a user error."""
-    from .recipe import DEVICE_PATTERN  # the schema's pattern (torch-free)
-
     name = name or "auto"
     if not DEVICE_PATTERN.fullmatch(name):
         raise RebasinUserError(f"{where}: {name!r} is not a device; allowed: auto, cpu, cuda, cuda:N, mps")

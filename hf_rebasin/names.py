@@ -8,6 +8,7 @@ imports more than the standard library.
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "DEFAULT_SAMPLE_BY",
     "DEFAULT_SHARD_SIZE",
     "DEFAULT_TOL",
+    "DEVICE_PATTERN",
     "KINDS",
     "LOCAL_BUILDERS",
     "SAMPLE_BY",
@@ -84,3 +86,5 @@ KINDS: tuple[Kind, ...] = get_args(Kind)
 DEFAULT_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default: one file unless a model is larger
 DEFAULT_ITERATIONS = 5  # universe merge: rounds of "align all to the mean, average" at most
 DEFAULT_TOL = 1e-4  # universe merge: stop when the mean moves less than this, relative to its norm
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")  # a recipe's `device` and `--device`

@@ -47,6 +47,7 @@ from .names import (
     DEFAULT_ITERATIONS,
     DEFAULT_SHARD_SIZE,
     DEFAULT_TOL,
+    DEVICE_PATTERN,
     KINDS,
     LOCAL_BUILDERS,
     SampleBy,
@@ -81,7 +82,6 @@ JOBS: tuple[str, ...] = get_args(Job)
 TRANSPORT_MODELS = ("base", "finetuned", "target")  # job: transport names these instead of `models`
 DEFAULT_TRANSPORT_STRATEGY = "transfusion"  # data-free, the TransFusion paper's own method
 
-DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 # a model of the zoo (`hf_rebasin.zoo`, trained by `hf_rebasin.train` on first use, then cached)
 ZOO_PATTERN = re.compile(rf"zoo:({'|'.join(KINDS)})-seed(\d+)")
 # the largest zoo seed: training derives further seeds from it (seed × 100003 + epoch) for

@@ -14,6 +14,7 @@ import torch
 from .adapters import get_adapter
 from .adapters.base import ArchitectureSpec, image_inputs, token_inputs
 from .canonical import canonicalize
+from .errors import FunctionNotPreservedError
 from .models import rebuild
 from .symmetry import SymmetryGraph, Transform, TransformClass
 
@@ -37,6 +38,37 @@ class VerifyReport:
     def ok(self) -> bool:
         """Within tolerance; NaN or Inf is a failure (a NaN compares false with every bound)."""
         return math.isfinite(self.max_abs_diff) and self.max_abs_diff <= self.tolerance
+
+
+def tolerance(scale: float) -> float:
+    """The preservation tolerance for logits of magnitude ``scale``: 1e-4 up to |logits| of 1,
+    relative beyond, since float32 rounding of a transformed model grows with its outputs; 0 when
+    the outputs are not finite (nothing passes)."""
+    return TOLERANCE * max(1.0, scale) if math.isfinite(scale) else 0.0
+
+
+@torch.no_grad()
+def logits_gap(
+    model: PreTrainedModel, rewritten: PreTrainedModel, inputs: dict[str, torch.Tensor]
+) -> tuple[float, float]:
+    """max |Δ logits| between ``model`` and ``rewritten`` on ``inputs``, and max |logits| of ``model``
+    (the scale float32 rounding grows with)."""
+    model.eval()
+    before = model(**inputs).logits.float()
+    after = rewritten(**inputs).logits.float()
+    return float((after - before).abs().max()), float(before.abs().max())
+
+
+def check_preserved(gap: float, scale: float, what: str) -> None:
+    """A function-preserving rewrite that changed the outputs (or made them NaN/Inf) is a bug:
+    raised before anything is written, never reported as a result. ``what`` names the model."""
+    tol = tolerance(scale)
+    if not (math.isfinite(gap) and gap <= tol):
+        raise FunctionNotPreservedError(
+            f"function not preserved: {what} gives outputs that differ from its own by "
+            f"max |Δ logits| = {gap:.3g} (tolerance {tol:.3g}: 1e-4 × max(1, max |logits| = {scale:.3g})); "
+            "nothing was written"
+        )
 
 
 def example_inputs(spec: ArchitectureSpec, config: Any, generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ from ..models import (
     load_model,
     rebuild,
     resolve_device,
+    to_device,
 )
 from ..recipe import Recipe
 from ..record import DtypeEntry
@@ -42,7 +43,7 @@ from .data import BatchSpec, batches, metrics, processor
 from .plan import Plan
 from .resolve import PlannedModel, resolve_model, untrained_zoo
 from .roles import MergeRoles, Roles, TransportRoles
-from .score import Scorer, move
+from .score import Scorer
 
 __all__ = ["LOAD_STAGE", "AlignInput", "Workspace", "load_workspace", "weights"]
 
@@ -195,7 +196,7 @@ def _load_models(
 
     def placed(make: Callable[[], LoadedModel]) -> LoadedModel:
         lm = make()
-        move(lm.model, dev)
+        to_device(lm.model, dev)
         done.append(lm)
         report(LOAD_STAGE, len(done), total)
         return lm

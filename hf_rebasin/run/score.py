@@ -9,24 +9,12 @@ import torch
 from torch import Tensor
 
 from ..evaluate import Metric, Task, evaluate_loss
-from ..models import rebuild
+from ..models import rebuilt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["Scorer", "move", "rebuilt"]
-
-
-def move(model: Any, device: torch.device) -> None:
-    """``model.to(device)`` in place (transformers' typing of ``.to`` does not take a device)."""
-    model.to(device)
-
-
-def rebuilt(template: PreTrainedModel, sd: Mapping[str, Tensor], untie: bool) -> PreTrainedModel:
-    """A model of ``template``'s class holding ``sd`` (a tied head stored apart when ``untie``), on its device."""
-    model = rebuild(template, dict(sd), untie=untie)
-    move(model, next(template.parameters()).device)
-    return model
+__all__ = ["Scorer"]
 
 
 class Scorer:

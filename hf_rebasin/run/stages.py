@@ -3,7 +3,6 @@ preservation check, and loss curves along λ."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,16 +10,14 @@ import torch
 from torch import Tensor
 
 from ..adapters import get_adapter
-from ..errors import FunctionNotPreservedError
 from ..evaluate import Curve, Metric, Task, barrier, lambdas, loss_curve
-from ..models import LoadedModel
+from ..models import LoadedModel, rebuilt
 from ..strategies import Alignment, Pair, align, get_strategy
-from ..verify import TOLERANCE, example_inputs
+from ..verify import check_preserved, example_inputs, logits_gap, tolerance
 from .alignment_cache import CacheUse
 from .clock import Progress
 from .load import Workspace, weights
 from .roles import MergeRoles, letter
-from .score import rebuilt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -100,31 +97,7 @@ def function_gap(
 ) -> tuple[float, float]:
     """max |Δ logits| between B and B in A's basis (rebuilt from ``aligned``) on ``inputs``, and
     max |logits| of B (the scale float32 rounding grows with)."""
-    again = rebuilt(model_b, aligned, bool(alignment.untied))
-    model_b.eval()
-    with torch.no_grad():
-        before = model_b(**inputs).logits.float()
-        after = again(**inputs).logits.float()
-    return float((after - before).abs().max()), float(before.abs().max())
-
-
-def tolerance(scale: float) -> float:
-    """The preservation tolerance for logits of magnitude ``scale``: 1e-4 (`verify`'s) up to |logits|
-    of 1, relative beyond, since float32 rounding of a transformed model grows with its outputs."""
-    return TOLERANCE * max(1.0, scale)
-
-
-def _check_preserved(gaps: Sequence[tuple[float, float]], others: Sequence[LoadedModel]) -> None:
-    """A function-preserving alignment that changed a model's outputs (or made them NaN/Inf) is a
-    bug: raised before anything is written, never reported as a result."""
-    for (gap, scale), lm in zip(gaps, others, strict=True):
-        tol = tolerance(scale) if math.isfinite(scale) else 0.0
-        if not (math.isfinite(gap) and gap <= tol):
-            raise FunctionNotPreservedError(
-                f"function not preserved: aligned, {str(lm.path)!r} gives outputs that differ from its own by "
-                f"max |Δ logits| = {gap:.3g} (tolerance {tol:.3g}: 1e-4 × max(1, max |logits| = {scale:.3g})); "
-                "nothing was written"
-            )
+    return logits_gap(model_b, rebuilt(model_b, aligned, bool(alignment.untied)), dict(inputs))
 
 
 def preservation(
@@ -143,7 +116,8 @@ def preservation(
             "reason": f"strategy {strategy!r} with these options does not preserve B's function (experimental)",
         }
     gaps = [function_gap(lm.model, al, sd, inputs) for lm, al, sd in zip(others, alignments, aligned, strict=True)]
-    _check_preserved(gaps, others)
+    for (gap, scale), lm in zip(gaps, others, strict=True):
+        check_preserved(gap, scale, f"aligned, {str(lm.path)!r}")
     return {
         "max_abs_diff": max(g for g, _ in gaps),
         "tolerance": max(tolerance(scale) for _, scale in gaps),
