@@ -55,7 +55,7 @@ def write_folder(ws: Workspace, done: JobOutput, command: str | None) -> list[st
             recipe=recipe_record(ws.recipe, ws.output),
             models=model_entries(ws.recipe, ws.inputs),
             datasets=dataset_entries(ws.recipe),
-            findings=done.findings,
+            findings=done.result.findings,
             notes=ws.notes,
             timings=ws.timings,
             cache=ws.cache.stats,

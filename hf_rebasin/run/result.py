@@ -15,34 +15,65 @@ __all__ = ["JobOutput", "RunResult"]
 
 @dataclass
 class RunResult:
-    """What a run produced: where, the curves and barriers, the preservation check and timings."""
+    """What a run produced: where, the job's findings (what ``rebasin.json`` records), the curves
+    as objects, timings, notes and the push. The job's numbers are read from ``findings``, never
+    kept twice."""
 
     output: Path
     job: str
-    strategy: str
     saved_model: bool
-    barriers: dict[str, dict[str, float]] = field(default_factory=dict)
+    findings: Findings
     curves: dict[str, Curve] = field(default_factory=dict)
-    merged: dict[str, dict[str, Any]] = field(default_factory=dict)  # loss / metric of the merged model(s)
-    function_preserved: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
-    transport: dict[str, Any] = field(default_factory=dict)  # job transport: alphas and scores
     pushed: Any = None  # hub.PushResult when output.push_to_hub succeeded
     push_error: str | None = None  # why the push failed (the local folder is complete)
-    canonical: bool = False  # the merged model was saved in canonical form (norm scales folded)
-    untied: list[str] = field(default_factory=list)  # tied tensors stored separately in the merged model
-    universe: dict[str, Any] = field(default_factory=dict)  # merge.universe: rounds, change per round, reference
+
+    @property
+    def strategy(self) -> str:
+        return self.findings.strategy
+
+    @property
+    def barriers(self) -> dict[str, dict[str, float]]:
+        return self.findings.barrier
+
+    @property
+    def merged(self) -> dict[str, dict[str, Any]]:
+        """Loss / metric of the merged model(s)."""
+        return self.findings.merged
+
+    @property
+    def function_preserved(self) -> dict[str, Any]:
+        return self.findings.function_preserved
+
+    @property
+    def transport(self) -> dict[str, Any]:
+        """job transport: alphas and scores."""
+        return self.findings.transport or {}
+
+    @property
+    def universe(self) -> dict[str, Any]:
+        """merge.universe: rounds, change per round, reference."""
+        return self.findings.universe or {}
+
+    @property
+    def canonical(self) -> bool:
+        """The saved model is in canonical form (norm scales folded); false when no model is saved."""
+        return self.saved_model and self.findings.canonical
+
+    @property
+    def untied(self) -> list[str]:
+        """Tied tensors stored separately in the saved model."""
+        return self.findings.untied if self.saved_model else []
 
 
 @dataclass
 class JobOutput:
-    """A finished job: its result, the files it writes into the output folder, its findings.
+    """A finished job: its result (with its findings) and the files it writes into the output folder.
 
     The pipeline writes ``save``'s files (timed as ``save``), then ``rebasin.json`` and the card,
     then pushes: the same tail for every job."""
 
     result: RunResult
     save: Callable[[Path], None]  # writes the job's own files (model, plot, tables) into a folder
-    findings: Findings

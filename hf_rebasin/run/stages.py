@@ -12,11 +12,13 @@ from torch import Tensor
 from ..adapters import get_adapter
 from ..evaluate import Curve, Metric, Task, barrier, lambdas, loss_curve
 from ..models import LoadedModel, rebuilt
+from ..record import Findings
 from ..strategies import Alignment, Pair, align, get_strategy
 from ..verify import check_preserved, example_inputs, logits_gap, tolerance
 from .alignment_cache import CacheUse
 from .clock import Progress
 from .load import Workspace, weights
+from .result import RunResult
 from .roles import MergeRoles, letter
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ __all__ = [
     "check_inputs",
     "curves",
     "function_gap",
+    "job_result",
     "preservation",
     "timed_align",
 ]
@@ -184,3 +187,8 @@ def curves(
             )  # fmt: skip
             barriers[curve_name] = barrier(found[curve_name].lambdas, found[curve_name].losses)
     return found, barriers
+
+
+def job_result(ws: Workspace, findings: Findings, found: dict[str, Curve], *, saved_model: bool) -> RunResult:
+    """The run's result around a job's findings (the pipeline adds the files and the push)."""
+    return RunResult(ws.output, ws.recipe.job, saved_model, findings, found, ws.timings, ws.notes)

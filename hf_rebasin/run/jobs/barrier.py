@@ -14,11 +14,11 @@ from ...record import Findings
 from ...report import markdown_table, metric_names, plot_curves
 from ...strategies import Alignment
 from ..load import Workspace
-from ..result import JobOutput, RunResult
+from ..result import JobOutput
 from ..roles import MergeRoles
-from ..stages import align_others, check_inputs, curves, preservation
+from ..stages import align_others, check_inputs, curves, job_result, preservation
 
-__all__ = ["run", "save_curves", "title"]
+__all__ = ["findings_of", "run", "save_curves", "title"]
 
 
 def run(ws: Workspace) -> JobOutput:
@@ -29,19 +29,9 @@ def run(ws: Workspace) -> JobOutput:
     aligned = [al.aligned_b() for al in alignments]
     preserved = aligned_preservation(ws, models, alignments, aligned)
     found, barriers = curves(ws, models, alignments[0], aligned[0])
-    result = RunResult(
-        output=ws.output,
-        job=ws.recipe.job,
-        strategy=ws.recipe.strategy.name,
-        saved_model=False,
-        barriers=barriers,
-        curves=found,
-        function_preserved=preserved,
-        timings=ws.timings,
-        notes=ws.notes,
-    )
     findings = findings_of(ws, alignments[0], preserved, found, barriers)
-    return JobOutput(result, lambda folder: save_curves(ws, folder, found, barriers), findings)
+    result = job_result(ws, findings, found, saved_model=False)
+    return JobOutput(result, lambda folder: save_curves(ws, folder, found, barriers))
 
 
 def aligned_preservation(

@@ -14,9 +14,9 @@ from ...models import LoadedModel
 from ...strategies import Alignment
 from ...universe import universe_merge
 from ..load import Workspace, weights
-from ..result import JobOutput, RunResult
+from ..result import JobOutput
 from ..roles import MergeRoles
-from ..stages import align_others, check_inputs, curves, preservation
+from ..stages import align_others, check_inputs, curves, job_result, preservation
 from .barrier import aligned_preservation, findings_of, save_curves
 
 __all__ = ["run"]
@@ -38,28 +38,13 @@ def run(ws: Workspace) -> JobOutput:
     else:
         merged = merge_state_dicts([primary.sd_a, *aligned], mix)
     scores = _scores(ws, models, merged, mix, bool(primary.untied), universe)
-    result = RunResult(
-        output=ws.output,
-        job=ws.recipe.job,
-        strategy=ws.recipe.strategy.name,
-        saved_model=True,
-        barriers=barriers,
-        curves=found,
-        merged=scores,
-        function_preserved=preserved,
-        timings=ws.timings,
-        notes=ws.notes,
-        canonical=primary.canonical,
-        untied=list(primary.untied),
-        universe=universe or {},
-    )
     findings = findings_of(ws, primary, preserved, found, barriers, merged=scores, merge_weights=mix, universe=universe)
 
     def save(folder: Path) -> None:
         _save_model(ws, models.reference, merged, bool(primary.untied), folder)
         save_curves(ws, folder, found, barriers)
 
-    return JobOutput(result, save, findings)
+    return JobOutput(job_result(ws, findings, found, saved_model=True), save)
 
 
 def _scores(

@@ -22,9 +22,9 @@ from ...symmetry import SymmetryGraph
 from ...transport import add_task_vector, move_finetune
 from ..data import BatchSpec, batches
 from ..load import Workspace, weights
-from ..result import JobOutput, RunResult
+from ..result import JobOutput
 from ..roles import TransportRoles
-from ..stages import check_inputs, preservation, timed_align
+from ..stages import check_inputs, job_result, preservation, timed_align
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -70,18 +70,6 @@ def run(ws: Workspace) -> JobOutput:
     saved_model = ws.adapter is None
     canonical = alignment.canonical and saved_model
     untied = list(alignment.untied) if saved_model else []  # an adapter stores no head
-    result = RunResult(
-        output=ws.output,
-        job=ws.recipe.job,
-        strategy=ws.recipe.strategy.name,
-        saved_model=saved_model,
-        function_preserved=preserved,
-        timings=ws.timings,
-        notes=ws.notes,
-        canonical=canonical,
-        untied=untied,
-        transport=record,
-    )
     findings = Findings(
         strategy=ws.recipe.strategy.name,
         strategy_options=ws.recipe.strategy.options.model_dump(mode="json"),
@@ -91,7 +79,8 @@ def run(ws: Workspace) -> JobOutput:
         function_preserved=preserved,
         transport=record,
     )
-    return JobOutput(result, lambda folder: _save(ws, models, alignment, graph, moved, record, folder), findings)
+    result = job_result(ws, findings, {}, saved_model=saved_model)
+    return JobOutput(result, lambda folder: _save(ws, models, alignment, graph, moved, record, folder))
 
 
 def _graph(ws: Workspace, models: TransportRoles[LoadedModel]) -> SymmetryGraph:
