@@ -53,9 +53,15 @@ VANILLA = Strategy(
 # weight-matching
 
 
-class WeightMatchingOptions(Options):
+class _PassOptions(Options):
+    """Options of the strategies that sweep every space in a random order until nothing changes."""
+
     max_iter: int = Field(100, ge=1, description="passes over all spaces at most")
     seed: int = Field(0, description="seed of the random visiting order")
+
+
+class WeightMatchingOptions(_PassOptions):
+    pass
 
 
 WEIGHT_MATCHING = Strategy(
@@ -70,9 +76,8 @@ WEIGHT_MATCHING = Strategy(
 # transfusion
 
 
-class TransfusionOptions(Options):
-    max_iter: int = Field(100, ge=1, description="passes over all spaces at most")
-    seed: int = Field(0, description="seed of the random visiting order")
+class TransfusionOptions(_PassOptions):
+    pass
 
 
 TRANSFUSION = Strategy(
