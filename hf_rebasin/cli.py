@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         "model_a", metavar="MODEL_A", help="reference model: a local folder, a Hub id[@revision] or zoo:KIND-seedN"
     )
     al.add_argument(
-        "model_b", metavar="MODEL_B", help="model to align to MODEL_A: a local folder or a Hub id[@revision]"
+        "model_b",
+        metavar="MODEL_B",
+        help="model to align to MODEL_A: a local folder, a Hub id[@revision] or zoo:KIND-seedN",
     )
     al.add_argument("--strategy", default="weight-matching", help="strategy name (default weight-matching)")
     al.add_argument(

@@ -638,24 +638,3 @@ def check_output_folder(path: str | Path, inputs: Iterable[tuple[str, Path]] = (
     from .export import check_output
 
     return check_output(Path(path), False, inputs=inputs, where=where)
-
-
-def save_model(
-    model: PreTrainedModel,
-    state_dict: dict[str, Tensor],
-    path: str | Path,
-    *,
-    untie: bool = False,
-    inputs: Iterable[tuple[str, Path]] = (),
-    where: str = "--output",
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Write ``state_dict`` as a standard model folder (the class and config of ``model``) through
-    `export.output_folder`: a temporary sibling renamed when complete, the output locked, never an input.
-    ``dtype`` casts the floating weights for writing (None: as they are)."""
-    from .export import output_folder, save_merged_model
-
-    folder = check_output_folder(path, inputs, where)
-    with output_folder(folder, overwrite=False, inputs=inputs, where=where) as tmp:
-        save_merged_model(model, state_dict, tmp, untie=untie, dtype=dtype)
-    return folder
