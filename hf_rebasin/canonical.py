@@ -6,18 +6,25 @@ fold each norm's γ (and β, where every reader has a bias) into the linear laye
 for LayerNorm also center every writer of the stream (its mean is invisible to every reader).
 The result computes the same function with standard modules (γ = 1); a tie between a reader and a
 writer (LM head and embeddings) breaks and is untied. Pure tensor code.
+
+The form is a list of steps per tensor (`canonical_steps`), each reading only that tensor, its
+norm's γ/β and, for a folded bias, its reader: a state dict in memory is rewritten at once, a
+`LazyState` (a checkpoint on disk) tensor by tensor when read, with the same arithmetic.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
 
 from .errors import TransformError
-from .symmetry import Fused, Space, SymmetryGraph
+from .symmetry import Fused, Norm, Space, SymmetryGraph
+from .tensors import LazyState
 
 
 def _axis_of(graph: SymmetryGraph, tensor: str, space: str) -> int:
@@ -27,7 +34,7 @@ def _axis_of(graph: SymmetryGraph, tensor: str, space: str) -> int:
     raise AssertionError(f"{tensor} is not bound to {space}")  # adapter bug, caught by tests
 
 
-def bias_of(weight: str, state_dict: Mapping[str, Tensor]) -> str | None:
+def bias_of(weight: str, state_dict: Mapping[str, object]) -> str | None:
     if weight.endswith(".weight"):
         bias = weight[: -len(".weight")] + ".bias"
         if bias in state_dict:
@@ -45,66 +52,141 @@ def is_canonical(graph: SymmetryGraph, state_dict: Mapping[str, Tensor]) -> bool
     return True
 
 
-def canonicalize(
-    graph: SymmetryGraph, state_dict: Mapping[str, Tensor]
-) -> tuple[dict[str, Tensor], SymmetryGraph, list[str]]:
-    """Return ``(state_dict, graph, untied)``: an equivalent state dict in canonical form, the graph
-    with broken ties removed, and the tied aliases that had to be untied."""
-    sd = dict(state_dict)
+StepKind = Literal["scale", "shift", "ones", "zeros", "divide", "center"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rewrite of one tensor: ``scale`` a reader by γ along ``axis``; ``shift`` a reader's bias
+    by W·β (W: ``reader`` as stored); set a norm's γ to ``ones``, its β to ``zeros`` or β/γ
+    (``divide``); ``center`` a writer of a LayerNorm stream along ``axis``."""
+
+    kind: StepKind
+    norm: Norm | None = None
+    axis: int = 0
+    reader: str | None = None
+
+
+@dataclass(frozen=True)
+class CanonicalSteps:
+    """The canonical form of one graph: the steps of every tensor it changes, in order, the graph
+    without the broken ties, and the tied names that had to be untied."""
+
+    steps: dict[str, list[Step]]
+    graph: SymmetryGraph
+    untied: list[str]
+
+
+def canonical_steps(graph: SymmetryGraph, names: Mapping[str, object]) -> CanonicalSteps:
+    """The steps that bring a state dict with tensors ``names`` of ``graph`` to canonical form."""
+    steps: dict[str, list[Step]] = {}
     spaces = [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.max_class == "orthogonal"]
     norm_params = {p for n in graph.norms for p in (n.weight, n.bias) if p is not None}
     touched: set[str] = set()
+
+    def add(tensor: str, step: Step) -> None:
+        steps.setdefault(tensor, []).append(step)
+
     for name in spaces:
         norms = [n for n in graph.norms if n.space == name and n.readers]
         readers = {r for n in norms for r in n.readers}
         for norm in norms:
-            gamma = sd[norm.weight].to(torch.float64)
-            beta = sd[norm.bias].to(torch.float64) if norm.bias else None
-            biases = [bias_of(r, sd) for r in norm.readers]
-            fold_beta = beta is not None and all(b is not None for b in biases)
+            biases = [bias_of(r, names) for r in norm.readers]
+            fold_beta = norm.bias is not None and all(b is not None for b in biases)
             for reader, bias in zip(norm.readers, biases, strict=False):
-                w = sd[reader]
                 axis = _axis_of(graph, reader, name)
                 if fold_beta and bias is not None:
-                    shift = torch.tensordot(w.to(torch.float64), beta, dims=([axis], [0]))
-                    sd[bias] = (sd[bias].to(torch.float64) + shift).to(sd[bias].dtype)
+                    if reader in steps:  # the shift reads the reader as stored
+                        raise AssertionError(f"{reader} is changed before its bias is folded")
+                    add(bias, Step("shift", norm, axis, reader))
                     touched.add(bias)
-                shape = [1] * w.dim()
-                shape[axis] = -1
-                # one product per weight, rounded once: in w's dtype when γ is exact in it (the usual
-                # case), which gives the same bits as a float64 product without a float64 copy of w
-                g = gamma.to(w.dtype)
-                scaled = (
-                    w * g.reshape(shape)
-                    if torch.equal(g.to(torch.float64), gamma)
-                    else w.double() * gamma.reshape(shape)
-                )
-                sd[reader] = scaled.to(w.dtype)
+                add(reader, Step("scale", norm, axis))
                 touched.add(reader)
-            sd[norm.weight] = torch.ones_like(sd[norm.weight])
-            if fold_beta and norm.bias is not None:
-                sd[norm.bias] = torch.zeros_like(sd[norm.bias])
-            elif beta is not None and norm.bias is not None:
-                # β stays in the norm (a reader has no bias): the reader now scales by γ, so β/γ
-                if gamma.abs().min() < 1e-8:
-                    raise TransformError(
-                        f"norm scale {norm.weight!r} has a zero entry and its readers have no bias, "
-                        "so its shift cannot be folded; use `class: permutation` for this model"
-                    )
-                sd[norm.bias] = (beta / gamma).to(sd[norm.bias].dtype)
+            add(norm.weight, Step("ones", norm))
+            if norm.bias is not None:
+                add(norm.bias, Step("zeros" if fold_beta else "divide", norm))
         space = graph.spaces[name]
         if isinstance(space, Space) and space.centered:
             for tensor, axis, _role, _off in graph.users(name):
                 if tensor in readers or tensor in norm_params:
                     continue
-                ref = graph.bindings[tensor].axes[axis]
-                if isinstance(ref, Fused):
+                if isinstance(graph.bindings[tensor].axes[axis], Fused):
                     raise AssertionError(f"writer {tensor} has a fused residual axis")
-                t = sd[tensor]
-                t64 = t.to(torch.float64)
-                sd[tensor] = (t64 - t64.mean(dim=axis, keepdim=True)).to(t.dtype)
+                add(tensor, Step("center", axis=axis))
                 touched.add(tensor)
-    # a touched tensor is a new object, so an untied alias already has storage of its own
+    # a touched tensor gets a value of its own, so an untied alias has storage of its own
     untied = [alias for alias, source in graph.ties.items() if alias in touched or source in touched]
     ties = {a: s for a, s in graph.ties.items() if a not in untied}
-    return sd, dataclasses.replace(graph, ties=ties), untied
+    return CanonicalSteps(steps, dataclasses.replace(graph, ties=ties), untied)
+
+
+def _apply(step: Step, t: Tensor, raw: Mapping[str, Tensor]) -> Tensor:
+    """``t`` after ``step``; γ, β and a reader come from ``raw`` (the state as stored)."""
+    norm = step.norm
+    if step.kind == "center":
+        t64 = t.to(torch.float64)
+        return (t64 - t64.mean(dim=step.axis, keepdim=True)).to(t.dtype)
+    assert norm is not None
+    if step.kind == "ones":
+        return torch.ones_like(t)
+    if step.kind == "zeros":
+        return torch.zeros_like(t)
+    gamma = raw[norm.weight].to(torch.float64)
+    if step.kind == "scale":
+        shape = [1] * t.dim()
+        shape[step.axis] = -1
+        # one product per weight, rounded once: in t's dtype when γ is exact in it (the usual case),
+        # which gives the same bits as a float64 product without a float64 copy of the weight
+        g = gamma.to(t.dtype)
+        exact = torch.equal(g.to(torch.float64), gamma)
+        return (t * g.reshape(shape) if exact else t.double() * gamma.reshape(shape)).to(t.dtype)
+    assert norm.bias is not None
+    beta = raw[norm.bias].to(torch.float64)
+    if step.kind == "shift":
+        assert step.reader is not None
+        w = raw[step.reader].to(torch.float64)
+        return (t.to(torch.float64) + torch.tensordot(w, beta, dims=([step.axis], [0]))).to(t.dtype)
+    # divide: β stays in the norm (a reader has no bias); the reader now scales by γ, so β/γ
+    if gamma.abs().min() < 1e-8:
+        raise TransformError(
+            f"norm scale {norm.weight!r} has a zero entry and its readers have no bias, "
+            "so its shift cannot be folded; use `class: permutation` for this model"
+        )
+    return (beta / gamma).to(t.dtype)
+
+
+def canonical_tensor(form: CanonicalSteps, name: str, raw: Mapping[str, Tensor]) -> Tensor:
+    """Tensor ``name`` of ``raw`` in canonical form (``raw[name]`` itself when no step changes it)."""
+    t = raw[name]
+    for step in form.steps.get(name, ()):
+        t = _apply(step, t, raw)
+    return t
+
+
+@overload
+def canonicalize(  # type: ignore[overload-overlap]  # a LazyState is a Mapping that stays lazy
+    graph: SymmetryGraph, state_dict: LazyState
+) -> tuple[LazyState, SymmetryGraph, list[str]]: ...
+
+
+@overload
+def canonicalize(
+    graph: SymmetryGraph, state_dict: Mapping[str, Tensor]
+) -> tuple[dict[str, Tensor], SymmetryGraph, list[str]]: ...
+
+
+def canonicalize(
+    graph: SymmetryGraph, state_dict: Mapping[str, Tensor]
+) -> tuple[dict[str, Tensor] | LazyState, SymmetryGraph, list[str]]:
+    """Return ``(state_dict, graph, untied)``: an equivalent state dict in canonical form, the graph
+    with broken ties removed, and the tied aliases that had to be untied.
+
+    A `LazyState` stays lazy: its canonical tensors are computed when read."""
+    form = canonical_steps(graph, state_dict)
+    if isinstance(state_dict, LazyState):
+        untied = set(form.untied)
+        lazy = state_dict.derive(lambda name: canonical_tensor(form, name, state_dict))
+        lazy.aliases = {a: s for a, s in state_dict.aliases.items() if a not in untied}
+        return lazy, form.graph, form.untied
+    sd = {name: canonical_tensor(form, name, state_dict) for name in state_dict}
+    return sd, form.graph, form.untied

@@ -11,6 +11,7 @@ was killed (restores ``.NAME.old-*``, removes ``.NAME.tmp-*``).
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import math
@@ -20,7 +21,7 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from torch import Tensor
     from transformers import PreTrainedModel
 
+    from .tensors import LazyState
+
 RECORD = "rebasin.json"  # what marks a folder as an hf-rebasin output (the only kind overwrite replaces)
 _AFFIX = 16  # bytes the temporary / aside / lock names add to the target's name (".NAME.tmp-XXXXXXXX")
 
@@ -53,6 +56,7 @@ __all__ = [
     "output_folder",
     "recover",
     "save_merged_model",
+    "save_streamed",
     "support_files",
     "write_json",
     "write_text",
@@ -528,14 +532,78 @@ def save_merged_model(
     still loads with the stock class, which reads ``tie_word_embeddings: false`` from the config.
     ``dtype`` casts every floating tensor for writing (the work is done in float32, but a bf16
     input should not come out twice its size); config.json's ``dtype`` then says so, and
-    ``from_pretrained`` loads it in that dtype. None writes the tensors as they are.
+    ``from_pretrained`` loads it in that dtype. None writes the tensors as they are. A `LazyState`
+    is written tensor by tensor (`save_streamed`).
     """
     from .models import rebuild
+    from .tensors import LazyState
 
+    if isinstance(state_dict, LazyState):
+        save_streamed(template, state_dict, dest, untie=untie, max_shard_size=max_shard_size, dtype=dtype)
+        return
     model = rebuild(template, dict(state_dict), untie=untie)  # rebuilt on the CPU
     if dtype is not None:
         model.to(dtype=dtype)  # type: ignore[call-arg]  # floating tensors only; transformers wraps .to
     model.save_pretrained(str(dest), max_shard_size=max_shard_size)  # safetensors, sharded past the size
+
+
+def save_streamed(
+    template: PreTrainedModel,
+    state: LazyState,
+    dest: Path,
+    *,
+    untie: bool = False,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """The folder `save_pretrained` would write for ``state`` in ``template``'s class, with each
+    tensor computed from ``state`` just before it is written: the same names (tied copies left
+    out, renamed as transformers saves them), shards, index, config and generation config, while
+    memory holds one tensor at a time."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from .offload import empty_model
+    from .tensors import write_safetensors
+
+    config = copy.deepcopy(template.config)
+    if untie:
+        config.tie_word_embeddings = False
+    model = empty_model(type(template), config)  # which names the output ties, and how it saves them
+
+    def written(name: str) -> torch.dtype:
+        stored = state.dtype(name)
+        return dtype if dtype is not None and stored.is_floating_point else stored
+
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})  # stored once, under the name it is tied to
+    meta = {n: torch.empty(t.shape, dtype=written(n), device="meta") for n, t in model.state_dict().items()}
+    name_of = {id(t): n for n, t in meta.items()}
+    saved = revert_weight_conversion(model, {n: t for n, t in meta.items() if n not in tied})
+    split = split_torch_state_dict_into_shards(saved, max_shard_size=max_shard_size)
+    count, total = 0, len(saved)
+
+    def tick(_name: str) -> None:
+        nonlocal count
+        count += 1
+        if progress is not None:
+            progress(count, total)
+
+    for file, names in split.filename_to_tensors.items():
+        entries = [(n, tuple(saved[n].shape), saved[n].dtype) for n in names]
+        write_safetensors(Path(dest) / file, entries, lambda n: state[name_of[id(saved[n])]], done=tick)
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+            "weight_map": {n: file for file, names in split.filename_to_tensors.items() for n in names},
+        }
+        write_text(Path(dest) / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config.dtype = str(dtype or torch.float32).split(".")[1]
+    config.architectures = [type(template).__name__]
+    config.save_pretrained(str(dest))
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(str(dest))
 
 
 def _plain(value: Any) -> Any:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import overload
 
 import torch
 from torch import Tensor
 
 from .errors import IncompatibleModelsError
+from .tensors import LazyState, shape_of
 
-__all__ = ["StorageKey", "merge_state_dicts", "storage_key"]
+__all__ = ["StorageKey", "merge_state_dicts", "merge_tensor", "storage_key"]
 
 StorageKey = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (storage, offset, shape, stride)
 
@@ -44,26 +46,41 @@ def _check_same(reference: Mapping[str, Tensor], other: Mapping[str, Tensor], in
             f"model #{index} holds different tensors than the reference: only in the reference "
             f"{only_ref[:5]}, only in model #{index} {only_other[:5]}"
         )
-    for name, t in reference.items():
-        if other[name].shape != t.shape:
+    for name in reference:
+        shape, got = shape_of(reference, name), shape_of(other, name)
+        if got != shape:
             raise IncompatibleModelsError(
-                f"tensor {name!r} has shape {tuple(t.shape)} in the reference but {tuple(other[name].shape)} "
-                f"in model #{index}"
+                f"tensor {name!r} has shape {tuple(shape)} in the reference but {tuple(got)} in model #{index}"
             )
 
 
-def merge_state_dicts(state_dicts: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]:
+@overload
+def merge_state_dicts(  # type: ignore[overload-overlap]  # a LazyState is a Mapping that stays lazy
+    state_dicts: Sequence[LazyState], weights: Sequence[float]
+) -> LazyState: ...
+
+
+@overload
+def merge_state_dicts(state_dicts: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]: ...
+
+
+def merge_state_dicts(
+    state_dicts: Sequence[Mapping[str, Tensor]], weights: Sequence[float]
+) -> dict[str, Tensor] | LazyState:
     """Σᵢ wᵢ·θᵢ for every floating tensor, accumulated in float64 and cast back to the reference's dtype.
 
     The first state dict is the reference: its non-floating tensors (integer buffers, position ids)
     are taken as they are, and names that alias one storage in it (a tied LM head and embedding)
     are computed once and stay one tensor in the result, so a tie is neither doubled nor broken.
-    Weights are used as given (the recipe checks that they sum to 1).
+    Weights are used as given (the recipe checks that they sum to 1). `LazyState` inputs give a
+    `LazyState`: each merged tensor is computed when read, from one tensor of each input.
     """
     w = _check_weights(weights, len(state_dicts))
     reference = state_dicts[0]
     for i, sd in enumerate(state_dicts[1:], start=1):
         _check_same(reference, sd, i)
+    if isinstance(reference, LazyState):
+        return reference.derive(lambda name: merge_tensor(name, state_dicts, w))
     out: dict[str, Tensor] = {}
     done: dict[StorageKey, Tensor] = {}
     for name, ref in reference.items():
@@ -72,10 +89,26 @@ def merge_state_dicts(state_dicts: Sequence[Mapping[str, Tensor]], weights: Sequ
             continue
         key = storage_key(ref)
         if key not in done:
-            acc = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device)
-            for weight, sd in zip(w, state_dicts, strict=True):
-                if weight != 0.0:
-                    acc.add_(sd[name].to(device=ref.device, dtype=torch.float64), alpha=weight)
-            done[key] = acc.to(ref.dtype)
+            done[key] = merge_tensor(name, state_dicts, w)
         out[name] = done[key]
     return out
+
+
+def merge_tensor(name: str, state_dicts: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> Tensor:
+    """Tensor ``name`` of the weighted average (the reference's own when it is not floating)."""
+    reference = state_dicts[0]
+    lazy = isinstance(reference, LazyState)
+    dtype = reference.dtype(name) if isinstance(reference, LazyState) else reference[name].dtype
+    if not dtype.is_floating_point:
+        return reference[name]
+    device = None if lazy else reference[name].device  # lazy: where the first tensor read lies
+    acc = None
+    for weight, sd in zip(weights, state_dicts, strict=True):
+        if weight != 0.0:
+            t = sd[name]
+            if acc is None:
+                acc = torch.zeros(t.shape, dtype=torch.float64, device=device or t.device)
+            acc.add_(t.to(device=acc.device, dtype=torch.float64), alpha=weight)
+    if acc is None:  # every weight zero
+        return torch.zeros(shape_of(reference, name), dtype=dtype, device=device)
+    return acc.to(dtype)

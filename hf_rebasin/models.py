@@ -10,7 +10,8 @@ import copy
 import json
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from .errors import (
 )
 from .names import DEVICE_PATTERN
 from .symmetry import SymmetryGraph
+from .tensors import CheckpointSource, LazyState, checkpoint_entries, shape_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -42,13 +44,21 @@ class LoadedModel:
     """A loaded model (float32 for every computation), its symmetry graph and folder.
 
     ``stored_dtype`` is the dtype of its floating weights on disk: what an output written from
-    it is cast back to (a bf16 Hub model stays bf16), read without loading a weight.
+    it is cast back to (a bf16 Hub model stays bf16), read without loading a weight. A *streamed*
+    model has a ``source`` (its tensors read from disk when used) and a ``model`` whose parameters
+    are on the meta device: its class, config and shapes, for `offload.offloaded` forward passes.
     """
 
     model: PreTrainedModel
     graph: SymmetryGraph
     path: Path
     stored_dtype: torch.dtype = torch.float32
+    source: CheckpointSource | None = None
+
+    @property
+    def weights(self) -> Mapping[str, Tensor]:
+        """Its tensors by name: read from disk one at a time when streamed, else the module's."""
+        return self.source if self.source is not None else self.model.state_dict()
 
 
 # safetensors header dtype names of floating tensors
@@ -470,10 +480,14 @@ def _check_checkpoint(folder: Path, cls: type[PreTrainedModel], config: Any, che
     return names
 
 
-def _check_finite(folder: Path, model: PreTrainedModel, names: Mapping[str, str], checkpoint: _Checkpoint) -> None:
+def _check_finite(folder: Path, state: Mapping[str, Tensor], names: Mapping[str, str], checkpoint: _Checkpoint) -> None:
     """Every floating weight finite: NaN compares false with everything, so a NaN would pass every
-    later check and end up in the output."""
-    for name, t in model.state_dict().items():
+    later check and end up in the output. A streamed model is read once for it, a tensor at a time."""
+    aliases = getattr(state, "aliases", {})
+    for name in state:
+        if name in aliases:
+            continue  # read with the tensor it is tied to
+        t = state[name]
         if not t.is_floating_point() or bool(torch.isfinite(t).all()):
             continue
         key = names.get(name, name)
@@ -487,12 +501,19 @@ def _check_finite(folder: Path, model: PreTrainedModel, names: Mapping[str, str]
 
 
 def load_model(
-    path: str | Path, *, allow_pickle: bool = False, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+    path: str | Path,
+    *,
+    allow_pickle: bool = False,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    stream: bool = False,
 ) -> LoadedModel:
     """Load a model folder with its stock class, after checking every tensor against the config.
 
     ``trust_remote_code`` accepts a folder whose files name their own code (the code is never run:
-    the stock class of the model_type is used).
+    the stock class of the model_type is used). ``stream`` loads no weight: the model reads its
+    tensors from its safetensors files when they are used (see `LoadedModel`); a pickle checkpoint,
+    or one that transformers converts while loading, is loaded whole instead.
     """
     from .remote_code import refuse_remote_code
 
@@ -507,6 +528,11 @@ def load_model(
         raise ConfigError(f"{str(folder)!r}: {e}") from None
     checkpoint = _checkpoint_shapes(folder, allow_pickle)
     names = _check_checkpoint(folder, cls, config, checkpoint)
+    if stream and checkpoint.files and all(f.endswith(".safetensors") for f in checkpoint.files.values()):
+        streamed = _streamed(folder, cls, config, checkpoint, names)
+        if streamed is not None:
+            _check_finite(folder, streamed.weights, names, checkpoint)
+            return streamed
     prev = logging.getLogger("transformers").level
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
@@ -531,12 +557,34 @@ def load_model(
             "config.json does not have"
         )
     model.eval()
-    _check_finite(folder, model, names, checkpoint)
+    _check_finite(folder, model.state_dict(), names, checkpoint)
     state_dict = model.state_dict()
     graph = spec.graph(model.config, state_dict.keys())
     graph.check(state_dict, source=str(folder))
     stored = checkpoint.stored_dtype() or _config_dtype(folder) or torch.float32
     return LoadedModel(model, graph, folder, stored)
+
+
+def _streamed(
+    folder: Path, cls: type[PreTrainedModel], config: Any, checkpoint: _Checkpoint, names: Mapping[str, str]
+) -> LoadedModel | None:
+    """The model as a tensor source over its files and a meta-device module; None when
+    transformers would convert tensors while loading (only renaming is followed here)."""
+    from .offload import empty_model
+
+    model = empty_model(cls, config)
+    if _Renamer(model).converters:
+        return None
+    files = sorted({folder / f for f in checkpoint.files.values()})
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    order = list(model.state_dict())
+    aliases = {alias: source for alias, source in tied.items() if alias in order and alias not in names}
+    source = CheckpointSource(folder, checkpoint_entries(files), names, aliases=aliases, order=order)
+    spec = get_adapter(getattr(config, "model_type", None))
+    graph = spec.graph(model.config, order)
+    graph.check(model.state_dict(), source=str(folder))  # shapes only: the parameters are on meta
+    stored = checkpoint.stored_dtype() or _config_dtype(folder) or torch.float32
+    return LoadedModel(model, graph, folder, stored, source=source)
 
 
 def rebuild(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], *, untie: bool = False) -> PreTrainedModel:
@@ -556,6 +604,25 @@ def to_device(model: Any, device: torch.device) -> None:
     model.to(device)
 
 
+@contextmanager
+def running(
+    template: PreTrainedModel, state: Mapping[str, Tensor], *, untie: bool = False, device: torch.device | None = None
+) -> Iterator[PreTrainedModel]:
+    """A model of ``template``'s class that computes with ``state``, for forward passes: rebuilt in
+    memory beside ``template``, or for a `LazyState`, a meta-device module that reads each
+    submodule's tensors when it runs (`offload.offloaded`, on ``device``)."""
+    from .offload import empty_model, offloaded
+
+    if not isinstance(state, LazyState):
+        yield rebuilt(template, state, untie)
+        return
+    config = copy.deepcopy(template.config)
+    if untie:
+        config.tie_word_embeddings = False
+    with offloaded(empty_model(type(template), config), state, device or torch.device("cpu")) as model:
+        yield model  # type: ignore[misc]  # offloaded yields the module it was given
+
+
 def rebuilt(template: PreTrainedModel, sd: Mapping[str, Tensor], untie: bool) -> PreTrainedModel:
     """`rebuild` on ``template``'s device: a model of its class holding ``sd`` (a tied head stored
     apart when ``untie``), ready to run beside it."""
@@ -569,22 +636,23 @@ def check_same_shapes(
 ) -> None:
     """Two state dicts of one architecture: same tensor names and shapes, or an error naming the
     first difference (in A's order) and both shapes."""
-    for name, t in sd_a.items():
-        other = sd_b.get(name)
-        if other is None:
+    for name in sd_a:
+        shape = tuple(shape_of(sd_a, name))
+        if name not in sd_b:
             raise IncompatibleModelsError(
-                f"tensor {name!r} (shape {tuple(t.shape)}) of {label_a} is missing from {label_b}: "
+                f"tensor {name!r} (shape {shape}) of {label_a} is missing from {label_b}: "
                 "the models have different architectures or heads"
             )
-        if other.shape != t.shape:
+        other = tuple(shape_of(sd_b, name))
+        if other != shape:
             raise IncompatibleModelsError(
-                f"tensor {name!r} has shape {tuple(t.shape)} in {label_a} but {tuple(other.shape)} in {label_b}: "
+                f"tensor {name!r} has shape {shape} in {label_a} but {other} in {label_b}: "
                 "only models of one architecture and size can be aligned"
             )
     extra = [k for k in sd_b if k not in sd_a]
     if extra:
         raise IncompatibleModelsError(
-            f"tensor {extra[0]!r} (shape {tuple(sd_b[extra[0]].shape)}) of {label_b} does not exist in {label_a}: "
+            f"tensor {extra[0]!r} (shape {tuple(shape_of(sd_b, extra[0]))}) of {label_b} does not exist in {label_a}: "
             "the models have different architectures or heads"
         )
 
@@ -598,7 +666,7 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
             f"{str(b.path)!r} is a {cls_b} (model_type {type_b!r}) but the reference {str(a.path)!r} is a "
             f"{cls_a} (model_type {type_a!r}): only models of one architecture can be aligned"
         )
-    check_same_shapes(a.model.state_dict(), b.model.state_dict(), repr(str(a.path)), repr(str(b.path)))
+    check_same_shapes(a.weights, b.weights, repr(str(a.path)), repr(str(b.path)))
     tied_a = dict(getattr(a.model, "all_tied_weights_keys", None) or {})
     tied_b = dict(getattr(b.model, "all_tied_weights_keys", None) or {})
     if set(tied_a) != set(tied_b):

@@ -16,12 +16,13 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
 
 from .errors import AdapterError, CheckpointError, TransformError
+from .tensors import LazyState
 
 TransformClass = Literal["permutation", "orthogonal"]
 TRANSFORM_CLASSES: tuple[TransformClass, ...] = ("permutation", "orthogonal")
@@ -351,15 +352,28 @@ class SymmetryGraph:
                 t = m.apply(t, axis)
         return t
 
+    @overload
+    def apply(  # type: ignore[overload-overlap]  # a LazyState is a Mapping that stays lazy
+        self, state_dict: LazyState, transform: Mapping[str, SpaceMap], *, check: bool = True
+    ) -> LazyState: ...
+
+    @overload
     def apply(
         self, state_dict: Mapping[str, Tensor], transform: Mapping[str, SpaceMap], *, check: bool = True
-    ) -> dict[str, Tensor]:
+    ) -> dict[str, Tensor]: ...
+
+    def apply(
+        self, state_dict: Mapping[str, Tensor], transform: Mapping[str, SpaceMap], *, check: bool = True
+    ) -> dict[str, Tensor] | LazyState:
         """Return a new state dict with every bound axis transformed. Tied aliases follow their
-        source; invariant tensors are copied by reference. ``check=False`` skips the class checks
+        source; invariant tensors are copied by reference. A `LazyState` gives a `LazyState` whose
+        tensors are transformed when read. ``check=False`` skips the class checks
         (learned matching applies dense, relaxed permutations while it optimizes)."""
         if check:
             self._check_transform(transform, state_dict)
         cache: dict[str, AxisMap | None] = {}
+        if isinstance(state_dict, LazyState):
+            return state_dict.derive(lambda name: self._mapped(state_dict, name, transform, cache))
         out: dict[str, Tensor] = {}
         for name, t in state_dict.items():
             if name in self.ties:
@@ -369,6 +383,19 @@ class SymmetryGraph:
             if alias in state_dict:
                 out[alias] = out[source]
         return {k: out[k] for k in state_dict}
+
+    def _mapped(
+        self,
+        state: Mapping[str, Tensor],
+        name: str,
+        transform: Mapping[str, SpaceMap],
+        cache: dict[str, AxisMap | None],
+    ) -> Tensor:
+        """One tensor of `apply`'s result, computed alone (a tied alias as its source)."""
+        source = self.ties.get(name)
+        key = source if source is not None and source in state else name
+        t = state[key]
+        return self.map_tensor(key, t, transform, cache=cache) if key in self.bindings else t
 
     def _check_transform(self, transform: Mapping[str, SpaceMap], state_dict: Mapping[str, Tensor]) -> None:
         for name, m in transform.items():

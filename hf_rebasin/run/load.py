@@ -8,7 +8,7 @@ reading from disk can stand in for a loaded model where no forward pass is neede
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -40,7 +40,7 @@ from .alignment_cache import RunCache
 from .checks import check_adapter, check_remote_code, check_tokenizers, read_paths, task_mismatch
 from .clock import Progress, StageClock, noop
 from .data import BatchSpec, batches, metrics, processor
-from .plan import Plan
+from .plan import Plan, streams
 from .resolve import PlannedModel, resolve_model, untrained_zoo
 from .roles import MergeRoles, Roles, TransportRoles
 from .score import Scorer
@@ -50,9 +50,10 @@ __all__ = ["LOAD_STAGE", "AlignInput", "Workspace", "load_workspace", "weights"]
 LOAD_STAGE = "loading models"
 
 
-def weights(lm: LoadedModel) -> dict[str, Tensor]:
-    """A model's tensors by name: the one place jobs read weights (a tensor source fits here)."""
-    return lm.model.state_dict()
+def weights(lm: LoadedModel) -> Mapping[str, Tensor]:
+    """A model's tensors by name: the one place jobs read weights (a streamed model's are read
+    from disk one at a time, see `tensors.CheckpointSource`)."""
+    return lm.weights
 
 
 @dataclass
@@ -177,10 +178,12 @@ def _fetch(plan: Plan, report: Progress, notes: list[str]) -> Roles[PlannedModel
     return inputs
 
 
-def _load(folder: Path, recipe: Recipe, where: str) -> LoadedModel:
+def _load(folder: Path, recipe: Recipe, where: str, *, stream: bool = False) -> LoadedModel:
     """`models.load_model` with the recipe's settings; a user error names the recipe field."""
     try:
-        return load_model(folder, allow_pickle=recipe.allow_pickle, trust_remote_code=recipe.trust_remote_code)
+        return load_model(
+            folder, allow_pickle=recipe.allow_pickle, trust_remote_code=recipe.trust_remote_code, stream=stream
+        )
     except RebasinUserError as e:
         if str(e).startswith("`"):
             raise
@@ -193,21 +196,23 @@ def _load_models(
     """Every model on ``dev``, each checked against the reference (a fine-tune: against its base)."""
     total = len(inputs.all)
     done: list[LoadedModel] = []
+    stream = streams(recipe)
 
     def placed(make: Callable[[], LoadedModel]) -> LoadedModel:
         lm = make()
-        to_device(lm.model, dev)
+        if lm.source is None:  # a streamed model's tensors go to the device when they are used
+            to_device(lm.model, dev)
         done.append(lm)
         report(LOAD_STAGE, len(done), total)
         return lm
 
     def compatible(m: PlannedModel, reference: LoadedModel) -> LoadedModel:
-        lm = _load(m.path, recipe, m.where)
+        lm = _load(m.path, recipe, m.where, stream=stream)
         check_compatible(reference, lm)
         return lm
 
     report(LOAD_STAGE, 0, total)
-    reference = placed(lambda: _load(inputs.reference.path, recipe, inputs.reference.where))
+    reference = placed(lambda: _load(inputs.reference.path, recipe, inputs.reference.where, stream=stream))
     if isinstance(inputs, MergeRoles):
         others = [placed(partial(compatible, m, reference)) for m in inputs.others]
         return MergeRoles(reference, tuple(others)), None

@@ -27,7 +27,7 @@ from .checks import (
 from .resolve import PlannedModel, resolve_model
 from .roles import Roles, TransportRoles, recipe_roles
 
-__all__ = ["Plan", "build_plan", "plan"]
+__all__ = ["Plan", "build_plan", "plan", "streams"]
 
 CACHED = " (resolved from the local Hugging Face cache, offline)"
 
@@ -62,6 +62,13 @@ class Plan:
             ]
         lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
         return lines
+
+
+def streams(recipe: Recipe) -> bool:
+    """Whether the run reads its models tensor by tensor from their files and writes the result
+    the same way (memory: a few tensors, not the models): a merge of a data-free strategy with
+    nothing that needs whole models in memory (no ``evaluate``, ``data`` or ``merge.universe``)."""
+    return recipe.job == "merge" and recipe.evaluate is None and recipe.data is None and recipe.merge.universe is None
 
 
 def output_path(recipe: Recipe, output: Path | None) -> Path:

@@ -4,6 +4,7 @@ preservation check, and loss curves along λ."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,7 +12,7 @@ from torch import Tensor
 
 from ..adapters import get_adapter
 from ..evaluate import Curve, Metric, Task, barrier, lambdas, loss_curve
-from ..models import LoadedModel, rebuilt
+from ..models import LoadedModel, rebuilt, running
 from ..record import Findings
 from ..strategies import Alignment, Pair, align, get_strategy
 from ..verify import check_preserved, example_inputs, logits_gap, tolerance
@@ -96,11 +97,16 @@ def check_inputs(
 
 
 def function_gap(
-    model_b: PreTrainedModel, alignment: Alignment, aligned: Mapping[str, Tensor], inputs: Mapping[str, Tensor]
+    b: LoadedModel, alignment: Alignment, aligned: Mapping[str, Tensor], inputs: Mapping[str, Tensor]
 ) -> tuple[float, float]:
     """max |Δ logits| between B and B in A's basis (rebuilt from ``aligned``) on ``inputs``, and
-    max |logits| of B (the scale float32 rounding grows with)."""
-    return logits_gap(model_b, rebuilt(model_b, aligned, bool(alignment.untied)), dict(inputs))
+    max |logits| of B (the scale float32 rounding grows with). A streamed B runs offloaded: one
+    submodule's weights in memory at a time."""
+    device = next(iter(inputs.values())).device
+    with ExitStack() as stack:
+        before = b.model if b.source is None else stack.enter_context(running(b.model, b.source, device=device))
+        after = stack.enter_context(running(b.model, aligned, untie=bool(alignment.untied), device=device))
+        return logits_gap(before, after, dict(inputs))
 
 
 def preservation(
@@ -118,7 +124,7 @@ def preservation(
             "max_abs_diff": None,
             "reason": f"strategy {strategy!r} with these options does not preserve B's function (experimental)",
         }
-    gaps = [function_gap(lm.model, al, sd, inputs) for lm, al, sd in zip(others, alignments, aligned, strict=True)]
+    gaps = [function_gap(lm, al, sd, inputs) for lm, al, sd in zip(others, alignments, aligned, strict=True)]
     for (gap, scale), lm in zip(gaps, others, strict=True):
         check_preserved(gap, scale, f"aligned, {str(lm.path)!r}")
     return {

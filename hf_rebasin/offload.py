@@ -1,0 +1,87 @@
+"""Forward passes of a model that is never whole in memory.
+
+A model of a stock class is built with its parameters on the ``meta`` device and its buffers real
+(accelerate's ``init_empty_weights(include_buffers=False)``: rotary frequencies and position ids
+are computed by the class, not stored). `offloaded` then runs it with weights from any state dict,
+a `LazyState` read from disk included: each submodule's own parameters are read just before its
+forward and dropped right after, so a forward pass holds one submodule's weights (the largest is
+the embedding) plus activations, as accelerate's disk offload does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["empty_model", "offloaded"]
+
+
+def empty_model(cls: type[PreTrainedModel], config: Any) -> PreTrainedModel:
+    """``cls(config)`` with parameters on ``meta`` (no memory) and buffers computed as usual."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = cls(config)
+    return model.eval()
+
+
+@contextmanager
+def offloaded(model: nn.Module, state: Mapping[str, Tensor], device: torch.device | str = "cpu") -> Iterator[nn.Module]:
+    """``model`` (built by `empty_model`) running with the tensors of ``state``, read per submodule.
+
+    Parameters and persistent buffers are looked up by their full names, a tied parameter by the
+    name of the module that uses it (a `LazyState` resolves the alias). The hooks are removed and the
+    meta parameters put back when the block ends, whatever happens inside it.
+    """
+    device = torch.device(device)
+    persistent = set(model.state_dict(keep_vars=True))
+    handles: list[Any] = []
+
+    def hooks(prefix: str, module: nn.Module) -> None:
+        params = [n for n, p in module._parameters.items() if p is not None]
+        buffers = [
+            n for n in module._buffers if f"{prefix}{n}" in persistent and n not in module._non_persistent_buffers_set
+        ]
+        if not params and not buffers:
+            return
+        saved: dict[str, Any] = {}
+
+        def load(_module: nn.Module, _args: Any, _kwargs: Any = None) -> None:
+            for n in params:
+                saved.setdefault(n, module._parameters[n])
+                module._parameters[n] = nn.Parameter(state[f"{prefix}{n}"].to(device), requires_grad=False)
+            for n in buffers:
+                saved.setdefault(f"buffer:{n}", module._buffers[n])
+                module._buffers[n] = state[f"{prefix}{n}"].to(device)
+
+        def drop(_module: nn.Module, _args: Any, _output: Any) -> None:
+            for n in params:
+                module._parameters[n] = saved[n]
+            for n in buffers:
+                module._buffers[n] = saved[f"buffer:{n}"]
+
+        handles.append(module.register_forward_pre_hook(load))
+        handles.append(module.register_forward_hook(drop, always_call=True))
+
+    moved: list[tuple[nn.Module, str, Tensor]] = []  # buffers the class computed, on the device for the run
+    for name, module in model.named_modules():
+        hooks(f"{name}." if name else "", module)
+        for n, b in module._buffers.items():
+            if b is not None and b.device != device and b.device.type != "meta":
+                moved.append((module, n, b))
+                module._buffers[n] = b.to(device)
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        for h in handles:
+            h.remove()
+        for module, n, b in moved:
+            module._buffers[n] = b

@@ -1,0 +1,275 @@
+"""Tensors read from disk one at a time, and written to disk one at a time.
+
+A `LazyState` is a state dict that holds nothing: each tensor is computed when it is read and
+dropped by the caller. `CheckpointSource` reads a model's safetensors files (sharded with their
+index) with plain file reads, no memory map, so a pass over a 7B model costs its largest tensor
+in memory, not the model. Derived states (a canonical form, a transformed model, a merge) are
+`LazyState`s over other `LazyState`s, so a whole run of a data-free strategy flows tensor by
+tensor from the input files into `write_shards`, which writes safetensors shards with the index
+`save_pretrained` writes.
+
+The safetensors format is small enough to read and write here: 8 bytes of header length, a JSON
+header of names, dtypes, shapes and byte ranges, then the bytes. Torch only: no transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import CheckpointError
+
+__all__ = [
+    "DTYPES",
+    "CheckpointSource",
+    "LazyState",
+    "SafetensorsEntry",
+    "is_lazy",
+    "read_safetensors_header",
+    "shape_of",
+    "write_safetensors",
+]
+
+# safetensors dtype names
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+WORK_DTYPE = torch.float32  # what floating tensors are read as: every computation runs in float32
+
+
+class LazyState(Mapping[str, Tensor]):
+    """A state dict computed on read: ``state[name]`` builds the tensor, nothing is kept.
+
+    Names, shapes and dtypes are known without computing a tensor, so checks and plans that need
+    only shapes cost nothing. Reading the same name twice computes it twice: callers that need a
+    tensor more than once keep it themselves for as long as they need it.
+    """
+
+    def __init__(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        dtypes: Mapping[str, torch.dtype],
+        read: Callable[[str], Tensor],
+        *,
+        aliases: Mapping[str, str] | None = None,
+    ) -> None:
+        self._shapes = dict(shapes)
+        self._dtypes = dict(dtypes)
+        self._read = read
+        self.aliases: dict[str, str] = dict(aliases or {})  # tied names -> the name that holds the data
+
+    def shape(self, name: str) -> torch.Size:
+        return torch.Size(self._shapes[name])
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype ``state[name]`` has (float32 for the floating tensors of a checkpoint)."""
+        return self._dtypes[name]
+
+    def numel(self, name: str) -> int:
+        return math.prod(self._shapes[name])
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._shapes:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def derive(self, read: Callable[[str], Tensor], *, dtypes: Mapping[str, torch.dtype] | None = None) -> LazyState:
+        """A state with the same names and shapes whose tensors ``read`` computes (from this one)."""
+        return LazyState(self._shapes, dtypes if dtypes is not None else self._dtypes, read, aliases=self.aliases)
+
+    def materialize(self) -> dict[str, Tensor]:
+        """Every tensor in memory (tied names share one tensor, as in a module's state dict)."""
+        out: dict[str, Tensor] = {}
+        for name in self:
+            source = self.aliases.get(name)
+            out[name] = out[source] if source in out else self[name]
+        return out
+
+
+def is_lazy(state: Mapping[str, Tensor]) -> bool:
+    return isinstance(state, LazyState)
+
+
+def shape_of(state: Mapping[str, Tensor], name: str) -> torch.Size:
+    """A tensor's shape without computing a lazy one."""
+    return state.shape(name) if isinstance(state, LazyState) else state[name].shape
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+class SafetensorsEntry:
+    """Where one tensor's bytes are: file, absolute byte offset, length, dtype and shape."""
+
+    __slots__ = ("dtype", "file", "nbytes", "offset", "shape")
+
+    def __init__(self, file: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.file, self.offset, self.nbytes, self.dtype, self.shape = file, offset, nbytes, dtype, shape
+
+
+def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
+    """Every tensor of a safetensors file, from its header alone (no weight is read)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100_000_000:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error) as e:
+        raise CheckpointError(f"{str(path)!r} is not a readable safetensors file: {e}") from None
+    start = 8 + size
+    out: dict[str, SafetensorsEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = DTYPES.get(str(info.get("dtype"))) if isinstance(info, dict) else None
+        if dtype is None:
+            raise CheckpointError(f"{str(path)!r}: tensor {name!r} has a dtype hf-rebasin cannot read: {info!r}")
+        begin, end = info["data_offsets"]
+        out[name] = SafetensorsEntry(Path(path), start + begin, end - begin, dtype, tuple(info["shape"]))
+    return out
+
+
+def _read_entry(entry: SafetensorsEntry) -> Tensor:
+    buf = bytearray(entry.nbytes)
+    with open(entry.file, "rb", buffering=0) as f:
+        f.seek(entry.offset)
+        view = memoryview(buf)
+        done = 0
+        while done < entry.nbytes:
+            got = f.readinto(view[done:])
+            if not got:
+                raise CheckpointError(f"{str(entry.file)!r} ends before the tensor bytes its header promises")
+            done += got
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    return torch.frombuffer(buf, dtype=entry.dtype).reshape(entry.shape)
+
+
+class CheckpointSource(LazyState):
+    """A model's tensors by the names its module uses, read from its safetensors files on demand.
+
+    Floating tensors come as float32 (what every computation here runs in, like a model loaded
+    with ``dtype=float32``); ``stored_dtypes`` keeps what the files hold. ``names`` maps a model
+    name to the checkpoint key holding it (transformers may rename keys when it loads); ``aliases``
+    maps a tied name to the name that holds the data (a tied LM head is stored once).
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        entries: Mapping[str, SafetensorsEntry],
+        names: Mapping[str, str],
+        *,
+        aliases: Mapping[str, str] | None = None,
+        order: Sequence[str] | None = None,
+    ) -> None:
+        self.folder = Path(folder)
+        aliases = dict(aliases or {})
+        self._where: dict[str, SafetensorsEntry] = {}
+        for name in order if order is not None else list(names) + list(aliases):
+            key = names.get(name) or names[aliases[name]]
+            self._where[name] = entries[key]
+        self.stored_dtypes = {n: e.dtype for n, e in self._where.items()}
+        dtypes = {n: WORK_DTYPE if d.is_floating_point else d for n, d in self.stored_dtypes.items()}
+        super().__init__({n: e.shape for n, e in self._where.items()}, dtypes, self._load, aliases=aliases)
+
+    def _load(self, name: str) -> Tensor:
+        t = _read_entry(self._where[name])
+        return t.to(WORK_DTYPE) if t.is_floating_point() else t
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name].file
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored tensors (each stored tensor once)."""
+        seen = {(e.file, e.offset): e.nbytes for e in self._where.values()}
+        return sum(seen.values())
+
+
+def checkpoint_entries(files: Sequence[Path]) -> dict[str, SafetensorsEntry]:
+    """Every tensor of a (sharded) safetensors checkpoint by its key."""
+    out: dict[str, SafetensorsEntry] = {}
+    for f in files:
+        out.update(read_safetensors_header(f))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _header(entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in entries:
+        n = _nbytes(shape, dtype)
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data start 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(
+    path: Path,
+    entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+    produce: Callable[[str], Tensor],
+    *,
+    done: Callable[[str], None] | None = None,
+) -> None:
+    """A safetensors file of ``entries`` (name, shape, dtype written), each tensor computed by
+    ``produce(name)`` just before its bytes are written and dropped after: the header is known
+    from the shapes, so nothing waits in memory. A tensor whose shape differs from its entry is a
+    bug, raised before a wrong byte count could corrupt the file."""
+    with open(path, "wb") as f:
+        f.write(_header(entries))
+        for name, shape, dtype in entries:
+            t = produce(name)
+            if tuple(t.shape) != tuple(shape):
+                raise AssertionError(f"{name}: produced shape {tuple(t.shape)}, planned {tuple(shape)}")
+            t = t.detach().to(device="cpu", dtype=dtype).contiguous()
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            del t
+            if done is not None:
+                done(name)
+        f.flush()
+        os.fsync(f.fileno())
