@@ -595,7 +595,8 @@ def save_streamed(
         write_safetensors(Path(dest) / file, entries, lambda n: state[name_of[id(saved[n])]], done=tick)
     if split.is_sharded:
         index = {
-            "metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+            "metadata": {"total_parameters": sum(p.numel() for n, p in model.named_parameters() if n not in tied)}
+            | split.metadata,
             "weight_map": {n: file for file, names in split.filename_to_tensors.items() for n in names},
         }
         write_text(Path(dest) / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True) + "\n")

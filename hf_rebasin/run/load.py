@@ -124,6 +124,11 @@ def load_workspace(plan: Plan, *, device_name: str | None = None, progress: Prog
         if isinstance(inputs, TransportRoles):
             notes.extend(plan.adapter_notes if plan.adapter_notes is not None else check_adapter(recipe, inputs))
         models, adapter = _load_models(recipe, inputs, dev, report)
+        if any(lm.source is not None for lm in models.all):
+            notes.append(
+                "weights streamed: read from the safetensors files one tensor at a time and written the same way "
+                "(a merge of a data-free strategy without evaluation needs no model whole in memory)"
+            )
         out_dtype, dtype_entry = output_dtype(recipe, models, adapter, notes)
         task, align_task = _tasks(recipe, models)
         ev = recipe.evaluate

@@ -1,0 +1,265 @@
+"""Streamed runs: models read tensor by tensor from their safetensors files, outputs written the same
+way, forward passes with one submodule's weights in memory at a time.
+
+Every streamed result is compared with the in-memory path on the same inputs (``torch.equal``, file
+by file) and read back without hf-rebasin: ``safetensors.safe_open``, ``from_pretrained`` of the
+stock class, logits of the stock model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as T
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import tiny
+from hf_rebasin import tensors
+from hf_rebasin.adapters import get_adapter
+from hf_rebasin.cli import main
+from hf_rebasin.errors import CheckpointError
+from hf_rebasin.models import load_model
+from hf_rebasin.offload import offloaded
+from hf_rebasin.run import load as run_load
+from hf_rebasin.verify import example_inputs
+
+STRATEGIES = ("vanilla", "weight-matching", "transfusion", "generalized-orthogonal")
+ARCHS = ("llama", "gpt2", "vit")  # rotary + GQA; Conv1D, fused q|k|v and a tied head; LayerNorm encoder
+
+
+def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors files, read by the safetensors library."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Two seeds of each architecture saved in bf16, sharded (several files and an index)."""
+    root = tmp_path_factory.mktemp("pairs")
+    out = {}
+    for arch in ARCHS:
+        folders = tuple(root / f"{arch}-{seed}" for seed in (0, 1))
+        for seed, folder in enumerate(folders):
+            getattr(tiny, arch)(seed).to(torch.bfloat16).save_pretrained(str(folder), max_shard_size=20_000)
+        out[arch] = folders
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and writing safetensors
+
+
+def test_checkpoint_source_reads_what_safetensors_reads(pairs: dict[str, tuple[Path, Path]]) -> None:
+    folder = pairs["gpt2"][0]
+    assert (folder / "model.safetensors.index.json").is_file()  # sharded
+    loaded = load_model(folder, stream=True)
+    source = loaded.source
+    assert source is not None
+    stored = _safetensors(folder)
+    model = T.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    assert list(source) == list(model.state_dict())  # the module's names, tied head included
+    assert source.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    for name, t in model.state_dict().items():
+        got = source[name]
+        assert got.dtype == torch.float32 and torch.equal(got, t), name
+        assert source.shape(name) == t.shape
+        if name in stored:
+            assert source.stored_dtypes[name] == torch.bfloat16 and torch.equal(got, stored[name].float())
+    assert source.nbytes == sum(f.stat().st_size for f in folder.glob("*.safetensors")) - sum(
+        8 + int.from_bytes(f.read_bytes()[:8], "little") for f in folder.glob("*.safetensors")
+    )
+    assert all(p.device.type == "meta" for p in loaded.model.parameters())  # no weight loaded
+
+
+def test_written_safetensors_are_read_by_the_safetensors_library(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    made = {
+        "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "f32": torch.randn(7, generator=g),
+        "f16": torch.randn(2, 2, 2, generator=g).half(),
+        "ids": torch.arange(6).reshape(2, 3),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+    entries = [(k, tuple(v.shape), v.dtype) for k, v in made.items()]
+    produced: list[str] = []
+    tensors.write_safetensors(
+        tmp_path / "x.safetensors", entries, lambda k: made[k].float() if k == "bf16" else made[k], done=produced.append
+    )
+    assert produced == list(made)
+    back = _safetensors(tmp_path)
+    assert back.keys() == made.keys()
+    for k, v in made.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    # and read back by hf-rebasin's reader, as float32 for floating tensors
+    entries_read = tensors.read_safetensors_header(tmp_path / "x.safetensors")
+    assert {k: e.shape for k, e in entries_read.items()} == {k: tuple(v.shape) for k, v in made.items()}
+
+
+def test_a_produced_tensor_of_the_wrong_shape_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="planned"):
+        tensors.write_safetensors(tmp_path / "x.safetensors", [("w", (2, 2), torch.float32)], lambda _k: torch.zeros(3))
+
+
+def test_non_finite_weights_are_refused_when_streamed(tmp_path: Path) -> None:
+    model = tiny.llama(0)
+    model.save_pretrained(str(tmp_path))
+    sd = _safetensors(tmp_path)
+    sd["model.layers.1.mlp.up_proj.weight"][3, 4] = math.nan
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*NaN"):
+        load_model(tmp_path, stream=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward passes with one submodule in memory
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "vit", "bert_mlm", "clip"])
+def test_offloaded_forward_gives_the_stock_models_outputs(arch: str, tmp_path: Path) -> None:
+    model = getattr(tiny, arch)(0).to(torch.bfloat16)
+    model.save_pretrained(str(tmp_path))
+    stock = T.AutoModel.from_pretrained(str(tmp_path), dtype=torch.float32) if arch == "clip" else None
+    stock = stock or type(model).from_pretrained(str(tmp_path), dtype=torch.float32)
+    streamed = load_model(tmp_path, stream=True)
+    assert streamed.source is not None
+    inputs = example_inputs(get_adapter(model.config.model_type), model.config, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = stock.eval()(**inputs)
+        with offloaded(streamed.model, streamed.source) as m:
+            got = m(**inputs)
+    key = "logits_per_image" if arch == "clip" else "logits"
+    assert torch.equal(got[key], want[key])
+    assert all(p.device.type == "meta" for p in streamed.model.parameters())  # put back after the block
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs: streamed = in memory
+
+
+def _recipe(root: Path, name: str, models: tuple[Path, Path], strategy: str, **output: Any) -> Path:
+    body = {
+        "job": "merge",
+        "models": [str(m) for m in models],
+        "strategy": {"name": strategy},
+        "output": {"dir": str(root / name), "max_shard_size": 15_000, **output},
+        "cache": False,
+    }
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(body), encoding="utf-8")
+    return path
+
+
+def _run(recipe: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, *, stream: bool) -> tuple[int, str]:
+    monkeypatch.setattr(run_load, "streams", lambda _recipe: stream)
+    capsys.readouterr()
+    code = main([str(recipe)])
+    return code, " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streamed_merge_writes_what_the_in_memory_merge_writes(
+    arch: str, strategy: str, pairs: dict[str, tuple[Path, Path]], tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    folders = {}
+    for stream in (False, True):
+        name = "streamed" if stream else "memory"
+        code, err = _run(_recipe(tmp_path, name, pairs[arch], strategy), capsys, monkeypatch, stream=stream)
+        assert code == 0, err
+        folders[stream] = tmp_path / name
+    memory, streamed = folders[False], folders[True]
+    files = sorted(p.name for p in memory.iterdir() if p.name not in ("README.md", "rebasin.json"))
+    assert sorted(p.name for p in streamed.iterdir() if p.name not in ("README.md", "rebasin.json")) == files
+    assert "model.safetensors.index.json" in files  # sharded like save_pretrained shards
+    want, got = _safetensors(memory), _safetensors(streamed)
+    assert got.keys() == want.keys()
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype == torch.bfloat16 and torch.equal(got[k], t), k
+    for f in ("config.json", "model.safetensors.index.json"):
+        assert json.loads((streamed / f).read_text()) == json.loads((memory / f).read_text()), f
+    record = json.loads((streamed / "rebasin.json").read_text())
+    assert any("streamed" in n for n in record["notes"]), record["notes"]
+    assert record["function_preserved"]["max_abs_diff"] <= record["function_preserved"]["tolerance"]
+    # the stock class loads it, in bf16, with the merged weights
+    cls = T.AutoModelForImageClassification if arch == "vit" else T.AutoModelForCausalLM
+    loaded = cls.from_pretrained(str(streamed), dtype="auto")
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+
+
+def test_streamed_preservation_check_catches_a_broken_alignment(
+    pairs: dict[str, tuple[Path, Path]], tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    """The function-preservation gate runs offloaded when streamed: a wrong aligned B is refused."""
+    from hf_rebasin.strategies.base import Alignment
+
+    real = Alignment.aligned_b
+
+    def broken(self: Alignment) -> Any:
+        aligned = real(self)
+        name = "model.layers.0.mlp.down_proj.weight"
+        return aligned.derive(lambda k: aligned[k] * 1.5 if k == name else aligned[k])
+
+    monkeypatch.setattr(Alignment, "aligned_b", broken)
+    code, err = _run(_recipe(tmp_path, "out", pairs["llama"], "weight-matching"), capsys, monkeypatch, stream=True)
+    assert code == 1 and "function not preserved" in err, err
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_interrupted_streamed_write_leaves_no_partial_output(
+    pairs: dict[str, tuple[Path, Path]], tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    """Ctrl-C after the first shard: no output folder, no temporary folder; with ``overwrite`` the
+    previous result stays as it was."""
+    recipe = _recipe(tmp_path, "out", pairs["gpt2"], "vanilla", overwrite=True)
+    real = tensors.write_safetensors
+    calls: list[Path] = []
+
+    def interrupted(path: Path, *args: Any, **kwargs: Any) -> None:
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(tensors, "write_safetensors", interrupted)
+    code, err = _run(recipe, capsys, monkeypatch, stream=True)
+    assert code == 130 and "nothing was written" in err, err
+    assert len(calls) == 2 and calls[0].name.startswith("model-00001-of-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml"]
+
+    monkeypatch.setattr(tensors, "write_safetensors", real)
+    code, err = _run(recipe, capsys, monkeypatch, stream=True)
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    calls.clear()
+    monkeypatch.setattr(tensors, "write_safetensors", interrupted)
+    code, err = _run(recipe, capsys, monkeypatch, stream=True)
+    assert code == 130 and "unchanged" in err, err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.yaml"]
+
+
+def test_merge_recipes_without_evaluation_stream() -> None:
+    """Which runs stream: a data-free merge with nothing that needs whole models."""
+    from hf_rebasin.recipe import loads_recipe
+    from hf_rebasin.run.plan import streams
+
+    base = {"job": "merge", "models": ["org/a", "org/b"], "strategy": "weight-matching", "output": {"dir": "o"}}
+    evaluate = {"task": "causal-lm", "data": {"dataset": "shakespeare"}}
+    assert streams(loads_recipe(yaml.safe_dump(base)))
+    assert not streams(loads_recipe(yaml.safe_dump({**base, "evaluate": evaluate})))
+    assert not streams(loads_recipe(yaml.safe_dump({**base, "job": "barrier", "evaluate": evaluate})))
+    assert not streams(loads_recipe(yaml.safe_dump({**base, "merge": {"universe": {}}})))
