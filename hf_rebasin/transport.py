@@ -13,6 +13,7 @@ update) and linear in α in canonical coordinates.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import overload
 
 import torch
 from torch import Tensor
@@ -22,18 +23,21 @@ from .errors import IncompatibleModelsError
 from .merge import StorageKey, storage_key
 from .strategies import Alignment
 from .symmetry import SymmetryGraph
+from .tensors import LazyState, shape_of
 
 __all__ = ["add_task_vector", "check_shared", "move_finetune", "task_vector"]
 
 
 def check_shared(base: Mapping[str, Tensor], finetuned: Mapping[str, Tensor], where: str = "task vector") -> None:
     """Every tensor a fine-tune shares with its base has the base's shape (its own head may be new)."""
-    for name, t in base.items():
-        other = finetuned.get(name)
-        if other is not None and other.shape != t.shape:
+    for name in base:
+        if name not in finetuned:
+            continue
+        shape, other = shape_of(base, name), shape_of(finetuned, name)
+        if other != shape:
             raise IncompatibleModelsError(
-                f"{where}: tensor {name!r} has shape {tuple(other.shape)} in the fine-tune but "
-                f"{tuple(t.shape)} in its base: the fine-tune was not trained from this base"
+                f"{where}: tensor {name!r} has shape {tuple(other)} in the fine-tune but "
+                f"{tuple(shape)} in its base: the fine-tune was not trained from this base"
             )
 
 
@@ -42,7 +46,7 @@ def task_vector(
     graph: SymmetryGraph,
     finetuned: Mapping[str, Tensor],
     finetuned_graph: SymmetryGraph | None = None,
-) -> dict[str, Tensor]:
+) -> Mapping[str, Tensor]:
     """π(A_ft) − π(A) in the target's basis (and form), for every floating tensor they share.
 
     ``alignment`` brings the old base A (its ``sd_b``) into the target B's basis; ``graph`` is the
@@ -59,7 +63,7 @@ def move_finetune(
     graph: SymmetryGraph,
     finetuned: Mapping[str, Tensor],
     finetuned_graph: SymmetryGraph | None = None,
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+) -> tuple[Mapping[str, Tensor], dict[str, Tensor]]:
     """``(π(τ), carried)``: the task vector of :func:`task_vector`, and the fine-tune's tensors its
     base lacks (a new head trained on A's features) in B's basis, from one transform of A_ft.
 
@@ -67,12 +71,20 @@ def move_finetune(
     of the axes they read (the residual stream for a classifier head).
     """
     moved_ft = _moved_finetune(alignment, graph, finetuned, finetuned_graph)
+    aligned = alignment.aligned_b()
+    if isinstance(aligned, LazyState) and isinstance(moved_ft, LazyState) and set(moved_ft) == set(aligned):
+        return aligned.derive(lambda name: _difference(moved_ft[name], aligned[name])), {}
     tau: dict[str, Tensor] = {}
-    for name, base in alignment.aligned_b().items():
+    for name, base in aligned.items():
         if base.is_floating_point() and name in moved_ft:
             tau[name] = moved_ft[name].to(torch.float32) - base.to(torch.float32)
     carried = {name: t for name, t in moved_ft.items() if name not in alignment.sd_b and t.is_floating_point()}
     return tau, carried
+
+
+def _difference(finetuned: Tensor, base: Tensor) -> Tensor:
+    """One tensor of τ (a non-floating buffer is no part of a task vector: the base's, unused)."""
+    return finetuned.to(torch.float32) - base.to(torch.float32) if base.is_floating_point() else base
 
 
 def _moved_finetune(
@@ -80,7 +92,7 @@ def _moved_finetune(
     graph: SymmetryGraph,
     finetuned: Mapping[str, Tensor],
     finetuned_graph: SymmetryGraph | None,
-) -> dict[str, Tensor]:
+) -> Mapping[str, Tensor]:
     ft_graph = finetuned_graph if finetuned_graph is not None else graph
     if finetuned_graph is None and list(finetuned) != list(alignment.sd_b) and not alignment.canonical:
         only_ft = sorted(set(finetuned) - set(alignment.sd_b))
@@ -89,32 +101,52 @@ def _moved_finetune(
             f"task vector: the fine-tune and its base hold different tensors (only in the fine-tune: {only_ft[:5]}, "
             f"only in the base: {only_base[:5]}) and no graph of the fine-tune was given"
         )
+    ft: Mapping[str, Tensor]
     if alignment.canonical:
         ft, ft_graph, _ = canonicalize(ft_graph, finetuned)
     else:
-        ft = dict(finetuned)
+        ft = finetuned if isinstance(finetuned, LazyState) else dict(finetuned)
     check_shared(alignment.sd_b, ft)
     return ft_graph.apply(ft, alignment.transform)
 
 
-def add_task_vector(target: Mapping[str, Tensor], tau: Mapping[str, Tensor], alpha: float) -> dict[str, Tensor]:
+@overload
+def add_task_vector(  # type: ignore[overload-overlap]  # a LazyState is a Mapping that stays lazy
+    target: LazyState, tau: Mapping[str, Tensor], alpha: float
+) -> LazyState: ...
+
+
+@overload
+def add_task_vector(target: Mapping[str, Tensor], tau: Mapping[str, Tensor], alpha: float) -> dict[str, Tensor]: ...
+
+
+def add_task_vector(
+    target: Mapping[str, Tensor], tau: Mapping[str, Tensor], alpha: float
+) -> dict[str, Tensor] | LazyState:
     """``target + α·τ`` for every floating tensor of ``target`` (others copied), in its dtypes.
 
     Tensors tied in ``target`` (one storage under two names) stay one tensor, so a tied LM head
-    remains tied; τ must agree on them, which it does when it came from `task_vector`.
+    remains tied; τ must agree on them, which it does when it came from `task_vector`. A
+    `LazyState` target gives a `LazyState`, each tensor added when read.
     """
+    for name in target:
+        if name in tau and shape_of(tau, name) != shape_of(target, name):
+            raise IncompatibleModelsError(
+                f"task vector {name!r} has shape {tuple(shape_of(tau, name))}, the target {tuple(shape_of(target, name))}"
+            )
+    if isinstance(target, LazyState):
+        return target.derive(lambda name: _added(target[name], tau, name, alpha))
     out: dict[str, Tensor] = {}
     done: dict[StorageKey, Tensor] = {}
     for name, t in target.items():
-        if not t.is_floating_point() or name not in tau:
-            out[name] = t
-            continue
-        if tau[name].shape != t.shape:
-            raise IncompatibleModelsError(
-                f"task vector {name!r} has shape {tuple(tau[name].shape)}, the target {tuple(t.shape)}"
-            )
         key = storage_key(t)
         if key not in done:
-            done[key] = (t.to(torch.float32) + alpha * tau[name].to(torch.float32)).to(t.dtype)
+            done[key] = _added(t, tau, name, alpha)
         out[name] = done[key]
     return out
+
+
+def _added(t: Tensor, tau: Mapping[str, Tensor], name: str, alpha: float) -> Tensor:
+    if not t.is_floating_point() or name not in tau:
+        return t
+    return (t.to(torch.float32) + alpha * tau[name].to(torch.float32)).to(t.dtype)

@@ -263,3 +263,56 @@ def test_merge_recipes_without_evaluation_stream() -> None:
     assert not streams(loads_recipe(yaml.safe_dump({**base, "evaluate": evaluate})))
     assert not streams(loads_recipe(yaml.safe_dump({**base, "job": "barrier", "evaluate": evaluate})))
     assert not streams(loads_recipe(yaml.safe_dump({**base, "merge": {"universe": {}}})))
+
+
+@pytest.fixture(scope="module")
+def transport_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Llama base A, its fine-tune A + τ (every weight nudged), and B of another seed, in bf16."""
+    root = tmp_path_factory.mktemp("transport")
+    base, target = tiny.llama(0), tiny.llama(1)
+    finetuned = tiny.llama(0)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in finetuned.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    out = {}
+    for name, model in (("base", base), ("finetuned", finetuned), ("target", target)):
+        model.to(torch.bfloat16).save_pretrained(str(root / name))
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_streamed_transport_writes_what_the_in_memory_transport_writes(
+    strategy: str, transport_folders: dict[str, Path], tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    written = {}
+    for stream in (False, True):
+        name = "streamed" if stream else "memory"
+        body = {
+            "job": "transport",
+            **{role: str(folder) for role, folder in transport_folders.items()},
+            "strategy": strategy,
+            "alpha": 0.8,
+            "output": {"dir": str(tmp_path / name)},
+            "cache": False,
+        }
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(yaml.safe_dump(body), encoding="utf-8")
+        code, err = _run(recipe, capsys, monkeypatch, stream=stream)
+        assert code == 0, err
+        written[stream] = tmp_path / name
+    want, got = _safetensors(written[False]), _safetensors(written[True])
+    assert got.keys() == want.keys()
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype == torch.bfloat16 and torch.equal(got[k], t), k
+    assert json.loads((written[True] / "config.json").read_text()) == json.loads(
+        (written[False] / "config.json").read_text()
+    )
+    record = json.loads((written[True] / "rebasin.json").read_text())
+    assert any("streamed" in n for n in record["notes"]), record["notes"]
+    if strategy == "vanilla":  # B + α·τ, computed here from the files with plain torch
+        sd = {role: _safetensors(folder) for role, folder in transport_folders.items()}
+        for k, t in got.items():
+            tau = sd["finetuned"][k].float() - sd["base"][k].float()
+            assert torch.equal(t, (sd["target"][k].float() + 0.8 * tau).to(torch.bfloat16)), k

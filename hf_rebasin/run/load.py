@@ -8,6 +8,7 @@ reading from disk can stand in for a loaded model where no forward pass is neede
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -201,7 +202,7 @@ def _load_models(
     """Every model on ``dev``, each checked against the reference (a fine-tune: against its base)."""
     total = len(inputs.all)
     done: list[LoadedModel] = []
-    stream = streams(recipe)
+    stream = streams(recipe) and (not isinstance(inputs, TransportRoles) or _plain_finetune(inputs))
 
     def placed(make: Callable[[], LoadedModel]) -> LoadedModel:
         lm = make()
@@ -222,19 +223,35 @@ def _load_models(
         others = [placed(partial(compatible, m, reference)) for m in inputs.others]
         return MergeRoles(reference, tuple(others)), None
     base = placed(partial(compatible, inputs.base, reference))
-    finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe)
+    finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe, stream=stream)
     placed(lambda: finetune)
     return TransportRoles(reference, base, finetune), adapter
 
 
-def _load_finetune(base: LoadedModel, folder: Path, recipe: Recipe) -> tuple[LoadedModel, LoraAdapter | None]:
+def _plain_finetune(inputs: TransportRoles[PlannedModel]) -> bool:
+    """A transport's fine-tune is a full model of its base's class (config.json says so): then
+    τ moves tensor by tensor. An adapter, or a fine-tune with a head of its own, is loaded whole."""
+
+    def architectures(folder: Path) -> Any:
+        try:
+            return json.loads((folder / "config.json").read_text(encoding="utf-8")).get("architectures")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    found = architectures(inputs.finetune.path)
+    return found is not None and found == architectures(inputs.base.path)
+
+
+def _load_finetune(
+    base: LoadedModel, folder: Path, recipe: Recipe, *, stream: bool = False
+) -> tuple[LoadedModel, LoraAdapter | None]:
     """A transport's fine-tune, checked against its base: a full model of the same model type (its
     head may differ: a classifier trained on A's features), or a LoRA adapter merged into A."""
     if is_adapter(folder) and not (folder / "config.json").is_file():
         adapter = read_adapter(folder, base.model, allow_pickle=recipe.allow_pickle, where="finetuned.model")
         merged = rebuild(base.model, apply_adapter(adapter, weights(base)))
         return LoadedModel(merged, base.graph, folder, adapter.dtype), adapter
-    ft = _load(folder, recipe, "finetuned.model")
+    ft = _load(folder, recipe, "finetuned.model", stream=stream)
     type_a, type_ft = base.model.config.model_type, ft.model.config.model_type
     if type_a != type_ft:
         raise IncompatibleModelsError(

@@ -66,9 +66,16 @@ class Plan:
 
 def streams(recipe: Recipe) -> bool:
     """Whether the run reads its models tensor by tensor from their files and writes the result
-    the same way (memory: a few tensors, not the models): a merge of a data-free strategy with
-    nothing that needs whole models in memory (no ``evaluate``, ``data`` or ``merge.universe``)."""
-    return recipe.job == "merge" and recipe.evaluate is None and recipe.data is None and recipe.merge.universe is None
+    the same way (memory: a few tensors, not the models): a merge or a transport by a data-free
+    strategy with nothing that needs whole models in memory (no ``evaluate``, ``data`` or
+    ``merge.universe``). A transport streams only a full fine-tune of its base's class (the run
+    checks the files: see `run.load`)."""
+    return (
+        recipe.job in ("merge", "transport")
+        and recipe.evaluate is None
+        and recipe.data is None
+        and recipe.merge.universe is None
+    )
 
 
 def output_path(recipe: Recipe, output: Path | None) -> Path:

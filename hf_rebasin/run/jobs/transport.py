@@ -43,7 +43,7 @@ class Moved:
     template: PreTrainedModel  # the class and config to build
     untie: bool
 
-    def theta(self, alpha: float) -> dict[str, Tensor]:
+    def theta(self, alpha: float) -> Mapping[str, Tensor]:
         """The weights of ``B + α·τ`` (with the fine-tune's own tensors when its head is new)."""
         body = add_task_vector(self.target, self.tau, alpha)
         if not self.carried:
