@@ -213,6 +213,11 @@ def _run_options(parser: argparse.ArgumentParser, output_help: str, output: str 
     )
     parser.add_argument("--output", metavar="DIR", default=output, help=output_help)
     parser.add_argument("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps (overrides `device`)")
+    parser.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="run even when the estimated peak memory exceeds what is available (the dry run prints the estimate)",
+    )
 
 
 COMMANDS = ("verify", "align", "run", "demo", "zoo", "push", "schema")
@@ -566,14 +571,22 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     recipe = load_recipe(args.recipe)
     output = Path(args.output) if args.output else None
     if args.dry_run:
-        for line in build_plan(recipe, output=output).lines():
+        planned = build_plan(recipe, output=output)
+        for line in planned.lines():
             console.print(escape(line), soft_wrap=True)
+        if planned.memory is not None and not args.no_memory_check:
+            planned.memory.check()  # the numbers, and exit 2, as the run would stop
         return EXIT_OK
     _quiet_libraries()
     _quiet_datasets()
     with _progress_bars(console) as bars:
         result = run_recipe(
-            recipe, output=output, device=args.device, progress=_stage_reporter(bars), command=args.command_line
+            recipe,
+            output=output,
+            device=args.device,
+            progress=_stage_reporter(bars),
+            command=args.command_line,
+            check_memory=not args.no_memory_check,
         )
     print_run_summary(console, result)
     if result.push_error is not None:

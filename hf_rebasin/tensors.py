@@ -206,8 +206,12 @@ class CheckpointSource(LazyState):
         super().__init__({n: e.shape for n, e in self._where.items()}, dtypes, self._load, aliases=aliases)
 
     def _load(self, name: str) -> Tensor:
-        t = _read_entry(self._where[name])
+        t = self.stored(name)
         return t.to(WORK_DTYPE) if t.is_floating_point() else t
+
+    def stored(self, name: str) -> Tensor:
+        """Tensor ``name`` as the file stores it (bf16 stays bf16): for checks that need no float32."""
+        return _read_entry(self._where[name])
 
     def file_of(self, name: str) -> Path:
         return self._where[name].file

@@ -163,7 +163,7 @@ def _recipe(root: Path, name: str, models: tuple[Path, Path], strategy: str, **o
 
 
 def _run(recipe: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, *, stream: bool) -> tuple[int, str]:
-    monkeypatch.setattr(run_load, "streams", lambda _recipe: stream)
+    monkeypatch.setattr(run_load, "streamed", lambda _recipe, _models: stream)
     capsys.readouterr()
     code = main([str(recipe)])
     return code, " ".join(capsys.readouterr().err.split())

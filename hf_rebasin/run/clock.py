@@ -11,7 +11,8 @@ __all__ = ["STAGES", "Progress", "StageClock", "noop"]
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: the CLI turns each stage into a progress bar (total 0: unknown)."""
 
-STAGES = ("load", "align", "evaluate", "save")  # rebasin.json's ``timings``; ``train`` only when a zoo model trains
+STAGES = ("load", "align", "evaluate", "save")  # rebasin.json's ``timings``; ``train`` only when a zoo model trains,
+# ``check`` when the function-preservation check runs (forward passes of B and aligned B)
 
 
 def noop(stage: str, done: int, total: int) -> None:

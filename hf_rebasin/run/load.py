@@ -8,7 +8,6 @@ reading from disk can stand in for a loaded model where no forward pass is neede
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -41,7 +40,7 @@ from .alignment_cache import RunCache
 from .checks import check_adapter, check_remote_code, check_tokenizers, read_paths, task_mismatch
 from .clock import Progress, StageClock, noop
 from .data import BatchSpec, batches, metrics, processor
-from .plan import Plan, streams
+from .plan import Plan, memory_estimate, streamed
 from .resolve import PlannedModel, resolve_model, untrained_zoo
 from .roles import MergeRoles, Roles, TransportRoles
 from .score import Scorer
@@ -108,10 +107,13 @@ class Workspace:
         return self.clock.seconds
 
 
-def load_workspace(plan: Plan, *, device_name: str | None = None, progress: Progress | None = None) -> Workspace:
+def load_workspace(
+    plan: Plan, *, device_name: str | None = None, progress: Progress | None = None, check_memory: bool = True
+) -> Workspace:
     """Download or train what the plan resolved, load every model by role, read the data once.
 
-    Zoo models trained on first use are timed apart (``train``); the rest is ``load``."""
+    Zoo models trained on first use are timed apart (``train``); the rest is ``load``. A run whose
+    estimated peak memory exceeds what is available stops before loading (``check_memory``)."""
     recipe = plan.recipe
     report = progress or noop
     dev = resolve_device(device_name or recipe.device)
@@ -121,6 +123,8 @@ def load_workspace(plan: Plan, *, device_name: str | None = None, progress: Prog
     metric_list = metrics(recipe, base_dir)  # before any model loads: a metric that does not load fails fast
     with clock.stage("train" if untrained_zoo(recipe) else "load"):
         inputs = _fetch(plan, report, notes)
+    if check_memory:  # with every model downloaded: their sizes are known now
+        memory_estimate(recipe, inputs).check()
     with clock.stage("load"):
         if isinstance(inputs, TransportRoles):
             notes.extend(plan.adapter_notes if plan.adapter_notes is not None else check_adapter(recipe, inputs))
@@ -202,7 +206,7 @@ def _load_models(
     """Every model on ``dev``, each checked against the reference (a fine-tune: against its base)."""
     total = len(inputs.all)
     done: list[LoadedModel] = []
-    stream = streams(recipe) and (not isinstance(inputs, TransportRoles) or _plain_finetune(inputs))
+    stream = streamed(recipe, inputs)
 
     def placed(make: Callable[[], LoadedModel]) -> LoadedModel:
         lm = make()
@@ -226,20 +230,6 @@ def _load_models(
     finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe, stream=stream)
     placed(lambda: finetune)
     return TransportRoles(reference, base, finetune), adapter
-
-
-def _plain_finetune(inputs: TransportRoles[PlannedModel]) -> bool:
-    """A transport's fine-tune is a full model of its base's class (config.json says so): then
-    τ moves tensor by tensor. An adapter, or a fine-tune with a head of its own, is loaded whole."""
-
-    def architectures(folder: Path) -> Any:
-        try:
-            return json.loads((folder / "config.json").read_text(encoding="utf-8")).get("architectures")
-        except (OSError, ValueError, AttributeError):
-            return None
-
-    found = architectures(inputs.finetune.path)
-    return found is not None and found == architectures(inputs.base.path)
 
 
 def _load_finetune(

@@ -25,18 +25,22 @@ def run_recipe(
     device: str | None = None,
     progress: Progress | None = None,
     command: str | None = None,
+    check_memory: bool = True,
 ) -> RunResult:
     """Run ``recipe``: align every model to the first, merge (job merge), evaluate, write the folder.
 
     ``output`` and ``device`` override the recipe's; ``command`` is the line the model card gives
-    to reproduce the run (default ``hf-rebasin <recipe file>``). Nothing is written until everything is computed,
+    to reproduce the run (default ``hf-rebasin <recipe file>``). ``check_memory`` refuses a run whose
+    estimated peak memory exceeds what is available, before loading (see `run.memory`). Nothing is written until everything is computed,
     and then into a temporary folder renamed into place (see `export.output_folder`). The output is
     held for the whole run (`export.claim_output`): a second run on it is refused at once, and the
     leftovers of a killed run are cleaned up first (the result's notes say what was done).
     """
     plan = build_plan(recipe, output=output)
+    if check_memory and plan.memory is not None:
+        plan.memory.check()
     with claim_output(plan.output, overwrite=recipe.output.overwrite, where=plan.output_field) as recovered:
-        ws = load_workspace(plan, device_name=device, progress=progress)
+        ws = load_workspace(plan, device_name=device, progress=progress, check_memory=check_memory)
         done = JOBS[recipe.job](ws)
         result = done.result
         result.files = write_folder(ws, done, command)

@@ -8,9 +8,11 @@ the plan could not see (a Hub model not downloaded yet, a zoo model not trained 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from ..export import check_output
 from ..recipe import ModelRef, Recipe, describe
@@ -24,10 +26,11 @@ from .checks import (
     read_paths,
     task_folder,
 )
+from .memory import MemoryEstimate, estimate
 from .resolve import PlannedModel, resolve_model
 from .roles import Roles, TransportRoles, recipe_roles
 
-__all__ = ["Plan", "build_plan", "plan", "streams"]
+__all__ = ["Plan", "build_plan", "memory_estimate", "plan", "streamed", "streams"]
 
 CACHED = " (resolved from the local Hugging Face cache, offline)"
 
@@ -44,6 +47,7 @@ class Plan:
     remote_checked: frozenset[int] = frozenset()  # models (by recipe index) checked for repository code
     tokenizer_notes: tuple[tuple[int, str | None], ...] = ()  # (index, note or None) of each model checked
     adapter_notes: tuple[str, ...] | None = None  # None: the adapter check waits for the download
+    memory: MemoryEstimate | None = None  # the estimated peak (checked before loading, again after downloads)
 
     @property
     def all(self) -> tuple[PlannedModel, ...]:
@@ -60,6 +64,8 @@ class Plan:
             lines = [
                 f"output: {self.output} (from --output)" if line.startswith("output: ") else line for line in lines
             ]
+        if self.memory is not None:
+            lines.extend(self.memory.lines())
         lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
         return lines
 
@@ -68,14 +74,38 @@ def streams(recipe: Recipe) -> bool:
     """Whether the run reads its models tensor by tensor from their files and writes the result
     the same way (memory: a few tensors, not the models): a merge or a transport by a data-free
     strategy with nothing that needs whole models in memory (no ``evaluate``, ``data`` or
-    ``merge.universe``). A transport streams only a full fine-tune of its base's class (the run
-    checks the files: see `run.load`)."""
+    ``merge.universe``). A transport streams only a full fine-tune of its base's class
+    (`streamed` checks the files)."""
     return (
         recipe.job in ("merge", "transport")
         and recipe.evaluate is None
         and recipe.data is None
         and recipe.merge.universe is None
     )
+
+
+def streamed(recipe: Recipe, models: Roles[PlannedModel]) -> bool:
+    """`streams`, and for a transport, a fine-tune that is a full model of its base's class
+    (config.json says so: an adapter, or a fine-tune with a head of its own, is loaded whole)."""
+    if not streams(recipe):
+        return False
+    if not isinstance(models, TransportRoles):
+        return True
+
+    def architectures(m: PlannedModel) -> Any:
+        try:
+            return json.loads((m.path / "config.json").read_text(encoding="utf-8")).get("architectures")
+        except (OSError, ValueError, AttributeError, RuntimeError):  # RuntimeError: not downloaded yet
+            return None
+
+    found = architectures(models.finetune)
+    return found is not None and found == architectures(models.base)
+
+
+def memory_estimate(recipe: Recipe, models: Roles[PlannedModel]) -> MemoryEstimate:
+    """The run's peak memory, from the files of the models that are local (see `run.memory`)."""
+    local = [(m.where, m.folder if m.ready else None) for m in models.all]
+    return estimate(recipe, local, streamed=streamed(recipe, models))
 
 
 def output_path(recipe: Recipe, output: Path | None) -> Path:
@@ -123,6 +153,7 @@ def build_plan(recipe: Recipe, *, output: Path | None = None) -> Plan:
         remote_checked=remote,
         tokenizer_notes=tuple((i, note) for i, note in tokenizers.items() if ready and models.all[i].ready),
         adapter_notes=adapter_notes,
+        memory=memory_estimate(recipe, models),
     )
 
 

@@ -43,7 +43,8 @@ def aligned_preservation(
     """``function_preserved`` of every aligned model, on real inputs when the run has data."""
     real = [ws.eval_batches, ws.align_batches]
     inputs = check_inputs(models.reference, real, ws.device)
-    return preservation(ws.recipe.strategy.name, models.others, alignments, aligned, inputs, real=any(real))
+    with ws.clock.stage("check"):
+        return preservation(ws.recipe.strategy.name, models.others, alignments, aligned, inputs, real=any(real))
 
 
 def findings_of(

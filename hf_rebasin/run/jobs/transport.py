@@ -63,9 +63,10 @@ def run(ws: Workspace) -> JobOutput:
     naive = _naive(ws, models)
     inputs = check_inputs(models.target, [ws.eval_batches if not moved.carried else None, ws.align_batches], ws.device)
     real = bool(ws.eval_batches or ws.align_batches)
-    preserved = preservation(
-        ws.recipe.strategy.name, [models.base], [alignment], [alignment.aligned_b()], inputs, real=real
-    )
+    with ws.clock.stage("check"):
+        preserved = preservation(
+            ws.recipe.strategy.name, [models.base], [alignment], [alignment.aligned_b()], inputs, real=real
+        )
     record = _scores(ws, models, moved, naive)
     saved_model = ws.adapter is None
     canonical = alignment.canonical and saved_model

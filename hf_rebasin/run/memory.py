@@ -1,0 +1,216 @@
+"""How much memory a run needs, estimated from the plan before a weight is loaded.
+
+Each model's size comes from its safetensors headers (no weight is read): parameters, stored dtype,
+bytes, and the largest tensor. A streamed run (`plan.streams`) holds a few copies of the largest
+tensor and, for the matching strategies, the assignment problem of the widest space; a run that
+loads its models holds each of them in float32 plus the copies its job makes (aligned, canonical,
+merged, the model rebuilt for saving or scoring). The constants were measured on this package's
+benchmarks (``benchmarks/bench_scale.py``): an estimate, stated as one, that errs on the high side.
+
+Torch-free: the dry run prints it without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import RebasinUserError
+from ..recipe import Recipe
+
+__all__ = ["InsufficientMemoryError", "MemoryEstimate", "ModelFootprint", "available_memory", "estimate", "footprint"]
+
+GIB = 1024**3
+OVERHEAD = 1 * GIB  # Python with torch, transformers and datasets imported, before any model
+STREAM_COPIES = 6  # float32 copies of the largest tensor a streamed step holds (inputs, maps, float64 sum)
+LAP_COPIES = 3  # float64 copies of the widest space's n×n cost (view, solver input, solver work)
+_ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2}
+_ITEM |= {"I8": 1, "U8": 1, "BOOL": 1}
+_FLOATING = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_FLOATING |= {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_WIDTHS = ("intermediate_size", "n_inner", "hidden_size", "n_embd", "d_model")
+
+
+class InsufficientMemoryError(RebasinUserError, MemoryError):
+    """The run's estimated peak memory exceeds what the machine has available."""
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """A model's size as its files state it."""
+
+    params: int  # elements of its tensors
+    nbytes: int  # bytes of its tensors on disk
+    dtype: str  # the floating dtype holding most values
+    largest: int  # elements of its largest tensor
+    width: int  # its widest hidden space (MLP units or residual): the size of an assignment problem
+
+
+def _shards(folder: Path) -> list[Path]:
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = folder / "model.safetensors.index.json"
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _width(config: object) -> int:
+    """The widest hidden space a config names (sub-configs included)."""
+    if not isinstance(config, dict):
+        return 0
+    found = [v for k, v in config.items() if k in _WIDTHS and isinstance(v, int)]
+    if config.get("n_inner") is None and isinstance(config.get("n_embd"), int):
+        found.append(4 * config["n_embd"])  # GPT-2's MLP default
+    found += [_width(v) for v in config.values() if isinstance(v, dict)]
+    return max(found, default=0)
+
+
+def footprint(folder: Path) -> ModelFootprint | None:
+    """The size of the model in ``folder`` from its safetensors headers; None when it has none
+    (a pickle checkpoint, a LoRA adapter, a folder not downloaded yet)."""
+    params = nbytes = largest = 0
+    by_dtype: dict[str, int] = {}
+    files = _shards(Path(folder))
+    for f in files:
+        try:
+            with open(f, "rb") as h:
+                (size,) = struct.unpack("<Q", h.read(8))
+                header = json.loads(h.read(size))
+        except (OSError, ValueError, struct.error):
+            return None
+        for name, info in header.items():
+            if name == "__metadata__" or not isinstance(info, dict):
+                continue
+            n = math.prod(info.get("shape", []))
+            params += n
+            nbytes += n * _ITEM.get(str(info.get("dtype")), 4)
+            largest = max(largest, n)
+            if info.get("dtype") in _FLOATING:
+                by_dtype[_FLOATING[info["dtype"]]] = by_dtype.get(_FLOATING[info["dtype"]], 0) + n
+    if not files or not params:
+        return None
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    dtype = max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else "float32"
+    return ModelFootprint(params, nbytes, dtype, largest, _width(config))
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still use: the kernel's MemAvailable, lowered to the cgroup's limit."""
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    if not found and hasattr(os, "sysconf"):
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):
+            pass
+    return min(found) if found else None
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The plan's memory: each model's footprint, how the run holds them, the estimated peak."""
+
+    models: tuple[tuple[str, ModelFootprint | None], ...]  # (where in the recipe, footprint)
+    streamed: bool
+    peak: int | None  # bytes; None while a model's size is unknown (not downloaded yet)
+    available: int | None
+    how: str  # what the estimate counts, for the dry run
+
+    @property
+    def fits(self) -> bool:
+        return self.peak is None or self.available is None or self.peak <= self.available
+
+    def lines(self) -> list[str]:
+        """The dry run's lines: per model its size, then the estimated peak against what is available."""
+        out = []
+        for where, fp in self.models:
+            if fp is None:
+                out.append(f"model {where}: size known once downloaded (or not a safetensors checkpoint)")
+            else:
+                out.append(f"model {where}: {fp.params / 1e6:,.1f}M parameters, {fp.dtype}, {_gib(fp.nbytes)} on disk")
+        mode = "streamed tensor by tensor" if self.streamed else "models loaded whole, in float32"
+        if self.peak is None:
+            out.append(f"memory: {mode}; peak estimated once every model is downloaded")
+        else:
+            free = f" of {_gib(self.available)} available" if self.available is not None else ""
+            out.append(f"memory: {mode}; estimated peak {_gib(self.peak)}{free} ({self.how})")
+        return out
+
+    def check(self) -> None:
+        """Refuse a run that would not fit, before a weight is loaded (exit 2, with the numbers)."""
+        if self.fits:
+            return
+        assert self.peak is not None and self.available is not None
+        sizes = ", ".join(f"{where} {_gib(fp.nbytes)} ({fp.dtype})" for where, fp in self.models if fp is not None)
+        hint = (
+            "Remove `evaluate` and `data` (a merge or transport by a data-free strategy then streams its models "
+            "tensor by tensor), use a machine with more memory"
+            if not self.streamed
+            else "Use a machine with more memory"
+        )
+        raise InsufficientMemoryError(
+            f"this run needs about {_gib(self.peak)} of memory ({self.how}) but {_gib(self.available)} is available "
+            f"(models: {sizes}); it was stopped before loading anything. {hint}, or pass --no-memory-check to run "
+            "anyway if you know the estimate is too high"
+        )
+
+
+def estimate(
+    recipe: Recipe, models: list[tuple[str, Path | None]], *, streamed: bool, available: int | None = None
+) -> MemoryEstimate:
+    """The memory a run of ``recipe`` will need, from its models' files (``None``: not local yet)."""
+    found = tuple((where, footprint(folder) if folder is not None else None) for where, folder in models)
+    avail = available if available is not None else available_memory()
+    known = [fp for _, fp in found if fp is not None]
+    if len(known) < len(found):
+        return MemoryEstimate(found, streamed, None, avail, "")
+    matching = recipe.strategy.name != "vanilla"
+    lap = LAP_COPIES * 8 * max(fp.width for fp in known) ** 2 if matching else 0
+    if streamed:
+        largest = max(fp.largest for fp in known)
+        peak = OVERHEAD + STREAM_COPIES * 4 * largest + lap
+        how = f"{STREAM_COPIES} float32 copies of the largest tensor" + (
+            ", the widest assignment problem" if lap else ""
+        )
+        return MemoryEstimate(found, True, peak, avail, how)
+    f32 = [4 * fp.params for fp in known]
+    copies = sum(f32)  # every model in float32
+    copies += 2 * f32[0]  # the result and the model rebuilt to save or score it
+    if matching or recipe.strategy.name == "head-perm":
+        copies += sum(f32[1:])  # the other models in the reference's basis
+    if recipe.strategy.name == "generalized-orthogonal":
+        copies += sum(f32)  # canonical forms
+    if recipe.evaluate is not None:
+        copies += 2 * f32[0]  # the model the λ sweep rebuilds, and its interpolated weights
+    peak = OVERHEAD + copies + lap
+    how = f"{copies / max(f32[0], 1):.1f}× the reference model in float32" + (
+        ", the widest assignment problem" if lap else ""
+    )
+    return MemoryEstimate(found, False, peak, avail, how)
