@@ -516,13 +516,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
     stream: bool = False,
+    device: torch.device | None = None,
 ) -> LoadedModel:
     """Load a model folder with its stock class, after checking every tensor against the config.
 
     ``trust_remote_code`` accepts a folder whose files name their own code (the code is never run:
     the stock class of the model_type is used). ``stream`` loads no weight: the model reads its
-    tensors from its safetensors files when they are used (see `LoadedModel`); a pickle checkpoint,
-    or one that transformers converts while loading, is loaded whole instead.
+    tensors from its safetensors files when they are used (see `LoadedModel`), onto ``device``; a
+    pickle checkpoint, or one that transformers converts while loading, is loaded whole instead.
     """
     from .remote_code import refuse_remote_code
 
@@ -538,7 +539,7 @@ def load_model(
     checkpoint = _checkpoint_shapes(folder, allow_pickle)
     names = _check_checkpoint(folder, cls, config, checkpoint)
     if stream and checkpoint.files and all(f.endswith(".safetensors") for f in checkpoint.files.values()):
-        streamed = _streamed(folder, cls, config, checkpoint, names)
+        streamed = _streamed(folder, cls, config, checkpoint, names, device)
         if streamed is not None:
             _check_finite(folder, streamed.weights, names, checkpoint)
             return streamed
@@ -575,7 +576,12 @@ def load_model(
 
 
 def _streamed(
-    folder: Path, cls: type[PreTrainedModel], config: Any, checkpoint: _Checkpoint, names: Mapping[str, str]
+    folder: Path,
+    cls: type[PreTrainedModel],
+    config: Any,
+    checkpoint: _Checkpoint,
+    names: Mapping[str, str],
+    device: torch.device | None,
 ) -> LoadedModel | None:
     """The model as a tensor source over its files and a meta-device module; None when
     transformers would convert tensors while loading (only renaming is followed here)."""
@@ -588,7 +594,7 @@ def _streamed(
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     order = list(model.state_dict())
     aliases = {alias: source for alias, source in tied.items() if alias in order and alias not in names}
-    source = CheckpointSource(folder, checkpoint_entries(files), names, aliases=aliases, order=order)
+    source = CheckpointSource(folder, checkpoint_entries(files), names, aliases=aliases, order=order, device=device)
     spec = get_adapter(getattr(config, "model_type", None))
     graph = spec.graph(model.config, order)
     graph.check(model.state_dict(), source=str(folder))  # shapes only: the parameters are on meta

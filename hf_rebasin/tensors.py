@@ -183,7 +183,8 @@ class CheckpointSource(LazyState):
     Floating tensors come as float32 (what every computation here runs in, like a model loaded
     with ``dtype=float32``); ``stored_dtypes`` keeps what the files hold. ``names`` maps a model
     name to the checkpoint key holding it (transformers may rename keys when it loads); ``aliases``
-    maps a tied name to the name that holds the data (a tied LM head is stored once).
+    maps a tied name to the name that holds the data (a tied LM head is stored once). Tensors are
+    read on the CPU and handed over on ``device`` (a CUDA device: every step after the read runs there).
     """
 
     def __init__(
@@ -194,8 +195,10 @@ class CheckpointSource(LazyState):
         *,
         aliases: Mapping[str, str] | None = None,
         order: Sequence[str] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.folder = Path(folder)
+        self.device = device or torch.device("cpu")  # where tensors go once read: the run's device
         aliases = dict(aliases or {})
         self._where: dict[str, SafetensorsEntry] = {}
         for name in order if order is not None else list(names) + list(aliases):
@@ -206,7 +209,7 @@ class CheckpointSource(LazyState):
         super().__init__({n: e.shape for n, e in self._where.items()}, dtypes, self._load, aliases=aliases)
 
     def _load(self, name: str) -> Tensor:
-        t = self.stored(name)
+        t = self.stored(name).to(self.device)
         return t.to(WORK_DTYPE) if t.is_floating_point() else t
 
     def stored(self, name: str) -> Tensor:

@@ -129,10 +129,15 @@ def load_workspace(
         if isinstance(inputs, TransportRoles):
             notes.extend(plan.adapter_notes if plan.adapter_notes is not None else check_adapter(recipe, inputs))
         models, adapter = _load_models(recipe, inputs, dev, report)
-        if any(lm.source is not None for lm in models.all):
+        sources = [lm.source for lm in models.all if lm.source is not None]
+        if sources:
+            on = sources[0].device
+            where = f"; tensor math on {on}" + (
+                " (MPS has no float64: forward passes only on mps)" if dev.type == "mps" else ""
+            )
             notes.append(
                 "weights streamed: read from the safetensors files one tensor at a time and written the same way "
-                "(a merge of a data-free strategy without evaluation needs no model whole in memory)"
+                f"(a {recipe.job} of a data-free strategy without evaluation needs no model whole in memory){where}"
             )
         out_dtype, dtype_entry = output_dtype(recipe, models, adapter, notes)
         task, align_task = _tasks(recipe, models)
@@ -188,11 +193,17 @@ def _fetch(plan: Plan, report: Progress, notes: list[str]) -> Roles[PlannedModel
     return inputs
 
 
-def _load(folder: Path, recipe: Recipe, where: str, *, stream: bool = False) -> LoadedModel:
+def _load(
+    folder: Path, recipe: Recipe, where: str, *, stream: bool = False, device: torch.device | None = None
+) -> LoadedModel:
     """`models.load_model` with the recipe's settings; a user error names the recipe field."""
     try:
         return load_model(
-            folder, allow_pickle=recipe.allow_pickle, trust_remote_code=recipe.trust_remote_code, stream=stream
+            folder,
+            allow_pickle=recipe.allow_pickle,
+            trust_remote_code=recipe.trust_remote_code,
+            stream=stream,
+            device=device,
         )
     except RebasinUserError as e:
         if str(e).startswith("`"):
@@ -207,6 +218,9 @@ def _load_models(
     total = len(inputs.all)
     done: list[LoadedModel] = []
     stream = streamed(recipe, inputs)
+    # streamed tensors are computed on the run's device; MPS has no float64 (the canonical form, the
+    # weight views, the float64 sums need it), so there they stay on the CPU
+    on = dev if dev.type != "mps" else torch.device("cpu")
 
     def placed(make: Callable[[], LoadedModel]) -> LoadedModel:
         lm = make()
@@ -217,23 +231,23 @@ def _load_models(
         return lm
 
     def compatible(m: PlannedModel, reference: LoadedModel) -> LoadedModel:
-        lm = _load(m.path, recipe, m.where, stream=stream)
+        lm = _load(m.path, recipe, m.where, stream=stream, device=on)
         check_compatible(reference, lm)
         return lm
 
     report(LOAD_STAGE, 0, total)
-    reference = placed(lambda: _load(inputs.reference.path, recipe, inputs.reference.where, stream=stream))
+    reference = placed(lambda: _load(inputs.reference.path, recipe, inputs.reference.where, stream=stream, device=on))
     if isinstance(inputs, MergeRoles):
         others = [placed(partial(compatible, m, reference)) for m in inputs.others]
         return MergeRoles(reference, tuple(others)), None
     base = placed(partial(compatible, inputs.base, reference))
-    finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe, stream=stream)
+    finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe, stream=stream, device=on)
     placed(lambda: finetune)
     return TransportRoles(reference, base, finetune), adapter
 
 
 def _load_finetune(
-    base: LoadedModel, folder: Path, recipe: Recipe, *, stream: bool = False
+    base: LoadedModel, folder: Path, recipe: Recipe, *, stream: bool = False, device: torch.device | None = None
 ) -> tuple[LoadedModel, LoraAdapter | None]:
     """A transport's fine-tune, checked against its base: a full model of the same model type (its
     head may differ: a classifier trained on A's features), or a LoRA adapter merged into A."""
@@ -241,7 +255,7 @@ def _load_finetune(
         adapter = read_adapter(folder, base.model, allow_pickle=recipe.allow_pickle, where="finetuned.model")
         merged = rebuild(base.model, apply_adapter(adapter, weights(base)))
         return LoadedModel(merged, base.graph, folder, adapter.dtype), adapter
-    ft = _load(folder, recipe, "finetuned.model", stream=stream)
+    ft = _load(folder, recipe, "finetuned.model", stream=stream, device=device)
     type_a, type_ft = base.model.config.model_type, ft.model.config.model_type
     if type_a != type_ft:
         raise IncompatibleModelsError(

@@ -28,6 +28,7 @@ GIB = 1024**3
 OVERHEAD = 1 * GIB  # Python with torch, transformers and datasets imported, before any model
 STREAM_COPIES = 6  # float32 copies of the largest tensor a streamed step holds (inputs, maps, float64 sum)
 LAP_COPIES = 3  # float64 copies of the widest space's n×n cost (view, solver input, solver work)
+LEARNED_COPIES = 3  # learned matching: B under the dense maps and the interpolation (kept for backward), the model
 _ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2}
 _ITEM |= {"I8": 1, "U8": 1, "BOOL": 1}
 _FLOATING = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -129,6 +130,17 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
+def resident() -> int:
+    """This process's resident memory now: already in use, so not part of what is available."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
@@ -140,12 +152,15 @@ class MemoryEstimate:
     models: tuple[tuple[str, ModelFootprint | None], ...]  # (where in the recipe, footprint)
     streamed: bool
     peak: int | None  # bytes; None while a model's size is unknown (not downloaded yet)
-    available: int | None
+    available: int | None  # what the machine has free now, besides what this process holds
     how: str  # what the estimate counts, for the dry run
+    learned_limit: int | None = None  # learned matching: the most parameters per model that fit here
+
+    held: int = 0  # this process's resident memory when estimated (counted in the peak, not available)
 
     @property
     def fits(self) -> bool:
-        return self.peak is None or self.available is None or self.peak <= self.available
+        return self.peak is None or self.available is None or self.peak <= self.available + self.held
 
     def lines(self) -> list[str]:
         """The dry run's lines: per model its size, then the estimated peak against what is available."""
@@ -159,8 +174,10 @@ class MemoryEstimate:
         if self.peak is None:
             out.append(f"memory: {mode}; peak estimated once every model is downloaded")
         else:
-            free = f" of {_gib(self.available)} available" if self.available is not None else ""
+            free = f" of {_gib(self.available + self.held)} available" if self.available is not None else ""
             out.append(f"memory: {mode}; estimated peak {_gib(self.peak)}{free} ({self.how})")
+        if self.learned_limit is not None:
+            out.append(f"learned matching: models of up to {self.learned_limit / 1e6:,.0f}M parameters fit here")
         return out
 
     def check(self) -> None:
@@ -169,14 +186,22 @@ class MemoryEstimate:
             return
         assert self.peak is not None and self.available is not None
         sizes = ", ".join(f"{where} {_gib(fp.nbytes)} ({fp.dtype})" for where, fp in self.models if fp is not None)
-        hint = (
-            "Remove `evaluate` and `data` (a merge or transport by a data-free strategy then streams its models "
-            "tensor by tensor), use a machine with more memory"
-            if not self.streamed
-            else "Use a machine with more memory"
-        )
+        if self.learned_limit is not None:
+            hint = (
+                f"Learned matching holds the models whole with their gradients: it supports models of up to "
+                f"{self.learned_limit / 1e6:,.0f}M parameters here. Drop `learned` (the data-free alignment streams "
+                "without `evaluate` and `data`), use a machine with more memory"
+            )
+        elif not self.streamed:
+            hint = (
+                "Remove `evaluate` and `data` (a merge or transport by a data-free strategy then streams its models "
+                "tensor by tensor), use a machine with more memory"
+            )
+        else:
+            hint = "Use a machine with more memory"
         raise InsufficientMemoryError(
-            f"this run needs about {_gib(self.peak)} of memory ({self.how}) but {_gib(self.available)} is available "
+            f"this run needs about {_gib(self.peak)} of memory ({self.how}) but {_gib(self.available + self.held)} "
+            "is available "
             f"(models: {sizes}); it was stopped before loading anything. {hint}, or pass --no-memory-check to run "
             "anyway if you know the estimate is too high"
         )
@@ -188,9 +213,10 @@ def estimate(
     """The memory a run of ``recipe`` will need, from its models' files (``None``: not local yet)."""
     found = tuple((where, footprint(folder) if folder is not None else None) for where, folder in models)
     avail = available if available is not None else available_memory()
+    held = resident() if available is None else 0
     known = [fp for _, fp in found if fp is not None]
     if len(known) < len(found):
-        return MemoryEstimate(found, streamed, None, avail, "")
+        return MemoryEstimate(found, streamed, None, avail, "", held=held)
     matching = recipe.strategy.name != "vanilla"
     lap = LAP_COPIES * 8 * max(fp.width for fp in known) ** 2 if matching else 0
     if streamed:
@@ -199,7 +225,7 @@ def estimate(
         how = f"{STREAM_COPIES} float32 copies of the largest tensor" + (
             ", the widest assignment problem" if lap else ""
         )
-        return MemoryEstimate(found, True, peak, avail, how)
+        return MemoryEstimate(found, True, peak, avail, how, held=held)
     f32 = [4 * fp.params for fp in known]
     copies = sum(f32)  # every model in float32
     copies += 2 * f32[0]  # the result and the model rebuilt to save or score it
@@ -209,8 +235,13 @@ def estimate(
         copies += sum(f32)  # canonical forms
     if recipe.evaluate is not None:
         copies += 2 * f32[0]  # the model the λ sweep rebuilds, and its interpolated weights
+    learned = bool(getattr(recipe.strategy.options, "learned", False))
+    if learned:
+        copies += LEARNED_COPIES * f32[0]  # B mapped and the interpolation, kept for backward; the model run
     peak = OVERHEAD + copies + lap
-    how = f"{copies / max(f32[0], 1):.1f}× the reference model in float32" + (
-        ", the widest assignment problem" if lap else ""
-    )
-    return MemoryEstimate(found, False, peak, avail, how)
+    factor = copies / max(f32[0], 1)
+    how = f"{factor:.1f}× the reference model in float32" + (", the widest assignment problem" if lap else "")
+    limit = None
+    if learned and avail is not None:  # the largest model (reference-sized) learned matching fits here
+        limit = max(0, int((avail + held - OVERHEAD - lap) / (4 * factor)))
+    return MemoryEstimate(found, False, peak, avail, how, learned_limit=limit, held=held)
