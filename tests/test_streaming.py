@@ -263,6 +263,73 @@ def test_merge_recipes_without_evaluation_stream() -> None:
     assert not streams(loads_recipe(yaml.safe_dump({**base, "evaluate": evaluate})))
     assert not streams(loads_recipe(yaml.safe_dump({**base, "job": "barrier", "evaluate": evaluate})))
     assert not streams(loads_recipe(yaml.safe_dump({**base, "merge": {"universe": {}}})))
+    data = {"data": {"dataset": "shakespeare"}}
+    assert streams(loads_recipe(yaml.safe_dump({**base, "strategy": "head-perm", **data})))
+    learned = {"name": "generalized-orthogonal", "learned": True}
+    assert not streams(loads_recipe(yaml.safe_dump({**base, "strategy": learned, **data})))
+
+
+@pytest.fixture(scope="module")
+def text_pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Tiny Llama (rotary, GQA) and GPT-2 (fused q|k|v, tied head) pairs in bf16 with a character
+    tokenizer, and a corpus."""
+    from hf_rebasin.data import char_tokenizer, shakespeare_text
+
+    root = tmp_path_factory.mktemp("text")
+    text = shakespeare_text(["hamlet"])[:3000].lower()
+    tok = char_tokenizer(text)
+    assert len(tok) <= tiny.V
+    (root / "corpus.txt").write_text(text, encoding="utf-8")
+    out: dict[str, Any] = {"root": root}
+    for arch in ("llama", "gpt2"):
+        folders = []
+        for seed in (0, 1):
+            folder = root / f"{arch}-{seed}"
+            getattr(tiny, arch)(seed).to(torch.bfloat16).save_pretrained(str(folder))
+            tok.save_pretrained(str(folder))
+            folders.append(folder)
+        out[arch] = tuple(folders)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [
+        ("llama", {}),
+        ("gpt2", {}),
+        ("llama", {"heads": "monotonic", "special_tokens": False}),
+        ("gpt2", {"residual": "first"}),  # residual statistics: whole offloaded forwards, not layer by layer
+    ],
+)
+def test_streamed_head_perm_writes_what_the_in_memory_head_perm_writes(
+    arch: str, options: dict[str, Any], text_pairs: dict[str, Any], tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
+    """Statistics collected layer by layer (A and B in lockstep) give the very same alignment."""
+    root = text_pairs["root"]
+    written, notes = {}, {}
+    for stream in (False, True):
+        name = "streamed" if stream else "memory"
+        body = {
+            "job": "merge",
+            "models": [str(f) for f in text_pairs[arch]],
+            "strategy": {"name": "head-perm", **options},
+            "data": {"dataset": "text", "data_files": str(root / "corpus.txt"), "max_tokens": 1500},
+            "output": {"dir": str(tmp_path / name)},
+            "cache": False,
+        }
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(yaml.safe_dump(body), encoding="utf-8")
+        code, err = _run(recipe, capsys, monkeypatch, stream=stream)
+        assert code == 0, err
+        written[stream] = tmp_path / name
+        notes[stream] = " ".join(json.loads((tmp_path / name / "rebasin.json").read_text())["notes"])
+    want, got = _safetensors(written[False]), _safetensors(written[True])
+    assert got.keys() == want.keys()
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    layered = "collected layer by layer" in notes[True]
+    assert layered == ("residual" not in options), notes[True]
+    assert "layer by layer" not in notes[False]
 
 
 @pytest.fixture(scope="module")

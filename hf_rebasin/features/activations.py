@@ -512,6 +512,7 @@ def activation_stats(
     residual: ResidualMode = "all",
     special_ids: Collection[int] | None = None,
     progress: Callable[[int], None] | None = None,
+    device: torch.device | None = None,
 ) -> ActivationStats:
     """Correlation statistics of A's and B's features on the same batches, for every site.
 
@@ -527,6 +528,8 @@ def activation_stats(
 
     Under ``accelerate launch`` process p takes batches p, p + P, p + 2P, … and the sums are
     reduced over processes, so every process returns the same statistics as one process would.
+    ``device`` is where the batches go (default: where each model's parameters are; give it for
+    models whose parameters are on the meta device, run by `offload.offloaded`).
     """
     if residual not in RESIDUAL_MODES:
         raise ValueError(f"residual must be one of {RESIDUAL_MODES}, got {residual!r}")
@@ -534,7 +537,7 @@ def activation_stats(
     nproc, rank = _process_grid()
     plan = HookPlan.of(graph, model_a, spaces)
     special = torch.tensor(sorted(set(special_ids)), dtype=torch.long) if special_ids else None
-    dev_a, dev_b = _device_of(model_a), _device_of(model_b)
+    dev_a, dev_b = (device, device) if device is not None else (_device_of(model_a), _device_of(model_b))
     with Collector(model_a, model_b, plan, residual, special) as col, torch.no_grad():
         first: Mapping[str, Tensor] | None = None
         for i, batch in enumerate(batches):

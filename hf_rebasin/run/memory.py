@@ -28,6 +28,7 @@ GIB = 1024**3
 OVERHEAD = 1 * GIB  # Python with torch, transformers and datasets imported, before any model
 STREAM_COPIES = 6  # float32 copies of the largest tensor a streamed step holds (inputs, maps, float64 sum)
 LAP_COPIES = 3  # float64 copies of the widest space's n×n cost (view, solver input, solver work)
+ASSUMED_TOKENS = 100_000  # alignment data without `max_tokens`: the size of its hidden states is a guess
 LEARNED_COPIES = 3  # learned matching: B under the dense maps and the interpolation (kept for backward), the model
 _ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2}
 _ITEM |= {"I8": 1, "U8": 1, "BOOL": 1}
@@ -49,6 +50,8 @@ class ModelFootprint:
     dtype: str  # the floating dtype holding most values
     largest: int  # elements of its largest tensor
     width: int  # its widest hidden space (MLP units or residual): the size of an assignment problem
+    hidden: int = 0  # the residual stream's width
+    layers: int = 1  # its layer count
 
 
 def _shards(folder: Path) -> list[Path]:
@@ -103,7 +106,9 @@ def footprint(folder: Path) -> ModelFootprint | None:
     except (OSError, ValueError):
         config = {}
     dtype = max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else "float32"
-    return ModelFootprint(params, nbytes, dtype, largest, _width(config))
+    hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(config.get(k), int)), 0)
+    layers = next((config[k] for k in ("num_hidden_layers", "n_layer") if isinstance(config.get(k), int)), 1)
+    return ModelFootprint(params, nbytes, dtype, largest, _width(config), hidden, max(1, layers))
 
 
 def available_memory() -> int | None:
@@ -225,6 +230,15 @@ def estimate(
         how = f"{STREAM_COPIES} float32 copies of the largest tensor" + (
             ", the widest assignment problem" if lap else ""
         )
+        if recipe.data is not None and recipe.strategy.name == "head-perm":
+            fp = known[0]
+            tokens = recipe.data.max_tokens or ASSUMED_TOKENS
+            hidden_states = 2 * 4 * tokens * fp.hidden  # A's and B's, kept between layers
+            layer = 2 * 4 * fp.params // fp.layers  # one layer of each model, in float32
+            moments = 8 * (fp.width**2 + 2 * fp.hidden**2)  # one layer's cross moments (MLP units, heads)
+            peak += hidden_states + layer + moments
+            assumed = "" if recipe.data.max_tokens else ", assumed: set data.max_tokens"
+            how += f", one layer of each model and the hidden states of {tokens:,} tokens{assumed}"
         return MemoryEstimate(found, True, peak, avail, how, held=held)
     f32 = [4 * fp.params for fp in known]
     copies = sum(f32)  # every model in float32

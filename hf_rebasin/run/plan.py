@@ -72,15 +72,15 @@ class Plan:
 
 def streams(recipe: Recipe) -> bool:
     """Whether the run reads its models tensor by tensor from their files and writes the result
-    the same way (memory: a few tensors, not the models): a merge or a transport by a data-free
-    strategy with nothing that needs whole models in memory (no ``evaluate``, ``data`` or
-    ``merge.universe``). A transport streams only a full fine-tune of its base's class
-    (`streamed` checks the files)."""
+    the same way (memory: a few tensors or one layer, not the models): a merge or a transport with
+    nothing that needs whole models in memory (no ``evaluate``, ``merge.universe`` or learned
+    matching). head-perm's statistics then run layer by layer. A transport streams only a full
+    fine-tune of its base's class (`streamed` checks the files)."""
     return (
         recipe.job in ("merge", "transport")
         and recipe.evaluate is None
-        and recipe.data is None
         and recipe.merge.universe is None
+        and not getattr(recipe.strategy.options, "learned", False)
     )
 
 

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 
 import torch
 from torch import Tensor
 
 from ..errors import StrategyOptionError
 from ..features import ActivationStats, activation_stats
+from ..features.lockstep import LockstepPlan, lockstep_plan, lockstep_stats
+from ..offload import offloaded
 from ..solvers import lap
 from ..symmetry import AxisMap, Binding, Fused, HeadMap, HeadSpace, Space, SymmetryGraph, Transform, split_ref
-from .base import Alignment, Pair, Progress, require_data, timed
+from ..tensors import CheckpointSource, is_lazy
+from .base import Alignment, AlignmentData, Pair, Progress, require_data, timed
 from .descent import solve_heads, solve_plain
 from .options import HEAD_PERM as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import Component as Component  # re-exported, as before
@@ -161,6 +165,87 @@ def split_residual(
     return dataclasses.replace(graph, spaces=spaces, bindings=bindings)
 
 
+def _solve(
+    graph: SymmetryGraph, names: list[str], corr: Mapping[str, Tensor], options: HeadPermOptions, transform: Transform
+) -> list[str]:
+    """The maps of ``names`` from their correlations, into ``transform``; the head spaces flattened
+    (``ignore-heads``)."""
+    flat: list[str] = []
+    for name in names:
+        sp = graph.spaces[name]
+        if isinstance(sp, HeadSpace):
+            roles: dict[str | None, Tensor] = {
+                role: corr[f"{name}:{role}"] for role in ("q", "k", "o") if f"{name}:{role}" in corr
+            }
+            if options.heads == "ignore-heads":
+                flat.append(name)
+                total = sum(roles.values())
+                assert isinstance(total, Tensor)
+                transform[name] = AxisMap(total.shape[0], index=lap(total)[0])
+            else:
+                transform[name] = _solve_attention(sp, roles, options.heads)
+        elif name in corr:  # MLP units, pooler, and the residual unless `separate` (keyed per site)
+            transform[name] = solve_plain(sp, corr[name], "permutation")
+    return flat
+
+
+def _by_layer(
+    pair: Pair,
+    plan: LockstepPlan,
+    collect: list[str],
+    options: HeadPermOptions,
+    data: AlignmentData,
+    progress: Progress | None,
+) -> tuple[Transform, list[str], int, float]:
+    """Streamed models: statistics and maps one layer at a time (see `features.lockstep`), each
+    layer's moments dropped once its spaces are solved; (transform, flattened, tokens, seconds)."""
+    assert pair.model_a is not None and pair.model_b is not None
+    transform: Transform = pair.graph.identity()
+    flat: list[str] = []
+    tokens, seconds = 0, 0.0
+    for layer in lockstep_stats(
+        pair.model_a,
+        pair.model_b,
+        pair.sd_a,
+        pair.sd_b,
+        pair.graph,
+        plan,
+        data.batches,
+        special_ids=None if options.special_tokens else data.special_ids,
+        device=_source_device(pair),
+        progress=(lambda i, n: progress("activation statistics, layer by layer", i, n)) if progress else None,
+    ):
+        corr = {key: m.correlation() for key, m in layer.stats.moments.items()}
+        flat += _solve(pair.graph, [n for n in collect if n in layer.spaces], corr, options, transform)
+        tokens, seconds = layer.stats.tokens, seconds + layer.stats.seconds
+    return transform, flat, tokens, seconds
+
+
+def _source_device(pair: Pair) -> torch.device | None:
+    """Where streamed models compute (their tensor source's device); None for models in memory."""
+    if not is_lazy(pair.sd_a):
+        return None
+    return pair.sd_a.device if isinstance(pair.sd_a, CheckpointSource) else torch.device("cpu")
+
+
+def _lockstep(pair: Pair, collect: list[str], residual_mode: str, notes: list[str]) -> LockstepPlan | None:
+    """How streamed models are run layer by layer, or None (models in memory; or why not, noted)."""
+    if not is_lazy(pair.sd_a) or pair.model_a is None:
+        return None
+    if residual_mode != "identity":
+        notes.append(
+            f"residual: {residual_mode} reads the residual stream across layers, so the streamed models ran whole "
+            "forward passes (one submodule's weights at a time) with every layer's statistics in memory at once"
+        )
+        return None
+    plan = lockstep_plan(pair.graph, pair.model_a, collect)
+    if isinstance(plan, str):
+        notes.append(f"statistics could not be collected layer by layer ({plan}): whole forward passes instead")
+        return None
+    notes.append("activation statistics collected layer by layer: A and B in lockstep, one layer of each in memory")
+    return plan
+
+
 def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alignment:
     data = require_data(pair, "head-perm", "matches features by the correlation of their activations")
     assert pair.model_a is not None and pair.model_b is not None
@@ -170,42 +255,41 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
     with timed() as timings:
         collect = _spaces_to_collect(graph, options)
         residual_mode = options.residual if "residual" in options.components else "identity"
-        stats: ActivationStats = activation_stats(
-            pair.model_a,
-            pair.model_b,
-            graph,
-            data.batches,
-            spaces=collect,
-            residual="none" if residual_mode == "identity" else residual_mode,
-            special_ids=None if options.special_tokens else data.special_ids,
-            progress=(lambda n: progress("activation statistics", n, 0)) if progress is not None else None,
-        )
-        timings["features"] = stats.seconds
-        corr = {key: m.correlation() for key, m in stats.moments.items()}
-        transform: Transform = graph.identity()
+        plan = _lockstep(pair, collect, residual_mode, notes)
+        if plan is not None:
+            transform, flat, _tokens, timings["features"] = _by_layer(pair, plan, collect, options, data, progress)
+        else:
+            with ExitStack() as running:
+                models: list[torch.nn.Module] = [pair.model_a, pair.model_b]
+                device = _source_device(pair)
+                if device is not None:  # streamed models that cannot go layer by layer: whole forwards
+                    states = (pair.sd_a, pair.sd_b)
+                    models = [
+                        running.enter_context(offloaded(m, sd, device)) for m, sd in zip(models, states, strict=True)
+                    ]
+                stats: ActivationStats = activation_stats(
+                    models[0],
+                    models[1],
+                    graph,
+                    data.batches,
+                    spaces=collect,
+                    residual="none" if residual_mode == "identity" else residual_mode,
+                    special_ids=None if options.special_tokens else data.special_ids,
+                    progress=(lambda n: progress("activation statistics", n, 0)) if progress is not None else None,
+                    device=device,
+                )
+            timings["features"] = stats.seconds
+            corr = {key: m.correlation() for key, m in stats.moments.items()}
+            transform = graph.identity()
+            flat = _solve(graph, collect, corr, options, transform)
         out_graph = graph
-        flat: list[str] = []
-        for name in collect:
-            sp = graph.spaces[name]
-            if isinstance(sp, HeadSpace):
-                roles: dict[str | None, Tensor] = {
-                    role: corr[f"{name}:{role}"] for role in ("q", "k", "o") if f"{name}:{role}" in corr
-                }
-                if options.heads == "ignore-heads":
-                    flat.append(name)
-                    total = sum(roles.values())
-                    assert isinstance(total, Tensor)
-                    transform[name] = AxisMap(total.shape[0], index=lap(total)[0])
-                else:
-                    transform[name] = _solve_attention(sp, roles, options.heads)
-            elif name in corr:  # MLP units, pooler, and the residual unless `separate` (keyed per site)
-                transform[name] = solve_plain(sp, corr[name], "permutation")
         if flat:
             out_graph = flatten_heads(out_graph, flat)
             notes.append(
                 "heads: ignore-heads moves features across heads: the aligned model B computes a different function"
             )
         if residual_mode == "separate":
+            assert plan is None  # residual statistics need whole forwards
             positions = _module_positions(pair.model_a, data.batches[0])
             for res in _residual_names(graph):
                 groups = [g for g, sp in zip(stats.residual_groups, stats.residual_spaces, strict=True) if sp == res]

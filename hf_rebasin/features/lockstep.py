@@ -1,0 +1,193 @@
+"""Activation statistics of models too large for memory: A and B in lockstep, one layer at a time.
+
+The stock forward runs each model up to its first layer (its embeddings, masks and rotary
+position embeddings), where a hook keeps the layer's inputs and stops it. Then, layer by layer,
+that layer of A and of B is loaded once and every batch's hidden states go through both, with a
+`Collector` watching that layer only; its moments are handed to the caller, who solves the layer's
+spaces and drops them. Memory: one layer of each model, the hidden states of the alignment data
+(tokens × d per model) and one layer's moments, instead of two models and every layer's moments,
+as sequential calibration in quantization tools does.
+
+It needs one stack of layers that all take the same keyword arguments (decoder and encoder stacks
+of transformers), with every collected space inside a layer; `lockstep_plan` says why not otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..offload import offloaded
+from ..symmetry import SymmetryGraph, split_ref
+from .activations import ActivationStats, Collector, HookPlan, Phase
+
+__all__ = ["LayerStats", "LockstepPlan", "loaded", "lockstep_plan", "lockstep_stats"]
+
+
+class _Stop(Exception):
+    """Raised by the hook on the first layer: the forward has given what it is run for."""
+
+
+@dataclass(frozen=True)
+class LockstepPlan:
+    """The layer stack (its name in the model) and the spaces each layer's statistics solve."""
+
+    stack: str
+    layers: int
+    spaces: dict[int, list[str]]
+
+
+@dataclass
+class LayerStats:
+    """One layer's statistics: the spaces they solve, and the moments of their keys."""
+
+    layer: int
+    spaces: list[str]
+    stats: ActivationStats
+
+
+def _stack(model: nn.Module) -> tuple[str, int] | str:
+    """The name and length of the model's one layer stack, or why there is none."""
+    config = getattr(model, "config", None)
+    n = getattr(config, "num_hidden_layers", None) if config is not None else None
+    if not isinstance(n, int):
+        return "its config names no layer count"
+    found = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if len(found) != 1:
+        return f"it has {len(found)} stacks of {n} layers, not one"
+    return found[0], n
+
+
+def lockstep_plan(graph: SymmetryGraph, model: nn.Module, spaces: Collection[str]) -> LockstepPlan | str:
+    """Which layer each space's features come from; a string saying why lockstep cannot run."""
+    stack = _stack(model)
+    if isinstance(stack, str):
+        return stack
+    name, n = stack
+    prefix = f"{name}."
+    by_layer: dict[int, list[str]] = {}
+    for module, sites in HookPlan.of(graph, model, spaces).plain.items():
+        head = module[len(prefix) :].split(".", 1)[0] if module.startswith(prefix) else ""
+        if not head.isdigit():
+            return f"features of {sites[0].key!r} are read outside its layers (at {module!r})"
+        for site in sites:
+            space = split_ref(site.key)[0]
+            if space not in by_layer.setdefault(int(head), []):
+                by_layer[int(head)].append(space)
+    return LockstepPlan(name, n, by_layer)
+
+
+@contextmanager
+def loaded(module: nn.Module, state: Mapping[str, Tensor], prefix: str, device: torch.device) -> Iterator[nn.Module]:
+    """``module`` (meta parameters) with its parameters read from ``state`` once, for many forward
+    passes; the meta parameters are put back when the block ends."""
+    saved: list[tuple[nn.Module, str, Any]] = []
+    try:
+        for name, sub in module.named_modules():
+            for p in [n for n, t in sub._parameters.items() if t is not None]:
+                full = f"{prefix}{name}.{p}" if name else f"{prefix}{p}"
+                saved.append((sub, p, sub._parameters[p]))
+                sub._parameters[p] = nn.Parameter(state[full].to(device), requires_grad=False)
+        yield module
+    finally:
+        for sub, p, meta in reversed(saved):
+            sub._parameters[p] = meta
+
+
+def _inputs(
+    model: nn.Module,
+    state: Mapping[str, Tensor],
+    first: nn.Module,
+    batches: Sequence[Mapping[str, Any]],
+    device: torch.device,
+) -> list[list[Any]]:
+    """Per batch, ``[hidden states, other positional args, keyword args]`` entering the first layer."""
+    captured: list[list[Any]] = []
+
+    def grab(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.append([hidden, tuple(args[1:]), kwargs])
+        raise _Stop
+
+    config: Any = getattr(model, "config", None)
+    cache = getattr(config, "use_cache", None)
+    if cache is not None:
+        config.use_cache = False  # no key/value cache grows through the layers
+    handle = first.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with offloaded(model, state, device) as m:
+            for batch in batches:
+                try:
+                    m(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items() if k != "labels"})
+                except _Stop:
+                    continue
+                raise RuntimeError("the forward pass never reached the first layer")  # pragma: no cover
+    finally:
+        handle.remove()
+        if cache is not None:
+            config.use_cache = cache
+    return captured
+
+
+def _hidden(out: Any) -> Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def lockstep_stats(
+    model_a: nn.Module,
+    model_b: nn.Module,
+    state_a: Mapping[str, Tensor],
+    state_b: Mapping[str, Tensor],
+    graph: SymmetryGraph,
+    plan: LockstepPlan,
+    batches: Sequence[Mapping[str, Any]],
+    *,
+    special_ids: Collection[int] | None = None,
+    device: torch.device | None = None,
+    progress: Any = None,
+) -> Iterator[LayerStats]:
+    """Each layer's statistics, in order, computed as `activation_stats` computes them for the
+    layer's keys (same masking, same moments): yielded one layer at a time, so the caller can solve
+    and drop them before the next layer runs."""
+    device = device or torch.device("cpu")
+    special = torch.tensor(sorted(set(special_ids)), dtype=torch.long) if special_ids else None
+    layers_a, layers_b = model_a.get_submodule(plan.stack), model_b.get_submodule(plan.stack)
+    assert isinstance(layers_a, nn.ModuleList) and isinstance(layers_b, nn.ModuleList)
+    with torch.no_grad():
+        ins_a = _inputs(model_a, state_a, layers_a[0], batches, device)
+        ins_b = _inputs(model_b, state_b, layers_b[0], batches, device)
+    for i in range(plan.layers):
+        start = time.perf_counter()
+        wanted = plan.spaces.get(i, [])
+        prefix = f"{plan.stack}.{i}."
+        collector = (
+            Collector(model_a, model_b, HookPlan.of(graph, model_a, wanted), "none", special) if wanted else None
+        )
+        with (
+            loaded(layers_a[i], state_a, prefix, device) as layer_a,
+            loaded(layers_b[i], state_b, prefix, device) as layer_b,
+            collector if collector is not None else nullcontext(),
+            torch.no_grad(),
+        ):
+            for batch, a, b in zip(batches, ins_a, ins_b, strict=True):
+                if collector is not None:
+                    collector.begin(batch, Phase.FORWARD_A)
+                a[0] = _hidden(layer_a(a[0], *a[1], **a[2]))
+                if collector is not None:
+                    collector.to_b()
+                b[0] = _hidden(layer_b(b[0], *b[1], **b[2]))
+                if collector is not None:
+                    collector.end_batch()
+        if progress is not None:
+            progress(i + 1, plan.layers)
+        if collector is not None:
+            stats = collector.result()
+            stats.seconds = time.perf_counter() - start
+            yield LayerStats(i, wanted, stats)
