@@ -5,7 +5,8 @@
 tests/test_features.py runs both and checks that the results agree: splitting the batches over
 processes and reducing the sums must not change the statistics. Rank 0 writes
 ``{"num_processes", "runs": {name: {"tokens", "residual_groups", "moments": {key: {field: tensor}}}}}``
-for a run over six batches and one over a single batch (a process without any batch).
+for a run over six batches and one over a single batch (a process without any batch), and for the
+six batches collected layer by layer (``lockstep``).
 
 ``accelerate launch --cpu --num_processes 2`` starts a single process in accelerate 1.x unless
 ``--mpirun_hostfile`` (MPI) is given; two CPU processes come from the torchrun launcher with
@@ -30,6 +31,7 @@ for path in (HERE, HERE.parent):
 import tiny  # noqa: E402
 from hf_rebasin.adapters import graph_for  # noqa: E402
 from hf_rebasin.features import activation_stats  # noqa: E402
+from hf_rebasin.features.lockstep import lockstep_plan, lockstep_stats  # noqa: E402
 
 FIELDS = ("count", "sum_a", "sum_b", "sq_a", "sq_b", "cross")
 
@@ -57,6 +59,20 @@ def run(model_a: torch.nn.Module, model_b: torch.nn.Module, data: list[dict[str,
     }
 
 
+def run_lockstep(model_a: torch.nn.Module, model_b: torch.nn.Module, data: list[dict[str, torch.Tensor]]) -> dict:
+    """The same statistics layer by layer (MLP units and heads: lockstep has no residual keys)."""
+    graph = graph_for(model_a.config, model_a.state_dict().keys())
+    spaces = [n for n, s in graph.spaces.items() if s.kind != "residual"]
+    plan = lockstep_plan(graph, model_a, spaces)
+    assert not isinstance(plan, str), plan
+    moments, tokens = {}, 0
+    sd_a, sd_b = model_a.state_dict(), model_b.state_dict()
+    for layer in lockstep_stats(model_a, model_b, sd_a, sd_b, graph, plan, data):
+        moments.update({k: {f: getattr(m, f).clone() for f in FIELDS} for k, m in layer.stats.moments.items()})
+        tokens = layer.stats.tokens
+    return {"tokens": tokens, "residual_groups": [], "moments": moments}
+
+
 def main(out: str) -> None:
     from accelerate import PartialState
 
@@ -66,6 +82,7 @@ def main(out: str) -> None:
     start = time.perf_counter()
     # "one": a single batch, so with two processes one of them has no batch at all
     runs = {"six": run(model_a, model_b, data), "one": run(model_a, model_b, data[:1])}
+    runs["lockstep"] = run_lockstep(model_a, model_b, data)
     seconds = time.perf_counter() - start
     state = PartialState()  # the one activation_stats set up
     if state.is_main_process:

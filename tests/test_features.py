@@ -487,7 +487,7 @@ def test_two_processes_match_one(tmp_path):
     one, two = torch.load(single), torch.load(double)
     assert one["num_processes"] == 1 and two["num_processes"] == 2
     worst = 0.0
-    for run in ("six", "one"):
+    for run in ("six", "one", "lockstep"):
         a, b = one["runs"][run], two["runs"][run]
         assert a["tokens"] == b["tokens"] and a["residual_groups"] == b["residual_groups"]
         assert a["moments"].keys() == b["moments"].keys()

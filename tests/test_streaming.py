@@ -383,3 +383,35 @@ def test_streamed_transport_writes_what_the_in_memory_transport_writes(
         for k, t in got.items():
             tau = sd["finetuned"][k].float() - sd["base"][k].float()
             assert torch.equal(t, (sd["target"][k].float() + 0.8 * tau).to(torch.bfloat16)), k
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert_mlm"])
+def test_lockstep_statistics_equal_the_whole_model_statistics(arch: str) -> None:
+    """Layer by layer, with padded batches and special tokens dropped: the same moments, bit for bit."""
+    from hf_rebasin.adapters import graph_for
+    from hf_rebasin.features import activation_stats
+    from hf_rebasin.features.lockstep import lockstep_plan, lockstep_stats
+
+    model_a, model_b = getattr(tiny, arch)(0), getattr(tiny, arch)(1)
+    graph = graph_for(model_a.config, model_a.state_dict().keys())
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for i in range(3):
+        ids = torch.randint(0, tiny.V, (2, 12), generator=g)
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, 12 - 2 - i :] = 0
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    spaces = [n for n, s in graph.spaces.items() if s.kind != "residual"]
+    whole = activation_stats(model_a, model_b, graph, batches, spaces=spaces, residual="none", special_ids={0, 1})
+    plan = lockstep_plan(graph, model_a, spaces)
+    assert not isinstance(plan, str), plan
+    layered = {}
+    for layer in lockstep_stats(
+        model_a, model_b, model_a.state_dict(), model_b.state_dict(), graph, plan, batches, special_ids={0, 1}
+    ):
+        layered.update(layer.stats.moments)
+        assert layer.stats.tokens == whole.tokens
+    assert layered.keys() == whole.moments.keys() and layered
+    for key, m in whole.moments.items():
+        for f in ("count", "sum_a", "sum_b", "sq_a", "sq_b", "cross"):
+            assert torch.equal(getattr(layered[key], f), getattr(m, f)), (key, f)

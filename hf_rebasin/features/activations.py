@@ -471,7 +471,7 @@ class Collector:
 # --------------------------------------------------------------------------------------------
 
 
-def _process_grid() -> tuple[int, int]:
+def process_grid() -> tuple[int, int]:
     """(number of processes, this process's index) from accelerate's ``PartialState``.
 
     ``ACCELERATE_USE_CPU`` is honoured as ``Accelerator`` does (a bare ``PartialState()`` ignores
@@ -534,7 +534,7 @@ def activation_stats(
     if residual not in RESIDUAL_MODES:
         raise ValueError(f"residual must be one of {RESIDUAL_MODES}, got {residual!r}")
     start = time.perf_counter()
-    nproc, rank = _process_grid()
+    nproc, rank = process_grid()
     plan = HookPlan.of(graph, model_a, spaces)
     special = torch.tensor(sorted(set(special_ids)), dtype=torch.long) if special_ids else None
     dev_a, dev_b = (device, device) if device is not None else (_device_of(model_a), _device_of(model_b))

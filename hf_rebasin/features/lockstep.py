@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from ..offload import offloaded
 from ..symmetry import SymmetryGraph, split_ref
-from .activations import ActivationStats, Collector, HookPlan, Phase
+from .activations import ActivationStats, Collector, HookPlan, Phase, process_grid
+from .moments import all_reduce_sum, distributed
 
 __all__ = ["LayerStats", "LockstepPlan", "loaded", "lockstep_plan", "lockstep_stats"]
 
@@ -155,11 +156,16 @@ def lockstep_stats(
 ) -> Iterator[LayerStats]:
     """Each layer's statistics, in order, computed as `activation_stats` computes them for the
     layer's keys (same masking, same moments): yielded one layer at a time, so the caller can solve
-    and drop them before the next layer runs."""
+    and drop them before the next layer runs. Under ``accelerate launch`` each process takes every
+    P-th batch and each layer's sums are reduced over the processes, as `activation_stats` does."""
     device = device or torch.device("cpu")
     special = torch.tensor(sorted(set(special_ids)), dtype=torch.long) if special_ids else None
     layers_a, layers_b = model_a.get_submodule(plan.stack), model_b.get_submodule(plan.stack)
     assert isinstance(layers_a, nn.ModuleList) and isinstance(layers_b, nn.ModuleList)
+    nproc, rank = process_grid()
+    if nproc > 1 and not distributed():
+        raise RuntimeError(f"accelerate reports {nproc} processes but torch.distributed is not initialised")
+    batches = [b for i, b in enumerate(batches) if i % nproc == rank]
     with torch.no_grad():
         ins_a = _inputs(model_a, state_a, layers_a[0], batches, device)
         ins_b = _inputs(model_b, state_b, layers_b[0], batches, device)
@@ -189,5 +195,9 @@ def lockstep_stats(
             progress(i + 1, plan.layers)
         if collector is not None:
             stats = collector.result()
+            if nproc > 1:
+                for m in stats.moments.values():
+                    m.all_reduce()
+                stats.tokens = int(all_reduce_sum(torch.tensor(float(stats.tokens), dtype=torch.float64)).item())
             stats.seconds = time.perf_counter() - start
             yield LayerStats(i, wanted, stats)
