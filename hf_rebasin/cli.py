@@ -521,8 +521,10 @@ def print_run_summary(console: Console, result: RunResult) -> None:
         console.print(f"note: the merged model is saved in canonical form (norm scales folded{escape(untied)})")
     t = result.timings
     train = f"train {t['train']:.1f}, " if "train" in t else ""
+    check = f", check {t['check']:.1f}" if "check" in t else ""
     console.print(
-        f"seconds: {train}load {t['load']:.1f}, align {t['align']:.1f}, evaluate {t['evaluate']:.1f}, save {t['save']:.1f}"
+        f"seconds: {train}load {t['load']:.1f}, align {t['align']:.1f}{check}, evaluate {t['evaluate']:.1f}, "
+        f"save {t['save']:.1f}"
     )
     if result.pushed is not None:
         console.print(
