@@ -525,6 +525,7 @@ def save_merged_model(
     untie: bool = False,
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
     dtype: torch.dtype | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """``state_dict`` saved as a standard folder of ``template``'s class and config (safetensors).
 
@@ -533,13 +534,15 @@ def save_merged_model(
     ``dtype`` casts every floating tensor for writing (the work is done in float32, but a bf16
     input should not come out twice its size); config.json's ``dtype`` then says so, and
     ``from_pretrained`` loads it in that dtype. None writes the tensors as they are. A `LazyState`
-    is written tensor by tensor (`save_streamed`).
+    is written tensor by tensor (`save_streamed`), with ``progress(tensors written, total)``.
     """
     from .models import rebuild
     from .tensors import LazyState
 
     if isinstance(state_dict, LazyState):
-        save_streamed(template, state_dict, dest, untie=untie, max_shard_size=max_shard_size, dtype=dtype)
+        save_streamed(
+            template, state_dict, dest, untie=untie, max_shard_size=max_shard_size, dtype=dtype, progress=progress
+        )
         return
     model = rebuild(template, dict(state_dict), untie=untie)  # rebuilt on the CPU
     if dtype is not None:

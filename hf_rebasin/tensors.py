@@ -106,14 +106,6 @@ class LazyState(Mapping[str, Tensor]):
         """A state with the same names and shapes whose tensors ``read`` computes (from this one)."""
         return LazyState(self._shapes, dtypes if dtypes is not None else self._dtypes, read, aliases=self.aliases)
 
-    def materialize(self) -> dict[str, Tensor]:
-        """Every tensor in memory (tied names share one tensor, as in a module's state dict)."""
-        out: dict[str, Tensor] = {}
-        for name in self:
-            source = self.aliases.get(name)
-            out[name] = out[source] if source in out else self[name]
-        return out
-
 
 def is_lazy(state: Mapping[str, Tensor]) -> bool:
     return isinstance(state, LazyState)

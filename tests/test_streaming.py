@@ -169,29 +169,44 @@ def _run(recipe: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, *, stream: 
     return code, " ".join(capsys.readouterr().err.split())
 
 
+def _both_ways(body: dict[str, Any], root: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """The recipe ``body`` run in memory, then streamed: (memory output, streamed output), each
+    checked to hold the same tensors, dtypes included."""
+    out = []
+    for stream in (False, True):
+        name = "streamed" if stream else "memory"
+        output = {**body.get("output", {}), "dir": str(root / name)}
+        recipe = root / f"{name}.yaml"
+        recipe.write_text(yaml.safe_dump({**body, "output": output, "cache": False}), encoding="utf-8")
+        code, err = _run(recipe, capsys, monkeypatch, stream=stream)
+        assert code == 0, err
+        out.append(root / name)
+    want, got = _safetensors(out[0]), _safetensors(out[1])
+    assert got.keys() == want.keys()
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    return out[0], out[1]
+
+
+def _notes(folder: Path) -> str:
+    return " ".join(json.loads((folder / "rebasin.json").read_text())["notes"])
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_streamed_merge_writes_what_the_in_memory_merge_writes(
     arch: str, strategy: str, pairs: dict[str, tuple[Path, Path]], tmp_path: Path, capsys: Any, monkeypatch: Any
 ) -> None:
-    folders = {}
-    for stream in (False, True):
-        name = "streamed" if stream else "memory"
-        code, err = _run(_recipe(tmp_path, name, pairs[arch], strategy), capsys, monkeypatch, stream=stream)
-        assert code == 0, err
-        folders[stream] = tmp_path / name
-    memory, streamed = folders[False], folders[True]
+    body = {"job": "merge", "models": [str(m) for m in pairs[arch]], "strategy": strategy}
+    memory, streamed = _both_ways({**body, "output": {"max_shard_size": 15_000}}, tmp_path, capsys, monkeypatch)
     files = sorted(p.name for p in memory.iterdir() if p.name not in ("README.md", "rebasin.json"))
     assert sorted(p.name for p in streamed.iterdir() if p.name not in ("README.md", "rebasin.json")) == files
     assert "model.safetensors.index.json" in files  # sharded like save_pretrained shards
-    want, got = _safetensors(memory), _safetensors(streamed)
-    assert got.keys() == want.keys()
-    for k, t in want.items():
-        assert got[k].dtype == t.dtype == torch.bfloat16 and torch.equal(got[k], t), k
+    assert {t.dtype for t in _safetensors(streamed).values()} == {torch.bfloat16}
     for f in ("config.json", "model.safetensors.index.json"):
         assert json.loads((streamed / f).read_text()) == json.loads((memory / f).read_text()), f
     record = json.loads((streamed / "rebasin.json").read_text())
-    assert any("streamed" in n for n in record["notes"]), record["notes"]
+    assert "weights streamed" in _notes(streamed) and "weights streamed" not in _notes(memory)
     assert record["function_preserved"]["max_abs_diff"] <= record["function_preserved"]["tolerance"]
     # the stock class loads it, in bf16, with the merged weights
     cls = T.AutoModelForImageClassification if arch == "vit" else T.AutoModelForCausalLM
@@ -305,31 +320,16 @@ def test_streamed_head_perm_writes_what_the_in_memory_head_perm_writes(
     arch: str, options: dict[str, Any], text_pairs: dict[str, Any], tmp_path: Path, capsys: Any, monkeypatch: Any
 ) -> None:
     """Statistics collected layer by layer (A and B in lockstep) give the very same alignment."""
-    root = text_pairs["root"]
-    written, notes = {}, {}
-    for stream in (False, True):
-        name = "streamed" if stream else "memory"
-        body = {
-            "job": "merge",
-            "models": [str(f) for f in text_pairs[arch]],
-            "strategy": {"name": "head-perm", **options},
-            "data": {"dataset": "text", "data_files": str(root / "corpus.txt"), "max_tokens": 1500},
-            "output": {"dir": str(tmp_path / name)},
-            "cache": False,
-        }
-        recipe = tmp_path / f"{name}.yaml"
-        recipe.write_text(yaml.safe_dump(body), encoding="utf-8")
-        code, err = _run(recipe, capsys, monkeypatch, stream=stream)
-        assert code == 0, err
-        written[stream] = tmp_path / name
-        notes[stream] = " ".join(json.loads((tmp_path / name / "rebasin.json").read_text())["notes"])
-    want, got = _safetensors(written[False]), _safetensors(written[True])
-    assert got.keys() == want.keys()
-    for k, t in want.items():
-        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
-    layered = "collected layer by layer" in notes[True]
-    assert layered == ("residual" not in options), notes[True]
-    assert "layer by layer" not in notes[False]
+    corpus = text_pairs["root"] / "corpus.txt"
+    body = {
+        "job": "merge",
+        "models": [str(f) for f in text_pairs[arch]],
+        "strategy": {"name": "head-perm", **options},
+        "data": {"dataset": "text", "data_files": str(corpus), "max_tokens": 1500},
+    }
+    memory, streamed = _both_ways(body, tmp_path, capsys, monkeypatch)
+    assert ("collected layer by layer" in _notes(streamed)) == ("residual" not in options), _notes(streamed)
+    assert "layer by layer" not in _notes(memory)
 
 
 @pytest.fixture(scope="module")
@@ -353,31 +353,17 @@ def transport_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
 def test_streamed_transport_writes_what_the_in_memory_transport_writes(
     strategy: str, transport_folders: dict[str, Path], tmp_path: Path, capsys: Any, monkeypatch: Any
 ) -> None:
-    written = {}
-    for stream in (False, True):
-        name = "streamed" if stream else "memory"
-        body = {
-            "job": "transport",
-            **{role: str(folder) for role, folder in transport_folders.items()},
-            "strategy": strategy,
-            "alpha": 0.8,
-            "output": {"dir": str(tmp_path / name)},
-            "cache": False,
-        }
-        recipe = tmp_path / f"{name}.yaml"
-        recipe.write_text(yaml.safe_dump(body), encoding="utf-8")
-        code, err = _run(recipe, capsys, monkeypatch, stream=stream)
-        assert code == 0, err
-        written[stream] = tmp_path / name
-    want, got = _safetensors(written[False]), _safetensors(written[True])
-    assert got.keys() == want.keys()
-    for k, t in want.items():
-        assert got[k].dtype == t.dtype == torch.bfloat16 and torch.equal(got[k], t), k
-    assert json.loads((written[True] / "config.json").read_text()) == json.loads(
-        (written[False] / "config.json").read_text()
-    )
-    record = json.loads((written[True] / "rebasin.json").read_text())
-    assert any("streamed" in n for n in record["notes"]), record["notes"]
+    body = {
+        "job": "transport",
+        **{role: str(folder) for role, folder in transport_folders.items()},
+        "strategy": strategy,
+        "alpha": 0.8,
+    }
+    memory, streamed = _both_ways(body, tmp_path, capsys, monkeypatch)
+    got = _safetensors(streamed)
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    assert json.loads((streamed / "config.json").read_text()) == json.loads((memory / "config.json").read_text())
+    assert "weights streamed" in _notes(streamed)
     if strategy == "vanilla":  # B + α·τ, computed here from the files with plain torch
         sd = {role: _safetensors(folder) for role, folder in transport_folders.items()}
         for k, t in got.items():

@@ -34,6 +34,7 @@ __all__ = [
     "job_result",
     "preservation",
     "timed_align",
+    "writing",
 ]
 
 SWEEP_STAGE = "λ sweep"
@@ -132,6 +133,18 @@ def preservation(
         "tolerance": max(tolerance(scale) for _, scale in gaps),
         "inputs": "evaluation or alignment data" if real else "random example inputs",
     }
+
+
+WRITE_STAGE = "writing the model"
+
+
+def writing(report: Progress) -> Callable[[int, int], None]:
+    """``progress(done, total)`` of a streamed save, as a stage of the run's progress."""
+
+    def step(done: int, total: int) -> None:
+        report(WRITE_STAGE, done, total)
+
+    return step
 
 
 def _sweep_progress(report: Progress, stage: str, total: int) -> Callable[[int, float, Any], None]:

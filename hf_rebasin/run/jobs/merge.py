@@ -16,7 +16,7 @@ from ...universe import universe_merge
 from ..load import Workspace, weights
 from ..result import JobOutput
 from ..roles import MergeRoles
-from ..stages import align_others, check_inputs, curves, job_result, preservation
+from ..stages import align_others, check_inputs, curves, job_result, preservation, writing
 from .barrier import aligned_preservation, findings_of, save_curves
 
 __all__ = ["run"]
@@ -118,6 +118,12 @@ def _universe(
 def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie: bool, folder: Path) -> None:
     """The merged model in A's class, then A's tokenizer and other files as they were."""
     save_merged_model(
-        a.model, merged, folder, untie=untie, max_shard_size=ws.recipe.output.max_shard_size, dtype=ws.score.dtype
+        a.model,
+        merged,
+        folder,
+        untie=untie,
+        max_shard_size=ws.recipe.output.max_shard_size,
+        dtype=ws.score.dtype,
+        progress=writing(ws.progress),
     )
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained

@@ -24,7 +24,7 @@ from ..data import BatchSpec, batches
 from ..load import Workspace, weights
 from ..result import JobOutput
 from ..roles import TransportRoles
-from ..stages import check_inputs, job_result, preservation, timed_align
+from ..stages import check_inputs, job_result, preservation, timed_align, writing
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -233,6 +233,7 @@ def _save(
             untie=moved.untie,
             max_shard_size=recipe.output.max_shard_size,
             dtype=ws.score.dtype,
+            progress=writing(ws.progress),
         )
     else:
         sd_a, sd_b = weights(models.base), weights(models.target)
