@@ -57,13 +57,15 @@ def _quiet_libraries() -> None:
 
 
 def _quiet_datasets() -> None:
-    """Silence `datasets` logging and progress bars (reading local files is not worth a bar)."""
+    """Silence `datasets` logging and progress bars (reading local files is not worth a bar). Its
+    errors too: a file it cannot read becomes hf-rebasin's own error naming the file and line, and
+    `datasets`' line before it ("Failed to load JSON ...") would only repeat it in other words."""
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     try:
         from datasets.utils import logging as ds_logging
     except ImportError:  # pragma: no cover - datasets is a dependency
         return
-    ds_logging.set_verbosity_error()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
     ds_logging.disable_progress_bar()
 
 

@@ -54,6 +54,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100_000_000  # bytes: a larger safetensors header is a damaged file, not a model
 WORK_DTYPE = torch.float32  # what floating tensors are read as: every computation runs in float32
 
 
@@ -135,8 +136,8 @@ def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
     try:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
-            if size > 100_000_000:
-                raise ValueError(f"header of {size} bytes")
+            if size > min(MAX_HEADER, Path(path).stat().st_size - 8):
+                raise ValueError(f"its header claims {size} bytes")
             header = json.loads(f.read(size))
     except (OSError, ValueError, struct.error) as e:
         raise CheckpointError(f"{str(path)!r} is not a readable safetensors file: {e}") from None

@@ -104,3 +104,12 @@ def test_a_run_that_would_not_fit_stops_before_loading(
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file() or (
         tmp_path / "out" / "model.safetensors"
     ).is_file()
+
+
+def test_a_damaged_checkpoint_has_no_footprint(tmp_path: Path) -> None:
+    """A header length larger than the file (here the bytes of a text) is no size at all."""
+    tiny.llama(0).save_pretrained(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"not weights")
+    assert memory.footprint(tmp_path) is None
+    (tmp_path / "model.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{}")
+    assert memory.footprint(tmp_path) is None

@@ -22,7 +22,7 @@ from hf_rebasin.data import char_tokenizer, shakespeare_text
 from test_cli import assert_user_error, flat, run_cli
 
 RUN_KEYS = {"recipe", "models", "strategy", "barrier", "curves", "function_preserved", "timings"}
-TIMING_KEYS = {"load", "align", "evaluate", "save"}
+TIMING_KEYS = {"load", "align", "check", "evaluate", "save"}  # check: the function-preservation check
 
 
 @pytest.fixture(scope="module")

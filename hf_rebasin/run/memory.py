@@ -34,6 +34,7 @@ _ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I
 _ITEM |= {"I8": 1, "U8": 1, "BOOL": 1}
 _FLOATING = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _FLOATING |= {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+MAX_HEADER = 100_000_000  # bytes: a larger safetensors header is a damaged file, not a model
 _WIDTHS = ("intermediate_size", "n_inner", "hidden_size", "n_embd", "d_model")
 
 
@@ -87,6 +88,8 @@ def footprint(folder: Path) -> ModelFootprint | None:
         try:
             with open(f, "rb") as h:
                 (size,) = struct.unpack("<Q", h.read(8))
+                if size > min(MAX_HEADER, f.stat().st_size - 8):  # not a safetensors file: the run says why
+                    return None
                 header = json.loads(h.read(size))
         except (OSError, ValueError, struct.error):
             return None
