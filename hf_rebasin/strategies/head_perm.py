@@ -196,13 +196,13 @@ def _by_layer(
     options: HeadPermOptions,
     data: AlignmentData,
     progress: Progress | None,
-) -> tuple[Transform, list[str], int, float]:
+) -> tuple[Transform, list[str], float]:
     """Streamed models: statistics and maps one layer at a time (see `features.lockstep`), each
-    layer's moments dropped once its spaces are solved; (transform, flattened, tokens, seconds)."""
+    layer's moments dropped once its spaces are solved; (transform, flattened, seconds)."""
     assert pair.model_a is not None and pair.model_b is not None
     transform: Transform = pair.graph.identity()
     flat: list[str] = []
-    tokens, seconds = 0, 0.0
+    seconds = 0.0
     for layer in lockstep_stats(
         pair.model_a,
         pair.model_b,
@@ -217,8 +217,8 @@ def _by_layer(
     ):
         corr = {key: m.correlation() for key, m in layer.stats.moments.items()}
         flat += _solve(pair.graph, [n for n in collect if n in layer.spaces], corr, options, transform)
-        tokens, seconds = layer.stats.tokens, seconds + layer.stats.seconds
-    return transform, flat, tokens, seconds
+        seconds += layer.stats.seconds
+    return transform, flat, seconds
 
 
 def _source_device(pair: Pair) -> torch.device | None:
@@ -257,7 +257,7 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
         residual_mode = options.residual if "residual" in options.components else "identity"
         plan = _lockstep(pair, collect, residual_mode, notes)
         if plan is not None:
-            transform, flat, _tokens, timings["features"] = _by_layer(pair, plan, collect, options, data, progress)
+            transform, flat, timings["features"] = _by_layer(pair, plan, collect, options, data, progress)
         else:
             with ExitStack() as running:
                 models: list[torch.nn.Module] = [pair.model_a, pair.model_b]
