@@ -4,6 +4,8 @@
     python benchmarks/bench_scale.py --shape tinyllama --strategies vanilla weight-matching --json tinyllama.json
     python benchmarks/bench_scale.py --shape mistral7b --strategies weight-matching --max-iter 1 --timeout 7200
     python benchmarks/bench_scale.py --shape tinyllama --make-only      # only write the two models
+    python benchmarks/bench_scale.py --shape small --strategies vanilla weight-matching --compare-in-memory
+    python benchmarks/bench_scale.py --shape tinyllama --job transport --strategies weight-matching  # twice: cache hit
 
 ``make``: two models (seeds 0 and 1) of the shape are written under ``--root`` as stock
 transformers folders in bfloat16 (``config.json``, ~2 GB safetensors shards and their
@@ -18,10 +20,29 @@ independent check that it is a valid checkpoint); at every size the dtype is rea
 
 ``run``: for each strategy, a ``job: merge`` recipe of the two models (``cache: false``, no
 ``evaluate`` or ``data``: the streamed path) runs as ``/usr/bin/time -v hf-rebasin RECIPE``.
-Prints wall seconds, the stage seconds of ``rebasin.json``, peak RSS (in GB and as a multiple of
-one model's bytes on disk), the output's bytes and the dtypes in its safetensors headers, as a
-Markdown table (and JSON with ``--json``). ``--max-iter`` caps the passes of weight-matching and
-transfusion (``max_iter``) and the rounds of generalized-orthogonal (``iterations``).
+Prints wall seconds, the stage seconds of ``rebasin.json`` (``load``, ``align``, ``check``: the
+function-preservation check, ``save``), peak RSS (in GB and as a multiple of one model's bytes on
+disk), the peak the dry run estimated (``hf-rebasin RECIPE --dry-run --no-memory-check``, its
+``estimated peak X GiB``, shown in GB) beside it, the output's bytes and the dtypes in its
+safetensors headers, as a Markdown table (and JSON with ``--json``). ``--max-iter`` caps the
+passes of weight-matching and transfusion (``max_iter``) and the rounds of generalized-orthogonal
+(``iterations``).
+
+``--compare-in-memory``: the same recipe (its own output folder) also runs through the in-memory
+path, forced as ``tests/test_streaming.py`` forces it (``hf_rebasin.run.load.streamed`` replaced
+by ``lambda recipe, models: False``, then ``run_recipe(load_recipe(path))``) in a subprocess under
+``/usr/bin/time -v``: the table gets its peak RSS and the estimate the dry run would print for a
+run that loads its models, and every tensor of every ``*.safetensors`` file of both outputs is
+compared with ``safetensors.safe_open`` (same names, same dtype, ``torch.equal``): ``identical``.
+It is skipped, and says so, when that estimate exceeds the memory available.
+
+``--job transport``: a third model, ``<shape>-ft-seed0``, a "fine-tune" of seed 0 (each of its
+bf16 tensors plus ``0.01 · randn``, drawn per tensor like the others and written the same way), and
+a ``job: transport`` recipe per strategy: ``base`` seed 0, ``finetuned`` the fine-tune, ``target``
+seed 1, ``alpha: 1.0``, ``cache: true``. The alignment cache lives under ``--cache-root`` (set as
+``$HF_REBASIN_CACHE`` for every run; ``--clear-cache`` empties it first), so a second run of the
+same transport reads the alignment back: its ``align`` ≈ 0 and the ``cache`` column (hits/misses
+of ``rebasin.json``) shows the hit.
 """
 
 from __future__ import annotations
@@ -53,7 +74,10 @@ SHARD_BYTES = 2 * 10**9  # ~2 GB per file, as `save_pretrained` shards big model
 STRATEGIES = ("vanilla", "weight-matching", "transfusion", "generalized-orthogonal")
 ITERATION_OPTION = {"weight-matching": "max_iter", "transfusion": "max_iter", "generalized-orthogonal": "iterations"}
 SEEDS = (0, 1)
-STAGES = ("load", "align", "evaluate", "save")  # rebasin.json's timings, in the order a run does them
+FINETUNE_NOISE = 0.01  # the "fine-tune" of seed 0: its tensors plus FINETUNE_NOISE · randn
+FINETUNE_NOISE_SEED = 100  # the noise's generators: seeded apart from every model's weights
+STAGES = ("load", "align", "check", "evaluate", "save")  # rebasin.json's timings, in the order a run does them
+JOBS = ("merge", "transport")
 
 # Hub shapes (tie_word_embeddings=False, as both checkpoints ship a separate LM head)
 SHAPES: dict[str, tuple[type[T.PreTrainedConfig], type[T.PreTrainedModel], dict[str, Any]]] = {
@@ -157,9 +181,25 @@ def producer(entries: list[Entry], seed: int) -> Callable[[str], torch.Tensor]:
     return produce
 
 
-def make_model(shape: str, folder: Path, seed: int) -> None:
+def finetune_producer(entries: list[Entry], seed: int) -> Callable[[str], torch.Tensor]:
+    """``produce(name)``: the tensor of the model of ``seed`` as stored (bf16) plus
+    ``FINETUNE_NOISE · randn`` from a generator of its own (seed ``FINETUNE_NOISE_SEED``)."""
+    base = producer(entries, seed)
+    index = {name: (i, shape) for i, (name, shape, _) in enumerate(entries)}
+
+    def produce(name: str) -> torch.Tensor:
+        i, shape = index[name]
+        g = torch.Generator().manual_seed(FINETUNE_NOISE_SEED * 1_000_003 + i)
+        noise = torch.randn(shape, generator=g, dtype=torch.float32)
+        return base(name).to(torch.bfloat16).float().add_(noise, alpha=FINETUNE_NOISE)
+
+    return produce
+
+
+def make_model(shape: str, folder: Path, seed: int, *, finetune: bool = False) -> None:
     """Write a random bf16 model of ``shape`` to ``folder`` (skipped when it exists: a folder
-    appears only once complete, renamed from ``folder.partial``)."""
+    appears only once complete, renamed from ``folder.partial``); ``finetune``: seed's model plus
+    noise (`finetune_producer`)."""
     if (folder / "config.json").is_file():
         print(f"make: {folder} exists, reused")
         return
@@ -167,7 +207,7 @@ def make_model(shape: str, folder: Path, seed: int) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     entries = planned_entries(shape)
-    produce = producer(entries, seed)
+    produce = (finetune_producer if finetune else producer)(entries, seed)
     groups = shards(entries)
     weight_map: dict[str, str] = {}
     total = 0
@@ -233,58 +273,130 @@ def check_small(folder: Path, shape: str) -> None:
         raise SystemExit(f"check failed for {folder}")
 
 
+def check_dtypes(folder: Path) -> None:
+    dtypes = stored_dtypes(folder)
+    print(f"check: {folder.name}: {disk_bytes(folder) / GB:.3f} GB on disk, stored dtypes {dtypes}")
+    if dtypes != ["BF16"]:
+        raise SystemExit(f"{folder}: expected only BF16 tensors, found {dtypes}")
+
+
 def make(shape: str, root: Path) -> list[Path]:
     folders = [root / f"{shape}-seed{seed}" for seed in SEEDS]
     for seed, folder in zip(SEEDS, folders, strict=True):
         make_model(shape, folder, seed)
-        dtypes = stored_dtypes(folder)
-        print(f"check: {folder.name}: {disk_bytes(folder) / GB:.3f} GB on disk, stored dtypes {dtypes}")
-        if dtypes != ["BF16"]:
-            raise SystemExit(f"{folder}: expected only BF16 tensors, found {dtypes}")
+        check_dtypes(folder)
     if shape == "small":
         check_small(folders[0], shape)
     return folders
+
+
+def make_finetune(shape: str, root: Path) -> Path:
+    """``<shape>-ft-seed0``: seed 0's model plus noise; checked to differ from seed 0 by about
+    ``FINETUNE_NOISE`` on its first tensor."""
+    from safetensors import safe_open
+
+    folder = root / f"{shape}-ft-seed{SEEDS[0]}"
+    make_model(shape, folder, SEEDS[0], finetune=True)
+    check_dtypes(folder)
+    base_file = safetensors_files(root / f"{shape}-seed{SEEDS[0]}")[0]
+    with safe_open(str(base_file), framework="pt") as fb, safe_open(str(safetensors_files(folder)[0]), "pt") as ff:
+        name = next(iter(fb.keys()))
+        std = (ff.get_tensor(name).float() - fb.get_tensor(name).float()).std().item()
+    print(f"check: {folder.name} − seed{SEEDS[0]} on {name}: std {std:.4f} (noise {FINETUNE_NOISE})")
+    if not 0.5 * FINETUNE_NOISE < std < 2 * FINETUNE_NOISE:
+        raise SystemExit(f"{folder}: not a fine-tune of seed {SEEDS[0]}")
+    return folder
 
 
 # --------------------------------------------------------------------------------------------
 # run
 # --------------------------------------------------------------------------------------------
 
+GIB = 1024**3
+STREAMED, IN_MEMORY = "streamed", "in-memory"
+
+# The in-memory path, forced as tests/test_streaming.py forces it: `run.load.streamed` answers False.
+IN_MEMORY_RUNNER = """
+import sys
+import hf_rebasin.run.load
+hf_rebasin.run.load.streamed = lambda recipe, models: False
+from hf_rebasin.recipe import load_recipe
+from hf_rebasin.run.pipeline import run_recipe
+run_recipe(load_recipe(sys.argv[1]), check_memory=False)
+"""
+
 
 @dataclass
 class Result:
     shape: str
+    job: str
     strategy: str
+    path: str  # STREAMED (hf-rebasin RECIPE) or IN_MEMORY (IN_MEMORY_RUNNER)
     exit_code: int
-    streamed: bool
+    streamed: bool  # what the run's plan says (`plan.streams`) for the recipe as written
     wall_s: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_gb: float | None = None
+    estimated_peak_gb: float | None = None  # the dry run's "estimated peak" (GiB there), in GB
+    estimate: str | None = None  # the dry run's memory line
     rss_per_model: float | None = None
     above_base_per_model: float | None = None  # (peak RSS - RSS of the imports alone) / one model
     model_gb: float = 0.0
     output_gb: float | None = None
     output_dtypes: list[str] = field(default_factory=list)
+    cache: dict[str, Any] = field(default_factory=dict)  # rebasin.json's cache: enabled, hits, misses
+    identical: bool | None = None  # in-memory rows: its output = the streamed output, tensor by tensor
+    identical_detail: str | None = None
     error: str | None = None
 
+    @property
+    def label(self) -> str:
+        return f"{self.job} {self.strategy} ({self.path})"
 
-def write_recipe(root: Path, shape: str, strategy: str, folders: list[Path], max_iter: int | None) -> Path:
+
+def strategy_spec(strategy: str, max_iter: int | None) -> dict[str, Any]:
     spec: dict[str, Any] = {"name": strategy}
     if max_iter is not None and strategy in ITERATION_OPTION:
         spec[ITERATION_OPTION[strategy]] = max_iter
-    recipe = {
-        "job": "merge",
-        "models": [str(f) for f in folders],
-        "strategy": spec,
-        "merge": {"weight": 0.5},
-        "cache": False,
-        "device": "cpu",
-        "output": {"dir": str(root / "out" / f"{shape}-{strategy}"), "overwrite": True},
-    }
-    path = root / "recipes" / f"{shape}-{strategy}.yaml"
+    return spec
+
+
+def recipe_of(
+    job: str, root: Path, shape: str, strategy: str, models: dict[str, Path], max_iter: int | None
+) -> tuple[str, dict[str, Any]]:
+    """The recipe (dict) of ``job`` and its name, without an output folder yet."""
+    if job == "merge":
+        name = f"{shape}-{strategy}"
+        body: dict[str, Any] = {
+            "job": "merge",
+            "models": [str(models["a"]), str(models["b"])],
+            "strategy": strategy_spec(strategy, max_iter),
+            "merge": {"weight": 0.5},
+            "cache": False,
+        }
+    else:
+        name = f"{shape}-transport-{strategy}"
+        body = {
+            "job": "transport",
+            "base": str(models["base"]),
+            "finetuned": str(models["finetuned"]),
+            "target": str(models["target"]),
+            "strategy": strategy_spec(strategy, max_iter),
+            "alpha": 1.0,
+            "cache": True,
+        }
+    body["device"] = "cpu"
+    return name, body
+
+
+def write_recipe(root: Path, name: str, body: dict[str, Any]) -> tuple[Path, Path]:
+    """``root/recipes/<name>.yaml`` writing to ``root/out/<name>``: (recipe, output folder)."""
+    output = root / "out" / name
+    recipe = {**body, "output": {"dir": str(output), "overwrite": True}}
+    path = root / "recipes" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path
+    return path, output
 
 
 def parse_elapsed(text: str) -> float:
@@ -317,28 +429,56 @@ def baseline_rss(shape: str) -> int | None:
     return time_v(done.stderr)[0]
 
 
-def run_one(
-    shape: str, strategy: str, root: Path, folders: list[Path], args: argparse.Namespace, base: int | None
-) -> Result:
-    from hf_rebasin.recipe import load_recipe
-    from hf_rebasin.run.plan import streams
+def dry_run_estimate(recipe: Path) -> tuple[float | None, str | None]:
+    """The dry run's estimated peak (GB) and its memory line: ``hf-rebasin RECIPE --dry-run --no-memory-check``."""
+    done = subprocess.run(
+        ["hf-rebasin", str(recipe), "--dry-run", "--no-memory-check"], capture_output=True, text=True, check=False
+    )
+    text = " ".join((done.stdout + "\n" + done.stderr).split())  # rich wraps long lines
+    found = re.search(r"(memory: [^;]*; estimated peak ([\d.]+) GiB[^()]*\([^)]*\))", text)
+    if found is None:
+        print(f"dry run: no estimate found (exit {done.returncode}): {text[-500:]}", flush=True)
+        return None, None
+    return float(found.group(2)) * GIB / GB, found.group(1)
 
-    recipe_path = write_recipe(root, shape, strategy, folders, args.max_iter)
-    model_bytes = disk_bytes(folders[0])
-    result = Result(shape, strategy, -1, streams(load_recipe(recipe_path)), model_gb=model_bytes / GB)
-    log = root / "logs" / f"{shape}-{strategy}.log"
+
+def in_memory_estimate(recipe: Path) -> tuple[float | None, float | None, str | None]:
+    """The estimate the dry run would print were the run not streamed (the library's own
+    `plan.memory_estimate`, with `plan.streamed` answering False): (peak GB, available GB, line)."""
+    import importlib
+
+    from hf_rebasin.recipe import load_recipe
+
+    plan = importlib.import_module("hf_rebasin.run.plan")  # the module (`hf_rebasin.run.plan` is also a function)
+
+    real = plan.streamed
+    setattr(plan, "streamed", lambda recipe, models: False)  # noqa: B010 (mypy: a module's function)
+    try:
+        memory = plan.build_plan(load_recipe(recipe)).memory
+    finally:
+        setattr(plan, "streamed", real)  # noqa: B010
+    if memory is None or memory.peak is None:
+        return None, None, None
+    line = next((x for x in memory.lines() if x.startswith("memory:")), None)
+    return memory.peak / GB, (memory.available / GB if memory.available is not None else None), line
+
+
+def measure(command: list[str], log: Path, timeout: float, result: Result, start_note: str) -> str:
+    """Run ``command`` under ``/usr/bin/time -v`` (stdout and the report to ``log``); fills the
+    result's exit code, wall seconds and peak RSS; returns stderr."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    command = ["/usr/bin/time", "-v", "hf-rebasin", str(recipe_path)]
-    print(f"run: {' '.join(command)}  (streamed: {result.streamed}; log {log})", flush=True)
+    command = ["/usr/bin/time", "-v", *command]
+    shown = " ".join("IN_MEMORY_RUNNER" if c == IN_MEMORY_RUNNER else c for c in command)
+    print(f"run: {shown}  ({start_note}; log {log})", flush=True)
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            _, stderr = proc.communicate(timeout=args.timeout)
+            _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: time and hf-rebasin
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: time and the run
             _, stderr = proc.communicate()
-            result.error = f"timeout after {args.timeout}s"
+            result.error = f"timeout after {timeout}s"
     with open(log, "a") as out:
         out.write(stderr)
     result.exit_code = proc.returncode
@@ -346,92 +486,259 @@ def run_one(
     result.wall_s = wall if wall is not None else time.perf_counter() - start
     if peak is not None:
         result.peak_rss_gb = peak / GB
+    if status is not None:
+        result.exit_code = status
+    return stderr
+
+
+def finish(result: Result, output: Path, stderr: str, model_bytes: int, base: int | None) -> Result:
+    """Per-model ratios, and what the output folder's rebasin.json and files say."""
+    if result.peak_rss_gb is not None:
+        peak = result.peak_rss_gb * GB
         result.rss_per_model = peak / model_bytes
         if base is not None:
             result.above_base_per_model = (peak - base) / model_bytes
-    if status is not None:
-        result.exit_code = status
-    output = root / "out" / f"{shape}-{strategy}"
     record = output / "rebasin.json"
     if result.exit_code == 0 and record.is_file():
-        result.timings = {k: float(v) for k, v in json.loads(record.read_text()).get("timings", {}).items()}
+        data = json.loads(record.read_text())
+        result.timings = {k: float(v) for k, v in data.get("timings", {}).items()}
+        result.cache = dict(data.get("cache") or {})
         result.output_gb = disk_bytes(output) / GB
         result.output_dtypes = stored_dtypes(output)
     elif result.error is None:
         tail = [line for line in stderr.splitlines() if line.strip() and not line.startswith("\t")]
         result.error = " | ".join(tail[-3:]) or f"exit {result.exit_code}"
-    print(f"run: {strategy} done in {result.wall_s:.1f}s, exit {result.exit_code}", flush=True)
+    print(f"run: {result.label} done in {result.wall_s:.1f}s, exit {result.exit_code}", flush=True)
     return result
+
+
+def compare_outputs(want: Path, got: Path) -> tuple[bool, str]:
+    """Every tensor of every ``*.safetensors`` file of two output folders, read with
+    ``safetensors.safe_open``: the same names, and per name the same dtype and ``torch.equal``."""
+    from safetensors import safe_open
+
+    def where(folder: Path) -> dict[str, Path]:
+        found: dict[str, Path] = {}
+        for file in safetensors_files(folder):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name in found:
+                        raise SystemExit(f"{folder}: {name} in {found[name].name} and {file.name}")
+                    found[name] = file
+        return found
+
+    a, b = where(want), where(got)
+    files = (
+        "same files"
+        if [f.name for f in safetensors_files(want)] == [f.name for f in safetensors_files(got)]
+        else f"files {[f.name for f in safetensors_files(want)]} vs {[f.name for f in safetensors_files(got)]}"
+    )
+    if not a or set(a) != set(b):
+        return False, f"names differ: {sorted(set(a) ^ set(b))[:5]} ({len(a)} vs {len(b)} tensors); {files}"
+    differ: list[str] = []
+    by_pair: dict[tuple[Path, Path], list[str]] = {}
+    for name in a:
+        by_pair.setdefault((a[name], b[name]), []).append(name)
+    for (fa, fb), names in by_pair.items():
+        with safe_open(str(fa), framework="pt") as ha, safe_open(str(fb), framework="pt") as hb:
+            for name in names:
+                ta, tb = ha.get_tensor(name), hb.get_tensor(name)
+                if ta.dtype != tb.dtype:
+                    differ.append(f"{name}: dtype {ta.dtype} vs {tb.dtype}")
+                elif ta.shape != tb.shape:
+                    differ.append(f"{name}: shape {tuple(ta.shape)} vs {tuple(tb.shape)}")
+                elif not torch.equal(ta, tb):
+                    gap = (ta.double() - tb.double()).abs().max().item()
+                    differ.append(f"{name}: values differ (max |Δ| {gap:.3g})")
+    if differ:
+        return False, f"{len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}; {files}"
+    return True, f"{len(a)} tensors equal (names, dtypes, torch.equal); {files}"
+
+
+def run_one(
+    job: str,
+    shape: str,
+    strategy: str,
+    root: Path,
+    models: dict[str, Path],
+    args: argparse.Namespace,
+    base: int | None,
+) -> list[Result]:
+    from hf_rebasin.recipe import load_recipe
+    from hf_rebasin.run.plan import streams
+
+    name, body = recipe_of(job, root, shape, strategy, models, args.max_iter)
+    recipe_path, output = write_recipe(root, name, body)
+    model_bytes = disk_bytes(next(iter(models.values())))
+    estimated, line = dry_run_estimate(recipe_path)
+    print(f"dry run: {line}", flush=True)
+    result = Result(
+        shape,
+        job,
+        strategy,
+        STREAMED,
+        -1,
+        streams(load_recipe(recipe_path)),
+        model_gb=model_bytes / GB,
+        estimated_peak_gb=estimated,
+        estimate=line,
+    )
+    stderr = measure(
+        ["hf-rebasin", str(recipe_path)],
+        root / "logs" / f"{name}.log",
+        args.timeout,
+        result,
+        f"streamed: {result.streamed}",
+    )
+    results = [finish(result, output, stderr, model_bytes, base)]
+    if not args.compare_in_memory:
+        return results
+
+    memory_path, memory_output = write_recipe(root, f"{name}-memory", body)
+    estimated, available, line = in_memory_estimate(memory_path)
+    print(f"in-memory estimate: {line}", flush=True)
+    memory = Result(
+        shape,
+        job,
+        strategy,
+        IN_MEMORY,
+        -1,
+        False,
+        model_gb=model_bytes / GB,
+        estimated_peak_gb=estimated,
+        estimate=line,
+    )
+    results.append(memory)
+    if estimated is not None and available is not None and estimated > available:
+        memory.error = f"not run: in-memory estimate {estimated:.1f} GB > {available:.1f} GB available"
+        print(f"run: {memory.error}", flush=True)
+        return results
+    stderr = measure(
+        [sys.executable, "-c", IN_MEMORY_RUNNER, str(memory_path)],
+        root / "logs" / f"{name}-memory.log",
+        args.timeout,
+        memory,
+        "in memory: run.load.streamed = False",
+    )
+    finish(memory, memory_output, stderr, model_bytes, base)
+    if result.exit_code == 0 and memory.exit_code == 0:
+        memory.identical, memory.identical_detail = compare_outputs(memory_output, output)
+        result.identical, result.identical_detail = memory.identical, memory.identical_detail
+        print(f"compare: {name}: identical: {'yes' if memory.identical else 'no'} ({memory.identical_detail})")
+    return results
 
 
 def _num(value: float | None, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
+def _cache(r: Result) -> str:
+    if not r.cache:
+        return "—"
+    if not r.cache.get("enabled"):
+        return "off"
+    hits, misses = r.cache.get("hits", 0), r.cache.get("misses", 0)
+    return f"{'hit' if hits and not misses else 'miss' if misses and not hits else 'mixed'} ({hits}/{misses})"
+
+
 def table(results: list[Result]) -> str:
     stages = [s for s in STAGES if any(r.timings.get(s, 0) > 0 for r in results)]
     for r in results:
         stages += [k for k, v in r.timings.items() if k not in stages and k not in STAGES and v > 0]
+    show_cache = any(r.cache.get("enabled") for r in results)
+    show_identical = any(r.path == IN_MEMORY for r in results)
     head = [
         "shape",
+        "job",
         "strategy",
+        "path",
         "exit",
-        "streamed",
         "wall s",
         *(f"{s} s" for s in stages),
         "peak RSS GB",
+        "est. peak GB",
+        "est. / peak",
         "RSS / model",
         "(RSS − base) / model",
         "model GB",
         "output GB",
         "output dtype",
+        *(["cache (hits/misses)"] if show_cache else []),
+        *(["identical"] if show_identical else []),
     ]
     rows = [head, ["---"] * len(head)]
     for r in results:
+        ratio = r.estimated_peak_gb / r.peak_rss_gb if r.estimated_peak_gb and r.peak_rss_gb else None
         rows.append(
             [
                 r.shape,
+                r.job,
                 r.strategy,
-                str(r.exit_code),
-                "yes" if r.streamed else "no",
+                r.path,
+                str(r.exit_code) if r.exit_code >= 0 else "—",
                 _num(r.wall_s, ".1f"),
                 *(_num(r.timings.get(s), ".1f") for s in stages),
                 _num(r.peak_rss_gb, ".2f"),
+                _num(r.estimated_peak_gb, ".2f"),
+                _num(ratio, ".2f") + ("×" if ratio is not None else ""),
                 _num(r.rss_per_model, ".2f") + ("×" if r.rss_per_model is not None else ""),
                 _num(r.above_base_per_model, ".2f") + ("×" if r.above_base_per_model is not None else ""),
                 f"{r.model_gb:.3f}",
                 _num(r.output_gb, ".3f"),
                 ",".join(r.output_dtypes) or "—",
+                *([_cache(r)] if show_cache else []),
+                *([{True: "yes", False: "no", None: "—"}[r.identical]] if show_identical else []),
             ]
         )
     lines = ["| " + " | ".join(row) + " |" for row in rows]
-    lines += [f"\n{r.strategy}: {r.error}" for r in results if r.error]
+    lines.append("")
+    lines += [f"{r.label}: {r.error}" for r in results if r.error]
+    lines += [
+        f"{r.label}: identical: {'yes' if r.identical else 'no'}, {r.identical_detail}"
+        for r in results
+        if r.path == IN_MEMORY and r.identical is not None
+    ]
+    lines += [f"{r.label}: {r.estimate}" for r in results if r.estimate]
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="small", choices=list(SHAPES))
+    p.add_argument("--job", default="merge", choices=JOBS, help="merge seed 0 and seed 1, or transport (see above)")
     p.add_argument("--strategies", nargs="+", default=["vanilla"], choices=STRATEGIES)
     p.add_argument("--root", type=Path, default=Path("/tmp/hf-rebasin-bench"), help="models, recipes, outputs")
+    p.add_argument("--cache-root", type=Path, default=None, help="$HF_REBASIN_CACHE for the runs (default ROOT/cache)")
+    p.add_argument("--clear-cache", action="store_true", help="empty the alignment cache under --cache-root first")
     p.add_argument("--max-iter", type=int, default=None, help="passes (max_iter / iterations) of iterative strategies")
     p.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per run (default 3 hours)")
+    p.add_argument("--compare-in-memory", action="store_true", help="also run the in-memory path; compare outputs")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.add_argument("--make-only", action="store_true", help="write the models, run nothing")
     args = p.parse_args()
     root = args.root.expanduser().absolute()
+    cache_root = (args.cache_root or root / "cache").expanduser().absolute()
+    os.environ["HF_REBASIN_CACHE"] = str(cache_root)  # every run (and the dry runs) inherit it
+    if args.clear_cache:
+        shutil.rmtree(cache_root / "alignments", ignore_errors=True)
     folders = make(args.shape, root)
+    if args.job == "transport":
+        finetuned = make_finetune(args.shape, root)
+        models = {"base": folders[0], "finetuned": finetuned, "target": folders[1]}
+    else:
+        models = {"a": folders[0], "b": folders[1]}
     if args.make_only:
         return
     base = baseline_rss(args.shape)
-    results = [run_one(args.shape, s, root, folders, args, base) for s in args.strategies]
+    results = [r for s in args.strategies for r in run_one(args.job, args.shape, s, root, models, args, base)]
     print()
     if base is not None:
-        print(f"base = {base / GB:.2f} GB (imports alone); model = one input model's safetensors bytes\n")
+        print(f"base = {base / GB:.2f} GB (imports alone); model = one input model's safetensors bytes")
+    print(f"est. peak = the dry run's estimated peak (GiB there, ±0.05 GiB), here in GB; cache root {cache_root}\n")
     print(table(results))
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
-    if any(r.exit_code != 0 for r in results):
+    if any(r.exit_code != 0 or r.identical is False for r in results):
         sys.exit(1)
 
 

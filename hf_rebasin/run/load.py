@@ -137,7 +137,7 @@ def load_workspace(
             )
             notes.append(
                 "weights streamed: read from the safetensors files one tensor at a time and written the same way "
-                f"(a {recipe.job} of a data-free strategy without evaluation needs no model whole in memory){where}"
+                f"(a {recipe.job} without evaluation needs no model whole in memory){where}"
             )
         out_dtype, dtype_entry = output_dtype(recipe, models, adapter, notes)
         task, align_task = _tasks(recipe, models)

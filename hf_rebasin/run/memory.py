@@ -245,7 +245,7 @@ def estimate(
         return MemoryEstimate(found, True, peak, avail, how, held=held)
     f32 = [4 * fp.params for fp in known]
     copies = sum(f32)  # every model in float32
-    copies += 2 * f32[0]  # the result and the model rebuilt to save or score it
+    copies += 2 * f32[0] + f32[0] // 2  # the result, the model rebuilt to save or score it, and its bf16 cast
     if matching or recipe.strategy.name == "head-perm":
         copies += sum(f32[1:])  # the other models in the reference's basis
     if recipe.strategy.name == "generalized-orthogonal":
