@@ -11,7 +11,6 @@ was killed (restores ``.NAME.old-*``, removes ``.NAME.tmp-*``).
 
 from __future__ import annotations
 
-import copy
 import errno
 import json
 import math
@@ -568,12 +567,11 @@ def save_streamed(
     from huggingface_hub import split_torch_state_dict_into_shards
     from transformers.core_model_loading import revert_weight_conversion
 
+    from .models import output_config
     from .offload import empty_model
     from .tensors import write_safetensors
 
-    config = copy.deepcopy(template.config)
-    if untie:
-        config.tie_word_embeddings = False
+    config = output_config(template, untie)
     model = empty_model(type(template), config)  # which names the output ties, and how it saves them
 
     def written(name: str) -> torch.dtype:

@@ -592,23 +592,30 @@ def _streamed(
         return None
     files = sorted({folder / f for f in checkpoint.files.values()})
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    order = list(model.state_dict())
+    meta = model.state_dict()
+    order = list(meta)
     aliases = {alias: source for alias, source in tied.items() if alias in order and alias not in names}
     source = CheckpointSource(folder, checkpoint_entries(files), names, aliases=aliases, order=order, device=device)
     spec = get_adapter(getattr(config, "model_type", None))
     graph = spec.graph(model.config, order)
-    graph.check(model.state_dict(), source=str(folder))  # shapes only: the parameters are on meta
+    graph.check(meta, source=str(folder))  # shapes only: the parameters are on meta
     stored = checkpoint.stored_dtype() or _config_dtype(folder) or torch.float32
     return LoadedModel(model, graph, folder, stored, source=source)
+
+
+def output_config(template: PreTrainedModel, untie: bool) -> Any:
+    """A copy of ``template``'s config for a model built from transformed weights: with a tied LM
+    head stored apart when ``untie`` (canonical forms)."""
+    config = copy.deepcopy(template.config)
+    if untie:
+        config.tie_word_embeddings = False
+    return config
 
 
 def rebuild(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], *, untie: bool = False) -> PreTrainedModel:
     """A fresh model of the same stock class holding ``state_dict`` (untied when asked), in
     ``model``'s dtype (the caller casts for writing)."""
-    config = copy.deepcopy(model.config)
-    if untie:
-        config.tie_word_embeddings = False
-    new = type(model)(config)
+    new = type(model)(output_config(model, untie))
     new.load_state_dict(state_dict, strict=True)
     new.to(dtype=next(model.parameters()).dtype)  # type: ignore[call-arg]  # transformers wraps .to
     return new.eval()
@@ -631,10 +638,9 @@ def running(
     if not isinstance(state, LazyState):
         yield rebuilt(template, state, untie)
         return
-    config = copy.deepcopy(template.config)
-    if untie:
-        config.tie_word_embeddings = False
-    with offloaded(empty_model(type(template), config), state, device or torch.device("cpu")) as model:
+    with offloaded(
+        empty_model(type(template), output_config(template, untie)), state, device or torch.device("cpu")
+    ) as model:
         yield model  # type: ignore[misc]  # offloaded yields the module it was given
 
 
