@@ -20,7 +20,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["empty_model", "offloaded"]
+__all__ = ["empty_model", "loaded", "offloaded"]
 
 
 def empty_model(cls: type[PreTrainedModel], config: Any) -> PreTrainedModel:
@@ -30,6 +30,29 @@ def empty_model(cls: type[PreTrainedModel], config: Any) -> PreTrainedModel:
     with init_empty_weights(include_buffers=False):
         model = cls(config)
     return model.eval()
+
+
+def _assign(module: nn.Module, name: str, value: Tensor, device: torch.device) -> Any:
+    """Put ``value`` on ``device`` as ``module``'s parameter ``name``; the parameter it replaces."""
+    previous = module._parameters[name]
+    module._parameters[name] = nn.Parameter(value.to(device), requires_grad=False)
+    return previous
+
+
+@contextmanager
+def loaded(module: nn.Module, state: Mapping[str, Tensor], prefix: str, device: torch.device) -> Iterator[nn.Module]:
+    """``module`` (meta parameters) with every parameter of its subtree read from ``state`` once,
+    for many forward passes; the meta parameters are put back when the block ends."""
+    saved: list[tuple[nn.Module, str, Any]] = []
+    try:
+        for name, sub in module.named_modules():
+            for p in [n for n, t in sub._parameters.items() if t is not None]:
+                full = f"{prefix}{name}.{p}" if name else f"{prefix}{p}"
+                saved.append((sub, p, _assign(sub, p, state[full], device)))
+        yield module
+    finally:
+        for sub, p, meta in reversed(saved):
+            sub._parameters[p] = meta
 
 
 @contextmanager
@@ -55,8 +78,7 @@ def offloaded(model: nn.Module, state: Mapping[str, Tensor], device: torch.devic
 
         def load(_module: nn.Module, _args: Any, _kwargs: Any = None) -> None:
             for n in params:
-                saved.setdefault(n, module._parameters[n])
-                module._parameters[n] = nn.Parameter(state[f"{prefix}{n}"].to(device), requires_grad=False)
+                saved.setdefault(n, _assign(module, n, state[f"{prefix}{n}"], device))
             for n in buffers:
                 saved.setdefault(f"buffer:{n}", module._buffers[n])
                 module._buffers[n] = state[f"{prefix}{n}"].to(device)

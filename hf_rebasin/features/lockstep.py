@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..offload import offloaded
+from ..offload import loaded, offloaded
 from ..symmetry import SymmetryGraph, split_ref
 from .activations import ActivationStats, Collector, HookPlan, Phase, process_grid
 from .moments import all_reduce_sum, distributed
 
-__all__ = ["LayerStats", "LockstepPlan", "loaded", "lockstep_plan", "lockstep_stats"]
+__all__ = ["LayerStats", "LockstepPlan", "lockstep_plan", "lockstep_stats"]
 
 
 class _Stop(Exception):
@@ -82,23 +82,6 @@ def lockstep_plan(graph: SymmetryGraph, model: nn.Module, spaces: Collection[str
             if space not in by_layer.setdefault(int(head), []):
                 by_layer[int(head)].append(space)
     return LockstepPlan(name, n, by_layer)
-
-
-@contextmanager
-def loaded(module: nn.Module, state: Mapping[str, Tensor], prefix: str, device: torch.device) -> Iterator[nn.Module]:
-    """``module`` (meta parameters) with its parameters read from ``state`` once, for many forward
-    passes; the meta parameters are put back when the block ends."""
-    saved: list[tuple[nn.Module, str, Any]] = []
-    try:
-        for name, sub in module.named_modules():
-            for p in [n for n, t in sub._parameters.items() if t is not None]:
-                full = f"{prefix}{name}.{p}" if name else f"{prefix}{p}"
-                saved.append((sub, p, sub._parameters[p]))
-                sub._parameters[p] = nn.Parameter(state[full].to(device), requires_grad=False)
-        yield module
-    finally:
-        for sub, p, meta in reversed(saved):
-            sub._parameters[p] = meta
 
 
 def _inputs(
