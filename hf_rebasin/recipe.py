@@ -274,6 +274,12 @@ class DataSpec(_Section):
     label_column: str | None = Field(None, description="label column (classification); default: `label`")
     max_tokens: int | None = Field(None, ge=1, description="read at most this many tokens")
     max_examples: int | None = Field(None, ge=1, description="read at most this many examples")
+    block_size: int | None = Field(
+        None,
+        ge=2,
+        description="tokens per block of text (language-model tasks), or at most per example (text "
+        "classification); default 128, or the model's context when shorter",
+    )
     sample_by: SampleBy | None = Field(
         None,
         description="text builder: one record per `document` (the default: each file whole), `line` or "

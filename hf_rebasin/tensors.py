@@ -14,6 +14,8 @@ header of names, dtypes, shapes and byte ranges, then the bytes. Torch only: no 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
 import os
@@ -32,6 +34,7 @@ __all__ = [
     "CheckpointSource",
     "LazyState",
     "SafetensorsEntry",
+    "give_back_freed",
     "is_lazy",
     "read_safetensors_header",
     "shape_of",
@@ -56,6 +59,31 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100_000_000  # bytes: a larger safetensors header is a damaged file, not a model
 WORK_DTYPE = torch.float32  # what floating tensors are read as: every computation runs in float32
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None (macOS, Windows, musl)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
+def give_back_freed() -> None:
+    """Return the free pages of the C heap to the operating system (glibc's ``malloc_trim(0)``).
+
+    A streamed run frees thousands of 1–32 MB tensors; glibc keeps them in its heap, fragmented,
+    and the resident size grew to several times what was live (TinyLlama weight matching: a
+    3.8 GB heap holding 0.2 GB). Called between stages and spaces, not per tensor: trimming also
+    costs the page faults of reusing those pages, which per tensor doubled the time of a merge.
+    Elsewhere than glibc it does nothing.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class LazyState(Mapping[str, Tensor]):

@@ -92,6 +92,11 @@ def _corpus(body: bytes) -> Any:
     return build
 
 
+def _block_past_context(ws: Workspace) -> list[str]:
+    ws.text()
+    return _eval_data(ws, {"dataset": "text", "data_files": "corpus.txt", "block_size": 100_000})
+
+
 def _jsonl(ws: Workspace) -> list[str]:
     good = json.dumps({"text": "to be, or not to be, that is the question"})
     ws.write("data.jsonl", "\n".join([good, good, '{"text": "unterminated', good]) + "\n")
@@ -401,6 +406,15 @@ CASES: list[Case] = [
         needles=("corpus.txt",),
         check=_untouched,
         before="exit 1, internal error DatasetGenerationError (UnicodeDecodeError)",
+    ),
+    Case(
+        "block-size-past-context",
+        "data",
+        _block_past_context,
+        2,
+        needles=("evaluate.data.block_size", "100000", "positions"),
+        check=_untouched,
+        before="new option: the model would have been asked for positions it does not have",
     ),
     Case(
         "jsonl-malformed-line",

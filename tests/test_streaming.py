@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -401,3 +403,27 @@ def test_lockstep_statistics_equal_the_whole_model_statistics(arch: str) -> None
     for key, m in whole.moments.items():
         for f in ("count", "sum_a", "sum_b", "sq_a", "sq_b", "cross"):
             assert torch.equal(getattr(layered[key], f), getattr(m, f)), (key, f)
+
+
+TRIM_PROBE = """
+import ctypes, torch
+from hf_rebasin.tensors import give_back_freed
+def rss():
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+libc = ctypes.CDLL(None)
+assert libc.mallopt(-3, 64 << 20) == 1  # M_MMAP_THRESHOLD: 8 MB tensors come from the heap
+assert libc.mallopt(-1, 1 << 30) == 1   # M_TRIM_THRESHOLD: free() alone never shrinks the heap
+spans = [torch.ones(2**21) for _ in range(64)]  # 512 MB, touched
+del spans
+before = rss(); give_back_freed(); after = rss()
+print(before, after)
+"""
+
+
+@pytest.mark.skipif(tensors._malloc_trim() is None, reason="glibc's malloc_trim only")
+def test_freed_heap_is_given_back() -> None:
+    """Freed tensors that glibc keeps in its heap leave the resident set (read from /proc) when
+    `give_back_freed` runs: what bounds a streamed run's peak between stages and spaces."""
+    done = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, check=True)
+    before, after = map(int, done.stdout.split())
+    assert before - after > 400 * 2**20, (before, after)

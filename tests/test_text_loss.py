@@ -14,6 +14,7 @@ import csv
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,11 +40,12 @@ def text() -> str:
     return data.shakespeare_text(["hamlet"], split="test")[:6000]
 
 
-def plain_transformers_loss(folder: Path, text: str) -> float:
-    """Token-weighted mean loss of the model in ``folder`` on ``text``, computed by transformers alone."""
+def plain_transformers_loss(folder: Path, text: str, block: int | None = None) -> float:
+    """Token-weighted mean loss of the model in ``folder`` on ``text`` in blocks of ``block`` tokens
+    (default: hf-rebasin's), computed by transformers alone."""
     tokenizer = T.AutoTokenizer.from_pretrained(str(folder))
     model = T.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
-    block = min(MAX_BLOCK, model.config.n_positions)
+    block = block or min(MAX_BLOCK, model.config.n_positions)
     ids = tokenizer(text)["input_ids"]
     total, count = 0.0, 0
     with torch.no_grad():
@@ -64,7 +66,7 @@ def _paragraphs(text: str) -> list[str]:
     return pieces
 
 
-def _end_point_losses(tmp_path: Path, zoo: tuple[Path, Path], sections: dict[str, dict[str, str]]) -> dict[str, float]:
+def _end_point_losses(tmp_path: Path, zoo: tuple[Path, Path], sections: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The λ = 1 (model A) loss of a barrier run per data section, each recipe run by the CLI's `main`
     (one process for all: the imports are paid once)."""
     paths = []
@@ -102,8 +104,15 @@ def test_txt_jsonl_csv_score_the_text_as_transformers_does(tmp_path: Path, zoo: 
         "txt": {"dataset": "text", "data_files": "corpus.txt"},
         "jsonl": {"dataset": "json", "data_files": "corpus.jsonl"},
         "csv": {"dataset": "csv", "data_files": "corpus.csv"},
+        "txt-block-24": {"dataset": "text", "data_files": "corpus.txt", "block_size": 24},
     }
     got = _end_point_losses(tmp_path, zoo, sections)
-    print(f"plain transformers {expected:.4f} nats; hf-rebasin " + ", ".join(f"{k} {v:.4f}" for k, v in got.items()))
+    short = plain_transformers_loss(zoo[0], text, block=24)
+    print(
+        f"plain transformers {expected:.4f} nats ({short:.4f} in 24-token blocks); hf-rebasin "
+        + ", ".join(f"{k} {v:.4f}" for k, v in got.items())
+    )
     for name, loss in got.items():
-        assert abs(loss - expected) <= TOLERANCE * expected, (name, loss, expected)
+        want = short if name == "txt-block-24" else expected
+        assert abs(loss - want) <= TOLERANCE * want, (name, loss, want)
+    assert short > expected * (1 + 2 * TOLERANCE)  # shorter context, higher loss: block_size was used

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..offload import loaded, offloaded
 from ..symmetry import SymmetryGraph, split_ref
+from ..tensors import give_back_freed
 from .activations import ActivationStats, Collector, HookPlan, Phase, process_grid
 from .moments import all_reduce_sum, distributed
 
@@ -153,6 +154,7 @@ def lockstep_stats(
         ins_a = _inputs(model_a, state_a, layers_a[0], batches, device)
         ins_b = _inputs(model_b, state_b, layers_b[0], batches, device)
     for i in range(plan.layers):
+        give_back_freed()  # the previous layer's weights, moments and activations
         start = time.perf_counter()
         wanted = plan.spaces.get(i, [])
         prefix = f"{plan.stack}.{i}."

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ..symmetry import AxisMap, Fused, SpaceMap, SymmetryGraph, split_ref
+from ..tensors import give_back_freed
 
 
 def spaces_of(graph: SymmetryGraph, tensor: str, skip_axis: int | None = None) -> set[str]:
@@ -65,17 +66,23 @@ class WeightViews:
             known = {}
             for use in self.graph.users(space):
                 if not spaces_of(self.graph, use[0], skip_axis=use[1]):
+                    give_back_freed()
                     m = self._term({}, space, use, {})
                     known[use[2]] = known[use[2]] + m if use[2] in known else m
             self._static[space] = known
         return known
 
     def __call__(self, transform: Mapping[str, SpaceMap], space: str) -> dict[str | None, Tensor]:
-        """Cross-correlation matrices of ``space`` keyed by role (``None`` for a plain space), float64."""
+        """Cross-correlation matrices of ``space`` keyed by role (``None`` for a plain space), float64.
+
+        The freed operands of each term are given back (`give_back_freed`): left in the heap,
+        fragmented, they set the peak of a streamed descent. A term is a GEMM, which costs far
+        more than the trim."""
         out = {k: v.clone() for k, v in self.static(space).items()}
         cache: dict[str, AxisMap | None] = {}
         for use in self.graph.users(space):
             if spaces_of(self.graph, use[0], skip_axis=use[1]):
+                give_back_freed()
                 m = self._term(transform, space, use, cache)
                 out[use[2]] = out[use[2]] + m if use[2] in out else m
         return {k: v.to(torch.float64) for k, v in out.items()}

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from ..tensors import give_back_freed
+
 __all__ = ["STAGES", "Progress", "StageClock", "noop"]
 
 Progress = Callable[[str, int, int], None]
@@ -32,7 +34,11 @@ class StageClock:
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Time the block into ``name`` (a new name, such as ``train``, is added after the others)."""
+        """Time the block into ``name`` (a new name, such as ``train``, is added after the others).
+
+        Each stage starts with the heap its predecessor freed given back (`give_back_freed`), so a
+        run's peak is its largest stage's, not the sum of every stage's leftovers."""
+        give_back_freed()
         start = time.perf_counter()
         try:
             yield

@@ -89,11 +89,18 @@ def metrics(recipe: Recipe, base_dir: Path) -> list[Metric]:
     return [load_metric(m.name, base_dir, m.kwargs) for m in ev.metric_specs()] if ev is not None else []
 
 
-def _block_size(config: Any) -> int:
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or MAX_BLOCK
-    if getattr(config, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
+def _block_size(config: Any, requested: int | None = None, where: str = "data") -> int:
+    """``requested`` (the data section's ``block_size``), or MAX_BLOCK; never past the model's context."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and getattr(config, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
         limit -= 2  # positions start after padding_idx
-    return int(min(MAX_BLOCK, limit))
+    if requested is None:
+        return int(min(MAX_BLOCK, limit or MAX_BLOCK))
+    if limit is not None and requested > limit:
+        raise DataError(
+            f"`{where}.block_size` is {requested} tokens but the model reads at most {limit} positions: lower it"
+        )
+    return int(requested)
 
 
 def _label2id(records: Any, column: str, config: Any) -> Mapping[str, int] | None:
@@ -112,6 +119,10 @@ def batches(
     """Batches of ``batching.task`` from a recipe data section, built once."""
     raw = spec.model_dump()
     raw.pop("max_tokens", None)
+    image = batching.task == "image-classification"
+    if image and spec.block_size is not None:
+        raise DataError(f"`{where}.block_size` counts tokens: remove it for image classification")
+    length = _block_size(config, raw.pop("block_size", None), where)
     if batching.max_examples is not None:
         raw["max_examples"] = batching.max_examples
     try:
@@ -122,12 +133,12 @@ def batches(
                 proc,
                 task=batching.task,  # type: ignore[arg-type]
                 column=spec.column or "text",
-                block_size=_block_size(config),
+                block_size=length,
                 batch_size=batching.batch_size,
                 max_tokens=batching.max_tokens,
                 seed=batching.seed,
             )
-        out = _classification(spec, batching, records, proc, config)
+        out = _classification(spec, batching, records, proc, config, length)
     except DataError as e:
         raise DataError(f"`{where}`: {e}") from None
     _check_labels(out, config, where)
@@ -135,7 +146,7 @@ def batches(
 
 
 def _classification(
-    spec: DataSpec, batching: BatchSpec, records: Any, proc: Any, config: Any
+    spec: DataSpec, batching: BatchSpec, records: Any, proc: Any, config: Any, length: int
 ) -> list[dict[str, Tensor]]:
     label_column = spec.label_column or "label"
     image = batching.task == "image-classification"
@@ -148,7 +159,7 @@ def _classification(
         label_column=label_column,
         batch_size=batching.batch_size,
         label2id=_label2id(records, label_column, config),
-        max_length=None if image else _block_size(config),
+        max_length=None if image else length,
         image_mode=("L" if getattr(config, "num_channels", 3) == 1 else "RGB") if image else None,
     )
 
