@@ -313,7 +313,8 @@ def _encode(transform: Transform) -> tuple[dict[str, Tensor], dict[str, Any]]:
 
     for space, m in transform.items():
         if isinstance(m, HeadMap):
-            spaces[space] = {"kind": "head", **{k: put(getattr(m, k)) for k in ("kv_perm", "q_perm", "qk", "vo")}}
+            names = {k: put(getattr(m, k)) for k in ("kv_perm", "q_perm", "qk", "vo")}
+            spaces[space] = {"kind": "head", **names, "invertible": m.invertible}
         else:
             spaces[space] = {"kind": "axis", "size": m.size, "index": put(m.index), "blocks": put(m.blocks)}
     return tensors, spaces
@@ -347,6 +348,7 @@ def save_alignment(key: str, alignment: Alignment, pair: Pair, *, root: Path | N
         "untied": list(alignment.untied),
         "notes": list(alignment.notes),
         "timings": {k: float(v) for k, v in alignment.timings.items()},
+        "diagnostics": alignment.diagnostics,
         "spaces": spaces,
         "digest": _digest(tensors),
     }
@@ -396,7 +398,7 @@ def _decode(graph: SymmetryGraph, spaces: Mapping[str, Any], tensors: Mapping[st
                 )
                 if not ok:
                     raise CacheMiss(f"inner map of {name!r} does not fit {g} heads of size {dh}")
-            out[name] = HeadMap(kv, q, qk, vo)
+            out[name] = HeadMap(kv, q, qk, vo, invertible=bool(entry.get("invertible", False)))
             continue
         assert isinstance(space, Space)
         index, blocks = get(entry.get("index")), get(entry.get("blocks"))
@@ -460,6 +462,7 @@ def read_alignment(key: str, pair: Pair, strategy: str | None = None, *, root: P
             untied=untied,
             notes=[str(n) for n in meta["notes"]],
             timings={str(k): float(v) for k, v in meta["timings"].items()},
+            diagnostics=dict(meta.get("diagnostics") or {}),
         )
     except CacheMiss:
         raise

@@ -138,6 +138,7 @@ def _context(record: RunRecord, recipe_text: str, command: str) -> dict[str, Any
         "data_sources": [_data_source(d) for d in record.datasets],
         "barrier_table": _barrier_table(curves, found.barrier),
         "barrier_reading": _barrier_reading(curves, found.barrier, strategy),
+        "learned": _learned(found.diagnostics.get("learned")),
         "merged_scores": _merged_scores(found.merged, strategy, found.universe),
         "transport_rows": _transport_rows(transport),
         "transport_support": _transport_rows(transport.get("support") or {}, transport),
@@ -255,6 +256,30 @@ def _transport_rows(scores: Mapping[str, Any], outer: Mapping[str, Any] | None =
             )
         )
     return rows
+
+
+def _learned(history: Mapping[str, Any] | None) -> str | None:
+    """One sentence on learned matching's curve (``learned.png``): where it started, where the kept
+    maps are, after how much data, and why it stopped; None when it did not run."""
+    if not history or not history.get("barrier"):
+        return None
+    try:
+        unit = str(history.get("unit") or "steps")
+        barriers = [float(v) for v in history["barrier"]]
+        seen = [int(v) for v in history.get(unit) or history["steps"]]
+        steps = [int(v) for v in history["steps"]]
+    except (TypeError, ValueError, KeyError):
+        return None  # a damaged record still renders a card
+    best = min(range(len(barriers)), key=barriers.__getitem__)
+    where = _cell(str(history.get("held_out") or "held-out data"))
+    text = (
+        f"Midpoint barrier on {where}: {barriers[0]:.4f} nats at the data-free start, "
+        f"{barriers[best]:.4f} for the maps kept (step {steps[best]:,}, {seen[best]:,} {unit}), "
+        f"over {steps[-1]:,} steps and {seen[-1]:,} {unit} in all."
+    )
+    if best == 0:
+        text += " Training never beat the start, so the data-free maps were kept."
+    return text
 
 
 def _unique(items: Iterable[str]) -> list[str]:

@@ -130,6 +130,7 @@ class Findings:
     merge_weights: list[float] | None = None
     universe: dict[str, Any] | None = None  # merge.universe only
     transport: dict[str, Any] | None = None  # job: transport only
+    diagnostics: dict[str, Any] = field(default_factory=dict)  # learned: barrier vs steps
 
     def to_json(self) -> dict[str, Any]:
         """The record's top-level keys for this job (see the class docstring for which are absent)."""
@@ -160,6 +161,7 @@ class Findings:
             merge_weights=list(weights) if weights is not None else None,
             universe=data.get("universe"),
             transport=data.get("transport"),
+            diagnostics=dict(data.get("diagnostics") or {}),
         )
 
 

@@ -137,17 +137,28 @@ class HeadMap:
 
     ``kv_perm[g]``: which old KV head goes to KV slot g. ``q_perm[g, j]``: which old query head
     (index inside its group) goes to query slot j of group g. ``qk`` / ``vo``: inner maps per new KV
-    slot, either ``[G, dh]`` index tensors (permutations) or ``[G, dh, dh]`` orthogonal matrices.
+    slot, either ``[G, dh]`` index tensors (permutations) or ``[G, dh, dh]`` matrices, orthogonal
+    unless ``invertible``. An invertible inner map M multiplies Q (and V) by M and K (and O's input)
+    by M⁻ᵀ, which leaves QᵀK (and O·V) unchanged; for orthogonal maps M⁻ᵀ = M.
     """
 
     kv_perm: Tensor
     q_perm: Tensor
     qk: Tensor
     vo: Tensor
+    invertible: bool = False
+
+    def inner(self, role: str) -> Tensor:
+        """The inner maps role ``role`` is multiplied by: Q/V take ``qk``/``vo``, K/O their inverse
+        transposes (the same matrices unless ``invertible``)."""
+        inner = self.qk if role in ("q", "k") else self.vo
+        if self.invertible and role in ("k", "o") and inner.dtype != torch.long:
+            inner = torch.linalg.inv(inner).mT
+        return inner
 
     def expand(self, space: HeadSpace, role: str) -> AxisMap:
         dh, r = space.head_dim, space.group_size
-        inner = self.qk if role in ("q", "k") else self.vo
+        inner = self.inner(role)
         if role in ("k", "v"):
             heads = self.kv_perm
             inner_per_head = inner
@@ -406,6 +417,8 @@ class SymmetryGraph:
                 raise TransformError(
                     f"space {name!r} needs a {'HeadMap' if isinstance(space, HeadSpace) else 'AxisMap'}"
                 )
+            if isinstance(space, HeadSpace) and isinstance(m, HeadMap):
+                _check_inner(name, space, m)
             if isinstance(space, Space) and isinstance(m, AxisMap) and not m.is_permutation:
                 if space.max_class != "orthogonal":
                     raise TransformError(
@@ -479,6 +492,38 @@ class SymmetryGraph:
         return out
 
 
+def _check_inner(name: str, space: HeadSpace, m: HeadMap) -> None:
+    """Inner head maps that keep the function: finite and well conditioned, and under rotary
+    embeddings (Q/K) a scaled rotation of each rotary plane, the only maps RoPE commutes with."""
+    for label, inner in (("Q/K", m.qk), ("V/O", m.vo)):
+        if inner.dtype == torch.long:
+            continue
+        if not bool(torch.isfinite(inner).all()):
+            raise TransformError(f"space {name!r}: the {label} inner maps are not finite")
+        if m.invertible and float(torch.linalg.cond(inner.detach().double()).max()) > 1e8:
+            raise TransformError(f"space {name!r}: a {label} inner map is (nearly) singular")
+    if space.rotary and m.qk.dtype != torch.long and not is_plane_scaling(m.qk):
+        raise TransformError(
+            f"space {name!r} has rotary embeddings: its Q/K inner maps may only rotate and scale each rotary "
+            "plane (j, j + head_dim/2); any other map changes the attention scores"
+        )
+
+
+def is_plane_scaling(m: Tensor, atol: float = 1e-6) -> bool:
+    """Whether every ``[dh, dh]`` block of ``m`` is a scaled rotation of each rotary plane
+    ``(j, j + dh/2)`` (HF's ``rotate_half`` pairing): ``[[a, -b], [b, a]]`` in each plane, 0 elsewhere."""
+    dh = m.shape[-1]
+    half = dh // 2
+    j = torch.arange(half)
+    a, b = m[..., j, j], m[..., j + half, j]
+    rebuilt = torch.zeros_like(m)
+    rebuilt[..., j, j] = a
+    rebuilt[..., j + half, j + half] = a
+    rebuilt[..., j, j + half] = -b
+    rebuilt[..., j + half, j] = b
+    return bool(torch.allclose(m.detach(), rebuilt.detach(), atol=atol * max(1.0, float(m.detach().abs().max()))))
+
+
 # --------------------------------------------------------------------------------------------
 # Random elements of the allowed groups
 # --------------------------------------------------------------------------------------------
@@ -530,6 +575,26 @@ def rotary_plane_rotations(angles: Tensor) -> Tensor:
     m[:, j, j + half] = -s
     m[:, j + half, j] = s
     return m
+
+
+def random_invertible_head_map(space: HeadSpace, g: torch.Generator, spread: float = 1.0) -> HeadMap:
+    """A head map with random invertible inner maps (singular values ``exp(±spread/2)``), under
+    rotary embeddings scaled rotations of each plane for Q/K: the function-preservation tests' class."""
+    perm = random_head_map(space, "orthogonal", g)
+    G, dh = space.num_kv_heads, space.head_dim
+
+    def scales(*shape: int) -> Tensor:
+        return torch.exp((torch.rand(*shape, generator=g, dtype=torch.float64) - 0.5) * spread)
+
+    def general() -> Tensor:
+        return random_orthogonal(dh, g, batch=G) * scales(G, 1, dh) @ random_orthogonal(dh, g, batch=G)
+
+    if space.rotary:
+        planes = rotary_plane_rotations(torch.rand(G, dh // 2, generator=g, dtype=torch.float64) * 2 * math.pi)
+        qk = planes * torch.cat([scales(G, dh // 2)] * 2, dim=1)[:, :, None]
+    else:
+        qk = general()
+    return HeadMap(perm.kv_perm, perm.q_perm, qk, general(), invertible=True)
 
 
 def random_head_map(space: HeadSpace, cls: TransformClass, g: torch.Generator) -> HeadMap:

@@ -14,8 +14,15 @@ from hf_rebasin.canonical import canonicalize, is_canonical
 from hf_rebasin.errors import TransformError, UnsupportedArchitectureError
 from hf_rebasin.models import rebuild
 from hf_rebasin.strategies.weight_matching import weight_matching
-from hf_rebasin.symmetry import AxisMap, HeadMap, random_orthogonal
-from hf_rebasin.verify import TOLERANCE, example_inputs, outputs_of, transformed_model, verify_model
+from hf_rebasin.symmetry import (
+    AxisMap,
+    HeadMap,
+    HeadSpace,
+    is_plane_scaling,
+    random_invertible_head_map,
+    random_orthogonal,
+)
+from hf_rebasin.verify import TOLERANCE, compare, example_inputs, outputs_of, transformed_model, verify_model
 
 CASES = sorted(tiny.FACTORIES)
 SEEDS = (0, 1, 2)
@@ -226,3 +233,50 @@ def test_registry_refuses_duplicates():
     reg.register(SPEC)
     with pytest.raises(ValueError, match="twice"):
         reg.register(SPEC)
+
+
+@pytest.mark.parametrize("seed", (0, 1))
+@pytest.mark.parametrize("case", CASES)
+def test_random_invertible_head_maps_preserve_outputs(models, case, seed):
+    """The invertible class inside heads: Q·M with K·M⁻ᵀ, V·N with O·N⁻¹ (rotary: scaled plane
+    rotations for Q/K), on top of a random orthogonal transform of everything else."""
+    model = models[case].eval()
+    spec = REGISTRY.get(model.config.model_type)
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(seed + 1))
+    before = outputs_of(model, spec, inputs)
+    sd, graph, untied = canonicalize(graph_for(model.config, model.state_dict().keys()), model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    transform = graph.random_transform("orthogonal", g)
+    heads = [name for name, sp in graph.spaces.items() if isinstance(sp, HeadSpace)]
+    assert heads, f"{case} has no attention"
+    for name in heads:
+        transform[name] = random_invertible_head_map(graph.spaces[name], g, spread=1.0)
+        assert transform[name].invertible
+        inner = transform[name].vo
+        assert float(torch.linalg.svdvals(inner).max() / torch.linalg.svdvals(inner).min()) > 1.2  # not orthogonal
+    after = outputs_of(rebuild(model, graph.apply(sd, transform), untie=bool(untied)), spec, inputs)
+    assert compare(spec, graph, transform, before, after) <= TOLERANCE
+
+
+def test_invertible_maps_under_rope_must_scale_rotary_planes(models):
+    """Negative control: a general invertible Q/K map is refused under rotary embeddings (it would
+    change the scores), and, forced through, really changes the outputs."""
+    model = models["llama-mha"].eval()
+    spec = REGISTRY.get(model.config.model_type)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    name = next(n for n, sp in graph.spaces.items() if isinstance(sp, HeadSpace))
+    space = graph.spaces[name]
+    assert space.rotary
+    g = torch.Generator().manual_seed(0)
+    ok = random_invertible_head_map(space, g)
+    assert is_plane_scaling(ok.qk)
+    general = random_orthogonal(space.head_dim, g, batch=space.num_kv_heads) * 1.5
+    bad = HeadMap(ok.kv_perm, ok.q_perm, general, ok.vo, invertible=True)
+    transform = {name: bad}
+    with pytest.raises(TransformError, match="rotary"):
+        graph.apply(sd, transform)
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(1))
+    before = outputs_of(model, spec, inputs)
+    after = outputs_of(rebuild(model, graph.apply(sd, transform, check=False)), spec, inputs)
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-3

@@ -86,6 +86,7 @@ class Alignment:
     untied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    diagnostics: dict[str, Any] = field(default_factory=dict)  # curves a run draws (``learned``: barrier vs steps)
 
     def aligned_b(self) -> dict[str, Tensor]:
         """B's state dict in A's basis."""

@@ -12,15 +12,18 @@ model (see :mod:`hf_rebasin.strategies.learned`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..canonical import canonicalize
 from ..features import WeightViews
 from ..symmetry import HeadSpace, Space
 from .base import Alignment, Pair, Progress, require_data, timed
 from .descent import anchor_init, descend, space_solver, view_graph
+from .invertible import invertible_inner
 from .learned import LearnedSettings, refine
 from .options import GENERALIZED_ORTHOGONAL as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import LEARNED_ONLY as LEARNED_ONLY  # re-exported, as before
-from .options import GeneralizedOrthogonalOptions
+from .options import GeneralizedOrthogonalOptions, parse_sampler
 
 
 def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | None) -> Alignment:
@@ -49,20 +52,49 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         residual = [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"]
         heads = [n for n, s in graph.spaces.items() if isinstance(s, HeadSpace)]
         order = residual + heads + [n for n in graph.spaces if n not in residual and n not in heads]
-        transform, passes = descend(
-            vgraph,
-            sd_a,
-            sd_b,
-            space_solver(graph, "orthogonal", ranking="circuit"),
-            init=start,
-            max_iter=options.iterations,
-            order=order,
-            progress=progress,
-            stage="generalized-orthogonal: rotations",
-            views=views,
-        )
+        rotations = not (options.learned and options.maps == "permutations")
+        transform, passes = start, 0
+        if rotations:
+            transform, passes = descend(
+                vgraph,
+                sd_a,
+                sd_b,
+                space_solver(graph, "orthogonal", ranking="circuit"),
+                init=start,
+                max_iter=options.iterations,
+                order=order,
+                progress=progress,
+                stage="generalized-orthogonal: rotations",
+                views=views,
+            )
         timings["rounds"] = passes
-        notes = graph.fallbacks("orthogonal")
+        if options.inner == "invertible":
+            # the inner maps in closed form, then the other spaces again against the unsheared
+            # heads, until neither moves (sheared heads pull the residual map off otherwise)
+            others = [n for n in order if n not in heads]
+            for _ in range(options.iterations):
+                transform = invertible_inner(graph, sd_a, sd_b, transform)
+                before = dict(transform)
+                transform, _ = descend(
+                    vgraph,
+                    sd_a,
+                    sd_b,
+                    space_solver(graph, "orthogonal", ranking="circuit"),
+                    init=transform,
+                    max_iter=options.iterations,
+                    order=others,
+                    progress=progress,
+                    stage="generalized-orthogonal: invertible heads",
+                    views=views,
+                )
+                if all(transform[n] is before[n] for n in others):
+                    break
+        notes = (
+            graph.fallbacks("orthogonal")
+            if rotations
+            else ["learned matching of permutations only (`maps: permutations`)"]
+        )
+        diagnostics: dict[str, Any] = {}
         if options.learned:
             settings = LearnedSettings(
                 steps=options.steps,
@@ -70,9 +102,18 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
                 sinkhorn=options.sinkhorn,
                 temperature=options.temperature,
                 seed=options.seed,
+                sampler=parse_sampler(options.sampler),
+                heads=options.learn_heads,
+                budget=options.budget,
+                holdout=options.holdout,
+                eval_every=options.eval_every,
+                patience=options.patience,
+                invertible=options.inner == "invertible",
             )
-            transform, learned_notes = refine(pair, graph, sd_a, sd_b, transform, untied, settings, progress)
-            notes += learned_notes
+            learned = refine(pair, graph, sd_a, sd_b, transform, untied, settings, progress)
+            transform = learned.transform
+            notes += learned.notes
+            diagnostics["learned"] = learned.history
     return Alignment(
         "generalized-orthogonal",
         graph,
@@ -83,4 +124,5 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         untied=untied,
         notes=notes,
         timings=timings,
+        diagnostics=diagnostics,
     )

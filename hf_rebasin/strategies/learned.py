@@ -1,20 +1,26 @@
 """Learned matching (Theus et al.; after Ainsworth et al.'s straight-through estimator and Peña et
 al.'s Sinkhorn re-basin): refine a data-free solution on the loss of the interpolated model.
 
-Each step samples λ ~ U(0.4, 0.6) and a batch of alignment data, and minimizes the loss of
-``λ·θ_A + (1−λ)·T(θ_B)`` over the maps T. Orthogonal maps (residual stream, inner head maps) are
-free matrices projected back onto the orthogonal group by SVD after every step. Permutations
-(MLP units, a post-norm residual) are score matrices: the forward pass uses the Hungarian solution
-with the scores' gradient passed straight through, or (``sinkhorn: true``) a soft doubly
-stochastic matrix; they are rounded to hard permutations at the end. Head pairings stay those of
-the data-free solution. The refined maps are kept only if they lower the midpoint loss.
+Each step samples λ (``uniform(a, b)`` or ``fixed(x)``) and a batch of alignment data, and lowers
+the loss of ``λ·θ_A + (1−λ)·T(θ_B)`` over the maps T. Orthogonal maps (residual stream, inner head
+maps) are free matrices projected back onto the orthogonal group by SVD after every step.
+Permutations (MLP units, a post-norm residual, and which head of B goes to which head of A) are
+score matrices: the forward pass uses the Hungarian solution with the scores' gradient passed
+straight through, or (``sinkhorn``) a soft doubly stochastic matrix, projected once when the
+training ends. The learning rate decays on a cosine.
+
+Part of the alignment data is held out. Every ``eval_every`` steps the hard maps are scored there
+(the midpoint barrier); the best maps are kept, and training stops after ``patience`` scores without
+a better one. The data-free start is such a score too, so the result is never worse than it on
+the held-out batches. The scores form the curve the run draws (barrier against steps).
 """
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,13 +38,29 @@ from .base import Pair, Progress
 @dataclass(frozen=True)
 class LearnedSettings:
     """How the refinement optimises: its own settings, so that this module needs nothing of the
-    strategy that calls it (generalized-orthogonal fills them from its ``learned`` options)."""
+    strategy that calls it (generalized-orthogonal fills them from its options)."""
 
-    steps: int  # optimisation steps
-    lr: float  # Adam learning rate
-    sinkhorn: bool  # soft (Sinkhorn) permutations during optimisation instead of straight-through ones
+    steps: int  # optimisation steps (unused when ``budget`` is set)
+    lr: float  # peak Adam learning rate (cosine decay to 10 % of it)
+    sinkhorn: bool  # soft (Sinkhorn) permutations during optimisation, projected once at the end
     temperature: float  # of the soft permutations
     seed: int  # of the λ samples
+    sampler: tuple[float, float] = (0.4, 0.6)  # λ ~ U(a, b); a == b is a fixed λ
+    heads: bool = True  # learn which head of B goes to which head of A (not only the maps inside)
+    budget: int | None = None  # tokens (text) or examples (images) to train on; sets the steps
+    holdout: float = 0.25  # share of the alignment batches held out for the stopping rule
+    eval_every: int = 50  # steps between held-out scores
+    patience: int = 4  # held-out scores without improvement before stopping (0: never stop early)
+    invertible: bool = False  # inner head maps are any invertible matrices (rotary Q/K: scaled plane rotations)
+
+
+@dataclass
+class LearnedResult:
+    """The refined transform, report notes and the curve of held-out barrier against steps."""
+
+    transform: Transform
+    notes: list[str]
+    history: dict[str, Any] = field(default_factory=dict)
 
 
 def _project_orthogonal(m: Tensor, centered: bool) -> Tensor:
@@ -50,13 +72,50 @@ def _project_orthogonal(m: Tensor, centered: bool) -> Tensor:
     return o.to(m.dtype)
 
 
+def _hard(scores: Tensor) -> Tensor:
+    """The permutation matrix maximizing ``Σ scores[i, p(i)]`` (no gradient)."""
+    hard = torch.zeros_like(scores)
+    hard[torch.arange(scores.shape[0]), lap(scores)[0]] = 1.0
+    return hard
+
+
+def _inner_matrix(inner: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[G, dh, dh]`` matrices of inner maps given as index tensors (permutations) or matrices."""
+    if inner.dtype == torch.long:
+        return torch.eye(inner.shape[-1], dtype=dtype)[inner]
+    return inner.to(dtype)
+
+
+@dataclass(frozen=True)
+class RelaxedHeads(HeadMap):
+    """A head map whose pairing of KV heads is a dense ``[G, G]`` matrix (new slot × old head):
+    straight-through hard or Sinkhorn-soft while learned matching optimises it. The query order
+    inside each group (``q_perm``) stays fixed; ``expand`` builds each role's dense map."""
+
+    pairing: Tensor | None = None
+
+    def expand(self, space: HeadSpace, role: str) -> AxisMap:
+        assert self.pairing is not None
+        p = self.pairing
+        inner = _inner_matrix(self.inner(role), p.dtype)
+        G, r, dh = space.num_kv_heads, space.group_size, space.head_dim
+        if role in ("k", "v"):
+            dense = torch.einsum("gh,gab->gahb", p, inner).reshape(G * dh, G * dh)
+        else:
+            within = torch.eye(r, dtype=p.dtype)[self.q_perm]  # [G, r, r]: slot j of group g ← query q_perm[g, j]
+            dense = torch.einsum("gh,gjk,gab->gjahkb", p, within, inner).reshape(G * r * dh, G * r * dh)
+        return AxisMap(dense.shape[0], blocks=dense[None])
+
+
 class _Maps(torch.nn.Module):
     """The learnable maps: dense orthogonal matrices and permutation scores, per space."""
 
-    def __init__(self, graph: SymmetryGraph, transform: Transform, soft: bool, temperature: float) -> None:
+    def __init__(self, graph: SymmetryGraph, transform: Transform, settings: LearnedSettings) -> None:
         super().__init__()
-        self.graph, self.soft, self.temperature = graph, soft, temperature
-        self.orth = torch.nn.ParameterDict()
+        self.graph, self.soft, self.temperature = graph, settings.sinkhorn, settings.temperature
+        self.invertible = settings.invertible
+        self.orth = torch.nn.ParameterDict()  # orthogonal: projected back after every step
+        self.free = torch.nn.ParameterDict()  # invertible inner head maps: not projected
         self.scores = torch.nn.ParameterDict()
         self.heads: dict[str, HeadMap] = {}
         self.keys: dict[str, str] = {}
@@ -65,12 +124,26 @@ class _Maps(torch.nn.Module):
             self.keys[name] = key
             sp = graph.spaces[name]
             if isinstance(m, HeadMap):
-                self.heads[name] = m
                 assert isinstance(sp, HeadSpace)
-                if m.vo.dtype != torch.long:
-                    self.orth[key + "_vo"] = torch.nn.Parameter(m.vo.to(torch.float32).clone())
-                if m.qk.dtype != torch.long and not sp.rotary:
-                    self.orth[key + "_qk"] = torch.nn.Parameter(m.qk.to(torch.float32).clone())
+                self.heads[name] = m
+                if self.invertible:
+                    self.free[key + "_vo"] = torch.nn.Parameter(_inner_matrix(m.inner("v"), torch.float32).clone())
+                    qk = _inner_matrix(m.inner("q"), torch.float32)
+                    if sp.rotary:  # per plane (a, b): the scaled rotation [[a, -b], [b, a]]
+                        half = sp.head_dim // 2
+                        j = torch.arange(half)
+                        planes = torch.stack([qk[:, j, j], qk[:, j + half, j]], dim=-1)
+                        self.free[key + "_planes"] = torch.nn.Parameter(planes.clone())
+                    else:
+                        self.free[key + "_qk"] = torch.nn.Parameter(qk.clone())
+                else:
+                    if m.vo.dtype != torch.long:
+                        self.orth[key + "_vo"] = torch.nn.Parameter(m.vo.to(torch.float32).clone())
+                    if m.qk.dtype != torch.long and not sp.rotary:
+                        self.orth[key + "_qk"] = torch.nn.Parameter(m.qk.to(torch.float32).clone())
+                if settings.heads and sp.num_kv_heads > 1:
+                    g = sp.num_kv_heads
+                    self.scores[key + "_heads"] = torch.nn.Parameter(torch.eye(g)[m.kv_perm].clone())
             elif isinstance(m, AxisMap):
                 dense = m.matrix(torch.float32)
                 if m.is_permutation:
@@ -78,27 +151,50 @@ class _Maps(torch.nn.Module):
                 else:
                     self.orth[key] = torch.nn.Parameter(dense.clone())
 
-    def current(self) -> dict[str, SpaceMap]:
-        """Maps for the forward pass (differentiable in the parameters)."""
+    def _permutation(self, scores: Tensor, soft: bool) -> Tensor:
+        if soft:
+            return sinkhorn(scores / self.temperature)
+        return _hard(scores) + scores - scores.detach()  # straight through: forward hard, gradient to the scores
+
+    def current(self, soft: bool | None = None) -> dict[str, SpaceMap]:
+        """Maps for the forward pass (differentiable in the parameters); ``soft`` overrides the
+        setting (the held-out scores read both)."""
+        soft = self.soft if soft is None else soft
         out: dict[str, SpaceMap] = {}
         for name, key in self.keys.items():
             if name in self.heads:
                 m = self.heads[name]
-                qk = self.orth[key + "_qk"] if key + "_qk" in self.orth else m.qk
-                vo = self.orth[key + "_vo"] if key + "_vo" in self.orth else m.vo
-                out[name] = HeadMap(m.kv_perm, m.q_perm, qk, vo)
+                qk, vo = self._inner(name, key)
+                if key + "_heads" in self.scores:
+                    pairing = self._permutation(self.scores[key + "_heads"], soft)
+                    out[name] = RelaxedHeads(m.kv_perm, m.q_perm, qk, vo, self.invertible, pairing=pairing)
+                else:
+                    out[name] = HeadMap(m.kv_perm, m.q_perm, qk, vo, self.invertible)
             elif key in self.orth:
                 out[name] = AxisMap(self.orth[key].shape[0], blocks=self.orth[key][None])
             else:
-                s = self.scores[key]
-                if self.soft:
-                    p = sinkhorn(s / self.temperature)
-                else:
-                    hard = torch.zeros_like(s)
-                    hard[torch.arange(s.shape[0]), lap(s)[0]] = 1.0
-                    p = hard + s - s.detach()  # straight through: forward hard, gradient to the scores
-                out[name] = AxisMap(s.shape[0], blocks=p[None])
+                out[name] = AxisMap(self.scores[key].shape[0], blocks=self._permutation(self.scores[key], soft)[None])
         return out
+
+    def _inner(self, name: str, key: str) -> tuple[Tensor, Tensor]:
+        """The Q/K and V/O inner maps of head space ``name`` (parameters where learned)."""
+        m = self.heads[name]
+        if self.invertible:
+            vo = self.free[key + "_vo"]
+            if key + "_qk" in self.free:
+                qk = self.free[key + "_qk"]
+            else:  # rotary: (a, b) per plane
+                planes = self.free[key + "_planes"]
+                half = planes.shape[1]
+                a, b = planes[..., 0], planes[..., 1]
+                eye = torch.eye(half, dtype=planes.dtype)
+                top = torch.cat([a[:, :, None] * eye, -b[:, :, None] * eye], dim=2)
+                low = torch.cat([b[:, :, None] * eye, a[:, :, None] * eye], dim=2)
+                qk = torch.cat([top, low], dim=1)
+            return qk, vo
+        qk = self.orth[key + "_qk"] if key + "_qk" in self.orth else m.qk
+        vo = self.orth[key + "_vo"] if key + "_vo" in self.orth else m.vo
+        return qk, vo
 
     @torch.no_grad()
     def project(self) -> None:
@@ -116,13 +212,12 @@ class _Maps(torch.nn.Module):
         out: Transform = {}
         for name, key in self.keys.items():
             if name in self.heads:
-                m = self.current()[name]
-                assert isinstance(m, HeadMap)
-                qk = m.qk.detach().to(torch.float64) if m.qk.dtype != torch.long else m.qk
-                vo = m.vo.detach().to(torch.float64) if m.vo.dtype != torch.long else m.vo
-                out[name] = HeadMap(m.kv_perm, m.q_perm, qk, vo)
+                m = self.heads[name]
+                kv = lap(self.scores[key + "_heads"])[0] if key + "_heads" in self.scores else m.kv_perm
+                qk, vo = (x.detach().double().clone() if x.is_floating_point() else x for x in self._inner(name, key))
+                out[name] = HeadMap(kv, m.q_perm, qk, vo, self.invertible)
             elif key in self.orth:
-                o = self.orth[key].detach().to(torch.float64)
+                o = self.orth[key].detach().to(torch.float64).clone()
                 out[name] = AxisMap(o.shape[0], blocks=o[None])
             else:
                 out[name] = AxisMap(self.scores[key].shape[0], index=lap(self.scores[key])[0])
@@ -140,6 +235,31 @@ def _loss(model: Any, params: Mapping[str, Tensor], batch: Mapping[str, Tensor])
     return loss  # type: ignore[no-any-return]
 
 
+def batch_size(batch: Mapping[str, Tensor]) -> tuple[int, str]:
+    """What one batch counts towards a budget: its real tokens (text) or its examples (images)."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum()), "tokens"
+    if "input_ids" in batch:
+        return int(batch["input_ids"].numel()), "tokens"
+    first = next(iter(batch.values()))
+    return int(first.shape[0]), "examples"
+
+
+def split(batches: Sequence[Mapping[str, Tensor]], holdout: float) -> tuple[list[Any], list[Any], bool]:
+    """(training batches, held-out batches, whether they differ): the last ``holdout`` share,
+    at least one batch, is held out when there are two or more."""
+    items = list(batches)
+    if len(items) < 2:
+        return items, items, False
+    k = min(len(items) - 1, max(1, round(len(items) * holdout)))
+    return items[:-k], items[-k:], True
+
+
+def _lr_factor(step: int, steps: int) -> float:
+    """Cosine decay from 1 to 0.1 over the run."""
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / max(1, steps))))
+
+
 def refine(
     pair: Pair,
     graph: SymmetryGraph,
@@ -149,40 +269,96 @@ def refine(
     untied: list[str],
     settings: LearnedSettings,
     progress: Progress | None,
-) -> tuple[Transform, list[str]]:
-    """Optimize ``transform`` on the loss of the interpolated model; returns it and report notes."""
+) -> LearnedResult:
+    """Optimize ``transform`` on the loss of the interpolated model; see the module docstring."""
     assert pair.data is not None and pair.model_a is not None
-    batches = list(pair.data.batches)
+    train, held, apart = split(pair.data.batches, settings.holdout)
     model = rebuild(pair.model_a, dict(sd_a), untie=bool(untied)).train(False)
     for p in model.parameters():
         p.requires_grad_(False)
     a = {k: v.detach().float() if v.is_floating_point() else v for k, v in sd_a.items()}
     b = {k: v.detach().float() if v.is_floating_point() else v for k, v in sd_b.items()}
-    maps = _Maps(graph, transform, settings.sinkhorn, settings.temperature)
+    maps = _Maps(graph, transform, settings)
     opt = torch.optim.Adam(maps.parameters(), lr=settings.lr)
     rng = random.Random(settings.seed)
+    low, high = settings.sampler
+    sizes = [batch_size(x) for x in train]
+    unit = sizes[0][1]
+    per_step = sum(n for n, _ in sizes) / len(sizes)
+    steps = settings.steps if settings.budget is None else max(1, math.ceil(settings.budget / per_step))
 
-    def midpoint(t: Mapping[str, SpaceMap]) -> float:
+    def held_loss(params: Mapping[str, Tensor]) -> float:
+        return sum(float(_loss(model, params, x)) for x in held) / len(held)
+
+    with torch.no_grad():
+        ends = (held_loss(a) + held_loss(graph.apply(b, transform, check=False))) / 2
+
+    def barrier(t: Mapping[str, SpaceMap]) -> float:
         with torch.no_grad():
-            mixed = interpolate(a, graph.apply(b, t, check=False), 0.5)
-            return sum(float(_loss(model, mixed, x)) for x in batches) / len(batches)
+            return held_loss(interpolate(a, graph.apply(b, t, check=False), 0.5)) - ends
 
-    before = midpoint(transform)
-    for step in range(settings.steps):
-        lam = rng.uniform(0.4, 0.6)
-        batch = batches[step % len(batches)]
+    best, best_transform = barrier(transform), transform
+    start = best
+    history: dict[str, Any] = {
+        "unit": unit,
+        "held_out": "held-out alignment batches" if apart else "the alignment batch (too few batches to hold one out)",
+        "steps": [0],
+        unit: [0],
+        "barrier": [best],
+        "train_loss": [None],
+    }
+    if settings.sinkhorn:
+        history["soft_barrier"] = [best]
+    seen, since, running, stale, step = 0, 0, 0.0, 0, 0
+    while step < steps:
+        for group in opt.param_groups:
+            group["lr"] = settings.lr * _lr_factor(step, steps)
+        lam = rng.uniform(low, high) if high > low else low
+        batch = train[step % len(train)]
         loss = _loss(model, interpolate(a, graph.apply(b, maps.current(), check=False), lam), batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         maps.project()
+        step += 1
+        seen += sizes[(step - 1) % len(train)][0]
+        running, since = running + float(loss.detach()), since + 1
         if progress is not None:
-            progress("learned matching", step + 1, settings.steps)
-    learned = maps.final()
-    after = midpoint(learned)
-    if after < before:
-        return learned, [f"learned matching: midpoint loss on the alignment data {before:.4f} → {after:.4f} nats"]
-    return transform, [
-        f"learned matching did not lower the midpoint loss ({before:.4f} → {after:.4f} nats); "
-        "kept the data-free solution"
-    ]
+            progress("learned matching", step, steps)
+        if step % settings.eval_every and step < steps:
+            continue
+        hard = maps.final()
+        score = barrier(hard)
+        history["steps"].append(step)
+        history[unit].append(seen)
+        history["barrier"].append(score)
+        history["train_loss"].append(running / since)
+        if settings.sinkhorn:
+            with torch.no_grad():
+                history["soft_barrier"].append(barrier(maps.current(soft=True)))
+        running, since = 0.0, 0
+        if score < best - 1e-6:
+            best, best_transform, stale = score, hard, 0
+        else:
+            stale += 1
+            if settings.patience and stale >= settings.patience:
+                break
+    history["best"] = best
+    where = history["held_out"]
+    trained = f"{step} steps, {seen:,} {unit}"
+    if best_transform is transform:
+        return LearnedResult(
+            transform,
+            [
+                f"learned matching ({trained}) did not lower the midpoint barrier on {where} "
+                f"({start:.4f} nats); kept the data-free solution"
+            ],
+            history,
+        )
+    notes = [f"learned matching ({trained}): midpoint barrier on {where} {start:.4f} → {best:.4f} nats"]
+    if settings.sinkhorn:
+        notes.append(
+            f"learned matching with soft permutations: held-out midpoint barrier {history['soft_barrier'][-1]:.4f} "
+            f"nats with the soft maps, {history['barrier'][-1]:.4f} projected to permutations"
+        )
+    return LearnedResult(best_transform, notes, history)

@@ -9,6 +9,7 @@ when the strategy runs. Each of those modules re-exports its options from here.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -31,6 +32,7 @@ __all__ = [
     "VanillaOptions",
     "WeightMatchingOptions",
     "head_perm_exact",
+    "parse_sampler",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -129,23 +131,79 @@ HEAD_PERM = Strategy(
 # ---------------------------------------------------------------------------------------------
 # generalized-orthogonal
 
-LEARNED_ONLY = ("steps", "lr", "sinkhorn", "temperature")  # options that only apply with `learned: true`
+LEARNED_ONLY = (  # options that only apply with `learned: true`
+    "steps",
+    "budget",
+    "lr",
+    "sinkhorn",
+    "temperature",
+    "sampler",
+    "learn_heads",
+    "maps",
+    "holdout",
+    "eval_every",
+    "patience",
+)
+_SAMPLER = re.compile(r"\s*(uniform|fixed)\s*\(\s*([0-9.eE+-]+)\s*(?:,\s*([0-9.eE+-]+)\s*)?\)\s*")
+
+
+def parse_sampler(text: str) -> tuple[float, float]:
+    """``uniform(a, b)`` or ``fixed(x)`` as the range ``(a, b)`` λ is drawn from (``(x, x)`` when fixed)."""
+    m = _SAMPLER.fullmatch(text)
+    if m is None:
+        raise ValueError(f"expected `uniform(a, b)` or `fixed(x)`, got {text!r}")
+    kind, first, second = m.groups()
+    try:
+        low = float(first)
+        high = float(second) if second is not None else low
+    except ValueError:
+        raise ValueError(f"expected numbers in {text!r}") from None
+    if (kind == "fixed") != (second is None):
+        raise ValueError(f"`uniform` takes two numbers and `fixed` one, got {text!r}")
+    if not 0.0 <= low <= high <= 1.0:
+        raise ValueError(f"λ is a weight in [0, 1] and the range must not be empty, got {text!r}")
+    return low, high
 
 
 class GeneralizedOrthogonalOptions(Options):
     iterations: int = Field(10, ge=1, description="alternating rounds at most (stops early when stable)")
+    inner: Literal["orthogonal", "invertible"] = Field(
+        "orthogonal",
+        description="maps inside heads: `invertible` also fits shears and scales (least squares on the circuits)",
+    )
     learned: bool = Field(False, description="refine on the loss of the interpolated model (needs data)")
-    steps: int = Field(200, ge=1, description="learned: optimisation steps")
-    lr: float = Field(1e-2, gt=0, description="learned: Adam learning rate")
-    sinkhorn: bool = Field(False, description="learned: soft (Sinkhorn) permutations during optimisation")
+    steps: int = Field(200, ge=1, description="learned: optimisation steps (or give `budget`)")
+    budget: int | None = Field(
+        None, ge=1, description="learned: tokens (text) or examples (images) to train on, instead of `steps`"
+    )
+    lr: float = Field(1e-2, gt=0, description="learned: peak Adam learning rate (cosine decay to 10 %)")
+    sinkhorn: bool = Field(False, description="learned: soft (Sinkhorn) permutations, projected once at the end")
     temperature: float = Field(0.05, gt=0, description="learned + sinkhorn: temperature of the soft permutations")
+    sampler: str = Field("uniform(0.4, 0.6)", description="learned: λ per step, `uniform(a, b)` or `fixed(x)`")
+    learn_heads: bool = Field(True, description="learned: learn which head of B goes to which head of A too")
+    maps: Literal["all", "permutations"] = Field(
+        "all", description="learned: `permutations` learns permutations only, no rotations (ablation)"
+    )
+    holdout: float = Field(0.25, gt=0, lt=1, description="learned: share of the alignment batches held out")
+    eval_every: int = Field(50, ge=1, description="learned: steps between held-out barrier scores")
+    patience: int = Field(4, ge=0, description="learned: stop after this many scores without improvement (0: never)")
     seed: int = Field(0, description="seed of the permutation stage's visiting order and of learned λ samples")
+
+    @field_validator("sampler")
+    @classmethod
+    def _sampler(cls, v: str) -> str:
+        parse_sampler(v)
+        return v
 
     @model_validator(mode="after")
     def _learned_options_need_learned(self) -> GeneralizedOrthogonalOptions:
         stray = [k for k in LEARNED_ONLY if k in self.model_fields_set]
         if stray and not self.learned:
             raise ValueError(f"{', '.join(stray)} only apply with `learned: true`")
+        if self.maps == "permutations" and self.inner == "invertible":
+            raise ValueError("`maps: permutations` learns no inner maps: drop `inner: invertible`")
+        if "steps" in self.model_fields_set and self.budget is not None:
+            raise ValueError("give `steps` or `budget`, not both")
         return self
 
 

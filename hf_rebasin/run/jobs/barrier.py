@@ -11,14 +11,14 @@ from ...evaluate import Curve
 from ...export import write_text
 from ...models import LoadedModel
 from ...record import Findings
-from ...report import markdown_table, metric_names, plot_curves
+from ...report import markdown_table, metric_names, plot_curves, plot_learning
 from ...strategies import Alignment
 from ..load import Workspace
 from ..result import JobOutput
 from ..roles import MergeRoles
 from ..stages import align_others, check_inputs, curves, job_result, preservation
 
-__all__ = ["findings_of", "run", "save_curves", "title"]
+__all__ = ["findings_of", "run", "save_curves", "save_diagnostics", "title"]
 
 
 def run(ws: Workspace) -> JobOutput:
@@ -31,7 +31,7 @@ def run(ws: Workspace) -> JobOutput:
     found, barriers = curves(ws, models, alignments[0], aligned[0])
     findings = findings_of(ws, alignments[0], preserved, found, barriers)
     result = job_result(ws, findings, found, saved_model=False)
-    return JobOutput(result, lambda folder: save_curves(ws, folder, found, barriers))
+    return JobOutput(result, lambda folder: save_curves(ws, folder, found, barriers, findings.diagnostics))
 
 
 def aligned_preservation(
@@ -72,6 +72,7 @@ def findings_of(
         merged=merged or {},
         merge_weights=merge_weights,
         universe=universe,
+        diagnostics=dict(primary.diagnostics),
     )
 
 
@@ -83,10 +84,23 @@ def title(ws: Workspace) -> str:
     return f"{ws.task}: {a} (λ=1) ↔ {b} (λ=0), loss in nats"
 
 
-def save_curves(ws: Workspace, folder: Path, found: dict[str, Curve], barriers: dict[str, dict[str, float]]) -> None:
-    """barrier.png and barrier.md, when there are curves."""
+def save_curves(
+    ws: Workspace,
+    folder: Path,
+    found: dict[str, Curve],
+    barriers: dict[str, dict[str, float]],
+    diagnostics: dict[str, Any] | None = None,
+) -> None:
+    """barrier.png and barrier.md when there are curves; learned.png when learned matching ran."""
+    save_diagnostics(folder, diagnostics or {})
     if not found:
         return
     shown = metric_names(found) if ws.score.metrics else []  # a metric panel when the recipe asks for metrics
     plot_curves(found, folder / "barrier.png", title=title(ws), metrics=shown)
     write_text(folder / "barrier.md", markdown_table(found, barriers))
+
+
+def save_diagnostics(folder: Path, diagnostics: dict[str, Any]) -> None:
+    """The alignment's own plots: ``learned.png`` (learned matching's held-out barrier against steps)."""
+    if diagnostics.get("learned"):
+        plot_learning(diagnostics["learned"], folder / "learned.png")

@@ -42,7 +42,7 @@ def run(ws: Workspace) -> JobOutput:
 
     def save(folder: Path) -> None:
         _save_model(ws, models.reference, merged, bool(primary.untied), folder)
-        save_curves(ws, folder, found, barriers)
+        save_curves(ws, folder, found, barriers, findings.diagnostics)
 
     return JobOutput(job_result(ws, findings, found, saved_model=True), save)
 

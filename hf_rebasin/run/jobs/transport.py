@@ -25,6 +25,7 @@ from ..load import Workspace, weights
 from ..result import JobOutput
 from ..roles import TransportRoles
 from ..stages import check_inputs, job_result, preservation, timed_align, writing
+from .barrier import save_diagnostics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -79,6 +80,7 @@ def run(ws: Workspace) -> JobOutput:
         untied=untied,
         function_preserved=preserved,
         transport=record,
+        diagnostics=dict(alignment.diagnostics),
     )
     result = job_result(ws, findings, {}, saved_model=saved_model)
     return JobOutput(result, lambda folder: _save(ws, models, alignment, graph, moved, record, folder))
@@ -257,3 +259,4 @@ def _save(
             "whole_biases": sorted(whole.values()),  # biases that carry a folded β's shift, stored whole
         }
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained: B's files as they were
+    save_diagnostics(folder, alignment.diagnostics)
