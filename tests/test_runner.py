@@ -468,3 +468,43 @@ def test_custom_code_needs_trust_remote_code_and_never_runs(tmp_path: Path, caps
     recipe = _recipe(tmp_path, _merge_body(trust_remote_code=True))
     assert main([str(recipe)]) == 0, capsys.readouterr()  # the stock GPT2LMHeadModel, the code untouched
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_learned_matching_writes_its_curve_and_the_card_shows_it(tmp_path: Path, text: str, env, gpt2_pair) -> None:
+    """`learned: true` in a barrier run: learned.png (a real PNG), the held-out curve in rebasin.json,
+    a card section with the plot and the sentence, and B's function still preserved."""
+    a, b = gpt2_pair
+    _text_file(tmp_path, text)
+    recipe = _recipe(
+        tmp_path,
+        {
+            "job": "barrier",
+            "models": [a.name, b.name],
+            "strategy": {
+                "name": "generalized-orthogonal",
+                "iterations": 2,
+                "learned": True,
+                "steps": 6,
+                "eval_every": 2,
+                "patience": 0,
+                "lr": 0.05,
+                "sampler": "fixed(0.5)",
+            },
+            "data": {"dataset": "text", "data_files": "corpus.txt", "max_tokens": 1200, "block_size": 24},
+            "evaluate": {"task": "causal-lm", "data": {"dataset": "text", "data_files": "corpus.txt"}, "points": 3},
+            "output": {"dir": "learned"},
+        },
+    )
+    proc = run_cli(str(recipe), env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "learned"
+    assert (out / "learned.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = _rebasin_json(out)
+    history = data["diagnostics"]["learned"]
+    assert history["steps"] == [0, 2, 4, 6] and history["unit"] == "tokens"
+    assert len(history["barrier"]) == 4 and history["best"] == min(history["barrier"])
+    assert history["tokens"][0] == 0 and history["tokens"][-1] > 0
+    assert data["function_preserved"]["max_abs_diff"] < 1e-4
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert "## Learned matching" in card and "![learned matching](learned.png)" in card
+    assert f"{history['barrier'][0]:.4f} nats at the data-free start" in card

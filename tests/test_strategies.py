@@ -303,3 +303,102 @@ def test_generalized_orthogonal_with_invertible_inner_maps_recovers_sheared_head
     invertible = align("generalized-orthogonal", Pair(graph, sd, sd_b), {"inner": "invertible"})
     assert _rel_dist(orthogonal.aligned_b(), ref) > 1e-2
     assert _rel_dist(invertible.aligned_b(), ref) < 1e-5
+
+
+def _fitted(case: str, data: AlignmentData, steps: int = 150) -> torch.nn.Module:
+    """A tiny model trained on ``data`` until it fits it: at a random init the midpoint of two
+    models can score better than either, so a loss-driven search has nothing to find."""
+    model = tiny.FACTORIES[case](0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for step in range(steps):
+        loss = model(**data.batches[step % len(data.batches)]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def _learned_pair(case: str = "gpt2", n: int = 4):
+    """A fitted tiny model A and B = A with three heads of every layer cycled, everything else as
+    is: a known transform only a learned head pairing can find from an identity start."""
+    data = _text_data(n)
+    a = _fitted(case, data)
+    sd = a.state_dict()
+    graph = graph_for(a.config, sd.keys())
+    cref, cgraph, untied = canonicalize(graph, sd)
+    swap = cgraph.identity()
+    for name, sp in cgraph.spaces.items():
+        if isinstance(sp, HeadSpace):
+            m = swap[name]
+            kv = m.kv_perm.clone()
+            kv[[0, 1, 2]] = kv[[1, 2, 0]]  # a cycle: a swap is a saddle (both slots average the same two heads)
+            swap[name] = HeadMap(kv, m.q_perm, m.qk, m.vo)
+    cb = cgraph.apply(cref, swap)
+    model_b = rebuild(a, cb, untie=bool(untied))
+    return a, model_b, cgraph, cref, cb, untied, data
+
+
+def _refine(options: dict, case: str = "gpt2"):
+    from hf_rebasin.strategies.learned import LearnedSettings, refine
+
+    a, model_b, cgraph, cref, cb, untied, data = _learned_pair(case)
+    settings = LearnedSettings(
+        **{"steps": 40, "lr": 0.2, "sinkhorn": False, "temperature": 0.05, "seed": 0, "eval_every": 10, **options}
+    )
+    pair = Pair(cgraph, cref, cb, a, model_b, data)
+    heads = {n: m for n, m in cgraph.identity().items() if isinstance(m, HeadMap)}  # learn the heads only
+    return refine(pair, cgraph, cref, cb, heads, untied, settings, None), cgraph, cref, cb
+
+
+def test_learned_matching_finds_a_cycled_head_pairing():
+    """From the identity (three heads cycled), the learned head pairing finds the cycle: B under the
+    learned maps is A again and the barrier vanishes. With `heads` off the pairing cannot move."""
+    result, cgraph, cref, cb = _refine({"patience": 0})
+    heads = [n for n, sp in cgraph.spaces.items() if isinstance(sp, HeadSpace)]
+    for name in heads:
+        assert result.transform[name].kv_perm.tolist() == [2, 0, 1, 3], result.notes
+    assert _max_diff(cgraph.apply(cb, result.transform), cref) < 1e-5
+    assert result.history["best"] < 1e-3 < result.history["barrier"][0]
+    frozen, *_ = _refine({"patience": 0, "heads": False})
+    assert all(frozen.transform[n].kv_perm.tolist() == [0, 1, 2, 3] for n in heads)
+
+
+def test_learned_budget_patience_and_soft_permutations():
+    # a budget in tokens sets the steps: 4 batches of 4 × 12 tokens, one held out → 48 tokens a step
+    budgeted, *_ = _refine({"budget": 48 * 7, "patience": 0, "eval_every": 100})
+    assert budgeted.history["steps"] == [0, 7] and budgeted.history["tokens"] == [0, 48 * 7]
+    # patience: stop after 2 scores without a better one; the kept maps are the best scored
+    stopped, *_ = _refine({"steps": 400, "eval_every": 5, "patience": 2})
+    assert stopped.history["steps"][-1] < 400
+    assert stopped.history["best"] == min(stopped.history["barrier"])
+    # soft permutations: both curves are recorded and both end barriers reported
+    soft, *_ = _refine({"sinkhorn": True, "lr": 0.05, "temperature": 0.5, "patience": 0})
+    assert len(soft.history["soft_barrier"]) == len(soft.history["barrier"])
+    assert any("soft maps" in n for n in soft.notes) or any("did not lower" in n for n in soft.notes)
+
+
+def test_learned_permutation_only_ablation_keeps_every_map_a_permutation():
+    a, model_b, *_, data = _learned_pair()
+    graph = graph_for(a.config, a.state_dict().keys())
+    options = {"learned": True, "maps": "permutations", "steps": 8, "eval_every": 4}
+    alignment = align("generalized-orthogonal", Pair(graph, a.state_dict(), model_b.state_dict(), a, model_b, data), options)
+    assert alignment.transform["res"].is_permutation
+    assert any("permutations only" in n for n in alignment.notes)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"learned": True, "sampler": "uniform(0.6, 0.4)"}, "strategy.sampler"),
+        ({"learned": True, "sampler": "gaussian(0.5)"}, "uniform\\(a, b\\)"),
+        ({"learned": True, "sampler": "fixed(0.5, 0.6)"}, "`fixed` one"),
+        ({"learned": True, "steps": 10, "budget": 1000}, "not both"),
+        ({"budget": 1000}, "only apply with `learned: true`"),
+        ({"learned": True, "maps": "permutations", "inner": "invertible"}, "maps: permutations"),
+    ],
+)
+def test_learned_options_are_checked_before_anything_runs(options, match):
+    with pytest.raises(StrategyOptionError, match=match):
+        get_strategy("generalized-orthogonal").parse(options)
+    assert get_strategy("generalized-orthogonal").parse({"learned": True, "sampler": " fixed( 0.5 ) "})

@@ -1,24 +1,25 @@
-"""Invertible maps inside attention heads, in closed form (least squares on the circuits).
+"""Invertible maps inside attention heads, fitted on the heads' weights (least squares).
 
 Inside a head, ``W_Q → M·W_Q`` with ``W_K → M⁻ᵀ·W_K`` leaves every attention score ``qᵀk`` unchanged,
 and ``W_V → N·W_V`` with ``W_O → W_O·N⁻¹`` leaves the head's output unchanged, for any invertible M
 and N (under rotary embeddings M must commute with RoPE: a scaled rotation of each rotary plane).
-Orthogonal maps cannot undo a head of B that computes A's circuit in a sheared basis; these can.
+Orthogonal maps cannot undo a head of B that computes A's circuit in a sheared or rescaled basis;
+these can.
 
 Given B already aligned (head pairing, residual map, orthogonal inner maps), M solves
 
-    min_M ‖M·Q_B − Q_A‖² + ‖Mᵀ·K_A − K_B‖²
+    min_M ‖M·Q_B − Q_A‖² + ‖M⁻ᵀ·K_B − K_A‖²
 
-(the K term is ``M⁻ᵀ·K_B ≈ K_A`` multiplied through by Mᵀ, which makes the problem linear), whose
-normal equations are the Sylvester equation ``(K_A K_Aᵀ)·M + M·(Q_B Q_Bᵀ) = Q_A Q_Bᵀ + K_A K_Bᵀ``;
-N likewise from V and O. Under RoPE each plane's M is a complex number c, solved in closed form.
-When B is A under such maps, the residuals vanish and the maps are recovered exactly.
+and N the same with V and O, by L-BFGS from the identity (see `fit_inner` for why not the closed
+form of the linearised problem). When B is A under such maps, the residuals vanish and the maps
+are recovered to solver precision.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from scipy.linalg import solve_sylvester
 from torch import Tensor
@@ -45,29 +46,72 @@ def head_rows(graph: SymmetryGraph, sd: Mapping[str, Tensor], space: str) -> dic
     return {role: torch.cat(blocks, dim=-1) for role, blocks in parts.items()}
 
 
-def sylvester_map(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor) -> Tensor:
-    """``M`` minimizing ``‖M·xb − xa‖² + ‖Mᵀ·ya − yb‖²`` (rows ``[dh, m]``), float64."""
-    lhs = (ya @ ya.T).numpy()
-    rhs = (xb @ xb.T).numpy()
-    q = (xa @ xb.T + ya @ yb.T).numpy()
-    return torch.as_tensor(solve_sylvester(lhs, rhs, q), dtype=torch.float64)
+def linear_fit(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor, *, rotary: bool = False) -> Tensor:
+    """The closed-form start: ``M`` minimizing ``‖M·xb − xa‖² + ‖Mᵀ·ya − yb‖²`` per head (the K term
+    multiplied through by Mᵀ), a Sylvester equation ``(ya yaᵀ)·M + M·(xb xbᵀ) = xa xbᵀ + ya ybᵀ``;
+    under RoPE one complex number per plane. Exact when B is A under such maps."""
+    if rotary:
+        half = xa.shape[1] // 2
+        za, zb = torch.complex(xa[:, :half], xa[:, half:]), torch.complex(xb[:, :half], xb[:, half:])
+        wa, wb = torch.complex(ya[:, :half], ya[:, half:]), torch.complex(yb[:, :half], yb[:, half:])
+        num = (zb.conj() * za).sum(-1) + (wa * wb.conj()).sum(-1)
+        den = (zb.abs() ** 2).sum(-1) + (wa.abs() ** 2).sum(-1)
+        c = num / den.clamp_min(1e-30)
+        return torch.stack([c.real, c.imag], dim=-1)  # [G, dh/2, 2]: (a, b) per plane
+    out = [
+        solve_sylvester((y @ y.T).numpy(), (x @ x.T).numpy(), (xa_ @ x.T + y @ yb_.T).numpy())
+        for xa_, x, y, yb_ in zip(xa, xb, ya, yb, strict=True)
+    ]
+    return torch.as_tensor(np.stack(out), dtype=torch.float64)
 
 
-def plane_map(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor) -> Tensor:
-    """The same problem with ``M`` a scaled rotation of each rotary plane ``(j, j + dh/2)``."""
-    half = xa.shape[0] // 2
-    za, zb = torch.complex(xa[:half], xa[half:]), torch.complex(xb[:half], xb[half:])
-    wa, wb = torch.complex(ya[:half], ya[half:]), torch.complex(yb[:half], yb[half:])
-    num = (zb.conj() * za).sum(-1) + (wa * wb.conj()).sum(-1)
-    den = (zb.abs() ** 2).sum(-1) + (wa.abs() ** 2).sum(-1)
-    c = num / den.clamp_min(1e-30)
-    m = torch.zeros(2 * half, 2 * half, dtype=torch.float64)
-    j = torch.arange(half)
-    m[j, j] = c.real
-    m[j + half, j + half] = c.real
-    m[j, j + half] = -c.imag
-    m[j + half, j] = c.imag
-    return m
+def _planes(p: Tensor) -> Tensor:
+    """``[G, dh, dh]`` scaled rotations of each rotary plane ``(j, j + dh/2)`` from ``p = [G, dh/2, 2]``
+    (``a``, ``b`` per plane: the block ``[[a, -b], [b, a]]``)."""
+    half = p.shape[1]
+    a, b = p[..., 0], p[..., 1]
+    eye = torch.eye(half, dtype=p.dtype)
+    top = torch.cat([a[:, :, None] * eye, -b[:, :, None] * eye], dim=2)
+    low = torch.cat([b[:, :, None] * eye, a[:, :, None] * eye], dim=2)
+    return torch.cat([top, low], dim=1)
+
+
+def fit_inner(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor, *, rotary: bool = False, iterations: int = 200) -> Tensor:
+    """``M`` (``[G, dh, dh]``, one per head) minimizing ``‖M·xb − xa‖² + ‖M⁻ᵀ·yb − ya‖²`` by L-BFGS
+    (float64) from `linear_fit`'s closed form; ``rotary`` restricts M to scaled rotations of each plane.
+
+    The closed form alone is not enough: it rewards shrinking M whenever the heads differ. On the
+    zoo GPT-2 it raised the linear barrier from 0.60 to 2.85 nats; refined on this objective, 0.585.
+    """
+    dh = xa.shape[1]
+    scale = float((xa**2).sum() + (ya**2).sum()) or 1.0
+    init = linear_fit(xa, xb, ya, yb, rotary=rotary)
+    if rotary:
+        identity = torch.zeros_like(init)
+        identity[..., 0] = 1.0
+    else:
+        identity = torch.eye(dh, dtype=torch.float64).expand_as(init)
+    singular = torch.linalg.matrix_rank(_planes(init) if rotary else init) < dh  # a head B never uses
+    init = torch.where(singular[:, None, None], identity, init)
+    p = init.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS(
+        [p], max_iter=iterations, tolerance_grad=1e-12, tolerance_change=1e-16, line_search_fn="strong_wolfe"
+    )
+
+    def build() -> Tensor:
+        return _planes(p) if rotary else p
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        m = build()
+        f = ((m @ xb - xa) ** 2).sum() + ((torch.linalg.inv(m).mT @ yb - ya) ** 2).sum()
+        f = f / scale
+        f.backward()
+        return f
+
+    with torch.enable_grad():
+        opt.step(closure)  # type: ignore[no-untyped-call]
+    return build().detach()
 
 
 def _as_matrix(inner: Tensor) -> Tensor:
@@ -90,16 +134,8 @@ def invertible_inner(
         rows_a, rows_b = head_rows(graph, sd_a, name), head_rows(graph, aligned, name)
         if not {"q", "k", "v", "o"} <= set(rows_a):
             continue
-        solve_qk = plane_map if sp.rotary else sylvester_map
-        extra_qk = torch.stack(
-            [solve_qk(rows_a["q"][g], rows_b["q"][g], rows_a["k"][g], rows_b["k"][g]) for g in range(sp.num_kv_heads)]
-        )
-        extra_vo = torch.stack(
-            [
-                sylvester_map(rows_a["v"][g], rows_b["v"][g], rows_a["o"][g], rows_b["o"][g])
-                for g in range(sp.num_kv_heads)
-            ]
-        )
+        extra_qk = fit_inner(rows_a["q"], rows_b["q"], rows_a["k"], rows_b["k"], rotary=sp.rotary)
+        extra_vo = fit_inner(rows_a["v"], rows_b["v"], rows_a["o"], rows_b["o"])
         qk, vo = m.inner("q"), m.inner("v")  # compose: the new map acts after the old one
         out[name] = HeadMap(m.kv_perm, m.q_perm, extra_qk @ _as_matrix(qk), extra_vo @ _as_matrix(vo), invertible=True)
     return out

@@ -3,11 +3,13 @@ al.'s Sinkhorn re-basin): refine a data-free solution on the loss of the interpo
 
 Each step samples λ (``uniform(a, b)`` or ``fixed(x)``) and a batch of alignment data, and lowers
 the loss of ``λ·θ_A + (1−λ)·T(θ_B)`` over the maps T. Orthogonal maps (residual stream, inner head
-maps) are free matrices projected back onto the orthogonal group by SVD after every step.
-Permutations (MLP units, a post-norm residual, and which head of B goes to which head of A) are
-score matrices: the forward pass uses the Hungarian solution with the scores' gradient passed
-straight through, or (``sinkhorn``) a soft doubly stochastic matrix, projected once when the
-training ends. The learning rate decays on a cosine.
+maps) are free matrices projected back onto the orthogonal group by SVD after every step (with
+``invertible`` inner maps, the head maps are free and stay free). Permutations (MLP units, a
+post-norm residual, and which head of B goes to which head of A) are score matrices: the forward
+pass uses their Hungarian solution and the backward pass the soft (Sinkhorn) one, a straight-
+through estimator; or (``sinkhorn``) the soft matrix in both, projected once when training ends.
+Head pairings also get a greedy search over swaps on the loss at every score (see
+`_Maps.swap_heads` for why gradients alone cannot). The learning rate decays on a cosine.
 
 Part of the alignment data is held out. Every ``eval_every`` steps the hard maps are scored there
 (the midpoint barrier); the best maps are kept, and training stops after ``patience`` scores without
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +109,9 @@ class RelaxedHeads(HeadMap):
         return AxisMap(dense.shape[0], blocks=dense[None])
 
 
+SWAP_LIMIT = 120  # head pairs per layer the swap search tries at most (16 heads)
+
+
 class _Maps(torch.nn.Module):
     """The learnable maps: dense orthogonal matrices and permutation scores, per space."""
 
@@ -154,7 +159,8 @@ class _Maps(torch.nn.Module):
     def _permutation(self, scores: Tensor, soft: bool) -> Tensor:
         if soft:
             return sinkhorn(scores / self.temperature)
-        return _hard(scores) + scores - scores.detach()  # straight through: forward hard, gradient to the scores
+        relaxed = sinkhorn(scores / self.temperature)
+        return _hard(scores) + relaxed - relaxed.detach()  # straight through: forward hard, backward soft  # straight through: forward hard, gradient to the scores
 
     def current(self, soft: bool | None = None) -> dict[str, SpaceMap]:
         """Maps for the forward pass (differentiable in the parameters); ``soft`` overrides the
@@ -204,6 +210,32 @@ class _Maps(torch.nn.Module):
             for k in (key, key + "_qk", key + "_vo"):
                 if k in self.orth:
                     self.orth[k].copy_(_project_orthogonal(self.orth[k], centered))
+
+    @torch.no_grad()
+    def swap_heads(self, loss: Callable[[Transform], float], limit: int = SWAP_LIMIT) -> int:
+        """Greedy search over swaps of two heads' pairings, on ``loss`` of the hard maps: a swap that
+        lowers it is kept by swapping the two rows of the head scores. Gradients cannot do this
+        alone: two crossed heads average to two identical slots at λ = ½, a saddle whose gradient
+        is the same for both. Layers with more than ``limit`` candidate swaps are skipped.
+        Returns the number of swaps kept."""
+        kept = 0
+        for key in self.keys.values():
+            if key + "_heads" not in self.scores:
+                continue
+            s = self.scores[key + "_heads"]
+            g = s.shape[0]
+            if g * (g - 1) // 2 > limit:
+                continue
+            current = loss(self.final())
+            for i in range(g):
+                for j in range(i + 1, g):
+                    s[[i, j]] = s[[j, i]]
+                    tried = loss(self.final())
+                    if tried < current - 1e-6:
+                        current, kept = tried, kept + 1
+                    else:
+                        s[[i, j]] = s[[j, i]]
+        return kept
 
     @torch.no_grad()
     def final(self) -> Transform:
@@ -279,7 +311,15 @@ def refine(
     a = {k: v.detach().float() if v.is_floating_point() else v for k, v in sd_a.items()}
     b = {k: v.detach().float() if v.is_floating_point() else v for k, v in sd_b.items()}
     maps = _Maps(graph, transform, settings)
-    opt = torch.optim.Adam(maps.parameters(), lr=settings.lr)
+    if not list(maps.parameters()):
+        return LearnedResult(transform, ["learned matching: no map here can be learned; kept the data-free solution"])
+    dense = [*maps.orth.values(), *maps.free.values()]
+    opt = torch.optim.Adam(dense, lr=settings.lr) if dense else None
+    # permutation scores: plain gradient steps, each scaled so its largest entry moves by the rate.
+    # The Hungarian solution of the accumulated scores then follows the summed gradient's linear
+    # model of the loss; Adam's per-entry scaling would let entries with negligible gradients
+    # move as fast as the ones that matter, and pairings then wander.
+    scores = list(maps.scores.values())
     rng = random.Random(settings.seed)
     low, high = settings.sampler
     sizes = [batch_size(x) for x in train]
@@ -309,16 +349,23 @@ def refine(
     }
     if settings.sinkhorn:
         history["soft_barrier"] = [best]
-    seen, since, running, stale, step = 0, 0, 0.0, 0, 0
+    seen, since, running, stale, step, swaps = 0, 0, 0.0, 0, 0, 0
     while step < steps:
-        for group in opt.param_groups:
-            group["lr"] = settings.lr * _lr_factor(step, steps)
+        rate = settings.lr * _lr_factor(step, steps)
+        for group in opt.param_groups if opt is not None else []:
+            group["lr"] = rate
         lam = rng.uniform(low, high) if high > low else low
         batch = train[step % len(train)]
         loss = _loss(model, interpolate(a, graph.apply(b, maps.current(), check=False), lam), batch)
-        opt.zero_grad(set_to_none=True)
+        for p in maps.parameters():
+            p.grad = None
         loss.backward()
-        opt.step()
+        if opt is not None:
+            opt.step()
+        with torch.no_grad():
+            for p in scores:
+                if p.grad is not None:
+                    p.sub_(rate * p.grad / p.grad.abs().max().clamp_min(1e-30))
         maps.project()
         step += 1
         seen += sizes[(step - 1) % len(train)][0]
@@ -327,6 +374,13 @@ def refine(
             progress("learned matching", step, steps)
         if step % settings.eval_every and step < steps:
             continue
+        if settings.heads:
+            probe = train[step % len(train)]  # a training batch: the held-out ones only score
+
+            def probe_loss(t: Transform, x: Mapping[str, Tensor] = probe) -> float:
+                return float(_loss(model, interpolate(a, graph.apply(b, t, check=False), 0.5), x))
+
+            swaps += maps.swap_heads(probe_loss)
         hard = maps.final()
         score = barrier(hard)
         history["steps"].append(step)
@@ -345,7 +399,7 @@ def refine(
                 break
     history["best"] = best
     where = history["held_out"]
-    trained = f"{step} steps, {seen:,} {unit}"
+    trained = f"{step} steps, {seen:,} {unit}" + (f", {swaps} head swaps" if settings.heads else "")
     if best_transform is transform:
         return LearnedResult(
             transform,
