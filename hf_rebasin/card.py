@@ -139,6 +139,7 @@ def _context(record: RunRecord, recipe_text: str, command: str) -> dict[str, Any
         "barrier_table": _barrier_table(curves, found.barrier),
         "barrier_reading": _barrier_reading(curves, found.barrier, strategy),
         "learned": _learned(found.diagnostics.get("learned")),
+        "alignment_reading": _alignment_reading(found.diagnostics.get("alignment")),
         "merged_scores": _merged_scores(found.merged, strategy, found.universe),
         "transport_rows": _transport_rows(transport),
         "transport_support": _transport_rows(transport.get("support") or {}, transport),
@@ -256,6 +257,25 @@ def _transport_rows(scores: Mapping[str, Any], outer: Mapping[str, Any] | None =
             )
         )
     return rows
+
+
+def _alignment_reading(similarity: Mapping[str, Any] | None) -> str | None:
+    """One sentence for ``alignment.png``: where matched features are least alike after alignment,
+    and how much the alignment did on average; None when the record has no such diagnostics."""
+    try:
+        spaces = {str(e["space"]): (float(e["before"]), float(e["after"])) for e in (similarity or {})["spaces"]}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if not spaces:
+        return None
+    name = min(spaces, key=lambda n: spaces[n][1])
+    before, after = spaces[name]
+    gain = sum(a - b for b, a in spaces.values()) / len(spaces)
+    return (
+        f"The alignment is weakest in `{_cell(name)}`: its matched features have a mean weight cosine of "
+        f"{after:.2f} after alignment ({before:.2f} before); over all {len(spaces)} spaces alignment raised "
+        f"it by {gain:+.2f} on average."
+    )
 
 
 def _learned(history: Mapping[str, Any] | None) -> str | None:

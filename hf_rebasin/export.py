@@ -84,7 +84,15 @@ WEIGHT_SUFFIXES: tuple[str, ...] = (
     ".tflite",
     ".index.json",  # model.safetensors.index.json, pytorch_model.bin.index.json
 )
-NOT_CARRIED: tuple[str, ...] = ("config.json", "README.md", RECORD, "barrier.png", "barrier.md", "learned.png")
+NOT_CARRIED: tuple[str, ...] = (
+    "config.json",
+    "README.md",
+    RECORD,
+    "barrier.png",
+    "barrier.md",
+    "learned.png",
+    "alignment.png",
+)
 NOT_CARRIED_PREFIXES: tuple[str, ...] = ("adapter_", ".")
 CODE_SUFFIXES: tuple[str, ...] = (".py", ".pyc", ".so", ".dll", ".dylib", ".sh")
 

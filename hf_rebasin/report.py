@@ -191,3 +191,32 @@ def plot_learning(history: Mapping[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path
+
+
+def plot_alignment(similarity: Mapping[str, Any], path: Path, *, title: str = "") -> Path:
+    """One pair of bars per space: how alike matched features of A and B are before and after
+    alignment (``diagnostics.feature_similarity``), saved as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    spaces = {str(e["space"]): e for e in similarity.get("spaces") or []}
+    if not spaces:
+        raise ValueError("no spaces to plot")
+    names = list(spaces)
+    x = list(range(len(names)))
+    fig = Figure(figsize=(max(6.4, 0.45 * len(names) + 2), 4.2), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    width = 0.4
+    ax.bar([i - width / 2 for i in x], [spaces[n]["before"] for n in names], width, label="before (B as it is)")
+    ax.bar([i + width / 2 for i in x], [spaces[n]["after"] for n in names], width, label="after alignment")
+    ax.set_xticks(x, names, rotation=60 if len(names) > 8 else 0, ha="right" if len(names) > 8 else "center")
+    ax.set_ylabel(str(similarity.get("measure", "similarity")))
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.set_title(title or "matched features of A and B, per space")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path

@@ -160,7 +160,9 @@ class _Maps(torch.nn.Module):
         if soft:
             return sinkhorn(scores / self.temperature)
         relaxed = sinkhorn(scores / self.temperature)
-        return _hard(scores) + relaxed - relaxed.detach()  # straight through: forward hard, backward soft  # straight through: forward hard, gradient to the scores
+        return (
+            _hard(scores) + relaxed - relaxed.detach()
+        )  # straight through: forward hard, backward soft  # straight through: forward hard, gradient to the scores
 
     def current(self, soft: bool | None = None) -> dict[str, SpaceMap]:
         """Maps for the forward pass (differentiable in the parameters); ``soft`` overrides the

@@ -7,18 +7,19 @@ from typing import Any
 
 from torch import Tensor
 
+from ...diagnostics import feature_similarity
 from ...evaluate import Curve
 from ...export import write_text
 from ...models import LoadedModel
 from ...record import Findings
-from ...report import markdown_table, metric_names, plot_curves, plot_learning
+from ...report import markdown_table, metric_names, plot_alignment, plot_curves, plot_learning
 from ...strategies import Alignment
 from ..load import Workspace
 from ..result import JobOutput
 from ..roles import MergeRoles
 from ..stages import align_others, check_inputs, curves, job_result, preservation
 
-__all__ = ["findings_of", "run", "save_curves", "save_diagnostics", "title"]
+__all__ = ["alignment_diagnostics", "findings_of", "run", "save_curves", "save_diagnostics", "title"]
 
 
 def run(ws: Workspace) -> JobOutput:
@@ -72,7 +73,7 @@ def findings_of(
         merged=merged or {},
         merge_weights=merge_weights,
         universe=universe,
-        diagnostics=dict(primary.diagnostics),
+        diagnostics=alignment_diagnostics(ws, primary),
     )
 
 
@@ -101,6 +102,17 @@ def save_curves(
 
 
 def save_diagnostics(folder: Path, diagnostics: dict[str, Any]) -> None:
-    """The alignment's own plots: ``learned.png`` (learned matching's held-out barrier against steps)."""
+    """The alignment's own plots: ``alignment.png`` (matched features per space, before and after)
+    and ``learned.png`` (learned matching's held-out barrier against steps)."""
+    if diagnostics.get("alignment", {}).get("spaces"):
+        plot_alignment(diagnostics["alignment"], folder / "alignment.png")
     if diagnostics.get("learned"):
         plot_learning(diagnostics["learned"], folder / "learned.png")
+
+
+def alignment_diagnostics(ws: Workspace, alignment: Alignment) -> dict[str, Any]:
+    """The alignment's diagnostics for the record: its own (learned matching's curve) and the
+    similarity of matched features per space (part of the ``check`` stage)."""
+    with ws.clock.stage("check"):
+        similarity = feature_similarity(alignment.graph, alignment.sd_a, alignment.sd_b, alignment.transform)
+    return {**alignment.diagnostics, "alignment": similarity}

@@ -1,0 +1,93 @@
+"""How well an alignment matched each space: the similarity of matched features before and after.
+
+For every space (the residual stream, each layer's heads and MLP units) a feature of A and the
+feature of B in the same slot are compared by the cosine of their weight vectors: every weight
+that reads or writes the feature, concatenated over all tensors bound to the space (for heads, per
+role Q, K, V, O), with every other axis in A's basis. "Before" compares B as it is, "after" B under
+the transform. The mean over a space's features says where the alignment is strong and where the
+two models simply learned different features: the weakest space is where a barrier comes from
+(Verma & Elbayad's Fig. 4 does this with activation correlations; this needs no data, so every
+strategy gets it).
+
+Torch only; one pass over the tensors per side (a lazy state dict is read tensor by tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .symmetry import AxisMap, Fused, HeadSpace, SpaceMap, SymmetryGraph, split_ref
+
+__all__ = ["feature_similarity"]
+
+
+def _accumulate(
+    graph: SymmetryGraph,
+    sd_a: Mapping[str, Tensor],
+    sd_b: Mapping[str, Tensor],
+    transform: Mapping[str, SpaceMap] | None,
+) -> dict[tuple[str, str | None], list[Tensor]]:
+    """Per (space, role): per-feature ``[Σ a·b, Σ a², Σ b²]`` over every tensor axis bound to it."""
+    sums: dict[tuple[str, str | None], list[Tensor]] = {}
+    cache: dict[str, AxisMap | None] = {}
+    for name, binding in graph.bindings.items():
+        if name in graph.ties or name not in sd_a or name not in sd_b:
+            continue
+        a = sd_a[name]
+        if not a.is_floating_point():
+            continue
+        b = sd_b[name]
+        if transform is not None:
+            b = graph.map_tensor(name, b, transform, cache=cache)
+        a, b = a.to(torch.float64), b.to(torch.float64)
+        for axis, ref in enumerate(binding.axes):
+            if ref is None:
+                continue
+            parts = ref.parts if isinstance(ref, Fused) else (ref,)
+            offset = 0
+            for part in parts:
+                size = graph.ref_size(part)
+                space, role = split_ref(part)
+                xa = a.narrow(axis, offset, size).movedim(axis, 0).reshape(size, -1)
+                xb = b.narrow(axis, offset, size).movedim(axis, 0).reshape(size, -1)
+                acc = sums.setdefault((space, role), [torch.zeros(size, dtype=torch.float64) for _ in range(3)])
+                acc[0] += (xa * xb).sum(1)
+                acc[1] += (xa * xa).sum(1)
+                acc[2] += (xb * xb).sum(1)
+                offset += size
+    return sums
+
+
+def _means(graph: SymmetryGraph, sums: Mapping[tuple[str, str | None], list[Tensor]]) -> dict[str, float]:
+    """Mean cosine per space (over all features of all its roles)."""
+    cosines: dict[str, list[Tensor]] = {}
+    for (space, _role), (dot, na, nb) in sums.items():
+        cos = dot / (na * nb).sqrt().clamp_min(1e-30)
+        cosines.setdefault(space, []).append(cos)
+    return {space: float(torch.cat(cosines[space]).mean()) for space in graph.spaces if space in cosines}
+
+
+def feature_similarity(
+    graph: SymmetryGraph,
+    sd_a: Mapping[str, Tensor],
+    sd_b: Mapping[str, Tensor],
+    transform: Mapping[str, SpaceMap],
+) -> dict[str, Any]:
+    """``{"measure": ..., "spaces": [{"space", "kind", "features", "before", "after"}, ...]}`` for every
+    space with bound tensors, in the graph's order (a list: ``rebasin.json`` sorts object keys);
+    ``sd_a`` / ``sd_b`` in the form ``transform`` refers to."""
+    before = _means(graph, _accumulate(graph, sd_a, sd_b, None))
+    identity = all(m.is_identity() for m in transform.values())
+    after = before if identity else _means(graph, _accumulate(graph, sd_a, sd_b, transform))
+    spaces: list[dict[str, Any]] = []
+    for name, sp in graph.spaces.items():
+        if name not in before:
+            continue
+        features = sp.num_heads * sp.head_dim if isinstance(sp, HeadSpace) else sp.size
+        kind = "heads" if isinstance(sp, HeadSpace) else sp.kind
+        spaces.append({"space": name, "kind": kind, "features": features, "before": before[name], "after": after[name]})
+    return {"measure": "weight cosine of matched features", "spaces": spaces}
