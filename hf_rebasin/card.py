@@ -292,8 +292,9 @@ def _learned(history: Mapping[str, Any] | None) -> str | None:
         return None  # a damaged record still renders a card
     best = min(range(len(barriers)), key=barriers.__getitem__)
     where = _cell(str(history.get("held_out") or "held-out data"))
+    measure = _cell(str(history.get("measure") or "midpoint barrier"))
     text = (
-        f"Midpoint barrier on {where}: {barriers[0]:.4f} nats at the data-free start, "
+        f"{measure[:1].upper()}{measure[1:]} on {where}: {barriers[0]:.4f} nats at the data-free start, "
         f"{barriers[best]:.4f} for the maps kept (step {steps[best]:,}, {seen[best]:,} {unit}), "
         f"over {steps[-1]:,} steps and {seen[-1]:,} {unit} in all."
     )

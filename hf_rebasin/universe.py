@@ -64,6 +64,7 @@ class UniverseResult:
     untied: list[str] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)  # per round: models whose previous map was closer
     notes: list[str] = field(default_factory=list)
+    learned: dict[str, Any] | None = None  # the Dirichlet refinement's held-out curve (learned matching)
 
     def record(self) -> dict[str, Any]:
         """The ``universe`` entry of ``rebasin.json`` (numbers only)."""
@@ -217,6 +218,30 @@ def universe_merge(
             converged = True
             break
 
+    learned: dict[str, Any] | None = None
+    if getattr(opts, "learned", False) and n >= 3 and live is not None and data is not None:
+        # Theus et al.'s multi-model learned matching: every map refined together, on the loss of
+        # merges with Dirichlet weights, starting from the universe's maps
+        from .strategies.generalized_orthogonal import learned_settings
+        from .strategies.learned import refine_many
+
+        transforms, more, learned = refine_many(
+            live[0],
+            alignments[0].graph,
+            [al.sd_b for al in alignments],
+            [al.transform for al in alignments],
+            w,
+            untied,
+            data.batches,
+            learned_settings(opts),  # type: ignore[arg-type]  # learned: only generalized-orthogonal has it
+            float(opts.dirichlet),  # type: ignore[attr-defined]
+            progress,
+        )
+        alignments = [dataclasses.replace(al, transform=t) for al, t in zip(alignments, transforms, strict=True)]
+        aligned = [al.aligned_b() for al in alignments]
+        mean = merge_state_dicts(aligned, w)
+        notes.extend(f"universe: {note}" for note in more)
+
     rounds = len(change)
     alignments = [dataclasses.replace(al, sd_a=mean) for al in alignments]
     for al in alignments:
@@ -242,4 +267,5 @@ def universe_merge(
         untied=untied,
         kept=kept,
         notes=notes,
+        learned=learned,
     )

@@ -153,6 +153,9 @@ def test_universe_of_transformed_copies_recovers_the_model(case, transform_class
     expected = _logits(base, inputs)
     assert (_logits(merged, inputs) - expected).abs().max().item() < 0.02 * expected.abs().max().item()
     assert "universe: reference alignment" in stages and "universe: round 1" in stages
+    if options and options.get("learned"):  # then every map is refined together on Dirichlet weightings
+        assert result.learned is not None and "Dirichlet" in result.learned["measure"]
+        assert any(n.startswith("universe: learned matching") for n in result.notes)
     canonical = strategy == "generalized-orthogonal"
     assert result.canonical == canonical
     assert result.untied == (["lm_head.weight"] if canonical and case == "gpt2" else [])

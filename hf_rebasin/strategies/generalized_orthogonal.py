@@ -96,20 +96,7 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         )
         diagnostics: dict[str, Any] = {}
         if options.learned:
-            settings = LearnedSettings(
-                steps=options.steps,
-                lr=options.lr,
-                sinkhorn=options.sinkhorn,
-                temperature=options.temperature,
-                seed=options.seed,
-                sampler=parse_sampler(options.sampler),
-                heads=options.learn_heads,
-                budget=options.budget,
-                holdout=options.holdout,
-                eval_every=options.eval_every,
-                patience=options.patience,
-                invertible=options.inner == "invertible",
-            )
+            settings = learned_settings(options)
             learned = refine(pair, graph, sd_a, sd_b, transform, untied, settings, progress)
             transform = learned.transform
             notes += learned.notes
@@ -125,4 +112,22 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         notes=notes,
         timings=timings,
         diagnostics=diagnostics,
+    )
+
+
+def learned_settings(options: GeneralizedOrthogonalOptions) -> LearnedSettings:
+    """The learned-matching settings of these options (also the universe merge's refinement)."""
+    return LearnedSettings(
+        steps=options.steps,
+        lr=options.lr,
+        sinkhorn=options.sinkhorn,
+        temperature=options.temperature,
+        seed=options.seed,
+        sampler=parse_sampler(options.sampler),
+        heads=options.learn_heads,
+        budget=options.budget,
+        holdout=options.holdout,
+        eval_every=options.eval_every,
+        patience=options.patience,
+        invertible=options.inner == "invertible",
     )

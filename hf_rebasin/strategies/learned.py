@@ -30,7 +30,6 @@ from torch import Tensor
 from torch.func import functional_call
 
 from ..errors import MissingDataError
-from ..evaluate import interpolate
 from ..models import rebuild
 from ..solvers import lap, procrustes, sinkhorn, svd
 from ..symmetry import AxisMap, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, Transform
@@ -294,56 +293,85 @@ def _lr_factor(step: int, steps: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / max(1, steps))))
 
 
-def refine(
-    pair: Pair,
+def _mix(
     graph: SymmetryGraph,
-    sd_a: Mapping[str, Tensor],
-    sd_b: Mapping[str, Tensor],
-    transform: Transform,
-    untied: list[str],
-    settings: LearnedSettings,
-    progress: Progress | None,
-) -> LearnedResult:
-    """Optimize ``transform`` on the loss of the interpolated model; see the module docstring."""
-    assert pair.data is not None and pair.model_a is not None
-    train, held, apart = split(pair.data.batches, settings.holdout)
-    model = rebuild(pair.model_a, dict(sd_a), untie=bool(untied)).train(False)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    a = {k: v.detach().float() if v.is_floating_point() else v for k, v in sd_a.items()}
-    b = {k: v.detach().float() if v.is_floating_point() else v for k, v in sd_b.items()}
-    maps = _Maps(graph, transform, settings)
-    if not list(maps.parameters()):
-        return LearnedResult(transform, ["learned matching: no map here can be learned; kept the data-free solution"])
-    dense = [*maps.orth.values(), *maps.free.values()]
+    bases: Sequence[Mapping[str, Tensor]],
+    transforms: Sequence[Mapping[str, SpaceMap] | None],
+    weights: Sequence[float],
+) -> dict[str, Tensor]:
+    """``Σ wᵢ·Tᵢ(θᵢ)`` (a model without a transform as it is): differentiable in the maps."""
+    mapped = [b if t is None else graph.apply(b, t, check=False) for b, t in zip(bases, transforms, strict=True)]
+    out: dict[str, Tensor] = {}
+    for name, first in mapped[0].items():
+        if not first.is_floating_point():
+            out[name] = first
+            continue
+        out[name] = sum((w * m[name] for w, m in zip(weights, mapped, strict=True)), torch.zeros_like(first))
+    return out
+
+
+@dataclass
+class _Run:
+    """One optimisation: the models (``maps[i]`` None for a model that stays as it is), how each
+    step weighs them, and the fixed weightings whose held-out barrier decides what is kept."""
+
+    model: Any
+    graph: SymmetryGraph
+    bases: list[dict[str, Tensor]]
+    maps: list[_Maps | None]
+    starts: list[Transform | None]
+    sample: Callable[[random.Random], list[float]]
+    scored: list[list[float]]
+    what: str  # how the barrier is named in notes
+
+
+def _floats(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach().float() if v.is_floating_point() else v for k, v in sd.items()}
+
+
+def _optimise(
+    run: _Run, batches: Sequence[Mapping[str, Tensor]], settings: LearnedSettings, progress: Progress | None
+) -> tuple[list[Transform | None], list[str], dict[str, Any]]:
+    """The training loop shared by pairs and universes; returns (kept transforms, notes, history)."""
+    train, held, apart = split(batches, settings.holdout)
+    learners = [m for m in run.maps if m is not None]
+    dense = [p for m in learners for p in (*m.orth.values(), *m.free.values())]
     opt = torch.optim.Adam(dense, lr=settings.lr) if dense else None
     # permutation scores: plain gradient steps, each scaled so its largest entry moves by the rate.
     # The Hungarian solution of the accumulated scores then follows the summed gradient's linear
     # model of the loss; Adam's per-entry scaling would let entries with negligible gradients
     # move as fast as the ones that matter, and pairings then wander.
-    scores = list(maps.scores.values())
+    scores = [p for m in learners for p in m.scores.values()]
     rng = random.Random(settings.seed)
-    low, high = settings.sampler
     sizes = [batch_size(x) for x in train]
     unit = sizes[0][1]
     per_step = sum(n for n, _ in sizes) / len(sizes)
     steps = settings.steps if settings.budget is None else max(1, math.ceil(settings.budget / per_step))
 
-    def held_loss(params: Mapping[str, Tensor]) -> float:
-        return sum(float(_loss(model, params, x)) for x in held) / len(held)
+    def loss_on(xs: Sequence[Mapping[str, Tensor]], params: Mapping[str, Tensor]) -> float:
+        return sum(float(_loss(run.model, params, x)) for x in xs) / len(xs)
 
     with torch.no_grad():
-        ends = (held_loss(a) + held_loss(graph.apply(b, transform, check=False))) / 2
+        ends = [loss_on(held, _mix(run.graph, [b], [t], [1.0])) for b, t in zip(run.bases, run.starts, strict=True)]
 
-    def barrier(t: Mapping[str, SpaceMap]) -> float:
+    def barrier(ts: Sequence[Mapping[str, SpaceMap] | None]) -> float:
         with torch.no_grad():
-            return held_loss(interpolate(a, graph.apply(b, t, check=False), 0.5)) - ends
+            total = 0.0
+            for w in run.scored:
+                total += loss_on(held, _mix(run.graph, run.bases, ts, w)) - sum(
+                    x * e for x, e in zip(w, ends, strict=True)
+                )
+            return total / len(run.scored)
 
-    best, best_transform = barrier(transform), transform
-    start = best
+    def hard() -> list[Transform | None]:
+        return [m.final() if m is not None else None for m in run.maps]
+
+    best_ts: list[Transform | None] = list(run.starts)
+    best = start = barrier(best_ts)
     history: dict[str, Any] = {
         "unit": unit,
         "held_out": "held-out alignment batches" if apart else "the alignment batch (too few batches to hold one out)",
+        "measure": run.what,
         "steps": [0],
         unit: [0],
         "barrier": [best],
@@ -356,11 +384,12 @@ def refine(
         rate = settings.lr * _lr_factor(step, steps)
         for group in opt.param_groups if opt is not None else []:
             group["lr"] = rate
-        lam = rng.uniform(low, high) if high > low else low
         batch = train[step % len(train)]
-        loss = _loss(model, interpolate(a, graph.apply(b, maps.current(), check=False), lam), batch)
-        for p in maps.parameters():
-            p.grad = None
+        current = [m.current() if m is not None else None for m in run.maps]
+        loss = _loss(run.model, _mix(run.graph, run.bases, current, run.sample(rng)), batch)
+        for m in learners:
+            for p in m.parameters():
+                p.grad = None
         loss.backward()
         if opt is not None:
             opt.step()
@@ -368,7 +397,8 @@ def refine(
             for p in scores:
                 if p.grad is not None:
                     p.sub_(rate * p.grad / p.grad.abs().max().clamp_min(1e-30))
-        maps.project()
+        for m in learners:
+            m.project()
         step += 1
         seen += sizes[(step - 1) % len(train)][0]
         running, since = running + float(loss.detach()), since + 1
@@ -378,23 +408,26 @@ def refine(
             continue
         if settings.heads:
             probe = train[step % len(train)]  # a training batch: the held-out ones only score
+            for i, learner in enumerate(run.maps):
+                if learner is None:
+                    continue
 
-            def probe_loss(t: Transform, x: Mapping[str, Tensor] = probe) -> float:
-                return float(_loss(model, interpolate(a, graph.apply(b, t, check=False), 0.5), x))
+                def probe_loss(t: Transform, i: int = i, x: Mapping[str, Tensor] = probe) -> float:
+                    ts = [t if j == i else h for j, h in enumerate(hard())]
+                    return sum(float(_loss(run.model, _mix(run.graph, run.bases, ts, w), x)) for w in run.scored)
 
-            swaps += maps.swap_heads(probe_loss)
-        hard = maps.final()
-        score = barrier(hard)
+                swaps += learner.swap_heads(probe_loss)
+        ts = hard()
+        score = barrier(ts)
         history["steps"].append(step)
         history[unit].append(seen)
         history["barrier"].append(score)
         history["train_loss"].append(running / since)
         if settings.sinkhorn:
-            with torch.no_grad():
-                history["soft_barrier"].append(barrier(maps.current(soft=True)))
+            history["soft_barrier"].append(barrier([m.current(soft=True) if m is not None else None for m in run.maps]))
         running, since = 0.0, 0
         if score < best - 1e-6:
-            best, best_transform, stale = score, hard, 0
+            best, best_ts, stale = score, ts, 0
         else:
             stale += 1
             if settings.patience and stale >= settings.patience:
@@ -402,19 +435,98 @@ def refine(
     history["best"] = best
     where = history["held_out"]
     trained = f"{step} steps, {seen:,} {unit}" + (f", {swaps} head swaps" if settings.heads else "")
-    if best_transform is transform:
-        return LearnedResult(
-            transform,
-            [
-                f"learned matching ({trained}) did not lower the midpoint barrier on {where} "
-                f"({start:.4f} nats); kept the data-free solution"
-            ],
-            history,
-        )
-    notes = [f"learned matching ({trained}): midpoint barrier on {where} {start:.4f} → {best:.4f} nats"]
+    if best == start:
+        note = f"learned matching ({trained}) did not lower the {run.what} on {where} ({start:.4f} nats); kept the data-free solution"
+        return list(run.starts), [note], history
+    notes = [f"learned matching ({trained}): {run.what} on {where} {start:.4f} → {best:.4f} nats"]
     if settings.sinkhorn:
         notes.append(
-            f"learned matching with soft permutations: held-out midpoint barrier {history['soft_barrier'][-1]:.4f} "
+            f"learned matching with soft permutations: held-out {run.what} {history['soft_barrier'][-1]:.4f} "
             f"nats with the soft maps, {history['barrier'][-1]:.4f} projected to permutations"
         )
-    return LearnedResult(best_transform, notes, history)
+    return best_ts, notes, history
+
+
+def _frozen_model(template: Any, sd: Mapping[str, Tensor], untied: list[str]) -> Any:
+    model = rebuild(template, dict(sd), untie=bool(untied)).train(False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def refine(
+    pair: Pair,
+    graph: SymmetryGraph,
+    sd_a: Mapping[str, Tensor],
+    sd_b: Mapping[str, Tensor],
+    transform: Transform,
+    untied: list[str],
+    settings: LearnedSettings,
+    progress: Progress | None,
+) -> LearnedResult:
+    """Optimize ``transform`` on the loss of the interpolated model; see the module docstring."""
+    assert pair.data is not None and pair.model_a is not None
+    maps = _Maps(graph, transform, settings)
+    if not list(maps.parameters()):
+        return LearnedResult(transform, ["learned matching: no map here can be learned; kept the data-free solution"])
+    low, high = settings.sampler
+
+    def sample(rng: random.Random) -> list[float]:
+        lam = rng.uniform(low, high) if high > low else low
+        return [lam, 1.0 - lam]
+
+    run = _Run(
+        _frozen_model(pair.model_a, sd_a, untied),
+        graph,
+        [_floats(sd_a), _floats(sd_b)],
+        [None, maps],
+        [None, transform],
+        sample,
+        [[0.5, 0.5]],
+        "midpoint barrier",
+    )
+    kept, notes, history = _optimise(run, pair.data.batches, settings, progress)
+    result = kept[1]
+    assert result is not None
+    return LearnedResult(result, notes, history)
+
+
+def refine_many(
+    template: Any,
+    graph: SymmetryGraph,
+    state_dicts: Sequence[Mapping[str, Tensor]],
+    transforms: Sequence[Transform],
+    weights: Sequence[float],
+    untied: list[str],
+    data: Sequence[Mapping[str, Tensor]],
+    settings: LearnedSettings,
+    concentration: float,
+    progress: Progress | None,
+) -> tuple[list[Transform], list[str], dict[str, Any]]:
+    """Every model's maps refined together on the loss of ``Σ wᵢ·Tᵢ(θᵢ)`` with w ~ Dirichlet(α)
+    per step (Theus et al.'s multi-model learned matching): the whole simplex, not only the merge's
+    weights, is pulled towards low loss. Kept by the held-out barrier averaged over the merge's
+    ``weights`` and seven fixed Dirichlet draws; returns (transforms, notes, history)."""
+    n = len(state_dicts)
+
+    def dirichlet(rng: random.Random) -> list[float]:  # normalised Gamma(α) draws
+        g = [rng.gammavariate(float(concentration), 1.0) for _ in range(n)]
+        total = sum(g) or 1.0
+        return [x / total for x in g]
+
+    fixed = random.Random(settings.seed + 1)
+    scored = [list(weights)] + [dirichlet(fixed) for _ in range(7)]
+    maps: list[_Maps | None] = [_Maps(graph, t, settings) for t in transforms]
+    run = _Run(
+        _frozen_model(template, state_dicts[0], untied),
+        graph,
+        [_floats(sd) for sd in state_dicts],
+        maps,
+        list(transforms),
+        dirichlet,
+        scored,
+        f"barrier over Dirichlet({concentration:g}) weightings",
+    )
+    kept, notes, history = _optimise(run, data, settings, progress)
+    history["models"] = n
+    return [t for t in kept if t is not None], notes, history

@@ -143,6 +143,7 @@ LEARNED_ONLY = (  # options that only apply with `learned: true`
     "holdout",
     "eval_every",
     "patience",
+    "dirichlet",
 )
 _SAMPLER = re.compile(r"\s*(uniform|fixed)\s*\(\s*([0-9.eE+-]+)\s*(?:,\s*([0-9.eE+-]+)\s*)?\)\s*")
 
@@ -187,6 +188,9 @@ class GeneralizedOrthogonalOptions(Options):
     holdout: float = Field(0.25, gt=0, lt=1, description="learned: share of the alignment batches held out")
     eval_every: int = Field(50, ge=1, description="learned: steps between held-out barrier scores")
     patience: int = Field(4, ge=0, description="learned: stop after this many scores without improvement (0: never)")
+    dirichlet: float = Field(
+        0.1, gt=0, description="learned + merge.universe (3+ models): concentration of the Dirichlet merge weights"
+    )
     seed: int = Field(0, description="seed of the permutation stage's visiting order and of learned λ samples")
 
     @field_validator("sampler")

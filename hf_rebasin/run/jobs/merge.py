@@ -38,7 +38,10 @@ def run(ws: Workspace) -> JobOutput:
     else:
         merged = merge_state_dicts([primary.sd_a, *aligned], mix)
     scores = _scores(ws, models, merged, mix, bool(primary.untied), universe)
+    learned = universe.pop("learned", None) if universe is not None else None
     findings = findings_of(ws, primary, preserved, found, barriers, merged=scores, merge_weights=mix, universe=universe)
+    if learned is not None:  # the universe's Dirichlet refinement: the curve of the maps merged
+        findings.diagnostics["learned"] = learned
 
     def save(folder: Path) -> None:
         _save_model(ws, models.reference, merged, bool(primary.untied), folder)
@@ -109,6 +112,8 @@ def _universe(
         worst = {k: max(preserved[k], again[k]) for k in ("max_abs_diff", "tolerance")}  # same inputs
         preserved = {**preserved, **worst}
     record = result.record()
+    if result.learned is not None:
+        record["learned"] = result.learned  # moved to the findings' diagnostics by `run`
     if ws.recipe.evaluate is not None and ws.eval_batches is not None:
         with ws.clock.stage("evaluate"):
             record["reference"] = ws.score(models.reference.model, result.reference, untie, ws.eval_batches, ws.task)
