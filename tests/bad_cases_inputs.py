@@ -97,6 +97,12 @@ def _block_past_context(ws: Workspace) -> list[str]:
     return _eval_data(ws, {"dataset": "text", "data_files": "corpus.txt", "block_size": 100_000})
 
 
+def _learned_sampler(ws: Workspace) -> list[str]:
+    ws.text()
+    strategy = {"name": "generalized-orthogonal", "learned": True, "sampler": "uniform(0.7, 0.2)"}
+    return _merge_with(ws, strategy=strategy, data={"dataset": "text", "data_files": "corpus.txt"})
+
+
 def _jsonl(ws: Workspace) -> list[str]:
     good = json.dumps({"text": "to be, or not to be, that is the question"})
     ws.write("data.jsonl", "\n".join([good, good, '{"text": "unterminated', good]) + "\n")
@@ -415,6 +421,15 @@ CASES: list[Case] = [
         needles=("evaluate.data.block_size", "100000", "positions"),
         check=_untouched,
         before="new option: the model would have been asked for positions it does not have",
+    ),
+    Case(
+        "learned-sampler-empty-range",
+        "recipe",
+        _learned_sampler,
+        2,
+        needles=("strategy.sampler", "uniform(0.7, 0.2)", "must not be empty"),
+        check=_untouched,
+        before="new option: λ is drawn from the range, which must lie in [0, 1] and not be empty",
     ),
     Case(
         "jsonl-malformed-line",
