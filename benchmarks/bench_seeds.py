@@ -64,6 +64,16 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "generalized-orthogonal",
         {"learned": True, "steps": 1000, "patience": 10},
     ),
+    "go-learned-lr01": (
+        "+ learned, lr 0.01 (the default before 0.03)",
+        "generalized-orthogonal",
+        {"learned": True, "lr": 0.01},
+    ),
+    "go-learned-long-lr01": (
+        "+ learned, 1,000 steps, patience 10, lr 0.01",
+        "generalized-orthogonal",
+        {"learned": True, "steps": 1000, "patience": 10, "lr": 0.01},
+    ),
 }
 PAIRS = ((0, 1), (1, 2), (2, 3), (3, 0))
 

@@ -269,7 +269,7 @@ def _alignment_reading(similarity: Mapping[str, Any] | None) -> str | None:
     if not spaces:
         return None
     name = min(spaces, key=lambda n: spaces[n][1])
-    before, after = spaces[name]
+    before, after = (round(x, 2) + 0.0 for x in spaces[name])  # + 0.0: no "-0.00"
     gain = sum(a - b for b, a in spaces.values()) / len(spaces)
     return (
         f"The alignment is weakest in `{_cell(name)}`: its matched features have a mean weight cosine of "
