@@ -236,7 +236,7 @@ def test_masked_lm_barrier_with_alignment_data(tmp_path: Path, text: str, env) -
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "bert-barrier").exists()  # --output overrides output.dir
     names = {p.name for p in output.iterdir()}
-    assert names == {"rebasin.json", "barrier.png", "barrier.md", "README.md"}  # job: barrier saves no model
+    assert names == {"rebasin.json", "barrier.png", "barrier.md", "alignment.png", "README.md"}  # no model
     data = _rebasin_json(output)
     assert data["recipe"]["output"]["dir"] == "elsewhere"  # relative to the recipe: no local folder layout
     _check_curves(data, ["head-perm", "vanilla"], 3)
