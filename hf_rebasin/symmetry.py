@@ -559,6 +559,25 @@ def _helmert(n: int) -> Tensor:
     return basis
 
 
+def inner_matrices(inner: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """A head map's inner maps as ``[G, dh, dh]`` matrices, whether stored as index tensors
+    (permutations: row i picks feature ``inner[g, i]``) or as matrices."""
+    if inner.dtype == torch.long:
+        return torch.eye(inner.shape[-1], dtype=dtype)[inner]
+    return inner.to(dtype)
+
+
+def plane_scalings(p: Tensor) -> Tensor:
+    """``[G, dh, dh]`` scaled rotations of each rotary plane ``(j, j + dh/2)`` from ``p = [G, dh/2, 2]``,
+    ``(a, b)`` per plane giving the block ``[[a, -b], [b, a]]`` (differentiable in ``p``)."""
+    half = p.shape[1]
+    a, b = p[..., 0], p[..., 1]
+    eye = torch.eye(half, dtype=p.dtype)
+    top = torch.cat([a[:, :, None] * eye, -b[:, :, None] * eye], dim=2)
+    low = torch.cat([b[:, :, None] * eye, a[:, :, None] * eye], dim=2)
+    return torch.cat([top, low], dim=1)
+
+
 def rotary_plane_rotations(angles: Tensor) -> Tensor:
     """Block matrices ``[G, dh, dh]`` rotating each rotary plane (j, j + dh/2) by ``angles[g, j]``.
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..canonical import canonicalize
 from ..features import WeightViews
-from ..symmetry import HeadSpace, Space
+from ..symmetry import HeadSpace, Space, Transform
 from .base import Alignment, Pair, Progress, require_data, timed
 from .descent import anchor_init, descend, space_solver, view_graph
 from .invertible import invertible_inner
@@ -52,41 +52,32 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         residual = [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"]
         heads = [n for n, s in graph.spaces.items() if isinstance(s, HeadSpace)]
         order = residual + heads + [n for n in graph.spaces if n not in residual and n not in heads]
-        rotations = not (options.learned and options.maps == "permutations")
-        transform, passes = start, 0
-        if rotations:
-            transform, passes = descend(
+
+        def rotate(init: Transform, spaces: list[str], stage: str) -> tuple[Transform, int]:
+            return descend(
                 vgraph,
                 sd_a,
                 sd_b,
                 space_solver(graph, "orthogonal", ranking="circuit"),
-                init=start,
+                init=init,
                 max_iter=options.iterations,
-                order=order,
+                order=spaces,
                 progress=progress,
-                stage="generalized-orthogonal: rotations",
+                stage=f"generalized-orthogonal: {stage}",
                 views=views,
             )
+
+        rotations = not (options.learned and options.maps == "permutations")
+        transform, passes = rotate(start, order, "rotations") if rotations else (start, 0)
         timings["rounds"] = passes
         if options.inner == "invertible":
-            # the inner maps in closed form, then the other spaces again against the unsheared
+            # the inner maps by least squares, then the other spaces again against the unsheared
             # heads, until neither moves (sheared heads pull the residual map off otherwise)
             others = [n for n in order if n not in heads]
             for _ in range(options.iterations):
                 transform = invertible_inner(graph, sd_a, sd_b, transform)
                 before = dict(transform)
-                transform, _ = descend(
-                    vgraph,
-                    sd_a,
-                    sd_b,
-                    space_solver(graph, "orthogonal", ranking="circuit"),
-                    init=transform,
-                    max_iter=options.iterations,
-                    order=others,
-                    progress=progress,
-                    stage="generalized-orthogonal: invertible heads",
-                    views=views,
-                )
+                transform, _ = rotate(transform, others, "invertible heads")
                 if all(transform[n] is before[n] for n in others):
                     break
         notes = (

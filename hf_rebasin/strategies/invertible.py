@@ -10,8 +10,8 @@ Given B already aligned (head pairing, residual map, orthogonal inner maps), M s
 
     min_M ‖M·Q_B − Q_A‖² + ‖M⁻ᵀ·K_B − K_A‖²
 
-and N the same with V and O, by L-BFGS from the identity (see `fit_inner` for why not the closed
-form of the linearised problem). When B is A under such maps, the residuals vanish and the maps
+and N the same with V and O, by L-BFGS from the closed form of the linearised problem (see
+`fit_inner` for why that form alone is not enough). When B is A under such maps, the residuals vanish and the maps
 are recovered to solver precision.
 """
 
@@ -24,7 +24,7 @@ import torch
 from scipy.linalg import solve_sylvester
 from torch import Tensor
 
-from ..symmetry import HeadMap, HeadSpace, SymmetryGraph, Transform
+from ..symmetry import HeadMap, HeadSpace, SymmetryGraph, Transform, inner_matrices, plane_scalings
 
 
 def head_rows(graph: SymmetryGraph, sd: Mapping[str, Tensor], space: str) -> dict[str, Tensor]:
@@ -65,17 +65,6 @@ def linear_fit(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor, *, rotary: bool =
     return torch.as_tensor(np.stack(out), dtype=torch.float64)
 
 
-def _planes(p: Tensor) -> Tensor:
-    """``[G, dh, dh]`` scaled rotations of each rotary plane ``(j, j + dh/2)`` from ``p = [G, dh/2, 2]``
-    (``a``, ``b`` per plane: the block ``[[a, -b], [b, a]]``)."""
-    half = p.shape[1]
-    a, b = p[..., 0], p[..., 1]
-    eye = torch.eye(half, dtype=p.dtype)
-    top = torch.cat([a[:, :, None] * eye, -b[:, :, None] * eye], dim=2)
-    low = torch.cat([b[:, :, None] * eye, a[:, :, None] * eye], dim=2)
-    return torch.cat([top, low], dim=1)
-
-
 def fit_inner(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor, *, rotary: bool = False, iterations: int = 200) -> Tensor:
     """``M`` (``[G, dh, dh]``, one per head) minimizing ``‖M·xb − xa‖² + ‖M⁻ᵀ·yb − ya‖²`` by L-BFGS
     (float64) from `linear_fit`'s closed form; ``rotary`` restricts M to scaled rotations of each plane.
@@ -91,7 +80,7 @@ def fit_inner(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor, *, rotary: bool = 
         identity[..., 0] = 1.0
     else:
         identity = torch.eye(dh, dtype=torch.float64).expand_as(init)
-    singular = torch.linalg.matrix_rank(_planes(init) if rotary else init) < dh  # a head B never uses
+    singular = torch.linalg.matrix_rank(plane_scalings(init) if rotary else init) < dh  # a head B never uses
     init = torch.where(singular[:, None, None], identity, init)
     p = init.clone().requires_grad_(True)
     opt = torch.optim.LBFGS(
@@ -99,7 +88,7 @@ def fit_inner(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor, *, rotary: bool = 
     )
 
     def build() -> Tensor:
-        return _planes(p) if rotary else p
+        return plane_scalings(p) if rotary else p
 
     def closure() -> Tensor:
         opt.zero_grad()
@@ -112,12 +101,6 @@ def fit_inner(xa: Tensor, xb: Tensor, ya: Tensor, yb: Tensor, *, rotary: bool = 
     with torch.enable_grad():
         opt.step(closure)  # type: ignore[no-untyped-call]
     return build().detach()
-
-
-def _as_matrix(inner: Tensor) -> Tensor:
-    if inner.dtype == torch.long:
-        return torch.eye(inner.shape[-1], dtype=torch.float64)[inner]
-    return inner.to(torch.float64)
 
 
 def invertible_inner(
@@ -137,5 +120,7 @@ def invertible_inner(
         extra_qk = fit_inner(rows_a["q"], rows_b["q"], rows_a["k"], rows_b["k"], rotary=sp.rotary)
         extra_vo = fit_inner(rows_a["v"], rows_b["v"], rows_a["o"], rows_b["o"])
         qk, vo = m.inner("q"), m.inner("v")  # compose: the new map acts after the old one
-        out[name] = HeadMap(m.kv_perm, m.q_perm, extra_qk @ _as_matrix(qk), extra_vo @ _as_matrix(vo), invertible=True)
+        out[name] = HeadMap(
+            m.kv_perm, m.q_perm, extra_qk @ inner_matrices(qk), extra_vo @ inner_matrices(vo), invertible=True
+        )
     return out

@@ -19,6 +19,7 @@ the held-out batches. The scores form the curve the run draws (barrier against s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +33,17 @@ from torch.func import functional_call
 from ..errors import MissingDataError
 from ..models import rebuild
 from ..solvers import lap, procrustes, sinkhorn, svd
-from ..symmetry import AxisMap, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, Transform
+from ..symmetry import (
+    AxisMap,
+    HeadMap,
+    HeadSpace,
+    Space,
+    SpaceMap,
+    SymmetryGraph,
+    Transform,
+    inner_matrices,
+    plane_scalings,
+)
 from .base import Pair, Progress
 
 
@@ -80,13 +91,6 @@ def _hard(scores: Tensor) -> Tensor:
     return hard
 
 
-def _inner_matrix(inner: Tensor, dtype: torch.dtype) -> Tensor:
-    """``[G, dh, dh]`` matrices of inner maps given as index tensors (permutations) or matrices."""
-    if inner.dtype == torch.long:
-        return torch.eye(inner.shape[-1], dtype=dtype)[inner]
-    return inner.to(dtype)
-
-
 @dataclass(frozen=True)
 class RelaxedHeads(HeadMap):
     """A head map whose pairing of KV heads is a dense ``[G, G]`` matrix (new slot × old head):
@@ -98,7 +102,7 @@ class RelaxedHeads(HeadMap):
     def expand(self, space: HeadSpace, role: str) -> AxisMap:
         assert self.pairing is not None
         p = self.pairing
-        inner = _inner_matrix(self.inner(role), p.dtype)
+        inner = inner_matrices(self.inner(role), p.dtype)
         G, r, dh = space.num_kv_heads, space.group_size, space.head_dim
         if role in ("k", "v"):
             dense = torch.einsum("gh,gab->gahb", p, inner).reshape(G * dh, G * dh)
@@ -131,8 +135,8 @@ class _Maps(torch.nn.Module):
                 assert isinstance(sp, HeadSpace)
                 self.heads[name] = m
                 if self.invertible:
-                    self.free[key + "_vo"] = torch.nn.Parameter(_inner_matrix(m.inner("v"), torch.float32).clone())
-                    qk = _inner_matrix(m.inner("q"), torch.float32)
+                    self.free[key + "_vo"] = torch.nn.Parameter(inner_matrices(m.inner("v"), torch.float32).clone())
+                    qk = inner_matrices(m.inner("q"), torch.float32)
                     if sp.rotary:  # per plane (a, b): the scaled rotation [[a, -b], [b, a]]
                         half = sp.head_dim // 2
                         j = torch.arange(half)
@@ -156,12 +160,10 @@ class _Maps(torch.nn.Module):
                     self.orth[key] = torch.nn.Parameter(dense.clone())
 
     def _permutation(self, scores: Tensor, soft: bool) -> Tensor:
-        if soft:
-            return sinkhorn(scores / self.temperature)
         relaxed = sinkhorn(scores / self.temperature)
-        return (
-            _hard(scores) + relaxed - relaxed.detach()
-        )  # straight through: forward hard, backward soft  # straight through: forward hard, gradient to the scores
+        if soft:
+            return relaxed
+        return _hard(scores) + relaxed - relaxed.detach()  # straight through: forward hard, backward soft
 
     def current(self, soft: bool | None = None) -> dict[str, SpaceMap]:
         """Maps for the forward pass (differentiable in the parameters); ``soft`` overrides the
@@ -191,13 +193,7 @@ class _Maps(torch.nn.Module):
             if key + "_qk" in self.free:
                 qk = self.free[key + "_qk"]
             else:  # rotary: (a, b) per plane
-                planes = self.free[key + "_planes"]
-                half = planes.shape[1]
-                a, b = planes[..., 0], planes[..., 1]
-                eye = torch.eye(half, dtype=planes.dtype)
-                top = torch.cat([a[:, :, None] * eye, -b[:, :, None] * eye], dim=2)
-                low = torch.cat([b[:, :, None] * eye, a[:, :, None] * eye], dim=2)
-                qk = torch.cat([top, low], dim=1)
+                qk = plane_scalings(self.free[key + "_planes"])
             return qk, vo
         qk = self.orth[key + "_qk"] if key + "_qk" in self.orth else m.qk
         vo = self.orth[key + "_vo"] if key + "_vo" in self.orth else m.vo
@@ -220,22 +216,26 @@ class _Maps(torch.nn.Module):
         is the same for both. Layers with more than ``limit`` candidate swaps are skipped.
         Returns the number of swaps kept."""
         kept = 0
-        for key in self.keys.values():
+        base = self.final()  # swapping two rows of the scores swaps those slots' LAP heads, nothing else
+        for name, key in self.keys.items():
             if key + "_heads" not in self.scores:
                 continue
             s = self.scores[key + "_heads"]
             g = s.shape[0]
             if g * (g - 1) // 2 > limit:
                 continue
-            current = loss(self.final())
+            current = loss(base)
             for i in range(g):
                 for j in range(i + 1, g):
-                    s[[i, j]] = s[[j, i]]
-                    tried = loss(self.final())
+                    m = base[name]
+                    assert isinstance(m, HeadMap)
+                    kv = m.kv_perm.clone()
+                    kv[[i, j]] = kv[[j, i]]
+                    trial = {**base, name: dataclasses.replace(m, kv_perm=kv)}
+                    tried = loss(trial)
                     if tried < current - 1e-6:
-                        current, kept = tried, kept + 1
-                    else:
                         s[[i, j]] = s[[j, i]]
+                        base, current, kept = trial, tried, kept + 1
         return kept
 
     @torch.no_grad()
@@ -411,9 +411,12 @@ def _optimise(
             for i, learner in enumerate(run.maps):
                 if learner is None:
                     continue
+                others = hard()  # after the previous learners' swaps
 
-                def probe_loss(t: Transform, i: int = i, x: Mapping[str, Tensor] = probe) -> float:
-                    ts = [t if j == i else h for j, h in enumerate(hard())]
+                def probe_loss(
+                    t: Transform, i: int = i, x: Mapping[str, Tensor] = probe, others: list[Transform | None] = others
+                ) -> float:
+                    ts = [t if j == i else h for j, h in enumerate(others)]
                     return sum(float(_loss(run.model, _mix(run.graph, run.bases, ts, w), x)) for w in run.scored)
 
                 swaps += learner.swap_heads(probe_loss)
