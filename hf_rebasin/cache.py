@@ -334,7 +334,9 @@ def save_alignment(key: str, alignment: Alignment, pair: Pair, *, root: Path | N
     """Store ``alignment`` (computed on ``pair``) under ``key``, atomically; its path, or None when
     it cannot be rebuilt from a pair (a strategy that rewrote the graph from data, such as head-perm's
     ``ignore-heads`` or ``residual: separate``). Raises OSError when the cache cannot be written."""
-    if not alignment.canonical and alignment.graph is not pair.graph:
+    from .sublayers import is_per_sublayer
+
+    if not alignment.canonical and alignment.graph is not pair.graph and not is_per_sublayer(alignment.graph):
         return None
     from safetensors.torch import save_file
 
@@ -424,6 +426,7 @@ def read_alignment(key: str, pair: Pair, strategy: str | None = None, *, root: P
 
     from .canonical import canonicalize
     from .strategies import Alignment
+    from .sublayers import is_stream, per_sublayer
 
     path = entry_path(key, root)
     if not path.is_file():
@@ -446,6 +449,8 @@ def read_alignment(key: str, pair: Pair, strategy: str | None = None, *, root: P
         if meta["canonical"]:
             sd_a, graph, untied = canonicalize(pair.graph, pair.sd_a)
             sd_b, _, _ = canonicalize(pair.graph, pair.sd_b)
+        if any(is_stream(n) for n in meta["spaces"]):  # rebuilt as the strategy split it
+            graph = per_sublayer(graph)
         if untied != list(meta["untied"]):
             raise CacheMiss(f"untied tensors {untied} differ from the entry's {meta['untied']}")
         transform = _decode(graph, meta["spaces"], tensors)

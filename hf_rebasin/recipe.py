@@ -818,6 +818,17 @@ class Recipe(_Section):
                 "job: transport scales the task vector with `alpha`, not `merge.weight`: remove `merge`",
                 {"at": "merge"},
             )
+        maps = getattr(self.strategy, "residual_maps", None)
+        if self.job != "transport" and maps == "per-sublayer":
+            raise PydanticCustomError(
+                "recipe",
+                "`residual_maps: per-sublayer` moves a task vector (job: transport); a {job} needs one residual map "
+                "so that the aligned model computes what it did: remove it or use `global`",
+                {"job": self.job, "at": "strategy"},
+            )
+        if "residual_maps" in type(self.strategy).model_fields and maps is None:
+            default = "per-sublayer" if self.job == "transport" else "global"
+            self.strategy = self.strategy.model_copy(update={"residual_maps": default})
         ev = self.evaluate
         if ev is not None and self.job != "transport" and ev.support is not None:
             raise PydanticCustomError("recipe", "`evaluate.support` belongs to job: transport", {"at": "evaluate"})

@@ -230,6 +230,17 @@ class Norm:
     readers: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Sublayer:
+    """One sublayer on the residual stream (an attention or MLP block), by module prefixes: those
+    that read the stream (its norm, its input projections) and those that write it back (its output
+    projection, a post-norm). Forward order of these is what splits the stream per sublayer
+    (:mod:`hf_rebasin.sublayers`)."""
+
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
 def split_ref(ref: str) -> tuple[str, str | None]:
     space, _, role = ref.partition(":")
     return space, (role or None)
@@ -251,6 +262,8 @@ class SymmetryGraph:
     norms: list[Norm] = field(default_factory=list)
     invariant: frozenset[str] = frozenset()
     norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
+    sublayers: tuple[Sublayer, ...] = ()  # in forward order
+    embeddings: tuple[str, ...] = ()  # module prefixes that write the stream before the first sublayer
 
     # ---- structure -------------------------------------------------------------------------
 

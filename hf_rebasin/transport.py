@@ -22,6 +22,7 @@ from .canonical import canonicalize
 from .errors import IncompatibleModelsError
 from .merge import StorageKey, storage_key
 from .strategies import Alignment
+from .sublayers import is_per_sublayer, per_sublayer
 from .symmetry import SymmetryGraph
 from .tensors import LazyState, shape_of
 
@@ -94,6 +95,8 @@ def _moved_finetune(
     finetuned_graph: SymmetryGraph | None,
 ) -> Mapping[str, Tensor]:
     ft_graph = finetuned_graph if finetuned_graph is not None else graph
+    if is_per_sublayer(alignment.graph):  # the fine-tune's tensors follow the maps of their own sublayers
+        ft_graph = per_sublayer(ft_graph)
     if finetuned_graph is None and list(finetuned) != list(alignment.sd_b) and not alignment.canonical:
         only_ft = sorted(set(finetuned) - set(alignment.sd_b))
         only_base = sorted(set(alignment.sd_b) - set(finetuned))

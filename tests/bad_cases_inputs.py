@@ -103,6 +103,10 @@ def _learned_sampler(ws: Workspace) -> list[str]:
     return _merge_with(ws, strategy=strategy, data={"dataset": "text", "data_files": "corpus.txt"})
 
 
+def _per_sublayer_merge(ws: Workspace) -> list[str]:
+    return _merge_with(ws, strategy={"name": "transfusion", "residual_maps": "per-sublayer"})
+
+
 def _jsonl(ws: Workspace) -> list[str]:
     good = json.dumps({"text": "to be, or not to be, that is the question"})
     ws.write("data.jsonl", "\n".join([good, good, '{"text": "unterminated', good]) + "\n")
@@ -430,6 +434,15 @@ CASES: list[Case] = [
         needles=("strategy.sampler", "uniform(0.7, 0.2)", "must not be empty"),
         check=_untouched,
         before="new option: λ is drawn from the range, which must lie in [0, 1] and not be empty",
+    ),
+    Case(
+        "per-sublayer-maps-in-a-merge",
+        "recipe",
+        _per_sublayer_merge,
+        2,
+        needles=("strategy", "residual_maps: per-sublayer", "job: transport", "merge needs one residual map"),
+        check=_untouched,
+        before="new option: per-sublayer maps change B's function, so a merge with them would be broken",
     ),
     Case(
         "jsonl-malformed-line",

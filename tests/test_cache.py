@@ -59,6 +59,7 @@ def test_key_is_stable_and_changes_with_every_input(root: Path, tmp_path: Path, 
         "roles swapped": cache.alignment_key(b, a, "weight-matching"),
         "other seed": cache.alignment_key(a, b, "weight-matching", {"seed": 1}),
         "other option": cache.alignment_key(a, b, "weight-matching", {"max_iter": 5}),
+        "per-sublayer maps": cache.alignment_key(a, b, "weight-matching", {"residual_maps": "per-sublayer"}),
         "other strategy": cache.alignment_key(a, b, "transfusion"),
         "other model": cache.alignment_key(a, c, "weight-matching"),
         "a hub commit": cache.alignment_key(ResolvedModel(a.folder, "0" * 40), b, "weight-matching"),
@@ -75,7 +76,11 @@ def test_key_is_stable_and_changes_with_every_input(root: Path, tmp_path: Path, 
     )
     different["the graph"] = on_graph
     assert key not in different.values() and len(set(different.values())) == len(different), different
-    assert cache.key_fields(a, b, "weight-matching")["options"] == {"max_iter": 100, "seed": 0}
+    assert cache.key_fields(a, b, "weight-matching")["options"] == {
+        "max_iter": 100,
+        "seed": 0,
+        "residual_maps": "global",
+    }
 
     # rewriting a weight file in place makes it another model
     tiny.gpt2(3).save_pretrained(str(copy.folder))

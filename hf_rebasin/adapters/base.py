@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..symmetry import AxisRef, Binding, Fused, HeadSpace, Norm, Space, SymmetryGraph, TransformClass
+from ..symmetry import AxisRef, Binding, Fused, HeadSpace, Norm, Space, Sublayer, SymmetryGraph, TransformClass
 
 _VAR = re.compile(r"\{(\w+)\}")
 
@@ -57,6 +57,15 @@ class NormT:
     final: bool = False
 
 
+@dataclass(frozen=True)
+class SublayerT:
+    """Template of a :class:`Sublayer`: module prefixes that read the residual stream and that
+    write it, with loop variables; one per block kind, listed in forward order within a layer."""
+
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
 Inputs = Literal["text", "image", "text-image"]
 
 
@@ -76,6 +85,9 @@ class ArchitectureSpec:
     inputs: Inputs = "text"
     # output key -> space of its last axis (None: basis free, e.g. logits)
     outputs: Mapping[str, str | None] = field(default_factory=lambda: {"logits": None})
+    # the residual stream's sublayers (forward order within a layer) and what writes it first
+    sublayers: tuple[SublayerT, ...] = ()
+    embeddings: tuple[str, ...] = ()
     # Optional escape hatch: tensor templates that depend on which other tensors exist.
     alternatives: Callable[[Collection[str]], Mapping[str, tuple[AxisRef, ...]]] | None = None
 
@@ -165,11 +177,32 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
         for env in _expansions([tmpl], spec.loops, dims):
             invariant.add(_fmt(tmpl, {**env0, **env}))
 
-    graph = SymmetryGraph(spec.family, spaces, bindings, ties, norms, frozenset(invariant), spec.norm_type)
+    graph = SymmetryGraph(
+        spec.family,
+        spaces,
+        bindings,
+        ties,
+        norms,
+        frozenset(invariant),
+        spec.norm_type,
+        _sublayers(spec, dims, env0),
+        tuple(_fmt(e, env0) for e in spec.embeddings),
+    )
     used = {name for name in spaces if graph.users(name)}
     graph.spaces = {k: v for k, v in spaces.items() if k in used}
     _limit_unfoldable(graph)
     return graph
+
+
+def _sublayers(spec: ArchitectureSpec, dims: Mapping[str, int], env0: Mapping[str, str]) -> tuple[Sublayer, ...]:
+    """Every sublayer in forward order: by layer index, then in the spec's order within a layer."""
+    found: list[tuple[tuple[int, ...], int, Sublayer]] = []
+    for order, st in enumerate(spec.sublayers):
+        for env in _expansions([*st.reads, *st.writes], spec.loops, dims):
+            full = {**env0, **env}
+            sub = Sublayer(tuple(_fmt(r, full) for r in st.reads), tuple(_fmt(w, full) for w in st.writes))
+            found.append((tuple(int(v) for _, v in sorted(env.items())), order, sub))
+    return tuple(sub for *_, sub in sorted(found, key=lambda f: (f[0], f[1])))
 
 
 def _limit_unfoldable(graph: SymmetryGraph) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Collection
 from typing import Any
 
 from ..symmetry import AxisRef
-from .base import ArchitectureSpec, HeadsT, NormT, SpaceT
+from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
 
 ATTN = "layer.{i}.attn"
 MLP = "layer.{i}.mlp"
@@ -49,6 +49,13 @@ _NORMS = (
     NormT("{base}embeddings.LayerNorm", "res"),
     NormT(f"{L}.attention.output.LayerNorm", "res"),
     NormT(f"{L}.output.LayerNorm", "res"),
+)
+
+
+# post-norm: a sublayer's LayerNorm normalizes the stream it writes, so it joins the writers
+_SUBLAYERS = (
+    SublayerT((f"{L}.attention.self",), (f"{L}.attention.output",)),
+    SublayerT((f"{L}.intermediate",), (f"{L}.output",)),
 )
 
 
@@ -104,6 +111,8 @@ BERT = ArchitectureSpec(
         "qa_outputs.bias",
     ),
     outputs=_OUTPUTS,
+    sublayers=_SUBLAYERS,
+    embeddings=("{base}embeddings",),
     alternatives=_bert_classifier,
 )
 
@@ -130,5 +139,7 @@ ROBERTA = ArchitectureSpec(
         "qa_outputs.bias",
     ),
     outputs=_OUTPUTS,
+    sublayers=_SUBLAYERS,
+    embeddings=("{base}embeddings",),
     alternatives=_roberta_classifier,
 )

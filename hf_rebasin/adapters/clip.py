@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import ArchitectureSpec, HeadsT, NormT, SpaceT
+from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
 
 TA, TM, TL = "text.{t}.attn", "text.{t}.mlp", "text_model.encoder.layers.{t}"
 VA, VM, VL = "vision.{v}.attn", "vision.{v}.mlp", "vision_model.encoder.layers.{v}"
@@ -45,6 +45,15 @@ def _tower(a: str, m: str, layer: str, res: str) -> dict:
         f"{layer}.mlp.fc2.weight": (res, m),
         f"{layer}.mlp.fc2.bias": (res,),
     }
+
+
+def _tower_sublayers(layer: str) -> tuple[SublayerT, ...]:
+    return (
+        SublayerT(
+            (f"{layer}.layer_norm1", *(f"{layer}.self_attn.{p}_proj" for p in "qkv")), (f"{layer}.self_attn.out_proj",)
+        ),
+        SublayerT((f"{layer}.layer_norm2", f"{layer}.mlp.fc1"), (f"{layer}.mlp.fc2",)),
+    )
 
 
 def _tower_norms(layer: str, res: str) -> tuple[NormT, ...]:
@@ -88,6 +97,8 @@ SPEC = ArchitectureSpec(
         NormT("vision_model.post_layernorm", "vision.res", ("visual_projection.weight",)),
     ),
     invariant=("logit_scale",),
+    sublayers=(*_tower_sublayers(TL), *_tower_sublayers(VL)),
+    embeddings=("text_model.embeddings", "vision_model.embeddings", "vision_model.pre_layrnorm"),
     inputs="text-image",
     outputs={"logits_per_image": None, "text_embeds": "joint", "image_embeds": "joint"},
 )

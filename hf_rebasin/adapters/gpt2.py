@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..symmetry import Fused
-from .base import ArchitectureSpec, HeadsT, NormT, SpaceT
+from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
 
 ATTN = "h.{i}.attn"
 MLP = "h.{i}.mlp"
@@ -45,6 +45,11 @@ SPEC = ArchitectureSpec(
         NormT("{base}ln_f", "res", ("lm_head.weight", "score.weight"), final=True),
     ),
     ties={"lm_head.weight": "{base}wte.weight"},
+    sublayers=(
+        SublayerT(("{base}h.{i}.ln_1", "{base}h.{i}.attn.c_attn"), ("{base}h.{i}.attn.c_proj",)),
+        SublayerT(("{base}h.{i}.ln_2", "{base}h.{i}.mlp.c_fc"), ("{base}h.{i}.mlp.c_proj",)),
+    ),
+    embeddings=("{base}wte", "{base}wpe"),
     # causal-mask buffers of old checkpoints: never transform them
     invariant=("{base}h.{i}.attn.bias", "{base}h.{i}.attn.masked_bias", "score.bias"),
     outputs={"logits": None, "last_hidden_state": "res"},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import ArchitectureSpec, HeadsT, NormT, SpaceT
+from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
 
 ATTN = "layers.{i}.attn"
 MLP = "layers.{i}.mlp"
@@ -59,6 +59,11 @@ SPEC = ArchitectureSpec(
     ),
     ties={"lm_head.weight": "{base}embed_tokens.weight"},
     invariant=("score.bias",),
+    sublayers=(
+        SublayerT((f"{L}.input_layernorm", *(f"{L}.self_attn.{p}_proj" for p in "qkv")), (f"{L}.self_attn.o_proj",)),
+        SublayerT((f"{L}.post_attention_layernorm", f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"), (f"{L}.mlp.down_proj",)),
+    ),
+    embeddings=("{base}embed_tokens",),
     norm_type="rmsnorm",
     outputs={"logits": None, "last_hidden_state": "res"},
 )

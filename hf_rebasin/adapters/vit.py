@@ -4,7 +4,7 @@ axis, the patch conv [d,C,p,p] on axis 0."""
 
 from __future__ import annotations
 
-from .base import ArchitectureSpec, HeadsT, NormT, SpaceT
+from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
 
 ATTN = "layers.{i}.attn"
 MLP = "layers.{i}.mlp"
@@ -52,6 +52,11 @@ SPEC = ArchitectureSpec(
         NormT("{base}layernorm", "res", ("classifier.weight", "{base}pooler.dense.weight"), final=True),
     ),
     invariant=("classifier.bias",),
+    sublayers=(
+        SublayerT((f"{L}.layernorm_before", *(f"{L}.attention.{p}_proj" for p in "qkv")), (f"{L}.attention.o_proj",)),
+        SublayerT((f"{L}.layernorm_after", f"{L}.mlp.fc1"), (f"{L}.mlp.fc2",)),
+    ),
+    embeddings=("{base}embeddings",),
     inputs="image",
     outputs={"logits": None, "last_hidden_state": "res", "pooler_output": "pooler"},
 )

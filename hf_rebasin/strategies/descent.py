@@ -10,17 +10,19 @@ class each space gets (permutation or orthogonal).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
-from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from ..features import WeightViews, neighbours
+from ..features.weights import spaces_of
 from ..solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
 from ..symmetry import AxisMap, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, Transform, TransformClass
-from .base import Progress
+from .base import Pair, Progress
 
 Views = Mapping[str | None, Tensor]
 SpaceSolver = Callable[[str, Views], SpaceMap]
@@ -292,3 +294,115 @@ def space_solver(
         return solve_plain(sp, views[None], cls)
 
     return solve
+
+
+def matching_objective(
+    graph: SymmetryGraph, sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], transform: Transform
+) -> float:
+    """``Σ_tensors ⟨A, T(B)⟩``, tensor by tensor: what every descent raises, to compare two results."""
+    cache: dict[str, AxisMap | None] = {}
+    total = 0.0
+    for name in graph.bindings:
+        if name in graph.ties or name not in sd_a:
+            continue
+        b = graph.map_tensor(name, sd_b[name], transform, cache=cache)
+        total += float((sd_a[name].to(torch.float64) * b.to(torch.float64)).sum())
+    return total
+
+
+def chain_init(
+    graph: SymmetryGraph,
+    sd_a: Mapping[str, Tensor],
+    sd_b: Mapping[str, Tensor],
+    solve: SpaceSolver,
+    order: Sequence[str],
+    init: Transform,
+) -> Transform:
+    """One sweep in ``order`` (a chain: stream 0, the first heads, stream 1, …), each space solved
+    from only the tensors whose other spaces this sweep has solved already. The embeddings pin stream
+    0, stream 0 pins the first heads, they pin stream 1, and so on; a descent that mixes in the
+    terms of neighbours not solved yet (as heavy as the right ones, and wrong) stalls instead."""
+    transform = dict(init)
+    done: set[str] = set()
+    for name in order:
+        upstream = {
+            t: b
+            for t, b in graph.bindings.items()
+            if t not in graph.ties and name in spaces_of(graph, t) and spaces_of(graph, t) - {name} <= done
+        }
+        if upstream:
+            view = WeightViews(dataclasses.replace(graph, bindings=upstream), sd_a, sd_b)(transform, name)
+            if view:
+                transform[name] = solve(name, view)
+        done.add(name)
+    return transform
+
+
+def per_sublayer_descent(
+    graph: SymmetryGraph,
+    sd_a: Mapping[str, Tensor],
+    sd_b: Mapping[str, Tensor],
+    start: Transform,
+    solver: Callable[[SymmetryGraph], SpaceSolver],
+    *,
+    cls: TransformClass = "permutation",
+    keep: Collection[str] = (),
+    max_iter: int,
+    progress: Progress | None,
+    stage: str,
+) -> tuple[SymmetryGraph, Transform]:
+    """``graph`` split per sublayer and its maps: a descent from the one global map ``start`` spread
+    over every stream, and one from a forward sweep down the chain (:func:`chain_init`); the better
+    matched. ``solver`` builds the strategy's space solver for the split graph; spaces in ``keep``
+    keep their ``start`` maps."""
+    from ..sublayers import depth_order, per_sublayer, spread
+
+    split = per_sublayer(graph)
+    vgraph = view_graph(split, cls)
+    solve = solver(split)
+    order = [n for n in depth_order(split) if n not in keep]
+    views = WeightViews(vgraph, sd_a, sd_b)
+    init = spread(start, split)
+    results = []
+    for first in (init, chain_init(vgraph, sd_a, sd_b, solve, order, init)):
+        transform, _ = descend(
+            vgraph,
+            sd_a,
+            sd_b,
+            solve,
+            init=first,
+            max_iter=max_iter,
+            order=order,
+            progress=progress,
+            stage=stage,
+            views=views,
+        )
+        results.append((matching_objective(vgraph, sd_a, sd_b, transform), transform))
+    return split, max(results, key=lambda r: r[0])[1]
+
+
+def permutation_streams(
+    pair: Pair,
+    transform: Transform,
+    options: Any,
+    progress: Progress | None,
+    outer: Mapping[str, tuple[Tensor, Tensor]] | None = None,
+) -> tuple[SymmetryGraph, Transform, list[str]]:
+    """Weight matching's and TransFusion's last step: ``(graph, transform, notes)``, split per
+    sublayer when ``options.residual_maps`` asks for it (head pairings ``outer`` stay fixed)."""
+    if options.residual_maps != "per-sublayer":
+        return pair.graph, transform, []
+    from ..sublayers import PER_SUBLAYER_NOTE
+
+    solver = functools.partial(space_solver, cls="permutation", outer=outer)
+    graph, transform = per_sublayer_descent(
+        pair.graph,
+        pair.sd_a,
+        pair.sd_b,
+        transform,
+        solver,
+        max_iter=options.max_iter,
+        progress=progress,
+        stage="per-sublayer",
+    )
+    return graph, transform, [PER_SUBLAYER_NOTE]

@@ -12,13 +12,15 @@ model (see :mod:`hf_rebasin.strategies.learned`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..canonical import canonicalize
 from ..features import WeightViews
+from ..sublayers import PER_SUBLAYER_NOTE
 from ..symmetry import HeadSpace, Space, Transform
 from .base import Alignment, Pair, Progress, require_data, timed
-from .descent import anchor_init, descend, space_solver, view_graph
+from .descent import anchor_init, descend, per_sublayer_descent, space_solver, view_graph
 from .invertible import invertible_inner
 from .learned import LearnedSettings, refine
 from .options import GENERALIZED_ORTHOGONAL as STRATEGY  # noqa: F401 (re-exported: its registry entry)
@@ -80,7 +82,22 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
                 transform, _ = rotate(transform, others, "invertible heads")
                 if all(transform[n] is before[n] for n in others):
                     break
-        notes = (
+        split_notes = []
+        if options.residual_maps == "per-sublayer":
+            split_notes = [PER_SUBLAYER_NOTE]
+            graph, transform = per_sublayer_descent(
+                graph,
+                sd_a,
+                sd_b,
+                transform,
+                functools.partial(space_solver, cls="orthogonal", ranking="circuit"),
+                cls="orthogonal",
+                keep=heads if options.inner == "invertible" else (),  # least-squares inner maps stay as fitted
+                max_iter=options.iterations,
+                progress=progress,
+                stage="generalized-orthogonal: per-sublayer",
+            )
+        notes = split_notes + (
             graph.fallbacks("orthogonal")
             if rotations
             else ["learned matching of permutations only (`maps: permutations`)"]
@@ -98,6 +115,7 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         sd_a,
         sd_b,
         transform,
+        exact=not split_notes,
         canonical=True,
         untied=untied,
         notes=notes,

@@ -33,6 +33,7 @@ __all__ = [
     "WeightMatchingOptions",
     "head_perm_exact",
     "parse_sampler",
+    "residual_maps_exact",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -55,6 +56,18 @@ VANILLA = Strategy(
 # weight-matching
 
 
+ResidualMaps = Literal["global", "per-sublayer"]
+RESIDUAL_MAPS_HELP = (
+    "`per-sublayer`: one residual map per stream between sublayers (TransFusion); it moves a task "
+    "vector only (job: transport), since the skip connections would need maps of their own"
+)
+
+
+def residual_maps_exact(options: Options) -> bool:
+    """Per-sublayer residual maps do not preserve a model's function (they serve transports)."""
+    return getattr(options, "residual_maps", None) != "per-sublayer"
+
+
 class _PassOptions(Options):
     """Options of the strategies that sweep every space in a random order until nothing changes."""
 
@@ -63,7 +76,7 @@ class _PassOptions(Options):
 
 
 class WeightMatchingOptions(_PassOptions):
-    pass
+    residual_maps: ResidualMaps = Field("global", description=RESIDUAL_MAPS_HELP)
 
 
 WEIGHT_MATCHING = Strategy(
@@ -71,6 +84,7 @@ WEIGHT_MATCHING = Strategy(
     paper="Ainsworth, Hayase & Srinivasa, Git Re-Basin: Merging Models modulo Permutation Symmetries (ICLR 2023)",
     options=WeightMatchingOptions,
     module="weight_matching",
+    exact=residual_maps_exact,
     summary="data-free: permutations of units, heads and the residual stream maximizing weight similarity",
 )
 
@@ -79,7 +93,9 @@ WEIGHT_MATCHING = Strategy(
 
 
 class TransfusionOptions(_PassOptions):
-    pass
+    residual_maps: ResidualMaps | None = Field(
+        None, description=f"unset: `per-sublayer` in a transport, `global` otherwise; {RESIDUAL_MAPS_HELP}"
+    )
 
 
 TRANSFUSION = Strategy(
@@ -87,6 +103,7 @@ TRANSFUSION = Strategy(
     paper="Rinaldi et al., Update Your Transformer to the Latest Release: Re-Basin of Task Vectors (ICML 2025)",
     options=TransfusionOptions,
     module="transfusion",
+    exact=residual_maps_exact,
     summary="data-free: heads paired by singular-value spectra, then permutations inside heads and of units",
 )
 
@@ -172,6 +189,7 @@ class GeneralizedOrthogonalOptions(Options):
         "orthogonal",
         description="maps inside heads: `invertible` also fits shears and scales (least squares on the circuits)",
     )
+    residual_maps: ResidualMaps = Field("global", description=RESIDUAL_MAPS_HELP)
     learned: bool = Field(False, description="refine on the loss of the interpolated model (needs data)")
     steps: int = Field(200, ge=1, description="learned: optimisation steps (or give `budget`)")
     budget: int | None = Field(
@@ -206,6 +224,11 @@ class GeneralizedOrthogonalOptions(Options):
             raise ValueError(f"{', '.join(stray)} only apply with `learned: true`")
         if self.maps == "permutations" and self.inner == "invertible":
             raise ValueError("`maps: permutations` learns no inner maps: drop `inner: invertible`")
+        if self.learned and self.residual_maps == "per-sublayer":
+            raise ValueError(
+                "learned matching optimizes the merged model, which per-sublayer residual maps do not give: "
+                "drop `residual_maps: per-sublayer` or `learned`"
+            )
         if "steps" in self.model_fields_set and self.budget is not None:
             raise ValueError("give `steps` or `budget`, not both")
         return self
@@ -217,5 +240,6 @@ GENERALIZED_ORTHOGONAL = Strategy(
     options=GeneralizedOrthogonalOptions,
     module="generalized_orthogonal",
     needs_data=lambda o: bool(o.learned),
+    exact=residual_maps_exact,
     summary="data-free: orthogonal residual map (canonical form), heads by QK/OV circuits, units by LAP",
 )

@@ -6,6 +6,8 @@ no permutation of the residual stream or inside a head can change: the pairing i
 the descent. Inside each matched pair a LAP on row inner products picks the inner permutation,
 alternating with the residual and MLP spaces until a pass improves nothing. Everything stays a
 permutation, so the result is a stock model (one residual permutation, no per-site matrices).
+With ``residual_maps: per-sublayer`` (the paper's Step 3, the default in a transport) every stream
+between sublayers then gets a permutation of its own, for moving a task vector.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..features import WeightViews
 from ..solvers import lap, lap_batch, singular_values
 from ..symmetry import HeadMap, HeadSpace, SymmetryGraph
 from .base import Alignment, Pair, Progress, timed
-from .descent import anchor_init, descend, space_solver
+from .descent import anchor_init, descend, permutation_streams, space_solver
 from .options import TRANSFUSION as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import TransfusionOptions
 
@@ -83,4 +85,7 @@ def run(pair: Pair, options: TransfusionOptions, progress: Progress | None) -> A
             stage="transfusion",
             views=views,
         )
-    return Alignment("transfusion", graph, pair.sd_a, pair.sd_b, transform, timings=timings)
+        graph, transform, notes = permutation_streams(pair, transform, options, progress, outer)  # pairings stay
+    return Alignment(
+        "transfusion", graph, pair.sd_a, pair.sd_b, transform, exact=not notes, notes=notes, timings=timings
+    )

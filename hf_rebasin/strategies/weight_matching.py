@@ -15,7 +15,7 @@ from torch import Tensor
 from ..features import WeightViews
 from ..symmetry import SymmetryGraph, Transform, TransformClass
 from .base import Alignment, Pair, Progress, timed
-from .descent import anchor_init, descend, space_solver, view_graph
+from .descent import anchor_init, descend, permutation_streams, space_solver, view_graph
 from .options import WEIGHT_MATCHING as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import WeightMatchingOptions
 
@@ -48,4 +48,7 @@ def run(pair: Pair, options: WeightMatchingOptions, progress: Progress | None) -
         transform = weight_matching(
             pair.graph, pair.sd_a, pair.sd_b, max_iter=options.max_iter, seed=options.seed, progress=progress
         )
-    return Alignment("weight-matching", pair.graph, pair.sd_a, pair.sd_b, transform, timings=timings)
+        graph, transform, notes = permutation_streams(pair, transform, options, progress)
+    return Alignment(
+        "weight-matching", graph, pair.sd_a, pair.sd_b, transform, exact=not notes, notes=notes, timings=timings
+    )

@@ -18,6 +18,7 @@ from ...lora import canonical_blocker, lora_graph, save_adapter, transport_adapt
 from ...models import LoadedModel
 from ...record import Findings
 from ...strategies import Alignment, Pair, align
+from ...sublayers import is_per_sublayer, per_sublayer
 from ...symmetry import SymmetryGraph
 from ...transport import add_task_vector, move_finetune
 from ..data import BatchSpec, batches
@@ -240,6 +241,8 @@ def _save(
     else:
         sd_a, sd_b = weights(models.base), weights(models.target)
         canonical = alignment.graph if alignment.canonical and graph is models.target.graph else None
+        if is_per_sublayer(alignment.graph):  # the adapter's factors follow their own sublayers' maps
+            graph = per_sublayer(graph)
         factors, whole = transport_adapter(
             ws.adapter, graph, alignment.transform, sd_a, sd_b, canonical_graph=canonical
         )
