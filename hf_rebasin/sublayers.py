@@ -35,14 +35,6 @@ def _residuals(graph: SymmetryGraph) -> list[str]:
     return [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"]
 
 
-def _touches(graph: SymmetryGraph, tensor: str, space: str) -> bool:
-    b = graph.bindings.get(tensor)
-    if b is None:
-        return False
-    parts = [p for a in b.axes if a is not None for p in (a.parts if isinstance(a, Fused) else (a,))]
-    return any(split_ref(p)[0] == space for p in parts)
-
-
 def stream_of(graph: SymmetryGraph, space: str) -> dict[str, int]:
     """The stream index of every tensor bound to residual ``space`` (0: before the first sublayer;
     ``k``: read by sublayer ``k`` or written by sublayer ``k − 1``; the last: the final norm and
@@ -105,18 +97,11 @@ def per_sublayer(graph: SymmetryGraph) -> SymmetryGraph:
         for k in sorted(set(streams.values())):
             name = f"{res}{SEP}{k}"
             spaces[name] = dataclasses.replace(base, name=name)
-
-        def rename(ref: str | None, stream: int, res: str = res) -> str | None:
-            return f"{res}{SEP}{stream}" if ref == res else ref
-
         for tensor, stream in streams.items():
             b = bindings.get(tensor)
-            if b is None:
-                continue
-            axes = tuple(
-                Fused(tuple(p for p in a.parts)) if isinstance(a, Fused) else rename(a, stream) for a in b.axes
-            )
-            bindings[tensor] = Binding(b.name, axes, b.norm_scale)
+            if b is not None:  # a residual axis is never fused: only a whole axis is renamed
+                axes = tuple(f"{res}{SEP}{stream}" if a == res else a for a in b.axes)
+                bindings[tensor] = Binding(b.name, axes, b.norm_scale)
         norms = [dataclasses.replace(n, space=f"{res}{SEP}{streams[n.weight]}") if n.space == res else n for n in norms]
     return dataclasses.replace(graph, spaces=spaces, bindings=bindings, norms=norms)
 
@@ -142,17 +127,12 @@ def depth_order(split: SymmetryGraph) -> list[str]:
     heads or MLP units), stream 1, … (then whatever else there is). A sweep in this order solves a
     chain from its anchored start (the embeddings) instead of waiting for information to diffuse."""
     order: list[str] = []
-    for res in _residuals_split(split):
-        streams = sorted((n for n in split.spaces if n.startswith(res + SEP)), key=lambda n: int(n.split(SEP)[1]))
-        for k, stream in enumerate(streams):
+    streams = _residuals(split)
+    for res in dict.fromkeys(n.split(SEP)[0] for n in streams):
+        for stream in sorted((n for n in streams if n.startswith(res + SEP)), key=lambda n: int(n.split(SEP)[1])):
             order.append(stream)
-            if k < len(split.sublayers):
-                order.extend(s for s in _inner(split, stream) if s not in order)
+            order.extend(s for s in _inner(split, stream) if s not in order)
     return order + [n for n in split.spaces if n not in order]
-
-
-def _residuals_split(split: SymmetryGraph) -> list[str]:
-    return list(dict.fromkeys(n.split(SEP)[0] for n in split.spaces if SEP in n))
 
 
 def _inner(split: SymmetryGraph, stream: str) -> list[str]:

@@ -20,7 +20,7 @@ from hf_rebasin.sublayers import is_per_sublayer, per_sublayer, stream_of
 from hf_rebasin.symmetry import HeadSpace, Space
 from hf_rebasin.transport import add_task_vector, task_vector
 from hf_rebasin.verify import example_inputs
-from test_transport import _finetune, _max_diff
+from test_transport import _finetune, _max_diff, permuted_transport_folders
 
 PER_SUBLAYER = {"residual_maps": "per-sublayer"}
 
@@ -177,13 +177,7 @@ def test_a_transport_recipe_defaults_to_per_sublayer_transfusion(tmp_path):
 
     from test_cli import run_cli
 
-    model = tiny.gpt2(0)
-    base = model.state_dict()
-    graph = graph_for(model.config, base.keys())
-    ft = _finetune(base, scale=0.2)
-    target = graph.apply(base, graph.random_transform("permutation", torch.Generator().manual_seed(1)))
-    for name, sd in (("base", base), ("ft", ft), ("target", target)):
-        rebuild(model, dict(sd)).save_pretrained(str(tmp_path / name))
+    model, ft = permuted_transport_folders(tmp_path)
     recipe = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target", "output": {"dir": "out"}}
     path = tmp_path / "transport.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")

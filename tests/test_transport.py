@@ -104,6 +104,21 @@ def test_tied_tensors_stay_tied_and_shapes_are_checked():
 # job: transport through the CLI
 
 
+def permuted_transport_folders(tmp_path, tokenizer=None):
+    """``base``, ``ft`` (the base moved a little) and ``target`` (the base permuted) saved under
+    ``tmp_path`` from a tiny GPT-2; returns the model and the fine-tune's state dict."""
+    model = tiny.gpt2(0)
+    base = model.state_dict()
+    graph = graph_for(model.config, base.keys())
+    ft = _finetune(base, scale=0.2)
+    target = graph.apply(base, graph.random_transform("permutation", torch.Generator().manual_seed(1)))
+    for name, sd in (("base", base), ("ft", ft), ("target", target)):
+        rebuild(model, dict(sd)).save_pretrained(str(tmp_path / name))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp_path / name))
+    return model, ft
+
+
 def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
     import json
 
@@ -115,14 +130,7 @@ def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
 
     text = shakespeare_text(["hamlet"])[:3000].lower()
     tok = char_tokenizer(text)
-    model = tiny.gpt2(0)
-    base = model.state_dict()
-    graph = graph_for(model.config, base.keys())
-    ft = _finetune(base, scale=0.2)
-    target = graph.apply(base, graph.random_transform("permutation", torch.Generator().manual_seed(1)))
-    for name, sd in (("base", base), ("ft", ft), ("target", target)):
-        rebuild(model, dict(sd)).save_pretrained(str(tmp_path / name))
-        tok.save_pretrained(str(tmp_path / name))
+    model, ft = permuted_transport_folders(tmp_path, tok)
     (tmp_path / "task.txt").write_text(text[:1500], encoding="utf-8")
     (tmp_path / "support.txt").write_text(text[1500:], encoding="utf-8")
     recipe = {

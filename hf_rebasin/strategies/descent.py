@@ -323,13 +323,10 @@ def chain_init(
     0, stream 0 pins the first heads, they pin stream 1, and so on; a descent that mixes in the
     terms of neighbours not solved yet (as heavy as the right ones, and wrong) stalls instead."""
     transform = dict(init)
+    touched = {t: spaces_of(graph, t) for t in graph.bindings if t not in graph.ties}
     done: set[str] = set()
     for name in order:
-        upstream = {
-            t: b
-            for t, b in graph.bindings.items()
-            if t not in graph.ties and name in spaces_of(graph, t) and spaces_of(graph, t) - {name} <= done
-        }
+        upstream = {t: graph.bindings[t] for t, spaces in touched.items() if name in spaces and spaces - {name} <= done}
         if upstream:
             view = WeightViews(dataclasses.replace(graph, bindings=upstream), sd_a, sd_b)(transform, name)
             if view:
