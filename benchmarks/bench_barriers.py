@@ -1,8 +1,10 @@
 """Loss barriers of trained models: two tiny GPT-2 (character-level Shakespeare) and two tiny ViT
-(digits) trained from different seeds by ``hf_rebasin.train``, aligned by every strategy.
+(digits) trained from different seeds by ``hf_rebasin.train``, aligned by every strategy; or two
+tiny BERT (masked LM on the same characters, ``--kind bert``).
 
     python benchmarks/bench_barriers.py            # both kinds (trains 4 models on first use, ~5 min)
     python benchmarks/bench_barriers.py --kind vit
+    python benchmarks/bench_barriers.py --kind bert  # held-out masked-LM loss, fixed masks
     python benchmarks/bench_barriers.py --seeds 4   # spread of data-free results over visiting-order seeds
 
 Prints one Markdown table per kind: both barrier definitions (nats, held-out data, 21 λ) and the
@@ -21,7 +23,7 @@ from hf_rebasin import data as hdata
 from hf_rebasin.evaluate import barrier, lambdas, loss_curve, task_of
 from hf_rebasin.models import load_model, rebuild
 from hf_rebasin.strategies import AlignmentData, Pair, align
-from hf_rebasin.train import cached_model, held_out_batches, training_record
+from hf_rebasin.train import cached_model, held_out_batches, masked_lm_batches, training_record
 
 # (row label, strategy, options)
 STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
@@ -35,7 +37,8 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
 
 
 def alignment_data(kind: str, folder: Any, batches: int = 8) -> AlignmentData:
-    """Training-split data (never the held-out evaluation data)."""
+    """Training-split data (never the held-out evaluation data); a BERT's masked once (seed 0), as a
+    recipe's masked-LM data are, so that strategies learning on the loss have its labels."""
     if kind == "vit":
         images, labels = hdata.digits_dataset("train")
         return AlignmentData(list(hdata.image_batches(images, labels, 64))[:batches], description="digits (train)")
@@ -46,9 +49,12 @@ def alignment_data(kind: str, folder: Any, batches: int = 8) -> AlignmentData:
     text = hdata.shakespeare_text(tuple(record["config"]["plays"]), split="train")
     blocks = hdata.text_blocks(tokenizer, text, record["config"]["block_size"], max_tokens=batches * 16 * 64)
     pad = int(tokenizer.pad_token_id)
-    return AlignmentData(
-        list(hdata.batches(blocks, 16, pad_token_id=pad)), frozenset(tokenizer.all_special_ids), "Shakespeare (train)"
+    made = (
+        masked_lm_batches(blocks, tokenizer, 16, seed=0)
+        if kind == "bert"
+        else list(hdata.batches(blocks, 16, pad_token_id=pad))
     )
+    return AlignmentData(made, frozenset(tokenizer.all_special_ids), "Shakespeare (train)")
 
 
 def barrier_table(
@@ -119,7 +125,7 @@ def seed_spread(kind: str, seeds: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kind", choices=("gpt2", "vit", "both"), default="both")
+    parser.add_argument("--kind", choices=("gpt2", "vit", "bert", "both"), default="both", help="both: gpt2 and vit")
     parser.add_argument("--seeds", type=int, default=0, help="instead: data-free strategies over this many seeds")
     args = parser.parse_args(argv)
     torch.manual_seed(0)

@@ -31,6 +31,9 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "wm": ("weight-matching", "weight-matching", {}),
     "tf": ("transfusion", "transfusion", {}),
     "hp": ("head-perm, residual: all", "head-perm", {"residual": "all"}),
+    "hp-identity": ("head-perm (defaults: residual: identity)", "head-perm", {}),
+    "hp-last": ("head-perm, residual: last", "head-perm", {"residual": "last"}),
+    "hp-shared": ("head-perm, residual: all, qk: shared", "head-perm", {"residual": "all", "qk": "shared"}),
     "go": ("generalized-orthogonal", "generalized-orthogonal", {}),
     "go-inv": ("generalized-orthogonal, inner: invertible", "generalized-orthogonal", {"inner": "invertible"}),
     "go-learned": ("+ learned (defaults)", "generalized-orthogonal", {"learned": True}),
@@ -137,7 +140,7 @@ def markdown(result: dict[str, Any], rows: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kind", choices=("gpt2", "vit", "both"), default="both")
+    parser.add_argument("--kind", choices=("gpt2", "vit", "bert", "both"), default="both", help="both: gpt2 and vit")
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--pairs", type=int, default=len(PAIRS), help="how many of the seed pairs to run")
     parser.add_argument("--batches", type=int, default=32, help="alignment batches (16 × 64 tokens or 64 images)")

@@ -264,6 +264,7 @@ def _alignment_reading(similarity: Mapping[str, Any] | None) -> str | None:
     and how much the alignment did on average; None when the record has no such diagnostics."""
     try:
         spaces = {str(e["space"]): (float(e["before"]), float(e["after"])) for e in (similarity or {})["spaces"]}
+        measure = str((similarity or {}).get("measure") or "weight cosine").removesuffix(" of matched features")
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
     if not spaces:
@@ -272,7 +273,7 @@ def _alignment_reading(similarity: Mapping[str, Any] | None) -> str | None:
     before, after = (round(x, 2) + 0.0 for x in spaces[name])  # + 0.0: no "-0.00"
     gain = sum(a - b for b, a in spaces.values()) / len(spaces)
     return (
-        f"The alignment is weakest in `{_cell(name)}`: its matched features have a mean weight cosine of "
+        f"The alignment is weakest in `{_cell(name)}`: its matched features have a mean {measure} of "
         f"{after:.2f} after alignment ({before:.2f} before); over all {len(spaces)} spaces alignment raised "
         f"it by {gain:+.2f} on average."
     )

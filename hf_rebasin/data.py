@@ -26,7 +26,7 @@ Split = Literal["train", "test", "all"]
 
 HELD_OUT = 0.1  # the last 10 % of every play is the "test" split
 
-PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
+PAD, UNK, EOS, MASK = "<pad>", "<unk>", "<eos>", "<mask>"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,18 +100,20 @@ def shakespeare_text(plays: Sequence[str] | None = None, *, split: Split = "all"
     return "\n".join(_cut(_play(name), split) for name in names)
 
 
-def char_tokenizer(text: str) -> PreTrainedTokenizerFast:
+def char_tokenizer(text: str, *, mask: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer whose vocabulary is the characters of ``text`` (sorted).
 
     Ids 0, 1, 2 are ``<pad>``, ``<unk>``, ``<eos>``; characters follow in code-point order, so the
-    same text always gives the same ids. It is a plain `PreTrainedTokenizerFast`:
-    ``save_pretrained`` / ``from_pretrained`` on a local folder round-trip it.
+    same text always gives the same ids. ``mask`` adds a ``<mask>`` token (the mask token of
+    masked-LM training) after the characters, so every other id stays what it is without it. It is
+    a plain `PreTrainedTokenizerFast`: ``save_pretrained`` / ``from_pretrained`` on a local folder
+    round-trip it.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = sorted(set(text))
-    vocab = {tok: i for i, tok in enumerate([PAD, UNK, EOS, *chars])}
+    vocab = {tok: i for i, tok in enumerate([PAD, UNK, EOS, *chars, *([MASK] if mask else [])])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.FixedLength(length=1)
     backend.decoder = decoders.Fuse()  # join characters without the default spaces
@@ -122,6 +124,7 @@ def char_tokenizer(text: str) -> PreTrainedTokenizerFast:
         eos_token=EOS,
         bos_token=EOS,
         clean_up_tokenization_spaces=False,
+        **({"mask_token": MASK} if mask else {}),
     )
 
 

@@ -7,7 +7,8 @@ role Q, K, V, O), with every other axis in A's basis. "Before" compares B as it 
 the transform. The mean over a space's features says where the alignment is strong and where the
 two models simply learned different features: the weakest space is where a barrier comes from
 (Verma & Elbayad's Fig. 4 does this with activation correlations; this needs no data, so every
-strategy gets it).
+strategy gets it). Strategies that collect activation statistics (head-perm) report that instead:
+`matched_correlation` reads the correlation of matched features off the matrices they solved on.
 
 Torch only; one pass over the tensors per side (a lazy state dict is read tensor by tensor).
 """
@@ -20,9 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .symmetry import AxisMap, Fused, HeadSpace, SpaceMap, SymmetryGraph, split_ref
+from .symmetry import AxisMap, Fused, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, split_ref
 
-__all__ = ["feature_similarity"]
+__all__ = ["feature_similarity", "matched_correlation"]
 
 
 def _accumulate(
@@ -91,3 +92,42 @@ def feature_similarity(
         kind = "heads" if isinstance(sp, HeadSpace) else sp.kind
         spaces.append({"space": name, "kind": kind, "features": features, "before": before[name], "after": after[name]})
     return {"measure": "weight cosine of matched features", "spaces": spaces}
+
+
+def matched_correlation(
+    graph: SymmetryGraph, corr: Mapping[str, Tensor], transform: Mapping[str, SpaceMap]
+) -> list[dict[str, Any]]:
+    """Per space, the mean activation correlation of A's feature i with B's feature in slot i,
+    before (B as it is) and after (B's feature the transform puts there), over every feature of
+    every role that has statistics. ``corr`` keys are spaces, ``"space:role"`` or residual sites
+    (``"res@3"``, with a map of their own); ``[A feature, B feature]`` matrices. Entries are in the
+    form of `feature_similarity`'s ``spaces``; spaces without statistics or a permutation are left
+    out."""
+    before: dict[str, list[Tensor]] = {}
+    after: dict[str, list[Tensor]] = {}
+    kinds: dict[str, str] = {}
+    for key, c in corr.items():
+        space, role = split_ref(key)
+        m = transform.get(space)
+        if isinstance(m, HeadMap):
+            sp = graph.spaces.get(space)
+            if not isinstance(sp, HeadSpace) or role is None:
+                continue
+            m = m.expand(sp, role)
+        if m is None or not m.is_permutation:
+            continue
+        rows = torch.arange(c.shape[0])
+        before.setdefault(space, []).append(c.diagonal().double())
+        after.setdefault(space, []).append(c[rows, rows if m.index is None else m.index].double())
+        base = graph.spaces.get(space.partition("@")[0])
+        kinds[space] = "heads" if role is not None else base.kind if isinstance(base, Space) else "residual"
+    return [
+        {
+            "space": space,
+            "kind": kinds[space],
+            "features": int(before[space][0].numel()),
+            "before": float(torch.cat(before[space]).mean()),
+            "after": float(torch.cat(after[space]).mean()),
+        }
+        for space in before
+    ]

@@ -264,6 +264,7 @@ class SymmetryGraph:
     norm_type: Literal["layernorm", "rmsnorm"] = "layernorm"
     sublayers: tuple[Sublayer, ...] = ()  # in forward order
     embeddings: tuple[str, ...] = ()  # module prefixes that write the stream before the first sublayer
+    last_hidden: dict[str, str] = field(default_factory=dict)  # residual space -> module: its final state
 
     # ---- structure -------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""A zoo of tiny trained models: GPT-2 on Shakespeare characters, ViT on 8×8 digits.
+"""A zoo of tiny trained models: GPT-2 and BERT on Shakespeare characters, ViT on 8×8 digits.
 
 Re-basin needs pairs of models that compute the same kind of function from different seeds.
 These are trained by the project's own code (no Hub, no network) in about a minute each on one
@@ -25,14 +25,17 @@ from torch import Tensor
 
 from . import data
 from .errors import ModelNotFoundError
+from .evaldata import mask_tokens
 from .evaluate import evaluate_loss
 from .names import KINDS as KINDS  # `X as X`: re-exported, the runner and scripts read train.X
-from .names import Kind
+from .names import Kind, Task
 from .resources import cache_root as cache_root
 from .zoo import (
     DEFAULT_CONFIGS,
+    EVAL_MASK_SEED,
     RECIPE_VERSION,
     TRAINING_FILE,
+    BertTrainConfig,
     GPT2FineTuneConfig,
     GPT2LoraConfig,
     GPT2NextConfig,
@@ -50,6 +53,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 Progress = Callable[[int, float], None]
+
+# the loss a zoo kind is trained and scored with (every kind not named here is a causal LM)
+_TASKS: dict[Kind, Task] = {"vit": "image-classification", "bert": "masked-lm"}
+_MASK_STREAM = 2**62  # offsets the seed of an epoch's masks from that of its block order
 
 
 @contextlib.contextmanager
@@ -174,11 +181,16 @@ def gpt2_data(config: GPT2TrainConfig) -> tuple[Any, Tensor, Tensor]:
     The tokenizer covers the characters of all the plays (both splits), so held-out text has no
     unknown characters.
     """
-    tokenizer = data.char_tokenizer(data.shakespeare_text(config.plays))
-    train = data.text_blocks(tokenizer, data.shakespeare_text(config.plays, split="train"), config.block_size)
-    test = data.text_blocks(
-        tokenizer, data.shakespeare_text(config.plays, split="test"), config.block_size, max_tokens=config.eval_tokens
-    )
+    return _char_blocks(config.plays, config.block_size, config.eval_tokens, mask=False)
+
+
+def _char_blocks(
+    plays: tuple[str, ...], block_size: int, eval_tokens: int, *, mask: bool
+) -> tuple[Any, Tensor, Tensor]:
+    """(character tokenizer of all the plays, train blocks, held-out blocks)."""
+    tokenizer = data.char_tokenizer(data.shakespeare_text(plays), mask=mask)
+    train = data.text_blocks(tokenizer, data.shakespeare_text(plays, split="train"), block_size)
+    test = data.text_blocks(tokenizer, data.shakespeare_text(plays, split="test"), block_size, max_tokens=eval_tokens)
     return tokenizer, train, test
 
 
@@ -213,9 +225,9 @@ def _run(
             progress=progress,
         )
         seconds = time.perf_counter() - start
-        text = kind != "vit"
-        result = evaluate_loss(model, held_out, "causal-lm" if text else "image-classification")
-        count = {"tokens" if text else "examples": result.count}
+        task = _TASKS.get(kind, "causal-lm")
+        result = evaluate_loss(model, held_out, task)
+        count = {"examples" if task == "image-classification" else "tokens": result.count}
         record = _record(kind, seed, cfg, seconds, train_loss, loss=result.loss, **count, **result.metric)
         return _save(model, Path(out_dir), record, processor)
 
@@ -372,6 +384,93 @@ def _finetune_data(seed: int, plays: tuple[str, ...], eval_tokens: int) -> tuple
     return base, tokenizer, train, test
 
 
+def bert_data(config: BertTrainConfig) -> tuple[Any, Tensor, Tensor]:
+    """(tokenizer with a ``<mask>`` token, train blocks, held-out blocks) of a BERT zoo config:
+    `gpt2_data`'s text and blocks, unmasked (masks are drawn per batch)."""
+    return _char_blocks(config.plays, config.block_size, config.eval_tokens, mask=True)
+
+
+def _mask(ids: Tensor, tokenizer: Any, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(masked ids, attention mask, labels) of token blocks: `mask_tokens` (15 %; 80 % ``<mask>``,
+    10 % random, 10 % kept) over every position that is neither padding nor a special token."""
+    attention = (ids != int(tokenizer.pad_token_id)).long()
+    candidates = (attention == 1) & ~torch.isin(ids, torch.tensor(tokenizer.all_special_ids, dtype=torch.long))
+    inputs, labels = mask_tokens(
+        ids, candidates, mask_token_id=int(tokenizer.mask_token_id), vocab_size=len(tokenizer), seed=seed
+    )
+    return inputs, attention, labels
+
+
+def masked_lm_batches(
+    blocks: Tensor, tokenizer: Any, batch_size: int, seed: int = EVAL_MASK_SEED
+) -> list[dict[str, Tensor]]:
+    """Masked-LM batches ``{"input_ids", "attention_mask", "labels"}`` over ``blocks`` in order, the masks
+    drawn once for all of them from ``seed``: the same masks whatever ``batch_size``, at every call."""
+    inputs, attention, labels = _mask(blocks, tokenizer, seed)
+    return [
+        {
+            "input_ids": inputs[i : i + batch_size],
+            "attention_mask": attention[i : i + batch_size],
+            "labels": labels[i : i + batch_size],
+        }
+        for i in range(0, blocks.shape[0], batch_size)
+    ]
+
+
+def _masked_epoch(blocks: Tensor, tokenizer: Any, batch_size: int, seed: int) -> Iterator[dict[str, Tensor]]:
+    """One training epoch of masked-LM batches: blocks in an order drawn from ``seed``, every batch
+    masked afresh from its own seed (drawn from ``seed`` too), so no two steps share masks."""
+    seeds = torch.Generator().manual_seed(seed + _MASK_STREAM)
+    pad = int(tokenizer.pad_token_id)
+    for batch in data.batches(blocks, batch_size, pad_token_id=pad, seed=seed, drop_last=True):
+        mask_seed = int(torch.randint(2**62, (), generator=seeds))
+        inputs, attention, labels = _mask(batch["input_ids"], tokenizer, mask_seed)
+        yield {"input_ids": inputs, "attention_mask": attention, "labels": labels}
+
+
+def train_tiny_bert(
+    seed: int,
+    out_dir: Path,
+    config: BertTrainConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Train a small character-level BertForMaskedLM on Shakespeare (masked LM); save it with its tokenizer.
+
+    ``seed`` sets the initialisation, the order of the training blocks and their masks (drawn
+    afresh every step). The held-out blocks are masked once, from ``EVAL_MASK_SEED``
+    (`held_out_batches` gives the same batches). Deterministic given ``seed``, ``config`` and ``threads``.
+    """
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = config or BertTrainConfig()
+    tokenizer, train, test = bert_data(cfg)
+    model_config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.block_size,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=int(tokenizer.pad_token_id),
+    )
+    return _run(
+        "bert",
+        seed,
+        cfg,
+        out_dir,
+        lambda: BertForMaskedLM(model_config),
+        lambda s: _masked_epoch(train, tokenizer, cfg.batch_size, s),
+        masked_lm_batches(test, tokenizer, 64),
+        progress=progress,
+        threads=threads,
+        processor=tokenizer,
+    )
+
+
 def _train_further(
     kind: Kind,
     seed: int,
@@ -475,7 +574,9 @@ def next_tiny_gpt2(
 
 
 def _block(folder: Path) -> int:
-    return int(json.loads((folder / "config.json").read_text())["n_positions"])
+    """The context length of a zoo model: GPT-2's ``n_positions``, BERT's ``max_position_embeddings``."""
+    config = json.loads((folder / "config.json").read_text())
+    return int(config["n_positions"] if "n_positions" in config else config["max_position_embeddings"])
 
 
 _TRAINERS: dict[Kind, Callable[..., Path]] = {
@@ -484,6 +585,7 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
     "gpt2-ft": finetune_tiny_gpt2,
     "gpt2-lora": lora_tiny_gpt2,
     "gpt2-next": next_tiny_gpt2,
+    "bert": train_tiny_bert,
 }
 
 
@@ -532,7 +634,11 @@ def training_record(folder: Path) -> dict[str, Any]:
 
 
 def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tensor]]:
-    """The held-out evaluation batches of a zoo model (text or digits it was not trained on)."""
+    """The held-out evaluation batches of a zoo model (text or digits it was not trained on).
+
+    A BERT's are masked-LM batches whose masks come from ``EVAL_MASK_SEED``: the batches its
+    ``training.json`` loss was computed on, the same at every call.
+    """
     record = training_record(folder)
     kind = check_kind(record["kind"])
     if kind == "vit":
@@ -540,9 +646,11 @@ def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tenso
         return list(data.image_batches(images, labels, batch_size))
     from transformers import PreTrainedTokenizerFast
 
-    cfg = record["config"]  # every GPT-2 kind names its plays and eval_tokens
+    cfg = record["config"]  # every text kind names its plays and eval_tokens
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
     text = data.shakespeare_text(tuple(cfg["plays"]), split="test")
     model_folder = cached_model("gpt2", int(record["seed"])) if kind == "gpt2-lora" else Path(folder)
     blocks = data.text_blocks(tokenizer, text, _block(model_folder), max_tokens=cfg["eval_tokens"])
+    if _TASKS.get(kind) == "masked-lm":
+        return masked_lm_batches(blocks, tokenizer, batch_size)
     return list(data.batches(blocks, batch_size, pad_token_id=int(tokenizer.pad_token_id)))

@@ -64,3 +64,53 @@ def test_alignment_plot_is_a_png(tmp_path: Path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no spaces"):
         plot_alignment({"spaces": []}, tmp_path / "none.png")
+
+
+def _mlp_inputs(model: torch.nn.Module, batches: list[dict]) -> torch.Tensor:
+    """GPT-2's first MLP units (c_proj's input) at kept positions, read with a plain torch hook."""
+    seen: list[torch.Tensor] = []
+    hook = model.transformer.h[0].mlp.c_proj.register_forward_hook(lambda _m, args, _o: seen.append(args[0]))
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch)
+    hook.remove()
+    return torch.cat(
+        [
+            t[b["attention_mask"].bool()] if "attention_mask" in b else t.flatten(0, 1)
+            for t, b in zip(seen, batches, strict=True)
+        ]
+    )
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama-gqa", "bert-mlm"])
+def test_head_perm_reports_activation_correlation_of_matched_features(case):
+    """head-perm's alignment.png shows activation correlations (Verma & Elbayad's Fig. 4): B = A
+    permuted, so after alignment every matched feature correlates 1 with its twin; on two unrelated
+    models "before" is the mean diagonal of the plain correlation matrix."""
+    from hf_rebasin.adapters import get_adapter
+    from hf_rebasin.models import rebuild
+    from hf_rebasin.strategies import AlignmentData
+    from hf_rebasin.verify import example_inputs
+
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    spec = get_adapter(model.config.model_type)
+    data = AlignmentData([example_inputs(spec, model.config, torch.Generator().manual_seed(i)) for i in range(4)])
+    sd_b = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(2)))
+    alignment = align("head-perm", Pair(graph, sd, sd_b, model, rebuild(model, sd_b), data), {"residual": "last"})
+    result = alignment.diagnostics["alignment"]
+    assert result["measure"] == "activation correlation of matched features"
+    spaces = _by_space(result)
+    assert set(spaces) == {n for n in graph.spaces if n in alignment.transform and graph.users(n)} - {"pooler", "head"}
+    for name, entry in spaces.items():
+        assert entry["after"] == pytest.approx(1.0, abs=1e-6), name
+    assert min(e["before"] for e in spaces.values()) < 0.9
+    if case == "gpt2":
+        other = tiny.gpt2(1)
+        moved = align("head-perm", Pair(graph, sd, other.state_dict(), model, other, data), {})
+        a, b = _mlp_inputs(model, data.batches), _mlp_inputs(other, data.batches)
+        corr = torch.corrcoef(torch.cat([a.T, b.T]).double())[: a.shape[1], a.shape[1] :]
+        entry = _by_space(moved.diagnostics["alignment"])["h.0.mlp"]
+        assert entry["before"] == pytest.approx(float(corr.diagonal().mean()), abs=1e-6)
+        assert entry["after"] > entry["before"]

@@ -207,22 +207,71 @@ def test_residual_groups_and_modes():
     assert stats.residual_groups == [*groups, ["lm_head"]]
     assert stats.residual_spaces == ["res"] * 5
     assert stats.module_order[:4] == [layer.format(0) + f"self_attn.{p}_proj" for p in "qkvo"]
-    assert len(stats.module_order) == 15
+    assert len(stats.module_order) == 16  # the linears, and the final norm (the `last` state)
+    assert stats.module_order[-2:] == ["model.norm", "lm_head"]
     assert stats.tokens == 2 * (4 * 10 - 3)
-    assert stats.moments["res"].count.item() == 5 * stats.tokens  # every group's tokens pooled
+    assert stats.moments["res"].count.item() == 5 * stats.tokens  # 4 readers' inputs and the final state
     separate = runs["separate"].moments
     assert [k for k in separate if k.startswith("res")] == [f"res@{i}" for i in range(5)]
-    pooled = CrossMoments.zeros(32, 32)
-    for i in range(5):
-        for f in FIELDS:
-            getattr(pooled, f).add_(getattr(separate[f"res@{i}"], f))
-    _assert_same_moments(stats.moments["res"], pooled, 1e-12)
+    # lm_head reads the final norm's output: the 5 sites of `all` are the 5 groups, each centred alone
+    within = CrossMoments.within([separate[f"res@{i}"] for i in range(5)])
+    _assert_same_moments(stats.moments["res"], within, 1e-12)
     for mode, index in (("first", 0), ("last", 4)):
         one = activation_stats(model, tiny.llama(1), graph, data, residual=mode)
         _assert_same_moments(one.moments["res"], separate[f"res@{index}"], 1e-12)
     none = activation_stats(model, tiny.llama(1), graph, data, residual="none")
     assert not any(k.startswith("res") for k in none.moments)
     assert set(none.moments) == {k for k in stats.moments if k != "res"}
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pearson correlation of the columns of a [n, d] with those of b [n, d], in float64."""
+    a, b = a.double() - a.double().mean(0), b.double() - b.double().mean(0)
+    return (a.T @ b) / torch.outer(a.norm(dim=0), b.norm(dim=0))
+
+
+def _bert_stream(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """BERT's residual stream at every LayerNorm output (embeddings, then per layer after attention
+    and after the MLP), kept positions only: read with plain transformers, no hf-rebasin code."""
+    sites: list[list[torch.Tensor]] = []
+    for batch in batches:
+        after_attn: list[torch.Tensor] = []
+
+        def keep_output(_m: torch.nn.Module, _i: object, out: torch.Tensor, into: list = after_attn) -> None:
+            into.append(out)
+
+        hooks = [layer.attention.output.register_forward_hook(keep_output) for layer in model.bert.encoder.layer]
+        with torch.no_grad():
+            hidden = model(**batch, output_hidden_states=True).hidden_states
+        for h in hooks:
+            h.remove()
+        keep = batch["attention_mask"].bool()
+        order = [hidden[0]] + [t for i in range(len(after_attn)) for t in (after_attn[i], hidden[i + 1])]
+        sites.append([t[keep] for t in order])
+    return [torch.cat(column) for column in zip(*sites, strict=True)]
+
+
+def test_bert_last_and_all_read_the_encoder_stream():
+    """`last` is the final encoder LayerNorm at every position (not the MLM head's transform, which
+    the decoder reads); `all` averages the covariances of the encoder's LayerNorm outputs, each
+    centred at its own mean (Verma & Elbayad's code), checked against hidden states of plain
+    transformers."""
+    model_a, model_b = tiny.bert_mlm(0), tiny.bert_mlm(1)
+    data = _tokens(2)
+    graph = _graph(model_a)
+    a, b = _bert_stream(model_a, data), _bert_stream(model_b, data)
+    assert len(a) == 1 + 2 * model_a.config.num_hidden_layers
+    last = activation_stats(model_a, model_b, graph, data, residual="last").moments["res"].correlation()
+    torch.testing.assert_close(last, _corr(a[-1], b[-1]), atol=1e-6, rtol=0)
+    first = activation_stats(model_a, model_b, graph, data, residual="first").moments["res"].correlation()
+    torch.testing.assert_close(first, _corr(a[0], b[0]), atol=1e-6, rtol=0)
+    cov = sum((x - x.mean(0)).double().T @ (y - y.mean(0)).double() for x, y in zip(a, b, strict=True))
+    var_a = sum(((x - x.mean(0)).double() ** 2).sum(0) for x in a)
+    var_b = sum(((y - y.mean(0)).double() ** 2).sum(0) for y in b)
+    expected = cov / torch.outer(var_a.sqrt(), var_b.sqrt())
+    pooled = activation_stats(model_a, model_b, graph, data, residual="all").moments["res"]
+    assert pooled.count.item() == len(a) * a[0].shape[0]
+    torch.testing.assert_close(pooled.correlation(), expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("same_object", [False, True])
@@ -284,7 +333,7 @@ def test_special_ids_are_dropped():
     stats = activation_stats(model_a, model_b, _graph(model_a), data, special_ids=[0, 1])
     assert stats.tokens == 2 * (4 * 10 - 3 - 4 - 1)
     assert stats.moments["layer.0.mlp"].count.item() == stats.tokens
-    assert stats.moments["res"].count.item() == 6 * stats.tokens  # 6 residual reader groups in BERT MLM
+    assert stats.moments["res"].count.item() == 5 * stats.tokens  # 5 encoder sites (the decoder reads the head)
 
 
 def test_two_residual_spaces_are_numbered_apart():

@@ -210,7 +210,7 @@ def test_unknown_strategy_option_names_the_allowed_options(tmp_path: Path) -> No
     err = problems(MERGE.replace("  residual: first\n", "  residual: first\n  max_iter: 3\n"), tmp_path)
     assert paths(err) == ["strategy.max_iter"] and err.problems[0].line == 9
     assert "not an option of strategy 'head-perm'" in str(err)
-    assert "allowed: components, heads, name, residual, special_tokens" in str(err)
+    assert "allowed: components, heads, name, qk, residual, special_tokens" in str(err)
 
 
 def test_nested_options_key_is_explained(tmp_path: Path) -> None:
@@ -472,7 +472,7 @@ def test_zoo_models_and_builtin_data_parse(tmp_path: Path) -> None:
 
 
 def test_bad_zoo_reference_and_revision(tmp_path: Path) -> None:
-    err = problems(ZOO.replace("zoo:gpt2-seed1", "zoo:bert-seed1"), tmp_path)
+    err = problems(ZOO.replace("zoo:gpt2-seed1", "zoo:roberta-seed1"), tmp_path)
     assert paths(err) == ["models.1.model"] and "zoo:KIND-seedN" in str(err) and "gpt2, vit" in str(err)
     err = problems(
         ZOO.replace("[zoo:gpt2-seed0, zoo:gpt2-seed1]", "[{model: zoo:gpt2-seed0, revision: v1}, zoo:vit-seed1]"),

@@ -507,7 +507,9 @@ def test_learned_matching_writes_its_curve_and_the_card_shows_it(tmp_path: Path,
     assert data["function_preserved"]["max_abs_diff"] < 1e-4
     card = (out / "README.md").read_text(encoding="utf-8")
     assert "## Learned matching" in card and "![learned matching](learned.png)" in card
-    assert (out / "alignment.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![alignment per space](alignment.png)" in card
+    assert (out / "alignment.png").read_bytes()[
+        :8
+    ] == b"\x89PNG\r\n\x1a\n" and "![alignment per space](alignment.png)" in card
     spaces = {e["space"]: e for e in data["diagnostics"]["alignment"]["spaces"]}
     assert list(spaces) == ["res", "h.0.attn", "h.1.attn", "h.0.mlp", "h.1.mlp"]
     weakest = min(spaces, key=lambda n: spaces[n]["after"])

@@ -9,7 +9,9 @@ import tiny
 from hf_rebasin.adapters import get_adapter, graph_for
 from hf_rebasin.canonical import canonicalize
 from hf_rebasin.errors import IncompatibleModelsError, MissingDataError, StrategyOptionError
+from hf_rebasin.features import activation_stats
 from hf_rebasin.models import rebuild
+from hf_rebasin.solvers import lap
 from hf_rebasin.strategies import REGISTRY, AlignmentData, Pair, align, get_strategy
 from hf_rebasin.strategies.base import Strategy, StrategyRegistry
 from hf_rebasin.strategies.invertible import invertible_inner
@@ -233,6 +235,56 @@ def test_head_perm_components_and_residual_identity_leave_other_spaces_alone():
     assert torch.equal(hm.kv_perm, torch.arange(hm.kv_perm.numel()))
 
 
+def _shared_qk(graph, transform):
+    """``transform`` with every non-rotary head's Q/K permutation set to its V/O one: the transforms
+    `qk: shared` assumes (and the only ones it can recover)."""
+    out = dict(transform)
+    for name, space in graph.spaces.items():
+        if isinstance(space, HeadSpace) and not space.rotary:
+            m = transform[name]
+            out[name] = HeadMap(m.kv_perm, m.q_perm, m.vo.clone(), m.vo)
+    return out
+
+
+@pytest.mark.parametrize("case", ["gpt2", "bert-mlm", "llama-gqa", "vit", "clip"])
+def test_head_perm_shared_qk_recovers_and_preserves(case):
+    """`qk: shared` recovers a transform whose Q/K permutation is its head's V/O one (rotary heads
+    keep their own), and on two unrelated models leaves B's function as it was."""
+    model, graph, sd, _sd_b, _model_b, data = _transformed_pair(case)
+    transform = _shared_qk(graph, graph.random_transform("permutation", torch.Generator().manual_seed(7)))
+    sd_b = graph.apply(sd, transform)
+    options = {"qk": "shared", "residual": "last"}
+    alignment = align("head-perm", Pair(graph, sd, sd_b, model, rebuild(model, sd_b), data), options)
+    assert alignment.exact and _max_diff(alignment.aligned_b(), sd) < 1e-6
+    other = tiny.FACTORIES[case](1)
+    moved = align("head-perm", Pair(graph, sd, other.state_dict(), model, other, data), options)
+    for name, space in graph.spaces.items():
+        if isinstance(space, HeadSpace) and not space.rotary:
+            hm = moved.transform[name]
+            assert torch.equal(hm.qk, hm.vo)
+    aligned = rebuild(model, dict(moved.aligned_b()))
+    with torch.no_grad():
+        for batch in data.batches:
+            got, want = aligned(**batch), other(**batch)
+            key = "logits" if "logits" in want else "logits_per_image"
+            assert (got[key] - want[key]).abs().max().item() < 1e-4
+
+
+def test_ignore_heads_permutes_by_the_attention_output_only():
+    """Table 1's ignore-heads: one permutation of all attention features, the LAP of the attention
+    output's correlation alone; on a transform that moves Q/K like V/O it is the transform itself."""
+    model, graph, sd, _sd_b, _model_b, data = _transformed_pair("gpt2")
+    sd_b = graph.apply(sd, _shared_qk(graph, graph.random_transform("permutation", torch.Generator().manual_seed(2))))
+    pair = Pair(graph, sd, sd_b, model, rebuild(model, sd_b), data)
+    flat = align("head-perm", pair, {"heads": "ignore-heads", "residual": "last"})
+    assert _max_diff(flat.aligned_b(), sd) < 1e-6
+    other = tiny.FACTORIES["gpt2"](1)
+    pair = Pair(graph, sd, other.state_dict(), model, other, data)
+    flat = align("head-perm", pair, {"heads": "ignore-heads", "residual": "identity", "components": ["attn"]})
+    stats = activation_stats(model, other, graph, data.batches, spaces=["h.0.attn"], residual="none")
+    assert torch.equal(flat.transform["h.0.attn"].index, lap(stats.moments["h.0.attn:o"].correlation())[0])
+
+
 @pytest.mark.parametrize("option", [{"heads": "ignore-heads"}, {"residual": "separate"}])
 def test_experimental_head_perm_options_are_flagged(option):
     model, graph, sd, sd_b, model_b, data = _transformed_pair("gpt2")
@@ -382,7 +434,9 @@ def test_learned_permutation_only_ablation_keeps_every_map_a_permutation():
     a, model_b, *_, data = _learned_pair()
     graph = graph_for(a.config, a.state_dict().keys())
     options = {"learned": True, "maps": "permutations", "steps": 8, "eval_every": 4}
-    alignment = align("generalized-orthogonal", Pair(graph, a.state_dict(), model_b.state_dict(), a, model_b, data), options)
+    alignment = align(
+        "generalized-orthogonal", Pair(graph, a.state_dict(), model_b.state_dict(), a, model_b, data), options
+    )
     assert alignment.transform["res"].is_permutation
     assert any("permutations only" in n for n in alignment.notes)
 

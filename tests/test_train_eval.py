@@ -300,7 +300,7 @@ def test_training_is_deterministic_per_seed(tmp_path: Path) -> None:
 
 def test_cached_model_refuses_unknown_kind(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedArchitectureError, match="available: gpt2, vit"):
-        train.cached_model("bert", 0, tmp_path)  # type: ignore[arg-type]
+        train.cached_model("roberta", 0, tmp_path)
     with pytest.raises(UnsupportedArchitectureError, match="ViTTrainConfig"):
         train.cached_model("vit", 0, tmp_path, config=TINY_GPT2)
     assert list(tmp_path.iterdir()) == []

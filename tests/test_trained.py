@@ -1,8 +1,9 @@
 """Trained models from different seeds: every alignment strategy lowers the loss barrier of the
 GPT-2 (on the ViT: matching on activations and on the loss), and generalized-orthogonal at least
 halves vanilla's linear barrier; a fine-tune (full or LoRA) moved
-onto another seed's base does better at its task than that base and than the naive transport
-(slow: trains six tiny models on first use, cached afterwards)."""
+onto another seed's base does better at its task than that base and than the naive transport; on
+two BERTs head-perm with `residual: all` is the best of Verma & Elbayad's variants
+(slow: trains eight tiny models on first use, cached afterwards)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,21 @@ def test_on_a_re_release_the_alignment_costs_nothing_and_the_fine_tune_keeps_its
         for moved in (f"{kind}_go", f"{kind}_transfusion"):
             assert row[moved] <= row[f"{kind}_naive"] + 0.005, moved
         assert row[f"{kind}_go"] < row["target"] - 0.3, kind
+
+
+@pytest.mark.slow
+def test_on_a_zoo_bert_pair_residual_all_is_the_best_head_perm_variant():
+    """Verma & Elbayad's variants on two BERTs (masked LM) trained from different seeds: matching
+    the residual stream by its encoder sites (`residual: all`) lowers the barrier well below
+    vanilla's and below the other residual choices; a permutation per site (`separate`) breaks B."""
+    from bench_verma import markdown as verma_markdown
+    from bench_verma import measure
+
+    rows = ["vanilla", "hp-sep", "res-first-sep", "res-last-sep", "res-all-sep", "res-separate"]
+    result = measure(rows, ((0, 1),), batches=16)
+    print("\n" + verma_markdown(result, rows))
+    linear = {key: entry["linear"][0] for key, entry in result["rows"].items()}
+    assert linear["vanilla"] > 1.0, "the two seeds should have a clear barrier before alignment"
+    assert linear["res-all-sep"] < linear["vanilla"] - 0.3
+    assert linear["res-all-sep"] == min(linear.values())
+    assert linear["res-separate"] > linear["vanilla"]

@@ -88,6 +88,9 @@ class ArchitectureSpec:
     # the residual stream's sublayers (forward order within a layer) and what writes it first
     sublayers: tuple[SublayerT, ...] = ()
     embeddings: tuple[str, ...] = ()
+    # residual space -> the module whose output is the stream as the encoder leaves it, at every
+    # position (the final encoder norm; Verma & Elbayad's `last` residual site)
+    last_hidden: Mapping[str, str] = field(default_factory=dict)
     # Optional escape hatch: tensor templates that depend on which other tensors exist.
     alternatives: Callable[[Collection[str]], Mapping[str, tuple[AxisRef, ...]]] | None = None
 
@@ -187,6 +190,7 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
         spec.norm_type,
         _sublayers(spec, dims, env0),
         tuple(_fmt(e, env0) for e in spec.embeddings),
+        {space: _fmt(module, env0) for space, module in spec.last_hidden.items()},
     )
     used = {name for name in spaces if graph.users(name)}
     graph.spaces = {k: v for k, v in spaces.items() if k in used}

@@ -113,6 +113,7 @@ BERT = ArchitectureSpec(
     outputs=_OUTPUTS,
     sublayers=_SUBLAYERS,
     embeddings=("{base}embeddings",),
+    last_hidden={"res": "{base}encoder"},
     alternatives=_bert_classifier,
 )
 
@@ -141,5 +142,6 @@ ROBERTA = ArchitectureSpec(
     outputs=_OUTPUTS,
     sublayers=_SUBLAYERS,
     embeddings=("{base}embeddings",),
+    last_hidden={"res": "{base}encoder"},
     alternatives=_roberta_classifier,
 )

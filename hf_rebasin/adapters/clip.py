@@ -99,6 +99,8 @@ SPEC = ArchitectureSpec(
     invariant=("logit_scale",),
     sublayers=(*_tower_sublayers(TL), *_tower_sublayers(VL)),
     embeddings=("text_model.embeddings", "vision_model.embeddings", "vision_model.pre_layrnorm"),
+    # the vision tower normalizes its class token only: its encoder output is the stream at every patch
+    last_hidden={"text.res": "text_model.final_layer_norm", "vision.res": "vision_model.encoder"},
     inputs="text-image",
     outputs={"logits_per_image": None, "text_embeds": "joint", "image_embeds": "joint"},
 )

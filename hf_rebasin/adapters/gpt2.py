@@ -50,6 +50,7 @@ SPEC = ArchitectureSpec(
         SublayerT(("{base}h.{i}.ln_2", "{base}h.{i}.mlp.c_fc"), ("{base}h.{i}.mlp.c_proj",)),
     ),
     embeddings=("{base}wte", "{base}wpe"),
+    last_hidden={"res": "{base}ln_f"},
     # causal-mask buffers of old checkpoints: never transform them
     invariant=("{base}h.{i}.attn.bias", "{base}h.{i}.attn.masked_bias", "score.bias"),
     outputs={"logits": None, "last_hidden_state": "res"},

@@ -64,6 +64,7 @@ SPEC = ArchitectureSpec(
         SublayerT((f"{L}.post_attention_layernorm", f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"), (f"{L}.mlp.down_proj",)),
     ),
     embeddings=("{base}embed_tokens",),
+    last_hidden={"res": "{base}norm"},
     norm_type="rmsnorm",
     outputs={"logits": None, "last_hidden_state": "res"},
 )

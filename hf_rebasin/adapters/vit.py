@@ -57,6 +57,7 @@ SPEC = ArchitectureSpec(
         SublayerT((f"{L}.layernorm_after", f"{L}.mlp.fc1"), (f"{L}.mlp.fc2",)),
     ),
     embeddings=("{base}embeddings",),
+    last_hidden={"res": "{base}layernorm"},
     inputs="image",
     outputs={"logits": None, "last_hidden_state": "res", "pooler_output": "pooler"},
 )

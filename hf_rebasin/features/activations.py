@@ -62,13 +62,16 @@ class HookPlan:
     ``modules``: every bound Linear / Conv1D module, hooked in both models (residual readers of
     every residual space are needed to learn the groups, kept or not). ``plain``: module -> its
     chosen non-residual sites. ``residual``: module -> its residual input site. ``wanted``: the
-    spaces whose residual keys are kept.
+    spaces whose residual keys are kept. ``final``: module -> the output site of a kept residual
+    space's final state (``graph.last_hidden``: the stream as the encoder leaves it, at every
+    position), hooked for the ``last`` and ``all`` modes.
     """
 
     modules: tuple[str, ...]
     plain: Mapping[str, tuple[Site, ...]]
     residual: Mapping[str, Site]
     wanted: frozenset[str]
+    final: Mapping[str, Site] = field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: SymmetryGraph, model: torch.nn.Module, spaces: Collection[str] | None) -> HookPlan:
@@ -80,12 +83,32 @@ class HookPlan:
             if s in chosen and not is_residual(graph, split_ref(s.key)[0]):
                 plain.setdefault(s.module, []).append(s)
         residual = {s.module: s for s in sites if s.where == "input" and is_residual(graph, split_ref(s.key)[0])}
+        modules = tuple(bound_linears(graph, model))
+        final = {
+            module: Site(space, module, "output", 0, graph.ref_size(space))
+            for space, module in graph.last_hidden.items()
+            if space in wanted and is_residual(graph, space) and module not in modules and _has(model, module)
+        }
         return cls(
-            modules=tuple(bound_linears(graph, model)),
+            modules=modules,
             plain={m: tuple(v) for m, v in plain.items()},
             residual=residual,
             wanted=frozenset(wanted),
+            final=final,
         )
+
+
+def _has(model: torch.nn.Module, module: str) -> bool:
+    try:
+        model.get_submodule(module)
+    except AttributeError:
+        return False
+    return True
+
+
+def _tensor(out: Any) -> Tensor:
+    """A module's output tensor (an encoder returns a ModelOutput or tuple: its first item)."""
+    return out if isinstance(out, Tensor) else out[0]
 
 
 @dataclass
@@ -189,6 +212,7 @@ class _Discovery:
 
     seen: list[tuple[Tensor, int]] = field(default_factory=list)
     first: dict[int, Tensor] = field(default_factory=dict)
+    final: dict[str, Tensor] = field(default_factory=dict)  # final-state module -> A's features
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,6 +284,7 @@ class Collector:
         }
         self._structure = _Structure()
         self._discovery: _Discovery | None = _Discovery()  # None once the structure is known
+        self._final: Mapping[str, Site] = plan.final if residual in ("last", "all") else {}
 
     @property
     def phase(self) -> Phase:
@@ -299,7 +324,7 @@ class Collector:
         self._modes = (self.model_a.training, self.model_b.training)
         self.model_a.eval()
         self.model_b.eval()
-        for module in self.plan.modules:
+        for module in (*self.plan.modules, *self._final):
             if self.same:
                 self._register(self.model_a, module, "ab")
                 continue
@@ -370,7 +395,7 @@ class Collector:
 
     # ---- hooks -------------------------------------------------------------------------------
 
-    def _fire(self, module: str, side: Side, x: Tensor, out: Tensor) -> None:
+    def _fire(self, module: str, side: Side, x: Tensor, out: Any) -> None:
         phase = self._phase
         if phase not in _FIRES[side]:
             model = {"a": "A", "b": "B", "ab": "A (= B)"}[side]
@@ -380,16 +405,26 @@ class Collector:
         if phase is not Phase.PROBE and phase is not Phase.FORWARD_A:
             self._on_b(module, x, out)
 
-    def _on_a(self, module: str, x: Tensor, out: Tensor) -> None:
+    def _stream(self, module: str, x: Tensor, out: Any) -> tuple[Tensor, int]:
+        """A residual key's features at ``module``: a reader's input, or a final state's output."""
+        final = self._final.get(module)
+        if final is not None:
+            return _tensor(out), final.size
+        return x, self.plan.residual[module].size
+
+    def _on_a(self, module: str, x: Tensor, out: Any) -> None:
         batch = self._batch
         assert batch is not None
         batch.count(x)
         keep = self._phase is not Phase.PROBE
         if self._discovery is not None:
             self._discover(self._discovery, batch, module, x, keep)
+            if keep and module in self._final:
+                t, size = self._stream(module, x, out)
+                self._discovery.final[module] = batch.features(t, 0, size, True)
         elif keep and module in self._structure.keys:
-            site = self.plan.residual[module]
-            self._pairs[self._structure.keys[module]].waiting.append(batch.features(x, 0, site.size, True))
+            t, size = self._stream(module, x, out)
+            self._pairs[self._structure.keys[module]].waiting.append(batch.features(t, 0, size, True))
         if keep:
             for site in self.plan.plain.get(module, ()):
                 t = x if site.where == "input" else out
@@ -414,37 +449,55 @@ class Collector:
             d.first[gi] = batch.features(x, 0, site.size, True)
 
     def _seal(self) -> None:
-        """After the first forward of A: name the kept residual groups and queue their features."""
+        """After the first forward of A: name the kept residual sites and queue their features.
+
+        A space's sites are its reader groups; with a final state (``plan.final``) that fired,
+        ``last`` is that state and ``all`` the groups read before it plus that state (the stream
+        inside the encoder, not what heads after it read)."""
         d, st = self._discovery, self._structure
         assert d is not None
         keys: dict[int, str] = {}
+        finals: dict[str, str] = {}
         if self.residual != "none":
+            fired = {site.key: m for m, site in self._final.items() if m in st.order}
             for space in dict.fromkeys(g.space for g in st.groups):
                 if space not in self.plan.wanted:
                     continue
                 idx = [i for i, g in enumerate(st.groups) if g.space == space]
-                if self.residual == "first":
+                final = fired.get(space)
+                if final is not None:
+                    end = st.order.index(final)
+                    idx = [i for i in idx if st.order.index(st.groups[i].modules[0]) < end]
+                if self.residual == "first" and idx:
                     keys[idx[0]] = space
                 elif self.residual == "last":
-                    keys[idx[-1]] = space
+                    if final is not None:
+                        finals[final] = space
+                    else:
+                        keys[idx[-1]] = space
                 elif self.residual == "all":
-                    keys.update({i: space for i in idx})
-                else:
                     keys.update({i: f"{space}@{j}" for j, i in enumerate(idx)})
-        for gi in sorted(keys):
-            module, key = st.groups[gi].modules[0], keys[gi]
+                    if final is not None:
+                        finals[final] = f"{space}@{len(idx)}"
+                elif self.residual == "separate":
+                    keys.update({i: f"{space}@{j}" for j, i in enumerate(idx)})
+        queued = [(st.groups[gi].modules[0], key, d.first.get(gi)) for gi, key in sorted(keys.items())]
+        queued += [(module, key, d.final.get(module)) for module, key in finals.items()]
+        for module, key, features in queued:
             st.keys[module] = key
-            pairing = self._pairs.setdefault(key, _Pairing(key, self.plan.residual[module].size))
-            if gi in d.first:
-                pairing.waiting.append(d.first[gi])
+            size = self._final[module].size if module in finals else self.plan.residual[module].size
+            pairing = self._pairs.setdefault(key, _Pairing(key, size))
+            if features is not None:
+                pairing.waiting.append(features)
         self._discovery = None
 
-    def _on_b(self, module: str, x: Tensor, out: Tensor) -> None:
+    def _on_b(self, module: str, x: Tensor, out: Any) -> None:
         batch = self._batch
         assert batch is not None
         todo = [(s.key, x if s.where == "input" else out, s.offset, s.size) for s in self.plan.plain.get(module, ())]
         if module in self._structure.keys:
-            todo.append((self._structure.keys[module], x, 0, self.plan.residual[module].size))
+            t, size = self._stream(module, x, out)
+            todo.append((self._structure.keys[module], t, 0, size))
         for key, t, offset, size in todo:
             pairing = self._pairs[key]
             a = pairing.take(module)
@@ -469,6 +522,19 @@ class Collector:
 # --------------------------------------------------------------------------------------------
 # Driving a collection
 # --------------------------------------------------------------------------------------------
+
+
+def _within_sites(moments: dict[str, CrossMoments]) -> None:
+    """``residual: all``: each space's per-site keys (``res@0``, ``res@1``, …) become one key whose
+    moments are centred at every site's own mean (the average of the sites' covariances, as Verma
+    & Elbayad's code computes it) rather than pooled under one mean across sites."""
+    sites: dict[str, list[str]] = {}
+    for key in moments:
+        space, at, index = key.rpartition("@")
+        if at and index.isdigit():
+            sites.setdefault(space, []).append(key)
+    for space, keys in sites.items():
+        moments[space] = CrossMoments.within([moments.pop(k) for k in keys])
 
 
 def process_grid() -> tuple[int, int]:
@@ -522,9 +588,12 @@ def activation_stats(
     (``attention_mask == 0``) and, when ``special_ids`` is given, special tokens are dropped
     wherever an activation's leading dims are the batch's ``[batch, seq]``.
 
-    ``residual`` picks the residual readers' groups (one group per input tensor, forward order):
-    ``first`` / ``last`` one group, ``all`` every group pooled under the space's name, ``separate``
-    one key per group (``"res@0"``, …), ``none`` no residual key.
+    ``residual`` picks the residual sites, under the space's name: ``first`` the first readers'
+    input; ``last`` the stream as the encoder leaves it, at every position (the output of the
+    adapter's ``last_hidden`` module: BERT's final encoder LayerNorm, GPT-2's ``ln_f``; else the
+    last readers' input); ``all`` every site inside the encoder (the readers' inputs before the
+    final state, and that state), each centred at its own mean (`CrossMoments.within`);
+    ``separate`` one key per readers' group (``"res@0"``, …); ``none`` no residual key.
 
     Under ``accelerate launch`` process p takes batches p, p + P, p + 2P, … and the sums are
     reduced over processes, so every process returns the same statistics as one process would.
@@ -571,5 +640,7 @@ def activation_stats(
         for m in stats.moments.values():
             m.all_reduce()
         stats.tokens = int(all_reduce_sum(torch.tensor(float(stats.tokens), dtype=torch.float64)).item())
+    if residual == "all":
+        _within_sites(stats.moments)
     stats.seconds = time.perf_counter() - start
     return stats

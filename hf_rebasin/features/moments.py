@@ -34,6 +34,31 @@ class CrossMoments:
 
         return cls(z(), z(da), z(db), z(da), z(db), z(da, db))
 
+    @classmethod
+    def within(cls, parts: list[CrossMoments], eps: float = 1e-8) -> CrossMoments:
+        """One set of moments whose correlation is that of the pooled *within-part* covariances:
+        every part centred at its own means (sums zero), so differences between the parts' means
+        add no spurious covariance. A feature constant in every part stays dead (zero variance)."""
+        out = cls.zeros(parts[0].sum_a.shape[0], parts[0].sum_b.shape[0], device=parts[0].cross.device)
+        live_a = torch.zeros_like(out.sum_a, dtype=torch.bool)
+        live_b = torch.zeros_like(out.sum_b, dtype=torch.bool)
+        for p in parts:
+            if p.count.item() == 0:
+                continue
+            n = p.count
+            ca, cb = p.sq_a - p.sum_a * p.sum_a / n, p.sq_b - p.sum_b * p.sum_b / n
+            live_a |= ca > eps * p.sum_a * p.sum_a / n
+            live_b |= cb > eps * p.sum_b * p.sum_b / n
+            out.count += n
+            out.sq_a += ca.clamp_min(0.0)
+            out.sq_b += cb.clamp_min(0.0)
+            out.cross += p.cross - torch.outer(p.sum_a, p.sum_b) / n
+        out.sq_a[~live_a] = 0.0
+        out.sq_b[~live_b] = 0.0
+        out.cross[~live_a] = 0.0
+        out.cross[:, ~live_b] = 0.0
+        return out
+
     def _fields(self) -> tuple[Tensor, ...]:
         return (self.count, self.sum_a, self.sum_b, self.sq_a, self.sq_b, self.cross)
 

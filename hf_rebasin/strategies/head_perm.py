@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..diagnostics import matched_correlation
 from ..errors import StrategyOptionError
 from ..features import ActivationStats, activation_stats
 from ..features.lockstep import LockstepPlan, lockstep_plan, lockstep_stats
@@ -69,12 +71,16 @@ def _spaces_to_collect(graph: SymmetryGraph, options: HeadPermOptions) -> list[s
     return names
 
 
-def _solve_attention(space: HeadSpace, corr: Mapping[str | None, Tensor], heads: Heads) -> HeadMap:
-    """Pair heads on the attention-output correlation, then Q/K inner maps on query/key correlation."""
+def _solve_attention(space: HeadSpace, corr: Mapping[str | None, Tensor], heads: Heads, qk_maps: str) -> HeadMap:
+    """Pair heads on the attention-output correlation (the input of W_O), with each pair's inner
+    permutation; Q/K take that permutation too (``qk: shared``) or their own from the query/key
+    correlation (``separate``, and always for rotary heads)."""
     G, r = space.num_kv_heads, space.group_size
     o_only: dict[str | None, Tensor] = {"o": corr["o"]} if "o" in corr else {}
     fixed = (torch.arange(G), torch.arange(r).expand(G, r).clone()) if heads == "monotonic" else None
     vo = solve_heads(space, o_only, "permutation", outer=fixed)
+    if qk_maps == "shared" and not space.rotary:
+        return HeadMap(vo.kv_perm, vo.q_perm, vo.vo.clone(), vo.vo)
     qk_views: dict[str | None, Tensor] = {k: v for k, v in corr.items() if k in ("q", "k")}
     if not qk_views:
         return vo
@@ -177,13 +183,11 @@ def _solve(
             roles: dict[str | None, Tensor] = {
                 role: corr[f"{name}:{role}"] for role in ("q", "k", "o") if f"{name}:{role}" in corr
             }
-            if options.heads == "ignore-heads":
+            if options.heads == "ignore-heads":  # one permutation of the attention output's features
                 flat.append(name)
-                total = sum(roles.values())
-                assert isinstance(total, Tensor)
-                transform[name] = AxisMap(total.shape[0], index=lap(total)[0])
+                transform[name] = AxisMap(roles["o"].shape[0], index=lap(roles["o"])[0])
             else:
-                transform[name] = _solve_attention(sp, roles, options.heads)
+                transform[name] = _solve_attention(sp, roles, options.heads, options.qk)
         elif name in corr:  # MLP units, pooler, and the residual unless `separate` (keyed per site)
             transform[name] = solve_plain(sp, corr[name], "permutation")
     return flat
@@ -196,12 +200,14 @@ def _by_layer(
     options: HeadPermOptions,
     data: AlignmentData,
     progress: Progress | None,
-) -> tuple[Transform, list[str], float]:
+) -> tuple[Transform, list[str], list[dict[str, Any]], float]:
     """Streamed models: statistics and maps one layer at a time (see `features.lockstep`), each
-    layer's moments dropped once its spaces are solved; (transform, flattened, seconds)."""
+    layer's moments dropped once its spaces are solved; (transform, flattened, matched features'
+    correlations, seconds)."""
     assert pair.model_a is not None and pair.model_b is not None
     transform: Transform = pair.graph.identity()
     flat: list[str] = []
+    matched: list[dict[str, Any]] = []
     seconds = 0.0
     for layer in lockstep_stats(
         pair.model_a,
@@ -217,8 +223,9 @@ def _by_layer(
     ):
         corr = {key: m.correlation() for key, m in layer.stats.moments.items()}
         flat += _solve(pair.graph, [n for n in collect if n in layer.spaces], corr, options, transform)
+        matched += matched_correlation(pair.graph, corr, transform)
         seconds += layer.stats.seconds
-    return transform, flat, seconds
+    return transform, flat, matched, seconds
 
 
 def _source_device(pair: Pair) -> torch.device | None:
@@ -257,7 +264,7 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
         residual_mode = options.residual if "residual" in options.components else "identity"
         plan = _lockstep(pair, collect, residual_mode, notes)
         if plan is not None:
-            transform, flat, timings["features"] = _by_layer(pair, plan, collect, options, data, progress)
+            transform, flat, matched, timings["features"] = _by_layer(pair, plan, collect, options, data, progress)
         else:
             with ExitStack() as running:
                 models: list[torch.nn.Module] = [pair.model_a, pair.model_b]
@@ -286,7 +293,8 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
         if flat:
             out_graph = flatten_heads(out_graph, flat)
             notes.append(
-                "heads: ignore-heads moves features across heads: the aligned model B computes a different function"
+                "heads: ignore-heads permutes the attention output's features across heads (Q, K and V with them): "
+                "the aligned model B computes a different function"
             )
         if residual_mode == "separate":
             assert plan is None  # residual statistics need whole forwards
@@ -304,6 +312,17 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
                 "residual: separate gives each residual reading site its own permutation, so residual connections "
                 "no longer line up: the aligned model B computes a different function"
             )
+        if plan is None:
+            matched = matched_correlation(graph, corr, transform)
+    diagnostics = {"alignment": {"measure": "activation correlation of matched features", "spaces": matched}}
     return Alignment(
-        "head-perm", out_graph, pair.sd_a, pair.sd_b, transform, exact=exact(options), notes=notes, timings=timings
+        "head-perm",
+        out_graph,
+        pair.sd_a,
+        pair.sd_b,
+        transform,
+        exact=exact(options),
+        notes=notes,
+        timings=timings,
+        diagnostics=diagnostics,
     )

@@ -118,6 +118,12 @@ Component = Literal["ff", "attn", "residual"]
 class HeadPermOptions(Options):
     heads: Heads = Field("head-perm", description="how attention heads are matched")
     residual: Residual = Field("identity", description="which residual features give the residual permutation")
+    qk: Literal["shared", "separate"] = Field(
+        "separate",
+        description="`shared`: Q and K take their head's value/output permutation (Verma & Elbayad's main "
+        "method); `separate`: their own, from the correlation of queries and keys (the paper's footnote). "
+        "Rotary heads always take their own (a value permutation would not commute with the rotation)",
+    )
     components: tuple[Component, ...] = Field(("ff", "attn", "residual"), description="which spaces to align")
     special_tokens: bool = Field(True, description="count special tokens ([CLS], [SEP], padding ids) in the statistics")
 

@@ -111,8 +111,11 @@ def save_diagnostics(folder: Path, diagnostics: dict[str, Any]) -> None:
 
 
 def alignment_diagnostics(ws: Workspace, alignment: Alignment) -> dict[str, Any]:
-    """The alignment's diagnostics for the record: its own (learned matching's curve) and the
-    similarity of matched features per space (part of the ``check`` stage)."""
+    """The alignment's diagnostics for the record: its own (learned matching's curve; head-perm's
+    activation correlation of matched features) and, unless it gave them, the weight similarity of
+    matched features per space (part of the ``check`` stage)."""
+    if (alignment.diagnostics.get("alignment") or {}).get("spaces"):
+        return dict(alignment.diagnostics)
     with ws.clock.stage("check"):
         similarity = feature_similarity(alignment.graph, alignment.sd_a, alignment.sd_b, alignment.transform)
     return {**alignment.diagnostics, "alignment": similarity}
