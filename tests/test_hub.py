@@ -80,6 +80,7 @@ print("RESULT " + json.dumps({{"same": same, "n": len(model.state_dict()), "card
 """
 
 
+@pytest.mark.slow  # ~25 s: runs in CI's slow pass, keeping the default run under 10 minutes
 def test_pull_by_revision_merge_push_and_pull_back(hub: HubServer, seeded: dict[str, Any], tmp_path: Path) -> None:
     env = _env(hub, tmp_path)
     recipe = _recipe(
@@ -157,6 +158,7 @@ def test_missing_repo_revision_config_and_pickle_only_repo_exit_2(
             assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # ~25 s: runs in CI's slow pass, keeping the default run under 10 minutes
 def test_failed_pushes_keep_the_result_and_print_the_retry(hub: HubServer, tmp_path: Path) -> None:
     models = [str(_model_folder(tmp_path, 0)), str(_model_folder(tmp_path, 1))]
     (tmp_path / "eval.txt").write_text(TEXT, encoding="utf-8")

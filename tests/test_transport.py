@@ -119,6 +119,7 @@ def permuted_transport_folders(tmp_path, tokenizer=None):
     return model, ft
 
 
+@pytest.mark.slow  # ~25 s: runs in CI's slow pass, keeping the default run under 10 minutes
 def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
     import json
 
