@@ -62,14 +62,16 @@ def barrier_table(
     seeds: tuple[int, int] = (0, 1),
     points: int = 21,
     strategies: list[tuple[str, str, dict[str, Any]]] = STRATEGIES,
+    batches: int = 8,
 ) -> list[dict[str, Any]]:
-    """One row per strategy: barriers of A = seed 0 and B = seed 1 aligned to A."""
+    """One row per strategy: barriers of A = seed 0 and B = seed 1 aligned to A, and the curve
+    (``lambdas``, ``losses``); ``batches`` of alignment data."""
     folder_a, folder_b = cached_model(kind, seeds[0]), cached_model(kind, seeds[1])  # type: ignore[arg-type]
     a, b = load_model(folder_a), load_model(folder_b)
     sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
     evaluation = held_out_batches(folder_a)
     task = task_of(a.model)
-    data = alignment_data(kind, folder_a)
+    data = alignment_data(kind, folder_a, batches)
     rows = []
     for label, name, options in strategies:
         start = time.perf_counter()
@@ -85,6 +87,8 @@ def barrier_table(
                 "loss_b": curve.losses[0],
                 "loss_mid": curve.losses[len(curve.losses) // 2],
                 "metric_mid": {k: v[len(v) // 2] for k, v in curve.metrics.items()},
+                "lambdas": list(curve.lambdas),
+                "losses": list(curve.losses),
                 "seconds": seconds,
             }
         )

@@ -92,16 +92,16 @@ def supported(strategy: str, options: dict[str, Any]) -> bool:
 
 def measure(kind: str, rows: list[str], pairs: tuple[tuple[int, int], ...], batches: int) -> dict[str, Any]:
     """Per row and pair: linear barrier (nats), its share of vanilla's, and the alignment seconds."""
-    import bench_barriers
-
-    original = bench_barriers.alignment_data
-    bench_barriers.alignment_data = lambda k, folder, batches_=batches: original(k, folder, batches_)
     runnable = [(key, *ROWS[key]) for key in rows if supported(ROWS[key][1], ROWS[key][2])]
     out: dict[str, Any] = {"kind": kind, "pairs": [list(p) for p in pairs], "rows": {}}
     for pair in pairs:
         start = time.perf_counter()
         table = barrier_table(
-            kind, seeds=pair, points=11, strategies=[("vanilla", "vanilla", {})] + [r[1:] for r in runnable]
+            kind,
+            seeds=pair,
+            points=11,
+            strategies=[("vanilla", "vanilla", {})] + [r[1:] for r in runnable],
+            batches=batches,
         )
         by_label = {r["strategy"]: r for r in table}
         vanilla = by_label["vanilla"]["linear"]

@@ -23,12 +23,7 @@ import time
 from typing import Any
 
 import torch
-from bench_barriers import alignment_data
-
-from hf_rebasin.evaluate import evaluate_loss, lambdas, loss_curve
-from hf_rebasin.models import load_model, rebuild
-from hf_rebasin.strategies import Pair, align
-from hf_rebasin.train import cached_model, held_out_batches
+from bench_barriers import barrier_table
 
 FF_ATTN = {"components": ["ff", "attn"], "residual": "identity"}
 # key: (table, row label, strategy, options)
@@ -52,34 +47,25 @@ PAIRS = ((0, 1), (2, 3), (0, 2), (1, 3))
 
 
 def measure(rows: list[str], pairs: tuple[tuple[int, int], ...], batches: int) -> dict[str, Any]:
-    """Per row and pair: both barriers against the original end points, loss at λ = ½, seconds."""
+    """Per row and pair: both barriers against the original end points (vanilla's curve ends: A and
+    B as trained), loss at λ = ½, seconds."""
     out: dict[str, Any] = {"pairs": [list(p) for p in pairs], "rows": {}, "ends": []}
+    runs = [(key, ROWS[key][2], ROWS[key][3]) for key in ["vanilla", *(k for k in rows if k != "vanilla")]]
     for seeds in pairs:
         start = time.perf_counter()
-        folder_a, folder_b = cached_model("bert", seeds[0]), cached_model("bert", seeds[1])
-        a, b = load_model(folder_a), load_model(folder_b)
-        sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
-        evaluation = held_out_batches(folder_a)
-        loss_a = evaluate_loss(a.model, evaluation, "masked-lm").loss
-        loss_b = evaluate_loss(b.model, evaluation, "masked-lm").loss
+        table = {r["strategy"]: r for r in barrier_table("bert", seeds, points=11, strategies=runs, batches=batches)}
+        loss_a, loss_b = table["vanilla"]["loss_a"], table["vanilla"]["loss_b"]
         out["ends"].append([loss_a, loss_b])
-        data = alignment_data("bert", folder_a, batches)
         for key in rows:
-            _table, label, name, options = ROWS[key]
-            tick = time.perf_counter()
-            alignment = align(name, Pair(a.graph, sd_a, sd_b, a.model, b.model, data), options)
-            seconds = time.perf_counter() - tick
-            model = rebuild(a.model, dict(alignment.sd_a), untie=bool(alignment.untied))
-            lam = lambdas(11)
-            curve = loss_curve(model, alignment.sd_a, alignment.aligned_b(), evaluation, "masked-lm", lam)
-            line = [x * loss_a + (1 - x) * loss_b for x in lam]
+            r = table[key]
+            line = [x * loss_a + (1 - x) * loss_b for x in r["lambdas"]]
             entry = out["rows"].setdefault(
-                key, {"label": label, "midpoint": [], "linear": [], "mid_loss": [], "seconds": []}
+                key, {"label": ROWS[key][1], "midpoint": [], "linear": [], "mid_loss": [], "seconds": []}
             )
-            entry["midpoint"].append(max(curve.losses) - 0.5 * (loss_a + loss_b))
-            entry["linear"].append(max(v - w for v, w in zip(curve.losses, line, strict=True)))
-            entry["mid_loss"].append(curve.losses[len(lam) // 2])
-            entry["seconds"].append(seconds)
+            entry["midpoint"].append(max(r["losses"]) - 0.5 * (loss_a + loss_b))
+            entry["linear"].append(max(v - w for v, w in zip(r["losses"], line, strict=True)))
+            entry["mid_loss"].append(r["loss_mid"])
+            entry["seconds"].append(r["seconds"])
         print(f"bert {seeds}: {time.perf_counter() - start:.0f} s", flush=True)
     return out
 
