@@ -89,7 +89,10 @@ def write_pair(
     with output_folder(Path(folder), overwrite=False, inputs=inputs, where="--output") as tmp:
         for sub, loaded, state in (("a", a, alignment.sd_a), ("b", b, aligned_b)):
             cpu = {k: v.detach().cpu() for k, v in state.items()}
-            save_merged_model(loaded.model.cpu(), cpu, tmp / sub, untie=untie, dtype=written_dtype(loaded))
+            dtype = written_dtype(loaded)
+            save_merged_model(
+                loaded.model.cpu(), cpu, tmp / sub, untie=untie, dtype=dtype, dtypes=loaded.own_dtypes(dtype)
+            )
             copy_support_files(loaded.path, tmp / sub)
         write_json(tmp / "alignment.json", record)
         write_text(tmp / "README.md", readme(record))

@@ -532,6 +532,7 @@ def save_merged_model(
     untie: bool = False,
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
     dtype: torch.dtype | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """``state_dict`` saved as a standard folder of ``template``'s class and config (safetensors).
@@ -540,7 +541,9 @@ def save_merged_model(
     still loads with the stock class, which reads ``tie_word_embeddings: false`` from the config.
     ``dtype`` casts every floating tensor for writing (the work is done in float32, but a bf16
     input should not come out twice its size); config.json's ``dtype`` then says so, and
-    ``from_pretrained`` loads it in that dtype. None writes the tensors as they are. A `LazyState`
+    ``from_pretrained`` loads it in that dtype. None writes the tensors as they are. ``dtypes``:
+    floating tensors written in a dtype of their own (a checkpoint's float32 norms beside bf16
+    matrices keep theirs), by model name. A `LazyState`
     is written tensor by tensor (`save_streamed`), with ``progress(tensors written, total)``.
     """
     from .models import rebuild
@@ -548,12 +551,23 @@ def save_merged_model(
 
     if isinstance(state_dict, LazyState):
         save_streamed(
-            template, state_dict, dest, untie=untie, max_shard_size=max_shard_size, dtype=dtype, progress=progress
+            template,
+            state_dict,
+            dest,
+            untie=untie,
+            max_shard_size=max_shard_size,
+            dtype=dtype,
+            dtypes=dtypes,
+            progress=progress,
         )
         return
     model = rebuild(template, dict(state_dict), untie=untie)  # rebuilt on the CPU
-    if dtype is not None:
-        model.to(dtype=dtype)  # type: ignore[call-arg]  # floating tensors only; transformers wraps .to
+    cast: set[int] = set()  # a tied tensor is one object under two names: cast once, from float32
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        target = (dtypes or {}).get(name) or dtype
+        if target is not None and tensor.is_floating_point() and id(tensor) not in cast:
+            tensor.data = tensor.data.to(target)
+            cast.add(id(tensor))
     model.save_pretrained(str(dest), max_shard_size=max_shard_size)  # safetensors, sharded past the size
 
 
@@ -565,6 +579,7 @@ def save_streamed(
     untie: bool = False,
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
     dtype: torch.dtype | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """The folder `save_pretrained` would write for ``state`` in ``template``'s class, with each
@@ -584,7 +599,9 @@ def save_streamed(
 
     def written(name: str) -> torch.dtype:
         stored = state.dtype(name)
-        return dtype if dtype is not None and stored.is_floating_point else stored
+        if not stored.is_floating_point:
+            return stored
+        return (dtypes or {}).get(name) or dtype or stored
 
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})  # stored once, under the name it is tied to
     meta = {n: torch.empty(t.shape, dtype=written(n), device="meta") for n, t in model.state_dict().items()}

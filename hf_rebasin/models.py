@@ -30,7 +30,7 @@ from .errors import (
 )
 from .names import DEVICE_PATTERN
 from .symmetry import SymmetryGraph
-from .tensors import CheckpointSource, LazyState, checkpoint_entries, shape_of
+from .tensors import DTYPES, CheckpointSource, LazyState, checkpoint_entries, shape_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -44,7 +44,9 @@ class LoadedModel:
     """A loaded model (float32 for every computation), its symmetry graph and folder.
 
     ``stored_dtype`` is the dtype of its floating weights on disk: what an output written from
-    it is cast back to (a bf16 Hub model stays bf16), read without loading a weight. A *streamed*
+    it is cast back to (a bf16 Hub model stays bf16), read without loading a weight; ``stored_dtypes``
+    has each floating tensor's own (float32 norms beside bf16 matrices). ``ignored``: tensors of
+    the files that stock ``from_pretrained`` drops on load (legacy buffers), with the reason. A *streamed*
     model has a ``source`` (its tensors read from disk when used) and a ``model`` whose parameters
     are on the meta device: its class, config and shapes, for `offload.offloaded` forward passes.
     """
@@ -54,6 +56,12 @@ class LoadedModel:
     path: Path
     stored_dtype: torch.dtype = torch.float32
     source: CheckpointSource | None = None
+    ignored: dict[str, str] = field(default_factory=dict)  # checkpoint key -> why loading drops it
+    stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # model name -> dtype on disk (floating)
+
+    def own_dtypes(self, main: torch.dtype) -> dict[str, torch.dtype]:
+        """The tensors stored in a dtype other than ``main`` (that hf-rebasin writes), to write them as stored."""
+        return {name: d for name, d in self.stored_dtypes.items() if d != main and d in WRITABLE_DTYPES}
 
     @property
     def weights(self) -> Mapping[str, Tensor]:
@@ -61,15 +69,6 @@ class LoadedModel:
         return self.source if self.source is not None else self.model.state_dict()
 
 
-# safetensors header dtype names of floating tensors
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 
 # dtypes an output is written in; another stored dtype (float8) is written as float32
@@ -119,6 +118,7 @@ def read_config(folder: Path) -> Any:
         raise ModelNotFoundError(f"{str(cfg)!r} is not valid JSON: {e}") from None
     # check support before transformers parses it, so an unknown type lists what is supported
     get_adapter(raw.get("model_type") if isinstance(raw, dict) else None)
+    _refuse_quantized(raw, cfg)
     _check_dimensions(raw, cfg)
     try:
         return AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
@@ -128,6 +128,23 @@ def read_config(folder: Path) -> Any:
         if type(e).__name__.startswith("StrictDataclass"):
             raise ConfigError(f"{str(cfg)!r} is not a valid transformers config: {e}") from None
         raise
+
+
+def _refuse_quantized(raw: Any, cfg: Path) -> None:
+    """A quantized checkpoint (``quantization_config``: bitsandbytes, GPTQ, AWQ, ...) stores packed
+    integers and scales, not the matrices a symmetry acts on: refused before a weight is read."""
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method is None and isinstance(quant, dict) and (quant.get("load_in_4bit") or quant.get("load_in_8bit")):
+        method = "bitsandbytes"
+    raise CheckpointError(
+        f"{str(cfg)!r} has a `quantization_config` (method {str(method or 'unknown')!r}): the checkpoint stores "
+        "quantized weights (packed integers and scales), which cannot be permuted, rotated or averaged. Use the "
+        "unquantized release of the model (the repository it was quantized from; its config.json has no "
+        "`quantization_config`), and quantize the merged result afterwards if you need to"
+    )
 
 
 # sizes a config states; each must be a whole number >= 1 (None: the model's default)
@@ -251,13 +268,20 @@ class _Checkpoint:
 
     shapes: dict[str, tuple[int, ...]]
     files: dict[str, str]  # tensor -> file name
-    dtypes: dict[str, torch.dtype | None] = field(default_factory=dict)  # tensor -> stored dtype (None: not floating)
+    dtypes: dict[str, torch.dtype | None] = field(default_factory=dict)  # tensor -> stored dtype (None: unknown)
+    dropped: set[str] = field(default_factory=set)  # model names of the tensors stock loading drops
 
-    def stored_dtype(self) -> torch.dtype | None:
-        """The dtype most floating values are stored in (None: no floating tensor)."""
+    def floating(self, names: Mapping[str, str]) -> dict[str, torch.dtype]:
+        """Model name -> stored dtype of each floating tensor that loading keeps."""
+        found = {name: self.dtypes.get(key) for name, key in names.items()}
+        return {name: d for name, d in found.items() if d is not None and d.is_floating_point}
+
+    def stored_dtype(self, keys: Iterable[str] | None = None) -> torch.dtype | None:
+        """The dtype most floating values (of ``keys``, default all) are stored in (None: no floating tensor)."""
         sizes: dict[torch.dtype, int] = {}
-        for key, dtype in self.dtypes.items():
-            if dtype is not None:
+        for key in self.dtypes if keys is None else keys:
+            dtype = self.dtypes.get(key)
+            if dtype is not None and dtype.is_floating_point:
                 sizes[dtype] = sizes.get(dtype, 0) + math.prod(self.shapes[key])
         return _main_dtype(sizes)
 
@@ -312,7 +336,7 @@ def _checkpoint_shapes(folder: Path, allow_pickle: bool) -> _Checkpoint:
                     piece = h.get_slice(k)
                     out.shapes[k] = tuple(piece.get_shape())
                     out.files[k] = f.name
-                    out.dtypes[k] = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                    out.dtypes[k] = DTYPES.get(piece.get_dtype())
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"{str(f)!r} is not a readable safetensors file: {e}") from None
     return out
@@ -336,7 +360,7 @@ def _pickle_shapes(folder: Path) -> _Checkpoint:
         for k, v in sd.items():
             out.shapes[str(k)] = tuple(v.shape)
             out.files[str(k)] = f.name
-            out.dtypes[str(k)] = v.dtype if v.is_floating_point() else None
+            out.dtypes[str(k)] = v.dtype
     return out
 
 
@@ -380,14 +404,43 @@ class _Renamer:
         return str(renamed)
 
 
-_IGNORED_BUFFERS = (r"attn\.masked_bias$",)  # written by old GPT-2 checkpoints, a constant the model rebuilds
+# GPT-2's `attn.masked_bias`: the constant -1e4 that transformers 2.x-4.x GPT-2 classes stored in
+# every layer. Transformers 5 still loads such files (its GPT-J and GPT-NeoX classes list the same buffer
+# among their keys to ignore); for GPT-2 it only names it in its load report. A constant, never a weight.
+_LEGACY_CONSTANTS = (r"(^|\.)attn\.masked_bias$",)
 
 
-def _ignorable(cls: type[PreTrainedModel], name: str) -> bool:
+def dropped_on_load(skeleton: PreTrainedModel, keys: Iterable[str]) -> dict[str, str]:
+    """Which of ``keys`` (tensor names the model does not have) stock ``from_pretrained`` drops,
+    by transformers' own rules, with the reason: the class's ``_keys_to_ignore_on_load_unexpected``
+    (gathered over its submodules when it is built) and the legacy buffers its loader forgives
+    (``position_ids``, per-layer ``rotary_emb.inv_freq``: buffers that became non-persistent)."""
     import re
 
-    patterns = [*(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []), *_IGNORED_BUFFERS]
-    return any(re.search(p, name) for p in patterns)
+    keys = set(keys)
+    kept = set(keys)
+    adjust = getattr(skeleton, "_adjust_missing_and_unexpected_keys", None)
+    try:
+        from transformers.utils.loading_report import LoadStateDictInfo
+
+        info = LoadStateDictInfo(
+            missing_keys=set(),
+            unexpected_keys=set(keys),
+            mismatched_keys=set(),
+            error_msgs=[],
+            conversion_errors={},
+            skipped_pp_keys=set(),
+        )
+        adjust(info)  # type: ignore[misc]
+        kept = set(info.unexpected_keys)
+    except (ImportError, TypeError):  # pragma: no cover - another transformers: the class's own list
+        patterns = getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []
+        kept = {k for k in keys if not any(re.search(p, k) for p in patterns)}
+    out = {k: "dropped by transformers when it loads this class (legacy buffer)" for k in sorted(keys - kept)}
+    for key in sorted(kept):
+        if any(re.search(p, key) for p in _LEGACY_CONSTANTS):
+            out[key] = "legacy constant buffer (GPT-2 masked_bias); transformers loads the file and ignores it"
+    return out
 
 
 def _layer_fields(config: Any) -> list[tuple[str, Any]]:
@@ -445,26 +498,44 @@ def _check_layer_counts(
     return renamer
 
 
-def _check_checkpoint(folder: Path, cls: type[PreTrainedModel], config: Any, checkpoint: _Checkpoint) -> dict[str, str]:
-    """Every tensor the config implies is in the checkpoint with its shape, and no other tensor is
-    (after transformers' renames); returns model name -> checkpoint name."""
+def _check_checkpoint(
+    folder: Path, cls: type[PreTrainedModel], config: Any, checkpoint: _Checkpoint
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Every tensor the config implies is in the checkpoint with its shape and a floating dtype
+    where the model computes with it, and no other tensor is (after transformers' renames) but those
+    stock loading drops; returns (model name -> checkpoint name, dropped checkpoint name -> why)."""
     _check_layer_counts(folder, cls, config, checkpoint)
     skeleton = _skeleton(cls, config)
     tied = set(getattr(skeleton, "all_tied_weights_keys", None) or {})
-    expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    meta = skeleton.state_dict()
+    expected = {k: tuple(v.shape) for k, v in meta.items()}
     renamer = _Renamer(skeleton)
     names: dict[str, str] = {}
+    unknown: dict[str, str] = {}  # model name -> checkpoint key
     for key in checkpoint.shapes:
         name = renamer(key, expected)
-        if name not in expected:
-            if _ignorable(cls, key) or _ignorable(cls, name):
-                continue
+        if name in expected:
+            names[name] = key
+        else:
+            unknown[name] = key
+    dropped = dropped_on_load(skeleton, unknown)
+    for name, key in unknown.items():
+        if name not in dropped:
             raise CheckpointError(
                 f"{str(folder)!r}: {checkpoint.files[key]} holds tensor {key!r} (shape {checkpoint.shapes[key]}), "
                 f"which a {cls.__name__} with this config.json does not have; the checkpoint and the config come "
                 "from different models (or the file was altered)"
             )
-        names[name] = key
+    ignored = {unknown[name]: why for name, why in dropped.items()}
+    checkpoint.dropped = set(dropped)
+    for name, key in names.items():
+        dtype = checkpoint.dtypes.get(key)
+        if meta[name].is_floating_point() and dtype is not None and not dtype.is_floating_point:
+            raise CheckpointError(
+                f"{str(folder)!r}: tensor {key!r} in {checkpoint.files[key]} is stored as {dtype_name(dtype)}, where "
+                f"a {cls.__name__} has floating weights: integer (quantized or packed) weights cannot be permuted, "
+                "rotated or averaged. Use the model's unquantized release (float32, float16 or bfloat16 weights)"
+            )
     for name, want in expected.items():
         stored = names.get(name)
         if stored is None:
@@ -477,7 +548,7 @@ def _check_checkpoint(folder: Path, cls: type[PreTrainedModel], config: Any, che
                 f"{str(folder)!r}: tensor {stored!r} has shape {got} in the checkpoint, but config.json "
                 f"implies {want}; the config and the weights come from different models"
             )
-    return names
+    return names, ignored
 
 
 def is_finite(t: Tensor) -> bool:
@@ -537,10 +608,11 @@ def load_model(
     except ConfigError as e:
         raise ConfigError(f"{str(folder)!r}: {e}") from None
     checkpoint = _checkpoint_shapes(folder, allow_pickle)
-    names = _check_checkpoint(folder, cls, config, checkpoint)
+    names, ignored = _check_checkpoint(folder, cls, config, checkpoint)
     if stream and checkpoint.files and all(f.endswith(".safetensors") for f in checkpoint.files.values()):
         streamed = _streamed(folder, cls, config, checkpoint, names, device)
         if streamed is not None:
+            streamed.ignored = ignored
             _check_finite(folder, streamed.weights, names, checkpoint)
             return streamed
     prev = logging.getLogger("transformers").level
@@ -560,7 +632,7 @@ def load_model(
         raise CheckpointError(
             f"{str(folder)!r}: tensor {first!r} is missing from the checkpoint or does not match config.json"
         )
-    unexpected = sorted(info.get("unexpected_keys", ()) or ())
+    unexpected = sorted(set(info.get("unexpected_keys", ()) or ()) - checkpoint.dropped)
     if unexpected:  # a second line of defence behind _check_checkpoint
         raise CheckpointError(
             f"{str(folder)!r}: the checkpoint holds tensor {unexpected[0]!r}, which a {cls.__name__} with this "
@@ -571,8 +643,8 @@ def load_model(
     state_dict = model.state_dict()
     graph = spec.graph(model.config, state_dict.keys())
     graph.check(state_dict, source=str(folder))
-    stored = checkpoint.stored_dtype() or _config_dtype(folder) or torch.float32
-    return LoadedModel(model, graph, folder, stored)
+    stored = checkpoint.stored_dtype(names.values()) or _config_dtype(folder) or torch.float32
+    return LoadedModel(model, graph, folder, stored, ignored=ignored, stored_dtypes=checkpoint.floating(names))
 
 
 def _streamed(
@@ -599,8 +671,8 @@ def _streamed(
     spec = get_adapter(getattr(config, "model_type", None))
     graph = spec.graph(model.config, order)
     graph.check(meta, source=str(folder))  # shapes only: the parameters are on meta
-    stored = checkpoint.stored_dtype() or _config_dtype(folder) or torch.float32
-    return LoadedModel(model, graph, folder, stored, source=source)
+    stored = checkpoint.stored_dtype(names.values()) or _config_dtype(folder) or torch.float32
+    return LoadedModel(model, graph, folder, stored, source=source, stored_dtypes=checkpoint.floating(names))
 
 
 def output_config(template: PreTrainedModel, untie: bool) -> Any:

@@ -33,6 +33,8 @@ class ModelEntry:
     folder: str | None  # local models only (caches are not recorded)
     role: str | None = None  # transport: target | base | finetuned (absent from merges)
     license: str | None = None  # absent when the model's card declares none
+    # tensors of its files that stock loading drops (legacy buffers) -> why
+    ignored_tensors: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """As written: ``role`` and ``license`` only when known."""
@@ -50,6 +52,7 @@ class ModelEntry:
             folder=data.get("folder"),
             role=data.get("role"),
             license=data.get("license"),
+            ignored_tensors=dict(data.get("ignored_tensors") or {}),
         )
 
 
@@ -97,16 +100,27 @@ class DtypeEntry:
     output: str | None = None
     source: str | None = None  # ``from`` in JSON: output.dtype | finetuned | the reference's role
     compute: str = "float32"
+    kept: dict[str, str] = field(default_factory=dict)  # tensor -> dtype, where it differs from ``output``
 
     def to_json(self) -> dict[str, Any]:
         """As written: the source is ``from``."""
-        return {"inputs": self.inputs, "output": self.output, "from": self.source, "compute": self.compute}
+        return {
+            "inputs": self.inputs,
+            "output": self.output,
+            "from": self.source,
+            "compute": self.compute,
+            "kept": self.kept,
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> DtypeEntry:
         """Read back from ``rebasin.json``; an empty entry (an old record) has no output dtype."""
         return cls(
-            dict(data.get("inputs") or {}), data.get("output"), data.get("from"), data.get("compute") or "float32"
+            dict(data.get("inputs") or {}),
+            data.get("output"),
+            data.get("from"),
+            data.get("compute") or "float32",
+            dict(data.get("kept") or {}),
         )
 
 

@@ -49,14 +49,30 @@ def tolerance(scale: float) -> float:
 
 @torch.no_grad()
 def logits_gap(
-    model: PreTrainedModel, rewritten: PreTrainedModel, inputs: dict[str, torch.Tensor]
+    model: PreTrainedModel,
+    rewritten: PreTrainedModel,
+    inputs: dict[str, torch.Tensor],
+    basis: tuple[SymmetryGraph, Transform] | None = None,
 ) -> tuple[float, float]:
     """max |Δ logits| between ``model`` and ``rewritten`` on ``inputs``, and max |logits| of ``model``
-    (the scale float32 rounding grows with)."""
+    (the scale float32 rounding grows with).
+
+    A model without a head (``BertModel``, ``LlamaModel``: a sentence encoder) has no logits: its
+    hidden states are compared, mapped into the rewritten model's basis by ``basis`` (graph,
+    transform; None: the same basis)."""
+    spec = get_adapter(model.config.model_type)
     model.eval()
-    before = model(**inputs).logits.float()
-    after = rewritten(**inputs).logits.float()
-    return float((after - before).abs().max()), float(before.abs().max())
+    before = outputs_of(model, spec, inputs)
+    after = outputs_of(rewritten, spec, inputs)
+    heads = {k: v for k, v in before.items() if spec.outputs[k] is None}  # the same in every basis
+    if heads:
+        before = heads
+    if basis is None:
+        graph = spec.graph(model.config, model.state_dict().keys())
+        basis = graph, graph.identity()
+    gap = compare(spec, *basis, {k: v.float() for k, v in before.items()}, {k: after[k].float() for k in before})
+    scale = max((float(v.float().abs().max()) for v in before.values() if v.numel()), default=0.0)
+    return gap, scale
 
 
 def check_preserved(gap: float, scale: float, what: str) -> None:

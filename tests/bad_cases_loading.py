@@ -160,6 +160,26 @@ def _extra_tensor(ws: Workspace) -> list[str]:
     return _verify(ws)
 
 
+def _quantized(ws: Workspace) -> list[str]:
+    """A GPTQ repo's config (its weights would be packed int32 qweight / scales / zeros)."""
+    ws.model("a", seed=0)
+    _edit_json(ws.model("b", seed=1) / "config.json", quantization_config={"quant_method": "gptq", "bits": 4})
+    return _merge(ws, strategy="weight-matching")
+
+
+def _int8_matrix(ws: Workspace) -> list[str]:
+    """One matrix stored as int8 among float ones (a hand-quantized export)."""
+    from safetensors.torch import load_file, save_file
+
+    ws.model("a", seed=0)
+    path = ws.model("b", seed=1) / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "transformer.h.1.mlp.c_fc.weight"
+    tensors[name] = (tensors[name] * 100).round().clamp(-127, 127).to(torch.int8)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return _merge(ws, strategy="weight-matching")
+
+
 def _n_layer_huge(ws: Workspace) -> list[str]:
     _edit_json(ws.model("a", seed=0) / "config.json", n_layer=20000)
     return _verify(ws)
@@ -450,6 +470,24 @@ CASES: list[Case] = [
         needles=("finetuned.model", "adapter_model.bin"),
         check=_untouched,
         before="exit 1, UnpicklingError (internal error)",
+    ),
+    Case(
+        "quantized-checkpoint",
+        "checkpoint",
+        _quantized,
+        2,
+        needles=("models.1.model", "quantization_config", "'gptq'", "unquantized"),
+        check=_untouched,
+        before="exit 1, internal error: ImportError: Loading a GPTQ quantized model requires optimum",
+    ),
+    Case(
+        "int8-matrix",
+        "checkpoint",
+        _int8_matrix,
+        2,
+        needles=("models.1.model", "transformer.h.1.mlp.c_fc.weight", "int8", "unquantized"),
+        check=_untouched,
+        before="exit 1, internal error: RuntimeError: self and mat2 must have the same dtype",
     ),
     Case(
         "pickle-without-allow-pickle",

@@ -16,6 +16,7 @@ import torch
 import transformers as T
 import yaml
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import tiny
 from hf_rebasin.cli import main
@@ -88,6 +89,7 @@ def test_bf16_merge_is_written_in_bf16_at_half_the_size(folders: dict[str, Path]
         "output": "bfloat16",
         "from": "A",
         "compute": "float32",
+        "kept": {},
     }
     card = (out / "README.md").read_text()
     assert "stored as bfloat16 (model A's dtype)" in card and "rounded to bfloat16" in card
@@ -143,6 +145,67 @@ def test_stored_dtype_is_read_from_the_checkpoint(folders: dict[str, Path]) -> N
     (pickled / "model.safetensors").unlink()
     torch.save(model.state_dict(), pickled / "pytorch_model.bin")
     assert load_model(pickled, allow_pickle=True).stored_dtype == torch.float16
+
+
+def _mixed(folder: Path, seed: int) -> dict[str, str]:
+    """A tiny GPT-2 as mixed-precision checkpoints are stored: bf16 matrices, float32 norms and
+    biases (every 1-D tensor), written with safetensors itself; returns tensor -> dtype as stored."""
+    model = tiny.gpt2(seed)
+    model.save_pretrained(str(folder))
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {k: v if v.dim() == 1 else v.to(torch.bfloat16) for k, v in state.items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return _dtypes(folder)
+
+
+def _dtypes(folder: Path) -> dict[str, str]:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as h:
+        return {k: str(h.get_slice(k).get_dtype()) for k in h.keys()}
+
+
+@pytest.mark.parametrize("evaluated", [True, False], ids=["in-memory", "streamed"])
+def test_mixed_dtypes_are_kept_per_tensor(folders: dict[str, Path], text: str, capsys: Any, evaluated: bool) -> None:
+    """float32 norms beside bf16 matrices: each output tensor keeps its stored dtype (read back with
+    safetensors), its value is the float32 mean rounded once to that dtype; `output.dtype` flattens."""
+    root = folders["root"]
+    a, b = root / f"mixed-a-{evaluated}", root / f"mixed-b-{evaluated}"
+    stored = _mixed(a, 0)
+    assert _mixed(b, 1) == stored and {"F32", "BF16"} == set(stored.values())
+    for folder in (a, b):
+        char_tokenizer(text).save_pretrained(str(folder))
+    floats = sorted(k for k, d in stored.items() if d == "F32")
+    assert len(floats) == 18  # per layer: ln_1, ln_2 (weight, bias), 4 linear biases; ln_f's weight and bias
+    name = f"mixed-out-{evaluated}"
+    code, err, out = _run(root, name, [a, b], capsys) if evaluated else _run_plain(root, name, [a, b], capsys)
+    assert code == 0, err
+    assert _dtypes(out) == stored
+    record = json.loads((out / "rebasin.json").read_text())
+    assert record["dtype"]["output"] == "bfloat16" and record["dtype"]["kept"] == {k: "float32" for k in floats}
+    assert any("18 tensors in float32" in n for n in record["notes"]), record["notes"]
+    with safe_open(str(a / "model.safetensors"), "pt") as ha, safe_open(str(b / "model.safetensors"), "pt") as hb:
+        with safe_open(str(out / "model.safetensors"), "pt") as ho:
+            for k in stored:
+                mean = (ha.get_tensor(k).float() + hb.get_tensor(k).float()) / 2
+                assert torch.equal(ho.get_tensor(k), mean.to(ho.get_tensor(k).dtype)), k
+    model = T.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)  # the stock class loads it
+    with safe_open(str(out / "model.safetensors"), "pt") as ho:
+        assert torch.equal(model.transformer.ln_f.weight, ho.get_tensor("transformer.ln_f.weight"))
+
+    flat = f"mixed-flat-{evaluated}"
+    code, err, out = (_run if evaluated else _run_plain)(root, flat, [a, b], capsys, dtype="bfloat16")
+    assert code == 0, err
+    assert set(_dtypes(out).values()) == {"BF16"}
+
+
+def _run_plain(root: Path, name: str, models: list[Path], capsys: Any, **output: Any) -> tuple[int, str, Path]:
+    """A vanilla merge without evaluation (the streamed path): (exit code, stderr, output folder)."""
+    body = {"job": "merge", "models": [str(m) for m in models], "strategy": {"name": "vanilla"}}
+    body |= {"output": {"dir": f"out/{name}", **output}, "cache": False}
+    recipe = root / f"{name}.yaml"
+    recipe.write_text(yaml.safe_dump(body), encoding="utf-8")
+    capsys.readouterr()
+    code = main([str(recipe)])
+    return code, " ".join(capsys.readouterr().err.split()), root / "out" / name
 
 
 def test_unknown_output_dtype_is_a_user_error(folders: dict[str, Path], capsys: Any) -> None:

@@ -53,8 +53,10 @@ def test_a_merge_record_round_trips_through_json() -> None:
         "output": "float32",
         "from": "A",
         "compute": "float32",
+        "kept": {},
     }
     assert data["models"][0]["license"] == "mit" and "license" not in data["models"][1]
+    assert data["models"][0]["ignored_tensors"] == {}
     assert "role" not in data["models"][0] and "transport" not in data
     assert RunRecord.from_json(data) == record
 

@@ -137,8 +137,8 @@ def test_causal_lm_canonical_merge_at_weight_one_is_model_a(tmp_path: Path, text
     data = _rebasin_json(out)
     assert data["strategy"] == "generalized-orthogonal"
     assert data["models"] == [
-        {"model": a.name, "revision": None, "commit": None, "source": "local", "folder": a.name},
-        {"model": b.name, "revision": None, "commit": None, "source": "local", "folder": b.name},
+        {"model": a.name, "revision": None, "commit": None, "source": "local", "folder": a.name, "ignored_tensors": {}},
+        {"model": b.name, "revision": None, "commit": None, "source": "local", "folder": b.name, "ignored_tensors": {}},
     ]
     assert data["recipe"]["job"] == "merge" and data["recipe"]["strategy"]["iterations"] == 2
     _check_curves(data, ["generalized-orthogonal", "vanilla"], 3)
@@ -242,7 +242,14 @@ def test_masked_lm_barrier_with_alignment_data(tmp_path: Path, text: str, env) -
     _check_curves(data, ["head-perm", "vanilla"], 3)
     assert set(data["curves"]["vanilla"]["metric"]) == {"pseudo_perplexity"}
     assert data["function_preserved"]["max_abs_diff"] < 1e-4
-    assert data["models"][0] == {"model": a.name, "revision": None, "commit": None, "source": "local", "folder": a.name}
+    assert data["models"][0] == {
+        "model": a.name,
+        "revision": None,
+        "commit": None,
+        "source": "local",
+        "folder": a.name,
+        "ignored_tensors": {},
+    }
     assert "activation statistics" in proc.stdout
 
 

@@ -8,6 +8,7 @@ reading from disk can stand in for a loaded model where no forward pass is neede
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -129,6 +130,7 @@ def load_workspace(
         if isinstance(inputs, TransportRoles):
             notes.extend(plan.adapter_notes if plan.adapter_notes is not None else check_adapter(recipe, inputs))
         models, adapter = _load_models(recipe, inputs, dev, report)
+        notes.extend(ignored_note(str(m.ref), lm.ignored) for m, lm in zip(inputs.all, models.all, strict=True) if lm.ignored)
         sources = [lm.source for lm in models.all if lm.source is not None]
         if sources:
             on = sources[0].device
@@ -139,7 +141,7 @@ def load_workspace(
                 "weights streamed: read from the safetensors files one tensor at a time and written the same way "
                 f"(a {recipe.job} without evaluation needs no model whole in memory){where}"
             )
-        out_dtype, dtype_entry = output_dtype(recipe, models, adapter, notes)
+        out_dtype, dtype_entry, own_dtypes = output_dtype(recipe, models, adapter, notes)
         task, align_task = _tasks(recipe, models)
         ev = recipe.evaluate
         proc = processor(inputs.reference.path, task) if (recipe.data is not None or ev is not None) else None
@@ -160,12 +162,23 @@ def load_workspace(
         clock=clock,
         notes=notes,
         cache=run_cache,
-        score=Scorer(out_dtype, metric_list),
+        score=Scorer(out_dtype, metric_list, own_dtypes),
         dtype=dtype_entry,
         device=dev,
         base_dir=base_dir,
         progress=report,
         adapter=adapter,
+    )
+
+
+def ignored_note(model: str, ignored: Mapping[str, str]) -> str:
+    """The tensors of ``model``'s files that loading dropped, named once (``rebasin.json`` lists them all)."""
+    names = sorted(ignored)
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        f"{model}: {len(names)} tensor{'s' * (len(names) > 1)} of its files ignored as stock transformers ignores "
+        f"them when it loads the model (legacy buffers such as position_ids, rotary inv_freq, GPT-2 attn.bias): "
+        f"{shown}; see rebasin.json models[].ignored_tensors"
     )
 
 
@@ -272,24 +285,28 @@ def _load_finetune(
 
 def output_dtype(
     recipe: Recipe, models: Roles[LoadedModel], adapter: LoraAdapter | None, notes: list[str]
-) -> tuple[torch.dtype, DtypeEntry]:
-    """The dtype the output is written in, and ``rebasin.json``'s ``dtype`` entry.
+) -> tuple[torch.dtype, DtypeEntry, dict[str, torch.dtype]]:
+    """The dtype the output is written in, ``rebasin.json``'s ``dtype`` entry, and the tensors
+    written in a dtype of their own.
 
-    ``output.dtype`` when set; else the reference model's stored dtype (merge: A; transport: the
-    target B, or for an adapter the adapter's own), so a bf16 model stays bf16. Inputs stored in
-    different dtypes follow the reference, with a note. The work itself always runs in float32.
+    ``output.dtype`` when set (every floating tensor); else the reference model's stored dtypes
+    (merge: A; transport: the target B, or for an adapter the adapter's own), tensor by tensor, so a
+    bf16 model stays bf16 and its float32 norms stay float32. Inputs stored in different dtypes
+    follow the reference, with a note. The work itself always runs in float32.
     """
     names = models.names
     inputs = {role: dtype_name(lm.stored_dtype) for role, lm in zip(names, models.all, strict=True)}
     entry = DtypeEntry(inputs)
+    own: dict[str, torch.dtype] = {}
     if recipe.job == "barrier":  # no weights written
-        return torch.float32, entry
+        return torch.float32, entry, own
     if recipe.output.dtype is not None:
         chosen, source = getattr(torch, recipe.output.dtype), "output.dtype"
     elif adapter is not None:
         chosen, source = adapter.dtype, "finetuned"
     else:
         chosen, source = models.reference.stored_dtype, names[0]
+        own = models.reference.own_dtypes(chosen)
         transport = isinstance(models, TransportRoles)
         written = (models.target, models.finetune) if isinstance(models, TransportRoles) else models.all
         if len({lm.stored_dtype for lm in written}) > 1:
@@ -305,7 +322,15 @@ def output_dtype(
         )
         chosen = torch.float32
     entry.output, entry.source = dtype_name(chosen), source
-    return chosen, entry
+    entry.kept = {name: dtype_name(dtype) for name, dtype in sorted(own.items())}
+    if own:
+        counts = Counter(entry.kept.values())
+        shown = ", ".join(f"{n} tensor{'s' * (n > 1)} in {d}" for d, n in sorted(counts.items()))
+        notes.append(
+            f"{names[0]} stores its tensors in more than one dtype: written as stored ({shown}, the rest in "
+            f"{dtype_name(chosen)}; listed in rebasin.json's dtype.kept); set `output.dtype` to write one dtype"
+        )
+    return chosen, entry, own
 
 
 def _tasks(recipe: Recipe, models: Roles[LoadedModel]) -> tuple[Task, Task]:

@@ -9,6 +9,7 @@ not show the user's own folder layout.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,14 @@ def recipe_record(recipe: Recipe, output: Path) -> dict[str, Any]:
     return relative
 
 
-def model_entries(recipe: Recipe, models: Roles[PlannedModel]) -> list[ModelEntry]:
-    """The input models in the recipe's order, with their roles in a transport."""
+def model_entries(
+    recipe: Recipe, models: Roles[PlannedModel], ignored: Sequence[Mapping[str, str]] = ()
+) -> list[ModelEntry]:
+    """The input models in the recipe's order, with their roles in a transport and the tensors
+    loading dropped from each (``ignored``, in the same order)."""
     base = recipe_dir(recipe)
     roles = models.names if isinstance(models, TransportRoles) else (None,) * len(models.all)
+    dropped = [*ignored, *[{}] * (len(models.all) - len(ignored))]
     return [
         ModelEntry(
             model=_relative(m.ref.model, base),
@@ -84,8 +89,9 @@ def model_entries(recipe: Recipe, models: Roles[PlannedModel]) -> list[ModelEntr
             folder=_relative(str(m.folder), base) if m.ref.source == "local" else None,
             role=role,
             license=read_license(m.folder) if m.folder is not None else None,
+            ignored_tensors=dict(dropped_here),
         )
-        for m, role in zip(models.all, roles, strict=True)
+        for m, role, dropped_here in zip(models.all, roles, dropped, strict=True)
     ]
 
 

@@ -26,9 +26,15 @@ class Scorer:
     float32, where the scoring runs) first, so a score is that of the weights the user gets, not of
     the float32 weights before the cast. float32 changes nothing."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, metrics: Sequence[Metric] = ()) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.float32,
+        metrics: Sequence[Metric] = (),
+        dtypes: Mapping[str, torch.dtype] | None = None,
+    ) -> None:
         self._models: dict[tuple[int, bool], PreTrainedModel] = {}
         self.dtype = dtype
+        self.dtypes = dict(dtypes or {})  # tensors written in a dtype of their own (a bf16 model's float32 norms)
         self.metrics = tuple(metrics)  # `evaluate.metrics`, scored beside the loss
 
     def __call__(
@@ -40,8 +46,11 @@ class Scorer:
         task: Task,
     ) -> dict[str, Any]:
         """Loss and metric of ``sd`` on the evaluation batches (``rebasin.json``'s ``merged``)."""
-        if self.dtype != torch.float32:
-            sd = {k: v.to(self.dtype).to(v.dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        if self.dtype != torch.float32 or any(d != torch.float32 for d in self.dtypes.values()):
+            sd = {
+                k: v.to(self.dtypes.get(k, self.dtype)).to(v.dtype) if v.is_floating_point() else v
+                for k, v in sd.items()
+            }
         key = (id(template), untie)
         model = self._models.get(key)
         if model is None:

@@ -108,7 +108,7 @@ def function_gap(
     with ExitStack() as stack:
         before = b.model if b.source is None else stack.enter_context(running(b.model, b.source, device=device))
         after = stack.enter_context(running(b.model, aligned, untie=bool(alignment.untied), device=device))
-        return logits_gap(before, after, dict(inputs))
+        return logits_gap(before, after, dict(inputs), (alignment.graph, alignment.transform))
 
 
 def preservation(

@@ -129,6 +129,7 @@ def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie:
         untie=untie,
         max_shard_size=ws.recipe.output.max_shard_size,
         dtype=ws.score.dtype,
+        dtypes=ws.score.dtypes,
         progress=writing(ws.progress),
     )
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained

@@ -236,6 +236,7 @@ def _save(
             untie=moved.untie,
             max_shard_size=recipe.output.max_shard_size,
             dtype=ws.score.dtype,
+            dtypes=ws.score.dtypes,
             progress=writing(ws.progress),
         )
     else:
