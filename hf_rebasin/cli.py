@@ -309,6 +309,9 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     with console.status("verifying…"):
         report = verify_model(model, args.transform_class, args.seed)
     print_verify_report(console, report, desc, args.seed)
+    if loaded.ignored:  # after the report: what the check ran on, then what it did not read
+        names = ", ".join(sorted(loaded.ignored))
+        console.print(f"ignored as stock transformers ignores them when loading (legacy buffers): {names}")
     return EXIT_OK if report.ok else EXIT_INTERNAL
 
 

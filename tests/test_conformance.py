@@ -175,6 +175,7 @@ def test_all_minilm_l6_v2_as_published(tmp_path: Path, capsys: Any) -> None:
     assert main(["verify", str(a)]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert float(printed.split("max |Δ| = ")[1].split()[0]) <= 1e-4
+    assert "ignored as stock transformers ignores them" in printed and "embeddings.position_ids" in printed
 
     original = BertModel.from_pretrained(str(a), dtype=torch.float32).eval()
     b = tmp_path / "b"
