@@ -45,16 +45,20 @@ def folders(tmp_path_factory: pytest.TempPathFactory, text: str) -> dict[str, Pa
     return out
 
 
-def _run(root: Path, name: str, models: list[Path], capsys: Any, **output: Any) -> tuple[int, str, Path]:
-    """A vanilla merge recipe of ``models`` evaluated on the corpus; (exit code, stderr, output folder)."""
-    body = {
+def _run(
+    root: Path, name: str, models: list[Path], capsys: Any, evaluated: bool = True, **output: Any
+) -> tuple[int, str, Path]:
+    """A vanilla merge recipe of ``models`` evaluated on the corpus (or not: the streamed path);
+    (exit code, stderr, output folder)."""
+    body: dict[str, Any] = {
         "job": "merge",
         "models": [str(m) for m in models],
         "strategy": {"name": "vanilla"},
-        "evaluate": {"task": "causal-lm", "data": {"dataset": "text", "data_files": "corpus.txt"}, "points": 2},
         "output": {"dir": f"out/{name}", **output},
         "cache": False,
     }
+    if evaluated:
+        body["evaluate"] = {"task": "causal-lm", "data": {"dataset": "text", "data_files": "corpus.txt"}, "points": 2}
     recipe = root / f"{name}.yaml"
     recipe.write_text(yaml.safe_dump(body), encoding="utf-8")
     capsys.readouterr()
@@ -176,7 +180,7 @@ def test_mixed_dtypes_are_kept_per_tensor(folders: dict[str, Path], text: str, c
     floats = sorted(k for k, d in stored.items() if d == "F32")
     assert len(floats) == 18  # per layer: ln_1, ln_2 (weight, bias), 4 linear biases; ln_f's weight and bias
     name = f"mixed-out-{evaluated}"
-    code, err, out = _run(root, name, [a, b], capsys) if evaluated else _run_plain(root, name, [a, b], capsys)
+    code, err, out = _run(root, name, [a, b], capsys, evaluated)
     assert code == 0, err
     assert _dtypes(out) == stored
     record = json.loads((out / "rebasin.json").read_text())
@@ -192,20 +196,9 @@ def test_mixed_dtypes_are_kept_per_tensor(folders: dict[str, Path], text: str, c
         assert torch.equal(model.transformer.ln_f.weight, ho.get_tensor("transformer.ln_f.weight"))
 
     flat = f"mixed-flat-{evaluated}"
-    code, err, out = (_run if evaluated else _run_plain)(root, flat, [a, b], capsys, dtype="bfloat16")
+    code, err, out = _run(root, flat, [a, b], capsys, evaluated, dtype="bfloat16")
     assert code == 0, err
     assert set(_dtypes(out).values()) == {"BF16"}
-
-
-def _run_plain(root: Path, name: str, models: list[Path], capsys: Any, **output: Any) -> tuple[int, str, Path]:
-    """A vanilla merge without evaluation (the streamed path): (exit code, stderr, output folder)."""
-    body = {"job": "merge", "models": [str(m) for m in models], "strategy": {"name": "vanilla"}}
-    body |= {"output": {"dir": f"out/{name}", **output}, "cache": False}
-    recipe = root / f"{name}.yaml"
-    recipe.write_text(yaml.safe_dump(body), encoding="utf-8")
-    capsys.readouterr()
-    code = main([str(recipe)])
-    return code, " ".join(capsys.readouterr().err.split()), root / "out" / name
 
 
 def test_unknown_output_dtype_is_a_user_error(folders: dict[str, Path], capsys: Any) -> None:
