@@ -1,9 +1,13 @@
 """The Hugging Face Hub: resolve and download models by id and revision, push result folders.
 
 The only module that touches the network. Downloads are restricted to what hf-rebasin reads or
-carries into its output (config, card, safetensors, adapter files and the non-weight files
-`export.is_support_file` keeps: tokenizer, generation config, chat template, processor configs),
-pinned to the commit the revision resolved to, so a run records exactly which weights it used.
+carries into its output, by exact file name (`download_files`): config, card, the non-weight files
+`export.is_support_file` keeps (tokenizer, generation config, chat template, processor configs),
+and the weights stock ``from_pretrained`` reads: ``model.safetensors``, else
+``model.safetensors.index.json`` and the shards it names (else, when allowed, the same for
+``pytorch_model.bin``); never ``consolidated*.safetensors``, other precisions (``model.fp16.safetensors``)
+or sub-folders (``onnx/``, ``original/``). Downloads are pinned to the commit the revision resolved
+to, so a run records exactly which weights it used.
 With ``HF_HUB_OFFLINE=1`` models come from the local Hugging Face cache instead (`cached_model`). Pickle
 checkpoints are refused unless the recipe allows them, and no repository code is ever fetched or
 run. The token comes from ``HF_TOKEN`` or the login cache through `huggingface_hub` itself; this
@@ -22,24 +26,34 @@ from typing import Any, TypeVar
 
 from .errors import ModelNotFoundError, PickleRefusedError, RebasinUserError
 from .export import is_support_file
+from .layout import PICKLE, PICKLE_INDEX, SAFETENSORS, SAFETENSORS_INDEX, index_shards
 
 __all__ = [
+    "Download",
     "HubError",
     "PushError",
     "Snapshot",
     "cached_model",
+    "download_files",
     "download_model",
     "endpoint",
     "is_repo_id",
     "offline",
+    "plan_download",
     "push_folder",
     "repo_id_problem",
     "resolve_revision",
     "split_ref",
+    "weight_layout",
 ]
 
+# the weights stock `from_pretrained` reads (no `variant`, default `use_safetensors`), in its order:
+# one file, else an index naming its shards; pickles only when the recipe allows them
+# top-level files that may be weights (an index may name any such file as a shard): the size limits
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
 PICKLE_PATTERNS = ("*.bin", "*.bin.index.json")
+# how a repo's other weight formats look, to name them when none of them is loadable
+_OTHER_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".index.json")
 # besides the weights: the config, the card (its licence) and every file of the model that
 # `export.is_support_file` carries into the output (tokenizer, generation config, chat template,
 # processor configs, ...): one list for what is downloaded and what is copied
@@ -71,6 +85,53 @@ class HubError(RebasinUserError):
 
 class PushError(HubError):
     """A push failed; the local result is kept and the message says how to retry."""
+
+
+@dataclass(frozen=True)
+class Download:
+    """What fetching a Hub model at its commit takes: the exact files it reads, and which of them
+    (with the size the Hub advertised) the local cache lacks, so the run downloads them."""
+
+    files: tuple[str, ...]  # every file downloaded or already cached: support files, index, weights
+    fetch: tuple[tuple[str, int | None], ...]  # (name, advertised bytes) of those not in the cache yet
+    index: str | None = None  # the shard index read (fetched) to list the shards
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes still to download (files of unknown size count 0; `summary` names them)."""
+        return sum(size or 0 for _, size in self.fetch)
+
+    def summary(self) -> str:
+        """``downloads 2 files, 12.3 MiB = 12,912,345 bytes (model.safetensors, config.json)``, or
+        ``already in the cache`` when nothing is left to download."""
+        if not self.fetch:
+            return f"already in the cache ({_count(len(self.files), 'file')}, nothing to download)"
+        names = [name for name, _ in self.fetch]
+        shown = ", ".join(names[:8]) + (f", … and {len(names) - 8} more" if len(names) > 8 else "")
+        text = f"downloads {_count(len(names), 'file')}, {_size(self.nbytes)} = {self.nbytes:,} bytes ({shown})"
+        unknown = [name for name, size in self.fetch if size is None]
+        if unknown:
+            text += f"; the Hub gave no size for {', '.join(unknown)}"
+        cached = len(self.files) - len(self.fetch)
+        if cached:
+            text += f"; {_count(cached, 'file')} already in the cache"
+        if self.index is not None:
+            text += f"; {self.index} was read to list the shards"
+        return text
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _size(n: int) -> str:
+    """``n`` bytes for people: B, KiB, MiB or GiB."""
+    if n < 1 << 10:
+        return f"{n} B"
+    for unit, shift in (("KiB", 10), ("MiB", 20)):
+        if n < 1 << (shift + 10):
+            return f"{n / (1 << shift):,.1f} {unit}"
+    return f"{n / (1 << 30):,.1f} GiB"
 
 
 @dataclass(frozen=True)
@@ -252,7 +313,16 @@ def cached_model(repo: str, revision: str | None = None, *, allow_pickle: bool =
     folder = paths[0].parent
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     try:
-        weight_patterns(repo, revision, files, allow_pickle=allow_pickle, where=where)
+        # the same exact files a download fetches, found in the snapshot (its index read from there)
+        download_files(
+            repo,
+            revision,
+            files,
+            allow_pickle=allow_pickle,
+            where=where,
+            read_index=lambda name: folder / name,
+            holder="the cached snapshot",
+        )
     except ModelNotFoundError as e:
         raise ModelNotFoundError(
             f"{e}, in the local Hugging Face cache ({folder}): only part of it was downloaded; run once with "
@@ -306,9 +376,11 @@ def support_names(files: Sequence[str]) -> list[str]:
 
 
 def _limit(name: str) -> tuple[int, str] | None:
-    """(largest size, kind) for a file hf-rebasin may download, None for files it never fetches."""
+    """(largest size, kind) for a file hf-rebasin may download, None for files it never fetches
+    (sub-folders: ``onnx/``, ``original/``, ...). Any top-level safetensors or bin file may be a shard
+    an index names, so each is bounded."""
     fetched = (*WEIGHT_PATTERNS, *PICKLE_PATTERNS, "adapter_config.json", "adapter_model.*")
-    if not support_names([name]) and not any(fnmatch.fnmatch(name, p) for p in fetched):
+    if "/" in name or (not support_names([name]) and not any(fnmatch.fnmatch(name, p) for p in fetched)):
         return None
     base = name.rsplit("/", 1)[-1]
     if base.endswith((".safetensors", ".bin")):
@@ -364,7 +436,10 @@ def estimate_parameters(config: Mapping[str, Any]) -> int | None:
 
 
 def check_weights_size(files: Mapping[str, int | None], config: Mapping[str, Any], at: str) -> None:
-    """Refuse weights far larger than the parameters ``config`` implies (before downloading them)."""
+    """Refuse weights far larger than the parameters ``config`` implies (before downloading them).
+
+    ``files``: the advertised sizes of the files the download fetches (`download_files`), not of
+    every file of the repo: a repo may also hold copies in other formats that are never fetched."""
     params = estimate_parameters(config)
     if params is None:
         return
@@ -377,40 +452,119 @@ def check_weights_size(files: Mapping[str, int | None], config: Mapping[str, Any
         )
 
 
-def weight_patterns(
+def weight_layout(
     repo: str, revision: str | None, files: Sequence[str], *, allow_pickle: bool, where: str
-) -> list[str]:
-    """The allow-patterns to download: support files plus safetensors (or, if allowed, pickles)."""
+) -> tuple[list[str], str | None]:
+    """What to download of ``repo``, known from its file list alone, as exact file names: the
+    support files and the weights stock ``from_pretrained`` reads, plus the shard index among them
+    (None: not sharded) whose shards `shard_names` adds once it is read.
+
+    ``model.safetensors``, else ``model.safetensors.index.json``, else (only with ``allow_pickle``)
+    ``pytorch_model.bin`` or its index; never ``consolidated*.safetensors``, other precisions
+    (``model.fp16.safetensors``), sub-folders (``onnx/``) or pickles beside safetensors.
+    A PEFT adapter: ``adapter_config.json`` and its weights.
+    """
     at = f"{where}: " if where else ""
+    shown = f"{repo!r}@{revision or 'main'}"
     card = ["README.md"] if "README.md" in files else []  # its licence, for the output's card
     if "config.json" not in files and "adapter_config.json" in files:  # a PEFT adapter
         if "adapter_model.safetensors" in files:
-            return ["adapter_config.json", "adapter_model.safetensors", *card]
+            return ["adapter_config.json", "adapter_model.safetensors", *card], None
         if "adapter_model.bin" in files:
             if not allow_pickle:
                 raise PickleRefusedError(
-                    f"{at}{repo!r}@{revision or 'main'} holds its adapter only as a pickle (adapter_model.bin), and "
+                    f"{at}{shown} holds its adapter only as a pickle (adapter_model.bin), and "
                     "loading a pickle can run code; set `allow_pickle: true` in the recipe if you trust its author"
                 )
-            return ["adapter_config.json", "adapter_model.bin", *card]
-        raise ModelNotFoundError(f"{at}{repo!r}@{revision or 'main'} has adapter_config.json but no adapter weights")
+            return ["adapter_config.json", "adapter_model.bin", *card], None
+        raise ModelNotFoundError(f"{at}{shown} has adapter_config.json but no adapter weights")
     if "config.json" not in files:
         raise ModelNotFoundError(
-            f"{at}{repo!r}@{revision or 'main'} has no config.json, so it is not a Transformers model "
+            f"{at}{shown} has no config.json, so it is not a Transformers model "
             f"(files: {', '.join(sorted(files)[:10]) or 'none'})"
         )
-    # names, not globs: a name with [ or * in it must match only itself
-    support = [glob_escape(f) for f in support_names(files)]
-    if any(f.endswith(".safetensors") for f in files):
-        return [*support, *WEIGHT_PATTERNS]
-    if any(f.endswith(".bin") for f in files):
+    support = support_names(files)
+    present = set(files)
+    if SAFETENSORS in present:
+        return [*support, SAFETENSORS], None
+    if SAFETENSORS_INDEX in present:
+        return [*support, SAFETENSORS_INDEX], SAFETENSORS_INDEX
+    others = sorted(f for f in files if f.lower().endswith(_OTHER_WEIGHTS))
+    if PICKLE in present or PICKLE_INDEX in present:
+        pickle = PICKLE if PICKLE in present else PICKLE_INDEX
         if not allow_pickle:
+            unread = [f for f in others if f.endswith(".safetensors")]
+            besides = f"; its safetensors ({_listing(unread)}) are not what from_pretrained reads" if unread else ""
             raise PickleRefusedError(
-                f"{at}{repo!r}@{revision or 'main'} holds only pickle weights (.bin), and loading a pickle can run "
+                f"{at}{shown} holds only pickle weights ({pickle}{besides}), and loading a pickle can run "
                 "code; set `allow_pickle: true` in the recipe (or --allow-pickle) if you trust its author"
             )
-        return [*support, *PICKLE_PATTERNS]
-    raise ModelNotFoundError(f"{at}{repo!r}@{revision or 'main'} has no weights (.safetensors or .bin)")
+        return [*support, pickle], (PICKLE_INDEX if pickle == PICKLE_INDEX else None)
+    found = f"it holds only {_listing(others)}, which from_pretrained does not read" if others else "it holds none"
+    raise ModelNotFoundError(
+        f"{at}{shown} has no weights that transformers loads: from_pretrained reads {SAFETENSORS} or "
+        f"{SAFETENSORS_INDEX} with the shards it names (or, with `allow_pickle: true`, {PICKLE} or its index); {found}"
+    )
+
+
+def _listing(names: Sequence[str], most: int = 10) -> str:
+    return ", ".join(names[:most]) + (f", … ({len(names)} in all)" if len(names) > most else "")
+
+
+def shard_names(index: Path, name: str, files: Sequence[str], at: str, holder: str = "the repository") -> list[str]:
+    """The shard files the shard index ``name`` (read from ``index``) names, sorted (`layout.index_shards`),
+    each one that ``files`` (the listing of ``holder``: the repository, or its cached snapshot) hold."""
+    shards = index_shards(Path(index), f"{at}: {name}")
+    present = set(files)
+    for shard in shards:
+        if shard not in present:
+            raise ModelNotFoundError(f"{at}: {name} names the shard {shard!r}, which {holder} does not hold")
+    return shards
+
+
+def download_files(
+    repo: str,
+    revision: str | None,
+    files: Sequence[str],
+    *,
+    allow_pickle: bool,
+    where: str,
+    read_index: Callable[[str], Path],
+    holder: str = "the repository",
+) -> list[str]:
+    """The exact files of ``repo`` to download (`weight_layout`, then the shards of its index, which
+    ``read_index(name)`` gives as a local file: fetched from the Hub, or found in the cache);
+    ``files`` lists what ``holder`` holds (the repository, or its cached snapshot)."""
+    names, index = weight_layout(repo, revision, files, allow_pickle=allow_pickle, where=where)
+    if index is None:
+        return names
+    at = f"{where}: {repo!r}@{revision or 'main'}"
+    return [*names, *shard_names(read_index(index), index, files, at, holder)]
+
+
+def plan_download(
+    repo: str, revision: str | None, commit: str, files: Sequence[str], *, allow_pickle: bool, where: str
+) -> Download:
+    """What `download_model` will fetch of ``repo`` at ``commit``, with the sizes the Hub advertised
+    (`resolve_revision` gathered them), before any weight is fetched. A sharded repo's index is
+    fetched (a small JSON file, into the cache) to list its shards: the one download a dry run makes."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(name: str) -> bool:
+        return isinstance(try_to_load_from_cache(repo, name, revision=commit), str)
+
+    names, index = weight_layout(repo, revision, files, allow_pickle=allow_pickle, where=where)
+    missing = [name for name in names if not cached(name)]
+    read = None
+    if index is not None:
+        read = index if index in missing else None
+        shards = shard_names(
+            _fetch(repo, index, commit, where, revision), index, files, f"{where}: {repo!r}@{revision or 'main'}"
+        )
+        names += shards
+        missing += [name for name in shards if not cached(name)]
+    sizes = _SIZES.get((repo, commit), {})
+    return Download(tuple(names), tuple((name, sizes.get(name)) for name in missing), read)
 
 
 def glob_escape(name: str) -> str:
@@ -426,7 +580,8 @@ def download_model(
     where: str = "",
     resolved: tuple[str, Sequence[str]] | None = None,
 ) -> Snapshot:
-    """Download what hf-rebasin reads of ``repo`` at ``revision``, pinned to the resolved commit.
+    """Download what hf-rebasin reads of ``repo`` at ``revision`` (`download_files`: exact file
+    names, a sharded repo's index first), pinned to the resolved commit.
 
     ``resolved``: the (commit, files) an earlier `resolve_revision` gave, so that a run downloads
     the very commit its checks saw, even if the branch moved since, without asking again.
@@ -436,24 +591,38 @@ def download_model(
     if offline():
         return cached_model(repo, revision, allow_pickle=allow_pickle, where=where)
     commit, files = resolved if resolved is not None else resolve_revision(repo, revision, where=where)
+    at = f"{where}: {repo!r}@{revision or 'main'}"
     for name in files:
-        check_file_name(name, f"{where}: {repo!r}@{revision or 'main'}")
-    patterns = weight_patterns(repo, revision, files, allow_pickle=allow_pickle, where=where)
+        check_file_name(name, at)
+    names = download_files(
+        repo,
+        revision,
+        files,
+        allow_pickle=allow_pickle,
+        where=where,
+        read_index=lambda index: _fetch(repo, index, commit, where, revision),
+    )
     if "config.json" in files:  # weights against the size the config implies, before fetching them
         sizes = _SIZES.get((repo, commit))
         if sizes is None:
             resolve_revision(repo, commit, where=where)
             sizes = _SIZES[(repo, commit)]
         config = _config(repo, commit, where, revision)
-        check_weights_size(sizes, config, f"{where}: {repo!r}@{revision or 'main'}")
-    folder = _call(
-        lambda: snapshot_download(repo, revision=commit, allow_patterns=patterns, etag_timeout=timeout()),
-        where,
-        repo,
-        revision or commit,
+        check_weights_size({name: sizes.get(name) for name in names}, config, at)
+    patterns = [glob_escape(name) for name in names]  # names, not globs: `[` or `*` match only themselves
+    folder = Path(
+        _call(
+            lambda: snapshot_download(repo, revision=commit, allow_patterns=patterns, etag_timeout=timeout()),
+            where,
+            repo,
+            revision or commit,
+        )
     )
-    _remember_ref(Path(folder), revision, commit)
-    return Snapshot(repo=repo, revision=revision, commit=commit, folder=Path(folder))
+    lost = [name for name in names if not (folder / name).is_file()]
+    if lost:  # the Hub listed it in the repo's info, then did not serve it
+        raise ModelNotFoundError(f"{at}: the download lacks {', '.join(lost)}, which the repository lists")
+    _remember_ref(folder, revision, commit)
+    return Snapshot(repo=repo, revision=revision, commit=commit, folder=folder)
 
 
 def _remember_ref(folder: Path, revision: str | None, commit: str) -> None:
@@ -472,20 +641,27 @@ def _remember_ref(folder: Path, revision: str | None, commit: str) -> None:
         pass
 
 
+def _fetch(repo: str, name: str, commit: str, where: str, revision: str | None) -> Path:
+    """One file of ``repo`` at ``commit``, downloaded into the cache (or found there)."""
+    from huggingface_hub import hf_hub_download
+
+    return Path(
+        _call(
+            lambda: hf_hub_download(repo, name, revision=commit, etag_timeout=timeout()),
+            where,
+            repo,
+            revision or commit,
+        )
+    )
+
+
 def _config(repo: str, commit: str, where: str, revision: str | None) -> dict[str, Any]:
     """config.json of ``repo`` at ``commit`` (small: its size was checked), {} if it is not JSON."""
     import json
 
-    from huggingface_hub import hf_hub_download
-
-    path = _call(
-        lambda: hf_hub_download(repo, "config.json", revision=commit, etag_timeout=timeout()),
-        where,
-        repo,
-        revision or commit,
-    )
+    path = _fetch(repo, "config.json", commit, where, revision)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}  # loading the model names what is wrong with it
     return data if isinstance(data, dict) else {}

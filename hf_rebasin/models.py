@@ -28,6 +28,7 @@ from .errors import (
     PickleRefusedError,
     RebasinUserError,
 )
+from .layout import PICKLE, PICKLE_INDEX, SAFETENSORS, SAFETENSORS_INDEX, index_shards
 from .names import DEVICE_PATTERN
 from .symmetry import SymmetryGraph
 from .tensors import DTYPES, CheckpointSource, LazyState, checkpoint_entries, shape_of
@@ -35,8 +36,7 @@ from .tensors import DTYPES, CheckpointSource, LazyState, checkpoint_entries, sh
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
-PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+PICKLE_FILES = (PICKLE, PICKLE_INDEX)
 
 
 @dataclass
@@ -288,35 +288,17 @@ class _Checkpoint:
 
 def _read_index(path: Path) -> list[Path]:
     """The shard files a ``*.index.json`` names, each inside the folder, or an error naming the index."""
-    folder = path.parent
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{str(path)!r} is not a valid JSON shard index: {e}") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(
-            f"{str(path)!r} has no `weight_map` (tensor name -> shard file); the shard index is incomplete"
-        )
-    files = []
-    for shard in sorted({str(v) for v in weight_map.values()}):
-        target = folder / shard
-        if Path(shard).is_absolute() or "/" in shard or "\\" in shard or shard in (".", ".."):
-            raise CheckpointError(
-                f"{str(path)!r}: `weight_map` names the shard {shard!r}, which is not a file of this folder"
-            )
-        files.append(target)
-    return files
+    return [path.parent / shard for shard in index_shards(path, repr(str(path)))]
 
 
 def _checkpoint_shapes(folder: Path, allow_pickle: bool) -> _Checkpoint:
     """Tensor shapes read from safetensors headers (no weights loaded), or from an allowed pickle."""
     from safetensors import safe_open
 
-    if (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    elif (folder / "model.safetensors.index.json").is_file():
-        files = _read_index(folder / "model.safetensors.index.json")
+    if (folder / SAFETENSORS).is_file():
+        files = [folder / SAFETENSORS]
+    elif (folder / SAFETENSORS_INDEX).is_file():
+        files = _read_index(folder / SAFETENSORS_INDEX)
     elif any((folder / f).is_file() for f in PICKLE_FILES):
         if not allow_pickle:
             raise PickleRefusedError(
@@ -343,10 +325,10 @@ def _checkpoint_shapes(folder: Path, allow_pickle: bool) -> _Checkpoint:
 
 
 def _pickle_shapes(folder: Path) -> _Checkpoint:
-    if (folder / "pytorch_model.bin").is_file():
-        files = [folder / "pytorch_model.bin"]
+    if (folder / PICKLE).is_file():
+        files = [folder / PICKLE]
     else:
-        files = _read_index(folder / "pytorch_model.bin.index.json")
+        files = _read_index(folder / PICKLE_INDEX)
     out = _Checkpoint({}, {})
     for f in files:
         if not f.is_file():

@@ -30,7 +30,7 @@ from .memory import MemoryEstimate, estimate
 from .resolve import PlannedModel, resolve_model
 from .roles import Roles, TransportRoles, recipe_roles
 
-__all__ = ["Plan", "build_plan", "memory_estimate", "plan", "streamed", "streams"]
+__all__ = ["Plan", "build_plan", "download_line", "memory_estimate", "plan", "streamed", "streams"]
 
 CACHED = " (resolved from the local Hugging Face cache, offline)"
 
@@ -60,6 +60,8 @@ class Plan:
         for m in self.all:
             if m.resolved.commit is not None:
                 lines.append(f"resolved: {m.ref} -> commit {m.resolved.commit}{CACHED if m.resolved.cached else ''}")
+        lines.append("downloads:")
+        lines.extend(f"  {name}: {download_line(m)}" for name, m in zip(self.models.names, self.all, strict=True))
         if self.output_given:
             lines = [
                 f"output: {self.output} (from --output)" if line.startswith("output: ") else line for line in lines
@@ -68,6 +70,22 @@ class Plan:
             lines.extend(self.memory.lines())
         lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
         return lines
+
+
+def download_line(m: PlannedModel) -> str:
+    """What fetching ``m`` takes: ``org/name@main (abc1234): downloads 2 files, 12.3 MiB = … bytes
+    (model.safetensors, config.json)``, or why nothing is downloaded (a local folder, the cache)."""
+    ref, resolved = m.ref, m.resolved
+    if ref.zoo is not None:
+        return f"{ref.model}: zoo model, nothing downloaded"
+    if ref.source != "hub":
+        return f"{ref.model}: local folder, nothing downloaded"
+    shown = f"{ref.model}@{ref.revision or 'main'}" + (f" ({resolved.commit[:7]})" if resolved.commit else "")
+    if resolved.download is not None:
+        return f"{shown}: {resolved.download.summary()}"
+    if resolved.cached:
+        return f"{shown}: already in the cache (offline), nothing downloaded"
+    return f"{shown}: downloaded when the run loads it"
 
 
 def streams(recipe: Recipe) -> bool:

@@ -22,6 +22,7 @@ class ResolvedModel:
     commit: str | None = None
     files: tuple[str, ...] | None = None  # a Hub model resolved without download: the files of its commit
     cached: bool = False  # a Hub model taken from the local Hugging Face cache (HF_HUB_OFFLINE=1)
+    download: hub.Download | None = None  # a Hub model resolved without download: what the run fetches
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,10 @@ def _resolve(
             return ResolvedModel(snap.folder, snap.commit, cached=True)
         if not fetch:
             commit, files = hub.resolve_revision(ref.model, ref.revision, where=where)
-            hub.weight_patterns(ref.model, ref.revision, files, allow_pickle=allow_pickle, where=where)
-            return ResolvedModel(None, commit, tuple(files))
+            # the exact files and their advertised bytes; a sharded repo's small index JSON is read
+            # (into the cache) to list its shards, the only file a dry run downloads
+            download = hub.plan_download(ref.model, ref.revision, commit, files, allow_pickle=allow_pickle, where=where)
+            return ResolvedModel(None, commit, tuple(files), download=download)
         pinned = (checked.commit, checked.files) if checked and checked.commit and checked.files is not None else None
         snap = hub.download_model(ref.model, ref.revision, allow_pickle=allow_pickle, where=where, resolved=pinned)
         return ResolvedModel(snap.folder, snap.commit)
