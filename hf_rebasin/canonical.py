@@ -7,6 +7,12 @@ for LayerNorm also center every writer of the stream (its mean is invisible to e
 The result computes the same function with standard modules (γ = 1); a tie between a reader and a
 writer (LM head and embeddings) breaks and is untied. Pure tensor code.
 
+A norm's scale is γ = weight + ``Norm.offset`` (Gemma's RMSNorm computes x·(1 + w): offset 1), so
+its neutral weight is 1 − offset (0 for Gemma). A `WriterScale` (DINOv2's LayerScale λ, a diagonal
+on a sublayer's output) folds into the writers it multiplies, which are centered after the fold. A
+reader whose axis concatenates copies of the stream (DINOv2's classifier reads [CLS, mean of
+patches]) takes γ in each copy and, with β, one shift per copy.
+
 The form is a list of steps per tensor (`canonical_steps`), each reading only that tensor, its
 norm's γ/β and, for a folded bias, its reader: a state dict in memory is rewritten at once, a
 `LazyState` (a checkpoint on disk) tensor by tensor when read, with the same arithmetic.
@@ -27,11 +33,47 @@ from .symmetry import Fused, Norm, Space, SymmetryGraph
 from .tensors import LazyState
 
 
-def _axis_of(graph: SymmetryGraph, tensor: str, space: str) -> int:
+@dataclass(frozen=True)
+class WriterScale(Norm):
+    """A per-feature scale λ (``weight``) on what the tensors ``readers`` write to the stream
+    (DINOv2's LayerScale: a sublayer's output times λ). Here ``readers`` are *writers* (an output
+    projection's weight and bias): λ folds into them along the stream's axis like a norm's γ into
+    its readers, and leaves λ = 1; they stay writers, so a LayerNorm stream centers them after the
+    fold. Every other use of a `Norm` (its stream, its class checks) holds unchanged."""
+
+
+def gamma(norm: Norm, weight: Tensor) -> Tensor:
+    """The scale ``norm`` multiplies by, from its stored ``weight``: weight + offset, in float64."""
+    g = weight.to(torch.float64)
+    return g + norm.offset if norm.offset else g
+
+
+def neutral(norm: Norm) -> float:
+    """The stored weight of a scale of 1 (1 − offset: 0 for Gemma's RMSNorm)."""
+    return 1.0 - norm.offset
+
+
+Span = tuple[int, int, int] | tuple[int, None, None]  # (axis, start, size) of one copy of a space
+
+
+def _spans(graph: SymmetryGraph, tensor: str, space: str) -> list[Span]:
+    """Where ``tensor`` is bound to ``space``: a whole axis, or each copy of it inside a fused axis."""
+    out: list[Span] = []
     for axis, ref in enumerate(graph.bindings[tensor].axes):
         if ref == space:
-            return axis
-    raise AssertionError(f"{tensor} is not bound to {space}")  # adapter bug, caught by tests
+            out.append((axis, None, None))
+        elif isinstance(ref, Fused):
+            if ref.interleaved and space in ref.parts:
+                raise AssertionError(f"{tensor} reads {space} in an interleaved fused axis")  # adapter bug
+            start = 0
+            for part in ref.parts:
+                size = graph.ref_size(part)
+                if part == space:
+                    out.append((axis, start, size))
+                start += size
+    if not out:
+        raise AssertionError(f"{tensor} is not bound to {space}")  # adapter bug, caught by tests
+    return out
 
 
 def bias_of(weight: str, state_dict: Mapping[str, object]) -> str | None:
@@ -43,11 +85,11 @@ def bias_of(weight: str, state_dict: Mapping[str, object]) -> str | None:
 
 
 def is_canonical(graph: SymmetryGraph, state_dict: Mapping[str, Tensor]) -> bool:
-    """True when every foldable norm of an orthogonal-capable space has γ = 1."""
+    """True when every foldable norm (and writer scale) of an orthogonal-capable space has γ = 1."""
     for norm in graph.norms:
         space = graph.spaces.get(norm.space)
         if isinstance(space, Space) and space.max_class == "orthogonal" and norm.readers:
-            if not torch.all(state_dict[norm.weight] == 1):
+            if not torch.all(state_dict[norm.weight] == neutral(norm)):
                 return False
     return True
 
@@ -58,13 +100,16 @@ StepKind = Literal["scale", "shift", "ones", "zeros", "divide", "center"]
 @dataclass(frozen=True)
 class Step:
     """One rewrite of one tensor: ``scale`` a reader by γ along ``axis``; ``shift`` a reader's bias
-    by W·β (W: ``reader`` as stored); set a norm's γ to ``ones``, its β to ``zeros`` or β/γ
-    (``divide``); ``center`` a writer of a LayerNorm stream along ``axis``."""
+    by W·β (W: ``reader`` as stored); set a norm's γ to ``ones`` (its neutral weight, 1 − offset),
+    its β to ``zeros`` or β/γ (``divide``); ``center`` a writer of a LayerNorm stream along ``axis``.
+    ``start``/``size``: only that slice of ``axis`` (one copy of the stream in a fused axis)."""
 
     kind: StepKind
     norm: Norm | None = None
     axis: int = 0
     reader: str | None = None
+    start: int | None = None
+    size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,18 +134,21 @@ def canonical_steps(graph: SymmetryGraph, names: Mapping[str, object]) -> Canoni
 
     for name in spaces:
         norms = [n for n in graph.norms if n.space == name and n.readers]
-        readers = {r for n in norms for r in n.readers}
+        # a writer scale's tensors write the stream: they are centered below, after the fold
+        readers = {r for n in norms if not isinstance(n, WriterScale) for r in n.readers}
         for norm in norms:
             biases = [bias_of(r, names) for r in norm.readers]
             fold_beta = norm.bias is not None and all(b is not None for b in biases)
             for reader, bias in zip(norm.readers, biases, strict=False):
-                axis = _axis_of(graph, reader, name)
+                spans = _spans(graph, reader, name)
                 if fold_beta and bias is not None:
                     if reader in steps:  # the shift reads the reader as stored
                         raise AssertionError(f"{reader} is changed before its bias is folded")
-                    add(bias, Step("shift", norm, axis, reader))
+                    for axis, start, size in spans:
+                        add(bias, Step("shift", norm, axis, reader, start, size))
                     touched.add(bias)
-                add(reader, Step("scale", norm, axis))
+                for axis, start, size in spans:
+                    add(reader, Step("scale", norm, axis, None, start, size))
                 touched.add(reader)
             add(norm.weight, Step("ones", norm))
             if norm.bias is not None:
@@ -128,31 +176,47 @@ def _apply(step: Step, t: Tensor, raw: Mapping[str, Tensor]) -> Tensor:
         return (t64 - t64.mean(dim=step.axis, keepdim=True)).to(t.dtype)
     assert norm is not None
     if step.kind == "ones":
-        return torch.ones_like(t)
+        return torch.full_like(t, neutral(norm)) if norm.offset else torch.ones_like(t)
     if step.kind == "zeros":
         return torch.zeros_like(t)
-    gamma = raw[norm.weight].to(torch.float64)
+    scale = gamma(norm, raw[norm.weight])
     if step.kind == "scale":
-        shape = [1] * t.dim()
-        shape[step.axis] = -1
-        # one product per weight, rounded once: in t's dtype when γ is exact in it (the usual case),
-        # which gives the same bits as a float64 product without a float64 copy of the weight
-        g = gamma.to(t.dtype)
-        exact = torch.equal(g.to(torch.float64), gamma)
-        return (t * g.reshape(shape) if exact else t.double() * gamma.reshape(shape)).to(t.dtype)
+        if step.start is None:
+            return _scaled(t, scale, step.axis)
+        assert step.size is not None
+        out = t.clone()
+        out.narrow(step.axis, step.start, step.size).copy_(
+            _scaled(t.narrow(step.axis, step.start, step.size), scale, step.axis)
+        )
+        return out
     assert norm.bias is not None
     beta = raw[norm.bias].to(torch.float64)
     if step.kind == "shift":
         assert step.reader is not None
-        w = raw[step.reader].to(torch.float64)
-        return (t.to(torch.float64) + torch.tensordot(w, beta, dims=([step.axis], [0]))).to(t.dtype)
+        w = raw[step.reader]
+        if step.start is not None:
+            assert step.size is not None
+            w = w.narrow(step.axis, step.start, step.size)
+        shift = torch.tensordot(w.to(torch.float64), beta, dims=([step.axis], [0]))
+        return (t.to(torch.float64) + shift).to(t.dtype)
     # divide: β stays in the norm (a reader has no bias); the reader now scales by γ, so β/γ
-    if gamma.abs().min() < 1e-8:
+    if scale.abs().min() < 1e-8:
         raise TransformError(
             f"norm scale {norm.weight!r} has a zero entry and its readers have no bias, "
             "so its shift cannot be folded; use `class: permutation` for this model"
         )
-    return (beta / gamma).to(t.dtype)
+    return (beta / scale).to(t.dtype)
+
+
+def _scaled(t: Tensor, scale: Tensor, axis: int) -> Tensor:
+    """``t`` times ``scale`` (float64) along ``axis``, rounded once to t's dtype."""
+    shape = [1] * t.dim()
+    shape[axis] = -1
+    # one product per weight, rounded once: in t's dtype when γ is exact in it (the usual case),
+    # which gives the same bits as a float64 product without a float64 copy of the weight
+    g = scale.to(t.dtype)
+    exact = torch.equal(g.to(torch.float64), scale)
+    return (t * g.reshape(shape) if exact else t.double() * scale.reshape(shape)).to(t.dtype)
 
 
 def canonical_tensor(form: CanonicalSteps, name: str, raw: Mapping[str, Tensor]) -> Tensor:

@@ -10,11 +10,14 @@ two models simply learned different features: the weakest space is where a barri
 strategy gets it). Strategies that collect activation statistics (head-perm) report that instead:
 `matched_correlation` reads the correlation of matched features off the matrices they solved on.
 
-Torch only; one pass over the tensors per side (a lazy state dict is read tensor by tensor).
+Torch only; one pass over the tensors per side (a lazy state dict is read tensor by tensor), each
+compared in blocks of features, so a streamed run holds one tensor per side, never a float64 copy
+of the embedding.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .symmetry import AxisMap, Fused, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, split_ref
+from .tensors import give_back_freed, shape_of
 
 __all__ = ["feature_similarity", "matched_correlation"]
 
@@ -35,16 +39,21 @@ def _accumulate(
     """Per (space, role): per-feature ``[Σ a·b, Σ a², Σ b²]`` over every tensor axis bound to it."""
     sums: dict[tuple[str, str | None], list[Tensor]] = {}
     cache: dict[str, AxisMap | None] = {}
+    passed = 0  # bytes of float32 tensors (A and B) read since the heap was last given back
     for name, binding in graph.bindings.items():
         if name in graph.ties or name not in sd_a or name not in sd_b:
             continue
+        nbytes = 8 * math.prod(shape_of(sd_a, name))  # float32, A and B
+        if passed and passed + nbytes > GIVE_BACK_BYTES:
+            give_back_freed()
+            passed = 0
+        passed += nbytes
         a = sd_a[name]
         if not a.is_floating_point():
             continue
         b = sd_b[name]
         if transform is not None:
             b = graph.map_tensor(name, b, transform, cache=cache)
-        a, b = a.to(torch.float64), b.to(torch.float64)
         for axis, ref in enumerate(binding.axes):
             if ref is None:
                 continue
@@ -53,14 +62,38 @@ def _accumulate(
             for part in parts:
                 size = graph.ref_size(part)
                 space, role = split_ref(part)
-                xa = a.narrow(axis, offset, size).movedim(axis, 0).reshape(size, -1)
-                xb = b.narrow(axis, offset, size).movedim(axis, 0).reshape(size, -1)
+                pa = graph.part(name, a, axis, offset, size).movedim(axis, 0)
+                pb = graph.part(name, b, axis, offset, size).movedim(axis, 0)
                 acc = sums.setdefault((space, role), [torch.zeros(size, dtype=torch.float64) for _ in range(3)])
-                acc[0] += (xa * xb).sum(1)
-                acc[1] += (xa * xa).sum(1)
-                acc[2] += (xb * xb).sum(1)
+                for start, stop in _blocks(size, math.prod(pa.shape[1:])):
+                    xa, xb = _float64_rows(pa[start:stop]), _float64_rows(pb[start:stop])
+                    acc[0][start:stop] += (xa * xb).sum(1)
+                    acc[1][start:stop] += (xa * xa).sum(1)
+                    acc[2][start:stop] += (xb * xb).sum(1)
+                    del xa, xb
                 offset += size
+        del a, b
     return sums
+
+
+BLOCK_ELEMENTS = 1 << 22  # float64 values per block of features (32 MB): the sums' working memory
+# A streamed pass frees every tensor it reads, many of them small enough for glibc to keep in its
+# heap, fragmented: without a give-back the pass over TinyLlama peaked 1 GB above what it held.
+# Given back once per GIVE_BACK_BYTES read, the trims cost nothing measurable.
+GIVE_BACK_BYTES = 1 << 30
+
+
+def _blocks(features: int, per_feature: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of features holding at most `BLOCK_ELEMENTS` values each (one
+    feature at least). Each feature's sums are over its own row alone, so blocks change no value;
+    a whole float64 copy of the embedding, moved axis first, was the peak of a streamed run."""
+    step = max(1, BLOCK_ELEMENTS // max(1, per_feature))
+    return [(i, min(i + step, features)) for i in range(0, features, step)]
+
+
+def _float64_rows(x: Tensor) -> Tensor:
+    """``x`` (features first) as contiguous float64 rows, one per feature, in one copy."""
+    return x.to(torch.float64, memory_format=torch.contiguous_format).reshape(x.shape[0], -1)
 
 
 def _means(graph: SymmetryGraph, sums: Mapping[tuple[str, str | None], list[Tensor]]) -> dict[str, float]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from .canonical import bias_of
+from .canonical import WriterScale, bias_of, gamma
 from .errors import CheckpointError, IncompatibleModelsError, ModelNotFoundError, PickleRefusedError, TransformError
 from .merge import StorageKey, storage_key
 from .symmetry import AnySpace, Fused, Norm, Space, SymmetryGraph, Transform, split_ref
@@ -417,15 +417,17 @@ def transport_adapter(
             norm = readers.get((m.weight, ref))
             if norm is not None:
                 folded.append((k, norm))
-                factors[k] = _scale(factors[k], k, base[norm.weight].to(torch.float64))
-            elif isinstance(space := graph.spaces[ref], Space) and space.centered:
-                factors[k] = factors[k] - factors[k].mean(dim=k, keepdim=True)
+                factors[k] = _scale(factors[k], k, gamma(norm, base[norm.weight]))
+            # a writer is centered (after its LayerScale λ, which it takes in like a reader takes γ)
+            if norm is None or isinstance(norm, WriterScale):
+                if isinstance(space := graph.spaces[ref], Space) and space.centered:
+                    factors[k] = factors[k] - factors[k].mean(dim=k, keepdim=True)
         moved = [
             _map(mapped, m.weight, factors[0], transform, 1, cache),
             _map(mapped, m.weight, factors[1], transform, 0, cache),
         ]
         for k, norm in folded:
-            moved[k] = _scale(moved[k], k, 1.0 / target[norm.weight].to(torch.float64))
+            moved[k] = _scale(moved[k], k, 1.0 / gamma(norm, target[norm.weight]))
         a, b = m.factors(moved[0], moved[1])
         out[m.key_a], out[m.key_b] = a.to(m.a.dtype), b.to(m.b.dtype)
         shifted = [(k, norm) for k, norm in folded if norm.bias is not None]

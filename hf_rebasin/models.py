@@ -385,6 +385,18 @@ class _Renamer:
         renamed, _ = rename_source_key(key, self.renamings, self.converters, self.prefix, expected)
         return str(renamed)
 
+    def converts(self, keys: Iterable[str]) -> bool:
+        """Whether transformers converts (not only renames) any of the checkpoint ``keys`` while
+        loading: DINOv2's converter splits a legacy ``mlp.weights_in`` into gate and up, but a
+        checkpoint with today's names loads as stored."""
+        if not self.converters:
+            return False
+        try:
+            from transformers.core_model_loading import rename_source_key
+        except ImportError:  # pragma: no cover
+            return True
+        return any(rename_source_key(k, self.renamings, self.converters, self.prefix)[1] is not None for k in keys)
+
 
 # GPT-2's `attn.masked_bias`: the constant -1e4 that transformers 2.x-4.x GPT-2 classes stored in
 # every layer. Transformers 5 still loads such files (its GPT-J and GPT-NeoX classes list the same buffer
@@ -642,7 +654,7 @@ def _streamed(
     from .offload import empty_model
 
     model = empty_model(cls, config)
-    if _Renamer(model).converters:
+    if _Renamer(model).converts(checkpoint.shapes):
         return None
     files = sorted({folder / f for f in checkpoint.files.values()})
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from .errors import AdapterError
-from .symmetry import Binding, Fused, Space, Sublayer, SymmetryGraph, Transform, split_ref
+from .symmetry import AxisRef, Binding, Fused, Space, Sublayer, SymmetryGraph, Transform, split_ref
 
 __all__ = ["PER_SUBLAYER_NOTE", "depth_order", "is_per_sublayer", "is_stream", "per_sublayer", "spread", "stream_of"]
 
@@ -99,11 +99,17 @@ def per_sublayer(graph: SymmetryGraph) -> SymmetryGraph:
             spaces[name] = dataclasses.replace(base, name=name)
         for tensor, stream in streams.items():
             b = bindings.get(tensor)
-            if b is not None:  # a residual axis is never fused: only a whole axis is renamed
-                axes = tuple(f"{res}{SEP}{stream}" if a == res else a for a in b.axes)
+            if b is not None:  # a whole axis, or its copies in a fused axis (DINOv2's [CLS, mean] head)
+                axes = tuple(_renamed(a, res, f"{res}{SEP}{stream}") for a in b.axes)
                 bindings[tensor] = Binding(b.name, axes, b.norm_scale)
         norms = [dataclasses.replace(n, space=f"{res}{SEP}{streams[n.weight]}") if n.space == res else n for n in norms]
     return dataclasses.replace(graph, spaces=spaces, bindings=bindings, norms=norms)
+
+
+def _renamed(ref: AxisRef, space: str, new: str) -> AxisRef:
+    if isinstance(ref, Fused):
+        return dataclasses.replace(ref, parts=tuple(new if p == space else p for p in ref.parts))
+    return new if ref == space else ref
 
 
 def is_per_sublayer(graph: SymmetryGraph) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
@@ -51,6 +51,10 @@ class Space:
     reason: str = ""
 
 
+QKMode = Literal["free", "planes", "fixed"]
+QK_MODES: tuple[QKMode, ...] = ("free", "planes", "fixed")
+
+
 @dataclass(frozen=True)
 class HeadSpace:
     """The heads of one attention layer (multi-head or grouped-query).
@@ -58,7 +62,16 @@ class HeadSpace:
     Roles: ``q`` and ``o`` have ``num_heads * head_dim`` features, ``k`` and ``v`` have
     ``num_kv_heads * head_dim``. Heads never mix, so a transform is a permutation of KV heads, a
     permutation of query heads inside each group, and one inner map per KV head for Q/K and another
-    for V/O. Under rotary embeddings the Q/K inner map may only rotate each rotary plane.
+    for V/O. The V/O inner map is always free; ``qk`` says which Q/K inner maps keep the scores:
+
+    * ``"free"``: any (orthogonal, or invertible with its inverse transpose on K);
+    * ``"planes"``: only rotations (and scalings) of each rotary plane ``(j, j + head_dim/2)``, the
+      maps RoPE commutes with; what ``rotary=True`` implies unless ``qk`` says otherwise;
+    * ``"fixed"``: only the identity: a per-feature scale inside each head (Qwen3's ``q_norm`` /
+      ``k_norm``) or partial rotary embeddings (rotated and pass-through features in one head).
+
+    ``rotary`` records that the layer has rotary position embeddings; ``reason`` says why Q/K are
+    fixed, for messages.
     """
 
     name: str
@@ -67,6 +80,14 @@ class HeadSpace:
     head_dim: int
     rotary: bool = False
     kind: str = "attention"
+    qk: QKMode = "free"
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.qk not in QK_MODES:
+            raise AdapterError(f"head space {self.name!r}: qk must be one of {QK_MODES}, got {self.qk!r}")
+        if self.rotary and self.qk == "free":  # RoPE rotates each plane: only plane rotations commute
+            object.__setattr__(self, "qk", "planes")
 
     @property
     def group_size(self) -> int:
@@ -199,9 +220,17 @@ Transform = dict[str, SpaceMap]
 
 @dataclass(frozen=True)
 class Fused:
-    """An axis that concatenates several spaces (GPT-2 ``c_attn``: q | k | v)."""
+    """An axis that concatenates several spaces (GPT-2 ``c_attn``: q | k | v; Phi-3 ``qkv_proj``
+    with fewer K/V heads; ``gate_up_proj``: gate | up, one space twice).
+
+    ``interleaved``: the parts are roles of one head space and the axis holds them per KV head,
+    ``[head 0: its q | k | v, head 1: …]`` (GPT-NeoX ``query_key_value``). Offsets of
+    :meth:`SymmetryGraph.users` count in the parts' concatenated order either way; read a part with
+    :meth:`SymmetryGraph.part`, never with ``narrow``.
+    """
 
     parts: tuple[str, ...]
+    interleaved: bool = False
 
 
 AxisRef = str | Fused | None
@@ -228,6 +257,7 @@ class Norm:
     bias: str | None
     space: str
     readers: tuple[str, ...]
+    offset: float = 0.0  # the scale is γ = weight + offset (Gemma's RMSNorm computes x·(1 + w): 1)
 
 
 @dataclass(frozen=True)
@@ -284,6 +314,25 @@ class SymmetryGraph:
             return sum(self.ref_size(p) for p in ref.parts)
         return self.ref_size(ref)
 
+    def groups(self, ref: AxisRef) -> int:
+        """How many blocks a fused axis interleaves its parts in (1: one part after the other)."""
+        if not isinstance(ref, Fused) or not ref.interleaved:
+            return 1
+        spaces = {split_ref(p)[0] for p in ref.parts}
+        space = self.spaces.get(next(iter(spaces))) if len(spaces) == 1 else None
+        if not isinstance(space, HeadSpace):
+            raise AdapterError(f"an interleaved fused axis {ref.parts} needs the roles of one head space")
+        return space.num_kv_heads
+
+    def part(self, tensor: str, t: Tensor, axis: int, offset: int, size: int) -> Tensor:
+        """Features ``[offset, offset + size)`` of axis ``axis`` of ``t`` (the value of ``tensor``),
+        counted as :meth:`users` counts them: a ``narrow``, or the gathered rows of a part of an
+        interleaved fused axis."""
+        g = self.groups(self.bindings[tensor].axes[axis])
+        if g == 1:
+            return t.narrow(axis, offset, size)
+        return t.unflatten(axis, (g, -1)).narrow(axis + 1, offset // g, size // g).flatten(axis, axis + 1)
+
     def users(self, space: str) -> list[tuple[str, int, str | None, int]]:
         """Reverse index: ``(tensor, axis, role, offset)`` for every axis touching ``space``."""
         out = []
@@ -320,6 +369,7 @@ class SymmetryGraph:
                     f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {len(b.axes)} axes"
                 )
             for axis, ref in enumerate(b.axes):
+                self.groups(ref)  # an interleaved axis names the roles of one head space
                 want = self.axis_size(ref)
                 if want is not None and t.shape[axis] != want:
                     raise CheckpointError(
@@ -362,7 +412,9 @@ class SymmetryGraph:
         for axis, ref in enumerate(b.axes):
             if ref is None or axis == skip_axis:
                 continue
-            if isinstance(ref, Fused):
+            if isinstance(ref, Fused) and ref.interleaved:
+                t = self._map_interleaved(ref, t, axis, get)
+            elif isinstance(ref, Fused):
                 sizes = [self.ref_size(p) for p in ref.parts]
                 chunks = list(t.split(sizes, dim=axis))
                 for i, part in enumerate(ref.parts):
@@ -376,6 +428,18 @@ class SymmetryGraph:
                     continue  # a norm scale is isotropic (checked), so any orthogonal map leaves it alone
                 t = m.apply(t, axis)
         return t
+
+    def _map_interleaved(self, ref: Fused, t: Tensor, axis: int, get: Callable[[str], AxisMap | None]) -> Tensor:
+        """``t`` with each part of an interleaved fused axis mapped: the axis viewed as
+        ``[groups, per group]``, each part's rows gathered into its usual layout, mapped, and put back."""
+        g = self.groups(ref)
+        sizes = [self.ref_size(p) // g for p in ref.parts]
+        chunks = list(t.unflatten(axis, (g, -1)).split(sizes, dim=axis + 1))
+        for i, part in enumerate(ref.parts):
+            m = get(part)
+            if m is not None:
+                chunks[i] = m.apply(chunks[i].flatten(axis, axis + 1), axis).unflatten(axis, (g, -1))
+        return torch.cat(chunks, dim=axis + 1).flatten(axis, axis + 1)
 
     @overload
     def apply(  # type: ignore[overload-overlap]  # a LazyState is a Mapping that stays lazy
@@ -466,12 +530,15 @@ class SymmetryGraph:
         out = {}
         for name, space in self.spaces.items():
             if isinstance(space, HeadSpace):
-                if requested == "orthogonal":
+                if space.qk == "fixed":
+                    inner = " + inner rotations (V/O only: Q/K fixed)" if requested == "orthogonal" else ""
+                    out[name] = "head-permutation" + (inner or " (V/O inner only: Q/K fixed)")
+                elif requested == "orthogonal":
                     out[name] = "head-permutation + inner rotations" + (
-                        " (rotary planes for Q/K)" if space.rotary else ""
+                        " (rotary planes for Q/K)" if space.qk == "planes" else ""
                     )
                 else:
-                    out[name] = "head-permutation" + (" (V/O inner only: rotary)" if space.rotary else "")
+                    out[name] = "head-permutation" + (" (V/O inner only: rotary)" if space.qk == "planes" else "")
             elif requested == "orthogonal" and space.max_class == "orthogonal":
                 out[name] = "orthogonal" + (" (fixing 1)" if space.centered else "")
             else:
@@ -507,8 +574,14 @@ class SymmetryGraph:
 
 
 def _check_inner(name: str, space: HeadSpace, m: HeadMap) -> None:
-    """Inner head maps that keep the function: finite and well conditioned, and under rotary
-    embeddings (Q/K) a scaled rotation of each rotary plane, the only maps RoPE commutes with."""
+    """Inner head maps that keep the function: finite and well conditioned; for Q/K, under rotary
+    embeddings a scaled rotation of each rotary plane (the only maps RoPE commutes with), and the
+    identity where the space fixes them (``qk="fixed"``)."""
+    if space.qk == "fixed" and not is_identity_inner(m.qk):
+        raise TransformError(
+            f"space {name!r} fixes its Q/K inner maps ({space.reason or 'no inner map keeps its scores'}): "
+            "any Q/K inner map but the identity changes the attention scores"
+        )
     for label, inner in (("Q/K", m.qk), ("V/O", m.vo)):
         if inner.dtype == torch.long:
             continue
@@ -516,11 +589,25 @@ def _check_inner(name: str, space: HeadSpace, m: HeadMap) -> None:
             raise TransformError(f"space {name!r}: the {label} inner maps are not finite")
         if m.invertible and float(torch.linalg.cond(inner.detach().double()).max()) > 1e8:
             raise TransformError(f"space {name!r}: a {label} inner map is (nearly) singular")
-    if space.rotary and m.qk.dtype != torch.long and not is_plane_scaling(m.qk):
+    if space.qk == "planes" and m.qk.dtype != torch.long and not is_plane_scaling(m.qk):
         raise TransformError(
             f"space {name!r} has rotary embeddings: its Q/K inner maps may only rotate and scale each rotary "
             "plane (j, j + head_dim/2); any other map changes the attention scores"
         )
+
+
+def is_identity_inner(inner: Tensor, atol: float = 1e-6) -> bool:
+    """Whether every inner map of a head map (``[G, dh]`` indices or ``[G, dh, dh]`` matrices) is
+    the identity."""
+    if inner.dtype == torch.long:
+        return torch.equal(inner.cpu(), torch.arange(inner.shape[-1]).expand_as(inner))
+    eye = torch.eye(inner.shape[-1], dtype=inner.dtype).expand_as(inner)
+    return bool(torch.isfinite(inner).all()) and bool(torch.allclose(inner.detach().cpu(), eye, atol=atol))
+
+
+def identity_inner(space: HeadSpace) -> Tensor:
+    """The identity inner maps of a head space, as ``[G, dh]`` indices."""
+    return torch.arange(space.head_dim).expand(space.num_kv_heads, space.head_dim).clone()
 
 
 def is_plane_scaling(m: Tensor, atol: float = 1e-6) -> bool:
@@ -612,7 +699,8 @@ def rotary_plane_rotations(angles: Tensor) -> Tensor:
 
 def random_invertible_head_map(space: HeadSpace, g: torch.Generator, spread: float = 1.0) -> HeadMap:
     """A head map with random invertible inner maps (singular values ``exp(±spread/2)``), under
-    rotary embeddings scaled rotations of each plane for Q/K: the function-preservation tests' class."""
+    rotary embeddings scaled rotations of each plane for Q/K, the identity where Q/K are fixed: the
+    function-preservation tests' class."""
     perm = random_head_map(space, "orthogonal", g)
     G, dh = space.num_kv_heads, space.head_dim
 
@@ -622,7 +710,9 @@ def random_invertible_head_map(space: HeadSpace, g: torch.Generator, spread: flo
     def general() -> Tensor:
         return random_orthogonal(dh, g, batch=G) * scales(G, 1, dh) @ random_orthogonal(dh, g, batch=G)
 
-    if space.rotary:
+    if space.qk == "fixed":
+        qk = identity_inner(space)
+    elif space.qk == "planes":
         planes = rotary_plane_rotations(torch.rand(G, dh // 2, generator=g, dtype=torch.float64) * 2 * math.pi)
         qk = planes * torch.cat([scales(G, dh // 2)] * 2, dim=1)[:, :, None]
     else:
@@ -635,14 +725,16 @@ def random_head_map(space: HeadSpace, cls: TransformClass, g: torch.Generator) -
     kv = torch.randperm(G, generator=g)
     q = torch.stack([torch.randperm(r, generator=g) for _ in range(G)])
     if cls == "orthogonal":
-        if space.rotary:
+        if space.qk == "fixed":
+            qk = identity_inner(space)
+        elif space.qk == "planes":
             qk = rotary_plane_rotations(torch.rand(G, dh // 2, generator=g, dtype=torch.float64) * 2 * math.pi)
         else:
             qk = random_orthogonal(dh, g, batch=G)
         vo = random_orthogonal(dh, g, batch=G)
     else:
-        if space.rotary:
-            qk = torch.arange(dh).expand(G, dh).clone()
+        if space.qk != "free":  # no permutation but the identity keeps rotary planes or fixed features
+            qk = identity_inner(space)
         else:
             qk = torch.stack([torch.randperm(dh, generator=g) for _ in range(G)])
         vo = torch.stack([torch.randperm(dh, generator=g) for _ in range(G)])

@@ -219,10 +219,10 @@ def test_every_tensor_is_described(models):
 
 
 def test_unsupported_model_type_lists_supported():
-    cfg = T.DistilBertConfig()
+    cfg = T.MambaConfig()  # a state-space model: no attention heads
     with pytest.raises(UnsupportedArchitectureError, match="gpt2") as e:
         graph_for(cfg, [])
-    assert "distilbert" in str(e.value)
+    assert "'mamba'" in str(e.value) and "distilbert" in str(e.value) and "modernbert" in str(e.value)
 
 
 def test_registry_refuses_duplicates():

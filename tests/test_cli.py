@@ -174,12 +174,11 @@ def test_checkpoint_that_does_not_match_its_config(saved_model) -> None:
 
 def test_unsupported_model_type(saved_model) -> None:
     torch.manual_seed(0)
-    cfg = T.DistilBertConfig(
-        vocab_size=tiny.V, dim=32, n_layers=1, n_heads=4, hidden_dim=48, max_position_embeddings=64
-    )
-    folder = saved_model(T.DistilBertForMaskedLM(cfg))
-    err = assert_user_error(run_cli("verify", str(folder)), "'distilbert'", "not supported")
-    for model_type in ("bert", "gpt2", "llama"):
+    # a state-space model: no attention heads, no adapter
+    cfg = T.MambaConfig(vocab_size=tiny.V, hidden_size=16, num_hidden_layers=1, state_size=4, conv_kernel=2)
+    folder = saved_model(T.MambaForCausalLM(cfg))
+    err = assert_user_error(run_cli("verify", str(folder)), "'mamba'", "not supported")
+    for model_type in ("bert", "gpt2", "llama", "distilbert", "modernbert"):
         assert model_type in err
 
 

@@ -427,3 +427,56 @@ def test_freed_heap_is_given_back() -> None:
     done = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, check=True)
     before, after = map(int, done.stdout.split())
     assert before - after > 400 * 2**20, (before, after)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_weight_similarity_reads_in_blocks_and_gives_the_heap_back(
+    arch: str, pairs: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``check`` stage's weight cosine of matched features (`diagnostics.feature_similarity`)
+    works on blocks of features, never on a float64 copy of a whole tensor (of TinyLlama's
+    embedding, that copy moved axis first was 1 GB more, the peak of every streamed run), and
+    gives the heap back as it streams: the same numbers, bit for bit, as in one block."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_rebasin import diagnostics
+
+    class Float64Sizes(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    a, b = (load_model(folder, stream=True) for folder in pairs[arch])
+    graph = a.graph
+    transform = graph.random_transform("permutation", torch.Generator().manual_seed(0))
+    whole = diagnostics.feature_similarity(graph, a.weights, b.weights, transform)  # every tensor in one block
+    widest = max(a.weights.numel(n) for n in graph.bindings if n in a.weights)
+    bound = [
+        (n, axis)
+        for n, binding in graph.bindings.items()
+        if n in a.weights
+        for axis, ref in enumerate(binding.axes)
+        if ref is not None
+    ]
+    rows = max(a.weights.numel(n) // a.weights.shape(n)[axis] for n, axis in bound)  # one feature's values
+    features = max(a.weights.shape(n)[axis] for n, axis in bound)  # the sums: one value per feature
+    trims: list[int] = []
+    monkeypatch.setattr(diagnostics, "BLOCK_ELEMENTS", 16)
+    monkeypatch.setattr(diagnostics, "GIVE_BACK_BYTES", 8 * widest)
+    monkeypatch.setattr(diagnostics, "give_back_freed", lambda: trims.append(1))
+    accumulate, seen = diagnostics._accumulate, Float64Sizes()
+
+    def watched(*args: Any) -> Any:
+        with seen:
+            return accumulate(*args)
+
+    monkeypatch.setattr(diagnostics, "_accumulate", watched)
+    blocked = diagnostics.feature_similarity(graph, a.weights, b.weights, transform)
+    assert blocked == whole
+    assert seen.largest <= max(16, rows, features) < widest, (seen.largest, rows, features, widest)
+    assert trims

@@ -252,6 +252,199 @@ def clip(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(T.CLIPModel(cfg), seed)
 
 
+# ---- encoders: XLM-RoBERTa, DistilBERT, ModernBERT ---------------------------------------------
+
+
+def _xlm_roberta_config(**kw: object) -> T.XLMRobertaConfig:
+    return T.XLMRobertaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        **kw,
+    )
+
+
+def xlm_roberta_mlm(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.XLMRobertaForMaskedLM(_xlm_roberta_config()), seed)
+
+
+def xlm_roberta_cls(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.XLMRobertaForSequenceClassification(_xlm_roberta_config(num_labels=3)), seed)
+
+
+def _distilbert_config(**kw: object) -> T.DistilBertConfig:
+    return T.DistilBertConfig(
+        vocab_size=V, dim=32, n_layers=2, n_heads=4, hidden_dim=48, max_position_embeddings=64, pad_token_id=0, **kw
+    )
+
+
+def distilbert_mlm(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.DistilBertForMaskedLM(_distilbert_config()), seed)
+
+
+def distilbert_cls(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.DistilBertForSequenceClassification(_distilbert_config(num_labels=3)), seed)
+
+
+def distilbert_base(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.DistilBertModel(_distilbert_config()), seed)
+
+
+def _modernbert_config(**kw: object) -> T.ModernBertConfig:
+    # layer 0 global, layer 1 sliding-window attention; a 4-token window so it bites on 12 tokens
+    return T.ModernBertConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        local_attention=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        cls_token_id=1,
+        eos_token_id=2,
+        sep_token_id=2,
+        **kw,
+    )
+
+
+def modernbert_mlm(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.ModernBertForMaskedLM(_modernbert_config()), seed)
+
+
+def modernbert_cls(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.ModernBertForSequenceClassification(_modernbert_config(num_labels=3)), seed)
+
+
+def modernbert_base(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.ModernBertModel(_modernbert_config()), seed)
+
+
+def modernbert_bias(seed: int = 0) -> torch.nn.Module:
+    """Every bias ModernBERT can have, on a mean-pooling sequence classifier."""
+    _seed(seed)
+    cfg = _modernbert_config(
+        num_labels=3,
+        attention_bias=True,
+        mlp_bias=True,
+        norm_bias=True,
+        classifier_bias=True,
+        classifier_pooling="mean",
+    )
+    return _randomize_norms(T.ModernBertForSequenceClassification(cfg), seed)
+
+
+# ---- Gemma (RMSNorm x·(1 + w)) and DINOv2 (LayerScale) -------------------------------------
+
+
+def gemma(seed: int = 0) -> torch.nn.Module:
+    """GQA with an explicit head_dim (16, not 32 / 4); tied LM head; norm weights w random, so γ = 1 + w."""
+    _seed(seed)
+    cfg = T.GemmaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=48,
+        max_position_embeddings=64,
+    )
+    return _randomize_norms(T.GemmaForCausalLM(cfg), seed)
+
+
+def _dinov2(cls: type, seed: int, **kw: object) -> torch.nn.Module:
+    _seed(seed)
+    cfg = T.Dinov2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        mlp_ratio=2,
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        **kw,
+    )
+    model = _randomize_norms(cls(cfg), seed)
+    g = torch.Generator().manual_seed(seed + 2000)
+    with torch.no_grad():  # LayerScale λ of 1 (or 0.1·randn) would hide folding bugs: 0.5 + U(0, 1)
+        for name, p in model.named_parameters():
+            if name.endswith("lambda1"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+    return model
+
+
+def dinov2_cls(seed: int = 0) -> torch.nn.Module:
+    return _dinov2(T.Dinov2ForImageClassification, seed, num_labels=5)
+
+
+def dinov2_base(seed: int = 0) -> torch.nn.Module:
+    return _dinov2(T.Dinov2Model, seed)
+
+
+# ---- decoders: Qwen3 (q/k norms), Phi-3 (fused qkv, partial rotary), GPT-NeoX (per-head qkv) ----
+
+
+def qwen3_tied(seed: int = 0) -> torch.nn.Module:
+    """Tied head, q/k/v/o biases and an explicit head_dim (16, not 32 / 4); q_norm / k_norm random."""
+    return _llama_like(T.Qwen3ForCausalLM, T.Qwen3Config, seed, tied=True, head_dim=16, attention_bias=True)
+
+
+def qwen3_untied(seed: int = 0) -> torch.nn.Module:
+    return _llama_like(T.Qwen3ForCausalLM, T.Qwen3Config, seed, tied=False, head_dim=8)
+
+
+def phi3(seed: int = 0, tied: bool = False, rotary: float = 0.5) -> torch.nn.Module:
+    """GQA through the fused qkv_proj; half of each head rotates (Q/K fixed) unless ``rotary`` is 1."""
+    return _llama_like(
+        T.Phi3ForCausalLM,
+        T.Phi3Config,
+        seed,
+        tied=tied,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        partial_rotary_factor=rotary,
+    )
+
+
+def phi3_tied(seed: int = 0) -> torch.nn.Module:
+    """Full rotary (Q/K rotary planes, like Phi-3-mini) and a tied head."""
+    return phi3(seed, tied=True, rotary=1.0)
+
+
+def gpt_neox(seed: int = 0, parallel: bool = True, tied: bool = False) -> torch.nn.Module:
+    """Pythia's layout: parallel residual, rotary_pct 0.25 (2 of 8 features per head), biases."""
+    _seed(seed)
+    cfg = T.GPTNeoXConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        use_parallel_residual=parallel,
+        tie_word_embeddings=tied,
+    )
+    return _randomize_norms(T.GPTNeoXForCausalLM(cfg), seed)
+
+
+def gpt_neox_sequential(seed: int = 0) -> torch.nn.Module:
+    return gpt_neox(seed, parallel=False, tied=True)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bert-mlm": bert_mlm,
     "bert-cls": bert_cls,
@@ -270,4 +463,22 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "qwen2-tied": qwen2,
     "qwen2-untied": qwen2_untied,
     "clip": clip,
+    "xlm-roberta-mlm": xlm_roberta_mlm,
+    "xlm-roberta-cls": xlm_roberta_cls,
+    "distilbert-mlm": distilbert_mlm,
+    "distilbert-cls": distilbert_cls,
+    "distilbert-base": distilbert_base,
+    "modernbert-mlm": modernbert_mlm,
+    "modernbert-cls": modernbert_cls,
+    "modernbert-base": modernbert_base,
+    "modernbert-bias": modernbert_bias,
+    "gemma": gemma,
+    "dinov2-cls": dinov2_cls,
+    "dinov2-base": dinov2_base,
+    "qwen3-tied": qwen3_tied,
+    "qwen3-untied": qwen3_untied,
+    "phi3": phi3,
+    "phi3-tied": phi3_tied,
+    "gpt-neox": gpt_neox,
+    "gpt-neox-sequential": gpt_neox_sequential,
 }

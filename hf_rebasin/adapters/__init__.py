@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import UnsupportedArchitectureError
 from ..symmetry import SymmetryGraph
-from . import bert, clip, gpt2, llama, vit
+from . import bert, clip, dinov2, distilbert, gemma, gpt2, gpt_neox, llama, modernbert, phi3, vit
 from .base import ArchitectureSpec
 
 
@@ -37,13 +37,14 @@ class AdapterRegistry:
         if spec is None:
             raise UnsupportedArchitectureError(
                 f"model_type {model_type!r} is not supported; supported: {', '.join(self.model_types)}. "
-                "Adding one is a small declarative file in hf_rebasin/adapters/."
+                "Adding one is a small declarative file in hf_rebasin/adapters/: see the README's "
+                "'Adding an architecture' (docs/adapters.md in the repository)."
             )
         return spec
 
 
 REGISTRY = AdapterRegistry()
-for _spec in (bert.BERT, bert.ROBERTA, gpt2.SPEC, vit.SPEC, llama.SPEC, clip.SPEC):
+for _spec in (bert.BERT, bert.ROBERTA, gpt2.SPEC, vit.SPEC, llama.SPEC, clip.SPEC, distilbert.SPEC, modernbert.SPEC, gemma.SPEC, dinov2.SPEC, llama.QWEN3, phi3.SPEC, gpt_neox.SPEC):
     REGISTRY.register(_spec)
 
 

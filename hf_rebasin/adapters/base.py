@@ -8,6 +8,7 @@ reading sizes from a config.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections.abc import Callable, Collection, Mapping
@@ -16,7 +17,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..symmetry import AxisRef, Binding, Fused, HeadSpace, Norm, Space, Sublayer, SymmetryGraph, TransformClass
+from ..canonical import WriterScale
+from ..symmetry import AxisRef, Binding, Fused, HeadSpace, Norm, QKMode, Space, Sublayer, SymmetryGraph, TransformClass
 
 _VAR = re.compile(r"\{(\w+)\}")
 
@@ -42,6 +44,12 @@ class HeadsT:
     kv_heads: str = "heads"
     head_dim: str = "head_dim"
     rotary: bool = False
+    # which Q/K inner maps keep the scores: "free", "planes" (what rotary implies), "fixed" (q/k norms);
+    # ``reason`` says why, for messages
+    qk: QKMode = "free"
+    reason: str = ""
+    # dims key of the features per head that rotate (partial rotary: fewer than head_dim fixes Q/K)
+    rotary_dim: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,18 @@ class NormT:
     bias: bool = True
     # the model's last norm: in a bare base model its output is the model's output, so not foldable
     final: bool = False
+    # the norm multiplies by weight + offset (Gemma's RMSNorm: x·(1 + w), offset 1)
+    offset: float = 0.0
+
+
+@dataclass(frozen=True)
+class ScaleT:
+    """A per-feature scale ``param`` on what ``writers`` write to ``space`` (DINOv2's LayerScale
+    ``layer_scale1.lambda1``: the sublayer's output times λ); canonical form folds it into them."""
+
+    param: str
+    space: str
+    writers: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -93,10 +113,16 @@ class ArchitectureSpec:
     last_hidden: Mapping[str, str] = field(default_factory=dict)
     # Optional escape hatch: tensor templates that depend on which other tensors exist.
     alternatives: Callable[[Collection[str]], Mapping[str, tuple[AxisRef, ...]]] | None = None
+    # per-feature scales on the output of writers of a space (LayerScale)
+    scales: tuple[ScaleT, ...] = ()
+    # Optional escape hatch: fields that depend on the config, replaced before the graph is built
+    # (GPT-NeoX's sublayers without a parallel residual).
+    configured: Callable[[Any], Mapping[str, Any]] | None = None
 
     def graph(self, config: Any, keys: Collection[str]) -> SymmetryGraph:
         """The symmetry graph of a concrete model (its config and state-dict keys)."""
-        return _build(self, config, set(keys))
+        spec = dataclasses.replace(self, **self.configured(config)) if self.configured is not None else self
+        return _build(spec, config, set(keys))
 
 
 def _expansions(strings: list[str], loops: Mapping[str, str], dims: Mapping[str, int]) -> list[dict[str, str]]:
@@ -113,7 +139,7 @@ def _fmt_ref(ref: AxisRef, env: Mapping[str, str]) -> AxisRef:
     if ref is None:
         return None
     if isinstance(ref, Fused):
-        return Fused(tuple(_fmt(p, env) for p in ref.parts))
+        return Fused(tuple(_fmt(p, env) for p in ref.parts), ref.interleaved)
     return _fmt(ref, env)
 
 
@@ -133,7 +159,7 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
         for env in _expansions([st.name], spec.loops, dims):
             name = _fmt(st.name, env)
             if isinstance(st, HeadsT):
-                spaces[name] = HeadSpace(name, dims[st.heads], dims[st.kv_heads], dims[st.head_dim], st.rotary)
+                spaces[name] = _head_space(st, name, dims)
             else:
                 spaces[name] = Space(name, dims[st.size], st.max_class, st.centered, st.kind, st.reason)
 
@@ -166,7 +192,17 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
             bindings[weight] = Binding(weight, (space,), norm_scale=True)
             if bias is not None:
                 bindings[bias] = Binding(bias, (space,))
-            norms.append(Norm(weight, bias, space, readers))
+            norms.append(Norm(weight, bias, space, readers, nt.offset))
+    for sc in spec.scales:
+        for env in _expansions([sc.param, sc.space, *sc.writers], spec.loops, dims):
+            env = {**env0, **env}
+            param = _fmt(sc.param, env)
+            if param not in keys:
+                continue
+            space = _fmt(sc.space, env)
+            writers = tuple(w for w in (_fmt(x, env) for x in sc.writers) if w in keys)
+            bindings[param] = Binding(param, (space,), norm_scale=True)
+            norms.append(WriterScale(param, None, space, writers))
 
     ties: dict[str, str] = {}
     tie_on = getattr(config, "tie_word_embeddings", True) is not False
@@ -196,6 +232,16 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
     graph.spaces = {k: v for k, v in spaces.items() if k in used}
     _limit_unfoldable(graph)
     return graph
+
+
+def _head_space(st: HeadsT, name: str, dims: Mapping[str, int]) -> HeadSpace:
+    """The head space of a template: partial rotary embeddings (rotated and pass-through features in
+    one head) fix its Q/K inner maps."""
+    qk, reason, dh = st.qk, st.reason, dims[st.head_dim]
+    if st.rotary_dim is not None and dims[st.rotary_dim] < dh:
+        qk = "fixed"
+        reason = reason or f"partial rotary embeddings: {dims[st.rotary_dim]} of {dh} features per head rotate"
+    return HeadSpace(name, dims[st.heads], dims[st.kv_heads], dh, st.rotary, qk=qk, reason=reason)
 
 
 def _sublayers(spec: ArchitectureSpec, dims: Mapping[str, int], env0: Mapping[str, str]) -> tuple[Sublayer, ...]:

@@ -1,7 +1,7 @@
-"""BERT and RoBERTa: post-LayerNorm encoders. The LayerNorms sit on the residual path, so the
-residual stream admits permutations only. The MLM decoder is tied to the word embeddings and reads
-``transform`` (dense → GELU → LayerNorm): that output space *is* the residual space, so its rows
-and LayerNorm take the residual permutation and the tie stays exact."""
+"""BERT and RoBERTa (XLM-RoBERTa: RoBERTa's layout): post-LayerNorm encoders. The LayerNorms sit on
+the residual path, so the residual stream admits permutations only. The MLM decoder is tied to the
+word embeddings and reads ``transform`` (dense → GELU → LayerNorm): that output space *is* the
+residual space, so its rows and LayerNorm take the residual permutation and the tie stays exact."""
 
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ BERT = ArchitectureSpec(
 
 ROBERTA = ArchitectureSpec(
     family="roberta",
-    model_types=("roberta",),
+    # XLM-RoBERTa is RoBERTa's module tree and names (prefix `roberta.`), with a larger vocabulary
+    model_types=("roberta", "xlm-roberta"),
     base_prefix="roberta.",
     dims=_dims,
     loops={"i": "layers"},

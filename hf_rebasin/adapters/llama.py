@@ -1,8 +1,10 @@
 """Llama family (Llama, Mistral, Qwen2): pre-RMSNorm, rotary embeddings, grouped-query attention,
-SwiGLU MLP. Qwen2 adds q/k/v biases; any of them may tie the LM head to the embeddings."""
+SwiGLU MLP. Qwen2 adds q/k/v biases; any of them may tie the LM head to the embeddings. Qwen3 adds
+per-head q/k norms (`QWEN3`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
@@ -67,4 +69,20 @@ SPEC = ArchitectureSpec(
     last_hidden={"res": "{base}norm"},
     norm_type="rmsnorm",
     outputs={"logits": None, "last_hidden_state": "res"},
+)
+
+
+# Qwen3: Llama's layout plus q_norm / k_norm, an RMSNorm over each head's features (one γ shared by
+# all heads) between the Q/K projections and RoPE. A head permutation leaves them be, but no Q/K
+# inner map commutes with γ: Q/K are fixed, V/O stay free. They never touch the residual stream.
+QWEN3 = dataclasses.replace(
+    SPEC,
+    family="qwen3",
+    model_types=("qwen3",),
+    spaces=(
+        SpaceT("res", "d", "orthogonal", kind="residual"),
+        HeadsT(ATTN, kv_heads="kv_heads", rotary=True, qk="fixed", reason="q_norm/k_norm scale each feature of a head"),
+        SpaceT(MLP, "ff", kind="mlp"),
+    ),
+    invariant=(*SPEC.invariant, f"{L}.self_attn.q_norm.weight", f"{L}.self_attn.k_norm.weight"),
 )

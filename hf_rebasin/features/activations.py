@@ -141,10 +141,13 @@ class _Batch:
         if self.tokens is None:
             self.tokens = x.numel() // x.shape[-1]
 
-    def features(self, t: Tensor, offset: int, size: int, copy: bool) -> Tensor:
+    def features(self, t: Tensor, offset: int, size: int, copy: bool, groups: int = 1) -> Tensor:
         """Masked features ``[n_tok, size]`` of the last axis of ``t``; a fresh float32 copy when
-        asked (A's features must outlive the forward and survive in-place ops)."""
-        if offset != 0 or size != t.shape[-1]:
+        asked (A's features must outlive the forward and survive in-place ops). With ``groups``,
+        the axis is that many blocks, each giving ``size / groups`` features from ``offset``."""
+        if groups > 1:
+            t = t.unflatten(-1, (groups, -1))[..., offset : offset + size // groups].flatten(-2)
+        elif offset != 0 or size != t.shape[-1]:
             t = t[..., offset : offset + size]
         mask = self.mask
         if mask is not None and tuple(t.shape[:-1]) == tuple(mask.shape):
@@ -428,7 +431,7 @@ class Collector:
         if keep:
             for site in self.plan.plain.get(module, ()):
                 t = x if site.where == "input" else out
-                self._pairs[site.key].waiting.append(batch.features(t, site.offset, site.size, True))
+                self._pairs[site.key].waiting.append(batch.features(t, site.offset, site.size, True, site.groups))
 
     def _discover(self, d: _Discovery, batch: _Batch, module: str, x: Tensor, keep: bool) -> None:
         """First forward of A: firing order and residual groups (by identity of the input)."""
@@ -494,14 +497,17 @@ class Collector:
     def _on_b(self, module: str, x: Tensor, out: Any) -> None:
         batch = self._batch
         assert batch is not None
-        todo = [(s.key, x if s.where == "input" else out, s.offset, s.size) for s in self.plan.plain.get(module, ())]
+        todo = [
+            (s.key, x if s.where == "input" else out, s.offset, s.size, s.groups)
+            for s in self.plan.plain.get(module, ())
+        ]
         if module in self._structure.keys:
             t, size = self._stream(module, x, out)
-            todo.append((self._structure.keys[module], t, 0, size))
-        for key, t, offset, size in todo:
+            todo.append((self._structure.keys[module], t, 0, size, 1))
+        for key, t, offset, size, groups in todo:
             pairing = self._pairs[key]
             a = pairing.take(module)
-            pairing.add(a, batch.features(t, offset, size, False))
+            pairing.add(a, batch.features(t, offset, size, False, groups))
 
     # ---- results -----------------------------------------------------------------------------
 

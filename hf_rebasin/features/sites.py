@@ -22,7 +22,8 @@ class Site:
     ``key``: a space ref (``"h.0.mlp"``, ``"h.0.attn:o"``), the residual space's name, or in
     :class:`~.activations.ActivationStats` a residual key such as ``"res@3"``. The features are
     the last axis of ``module``'s input or output, sliced ``[offset, offset + size)`` (GPT-2's
-    fused ``c_attn`` output holds q | k | v).
+    fused ``c_attn`` output holds q | k | v); with ``groups`` > 1 the axis is that many blocks and
+    the slice ``[offset, offset + size / groups)`` is taken in each (GPT-NeoX's per-head q | k | v).
     """
 
     key: str
@@ -30,6 +31,7 @@ class Site:
     where: Literal["input", "output"]
     offset: int
     size: int
+    groups: int = 1
 
 
 def _linear_axes(module: torch.nn.Module) -> tuple[int, int] | None:
@@ -85,12 +87,13 @@ def candidate_sites(graph: SymmetryGraph, model: torch.nn.Module, wanted: set[st
         if isinstance(in_ref, str) and split_ref(in_ref)[0] in wanted:
             sites.append(Site(in_ref, module, "input", 0, graph.ref_size(in_ref)))
         parts: tuple[str, ...] = out_ref.parts if isinstance(out_ref, Fused) else (out_ref,) if out_ref else ()
+        groups = graph.groups(out_ref)
         offset = 0
         for part in parts:
             size = graph.ref_size(part)
             space = split_ref(part)[0]
             if space in wanted and not is_residual(graph, space):
-                sites.append(Site(part, module, "output", offset, size))
+                sites.append(Site(part, module, "output", offset // groups, size, groups))
             offset += size
     return sites
 

@@ -53,7 +53,8 @@ class WeightViews:
         b = self.graph.map_tensor(tensor, self.sd_b[tensor], transform, skip_axis=axis, cache=cache)
         size = self.graph.ref_size(f"{space}:{role}" if role else space)
         work = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-        a2, b2 = a.narrow(axis, offset, size).to(work), b.narrow(axis, offset, size).to(work)
+        a2 = self.graph.part(tensor, a, axis, offset, size).to(work)
+        b2 = self.graph.part(tensor, b, axis, offset, size).to(work)
         if a2.dim() == 2:  # a transposed operand, not a transposed copy: the same product, bit for bit
             return a2.T @ b2 if axis == 1 else a2 @ b2.T
         a2, b2 = a2.movedim(axis, 0).reshape(size, -1), b2.movedim(axis, 0).reshape(size, -1)

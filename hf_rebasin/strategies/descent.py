@@ -62,10 +62,11 @@ def _axis_value(m: AxisMap, v: Tensor) -> float:
 
 
 def inner_kinds(space: HeadSpace, cls: TransformClass) -> tuple[str, str]:
-    """Which inner maps a head space allows for Q/K and for V/O under ``cls``."""
+    """Which inner maps a head space allows for Q/K and for V/O under ``cls`` (solver kinds: a
+    fixed Q/K, and under rotary embeddings any Q/K permutation, is the identity)."""
     if cls == "orthogonal":
-        return ("planes" if space.rotary else "orth"), "orth"
-    return ("fixed" if space.rotary else "perm"), "perm"
+        return {"free": "orth", "planes": "planes", "fixed": "fixed"}[space.qk], "orth"
+    return ("perm" if space.qk == "free" else "fixed"), "perm"
 
 
 @dataclasses.dataclass
@@ -109,8 +110,10 @@ def circuit_similarity(pairs: HeadPairs, rotary: bool) -> Tensor:
     """``[G, G, r, r]`` similarity of query heads' QK circuits (W_Qᵀ W_K) plus OV circuits (W_O W_V).
 
     ``⟨W_Qᵃᵀ W_Kᵃ, W_Qᵇᵀ W_Kᵇ⟩ = ⟨W_Qᵃ W_Qᵇᵀ, W_Kᵃ W_Kᵇᵀ⟩``, so the d×d circuits are never built: the
-    ``dh×dh`` blocks of the weight views suffice. Under RoPE the QK circuit depends on the relative
-    position; averaging over it keeps, per rotary plane, the rotation-commuting part of each block.
+    ``dh×dh`` blocks of the weight views suffice. Under RoPE (``rotary``: Q/K maps restricted to
+    rotary planes) the QK circuit depends on the relative position; averaging over it keeps, per
+    rotary plane, the rotation-commuting part of each block. Heads whose Q/K are fixed compare the
+    whole circuit (a ranking only: the descent keeps a pairing only when it also matches better).
     """
     k = pairs.k[:, :, None, None]
     if rotary:
@@ -134,7 +137,8 @@ def solve_heads(
     """Two-level assignment; heads never mix.
 
     Query heads are assigned inside each (A group, B group) pair, KV heads are paired by an outer
-    LAP, then each chosen pair gets its best inner maps (LAP, Procrustes, or rotary-plane rotations).
+    LAP, then each chosen pair gets its best inner maps (LAP, Procrustes, rotary-plane rotations, or
+    the identity where the space fixes them).
     ``ranking`` scores pairs by the value of their best inner maps (weight matching) or by QK/OV
     circuit similarity (invariant to the inner maps); ``outer`` fixes the pairing (TransFusion).
     """
@@ -149,7 +153,7 @@ def solve_heads(
     else:
         b_idx = None
         if ranking == "circuit":
-            score = circuit_similarity(pairs, space.rotary)
+            score = circuit_similarity(pairs, space.qk == "planes")
         else:
             score = inner_values(pairs.q, qk_kind) + inner_values(pairs.o, vo_kind)
         tau = (

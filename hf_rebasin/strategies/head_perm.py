@@ -51,6 +51,12 @@ def _check_applicable(graph: SymmetryGraph, options: HeadPermOptions, batches_ha
                 f"strategy.heads: ignore-heads needs as many key/value heads as query heads (one permutation "
                 f"of all features), but {gqa[0]!r} uses grouped-query attention; use head-perm or monotonic"
             )
+        per_head = [t for t, b in graph.bindings.items() if any(isinstance(a, Fused) and a.interleaved for a in b.axes)]
+        if per_head:
+            raise StrategyOptionError(
+                f"strategy.heads: ignore-heads moves features across heads, which {per_head[0]!r} (q, k and v "
+                "laid out per head) cannot follow; use head-perm or monotonic"
+            )
 
 
 def _residual_names(graph: SymmetryGraph) -> list[str]:
@@ -74,15 +80,16 @@ def _spaces_to_collect(graph: SymmetryGraph, options: HeadPermOptions) -> list[s
 def _solve_attention(space: HeadSpace, corr: Mapping[str | None, Tensor], heads: Heads, qk_maps: str) -> HeadMap:
     """Pair heads on the attention-output correlation (the input of W_O), with each pair's inner
     permutation; Q/K take that permutation too (``qk: shared``) or their own from the query/key
-    correlation (``separate``, and always for rotary heads)."""
+    correlation (``separate``, and always for heads whose Q/K maps are not free: under rotary
+    embeddings or fixed Q/K the solver keeps them the identity)."""
     G, r = space.num_kv_heads, space.group_size
     o_only: dict[str | None, Tensor] = {"o": corr["o"]} if "o" in corr else {}
     fixed = (torch.arange(G), torch.arange(r).expand(G, r).clone()) if heads == "monotonic" else None
     vo = solve_heads(space, o_only, "permutation", outer=fixed)
-    if qk_maps == "shared" and not space.rotary:
+    if qk_maps == "shared" and space.qk == "free":
         return HeadMap(vo.kv_perm, vo.q_perm, vo.vo.clone(), vo.vo)
     qk_views: dict[str | None, Tensor] = {k: v for k, v in corr.items() if k in ("q", "k")}
-    if not qk_views:
+    if not qk_views or space.qk != "free":  # rotary or fixed: no Q/K permutation but the identity
         return vo
     qk = solve_heads(space, qk_views, "permutation", outer=(vo.kv_perm, vo.q_perm))
     return HeadMap(vo.kv_perm, vo.q_perm, qk.qk, vo.vo)
@@ -105,7 +112,11 @@ def flatten_heads(graph: SymmetryGraph, names: list[str]) -> SymmetryGraph:
         k: dataclasses.replace(
             b,
             axes=tuple(
-                None if a is None else Fused(tuple(fix(p) for p in a.parts)) if isinstance(a, Fused) else fix(a)
+                None
+                if a is None
+                else dataclasses.replace(a, parts=tuple(fix(p) for p in a.parts))
+                if isinstance(a, Fused)
+                else fix(a)
                 for a in b.axes
             ),
         )

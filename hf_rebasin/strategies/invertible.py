@@ -2,7 +2,8 @@
 
 Inside a head, ``W_Q → M·W_Q`` with ``W_K → M⁻ᵀ·W_K`` leaves every attention score ``qᵀk`` unchanged,
 and ``W_V → N·W_V`` with ``W_O → W_O·N⁻¹`` leaves the head's output unchanged, for any invertible M
-and N (under rotary embeddings M must commute with RoPE: a scaled rotation of each rotary plane).
+and N (under rotary embeddings M must commute with RoPE: a scaled rotation of each rotary plane; a
+head space whose Q/K are fixed keeps M the identity).
 Orthogonal maps cannot undo a head of B that computes A's circuit in a sheared or rescaled basis;
 these can.
 
@@ -37,7 +38,7 @@ def head_rows(graph: SymmetryGraph, sd: Mapping[str, Tensor], space: str) -> dic
     for tensor, axis, role, offset in graph.users(space):
         assert role is not None
         size = sp.role_size(role)
-        t = sd[tensor].narrow(axis, offset, size).to(torch.float64).movedim(axis, 0).reshape(size, -1)
+        t = graph.part(tensor, sd[tensor], axis, offset, size).to(torch.float64).movedim(axis, 0).reshape(size, -1)
         heads = size // dh
         t = t.reshape(heads, dh, -1)
         if heads != G:  # query / output heads: the r heads of a group side by side
@@ -117,10 +118,11 @@ def invertible_inner(
         rows_a, rows_b = head_rows(graph, sd_a, name), head_rows(graph, aligned, name)
         if not {"q", "k", "v", "o"} <= set(rows_a):
             continue
-        extra_qk = fit_inner(rows_a["q"], rows_b["q"], rows_a["k"], rows_b["k"], rotary=sp.rotary)
         extra_vo = fit_inner(rows_a["v"], rows_b["v"], rows_a["o"], rows_b["o"])
-        qk, vo = m.inner("q"), m.inner("v")  # compose: the new map acts after the old one
-        out[name] = HeadMap(
-            m.kv_perm, m.q_perm, extra_qk @ inner_matrices(qk), extra_vo @ inner_matrices(vo), invertible=True
-        )
+        vo = extra_vo @ inner_matrices(m.inner("v"))  # compose: the new map acts after the old one
+        if sp.qk == "fixed":  # no Q/K map but the identity keeps the scores: Q/K stay as they are
+            out[name] = HeadMap(m.kv_perm, m.q_perm, m.qk, vo, invertible=True)
+            continue
+        extra_qk = fit_inner(rows_a["q"], rows_b["q"], rows_a["k"], rows_b["k"], rotary=sp.qk == "planes")
+        out[name] = HeadMap(m.kv_perm, m.q_perm, extra_qk @ inner_matrices(m.inner("q")), vo, invertible=True)
     return out

@@ -63,7 +63,8 @@ class LearnedSettings:
     holdout: float = 0.25  # share of the alignment batches held out for the stopping rule
     eval_every: int = 50  # steps between held-out scores
     patience: int = 4  # held-out scores without improvement before stopping (0: never stop early)
-    invertible: bool = False  # inner head maps are any invertible matrices (rotary Q/K: scaled plane rotations)
+    # inner head maps are any invertible matrices (rotary Q/K: scaled plane rotations; fixed Q/K stay)
+    invertible: bool = False
 
 
 @dataclass
@@ -137,17 +138,18 @@ class _Maps(torch.nn.Module):
                 if self.invertible:
                     self.free[key + "_vo"] = torch.nn.Parameter(inner_matrices(m.inner("v"), torch.float32).clone())
                     qk = inner_matrices(m.inner("q"), torch.float32)
-                    if sp.rotary:  # per plane (a, b): the scaled rotation [[a, -b], [b, a]]
+                    if sp.qk == "planes":  # per plane (a, b): the scaled rotation [[a, -b], [b, a]]
                         half = sp.head_dim // 2
                         j = torch.arange(half)
                         planes = torch.stack([qk[:, j, j], qk[:, j + half, j]], dim=-1)
                         self.free[key + "_planes"] = torch.nn.Parameter(planes.clone())
-                    else:
+                    elif sp.qk == "free":
                         self.free[key + "_qk"] = torch.nn.Parameter(qk.clone())
+                    # fixed: Q/K keep their map (the identity), nothing to learn
                 else:
                     if m.vo.dtype != torch.long:
                         self.orth[key + "_vo"] = torch.nn.Parameter(m.vo.to(torch.float32).clone())
-                    if m.qk.dtype != torch.long and not sp.rotary:
+                    if m.qk.dtype != torch.long and sp.qk == "free":
                         self.orth[key + "_qk"] = torch.nn.Parameter(m.qk.to(torch.float32).clone())
                 if settings.heads and sp.num_kv_heads > 1:
                     g = sp.num_kv_heads
@@ -192,8 +194,10 @@ class _Maps(torch.nn.Module):
             vo = self.free[key + "_vo"]
             if key + "_qk" in self.free:
                 qk = self.free[key + "_qk"]
-            else:  # rotary: (a, b) per plane
+            elif key + "_planes" in self.free:  # rotary: (a, b) per plane
                 qk = plane_scalings(self.free[key + "_planes"])
+            else:  # fixed Q/K
+                qk = m.qk
             return qk, vo
         qk = self.orth[key + "_qk"] if key + "_qk" in self.orth else m.qk
         vo = self.orth[key + "_vo"] if key + "_vo" in self.orth else m.vo

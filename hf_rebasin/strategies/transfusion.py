@@ -34,7 +34,7 @@ def head_spectra(graph: SymmetryGraph, sd: Mapping[str, Tensor], space: str) -> 
     for tensor, axis, role, offset in graph.users(space):
         assert role is not None
         size = sp.role_size(role)
-        t = sd[tensor].narrow(axis, offset, size).to(torch.float64).movedim(axis, 0)
+        t = graph.part(tensor, sd[tensor], axis, offset, size).to(torch.float64).movedim(axis, 0)
         parts.setdefault(role, []).append(t.reshape(size // sp.head_dim, sp.head_dim, -1))
     return {role: singular_values(torch.cat(blocks, dim=-1)) for role, blocks in parts.items()}
 
