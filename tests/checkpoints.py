@@ -37,6 +37,14 @@ FAMILIES: dict[str, Callable[..., torch.nn.Module]] = {
     "mistral": tiny.mistral,
     "qwen2-tied": tiny.qwen2,
     "clip": tiny.clip,
+    "xlm-roberta-mlm": tiny.xlm_roberta_mlm,
+    "distilbert-mlm": tiny.distilbert_mlm,
+    "modernbert-mlm": tiny.modernbert_mlm,
+    "dinov2-cls": tiny.dinov2_cls,
+    "gemma": tiny.gemma,
+    "qwen3-tied": tiny.qwen3_tied,
+    "phi3": tiny.phi3,
+    "gpt-neox": tiny.gpt_neox,
 }
 
 
@@ -45,7 +53,7 @@ def _legacy_buffers(model: torch.nn.Module, prefix: str) -> dict[str, torch.Tens
     config = model.config
     kind = config.model_type
     out: dict[str, torch.Tensor] = {}
-    if kind in ("bert", "roberta"):
+    if kind in ("bert", "roberta", "xlm-roberta"):
         positions = config.max_position_embeddings
         out[f"{prefix}embeddings.position_ids"] = torch.arange(positions)[None]
     elif kind == "gpt2":
@@ -58,11 +66,25 @@ def _legacy_buffers(model: torch.nn.Module, prefix: str) -> dict[str, torch.Tens
         inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
         for i in range(config.num_hidden_layers):
             out[f"{prefix}layers.{i}.self_attn.rotary_emb.inv_freq"] = inv_freq.clone()
+    elif kind == "gpt_neox":  # Pythia's checkpoints: causal mask, its constant, rotary frequencies per layer
+        n = config.max_position_embeddings
+        rotary = int(config.hidden_size // config.num_attention_heads * _rotary_pct(config))
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary, 2).float() / rotary))
+        for i in range(config.num_hidden_layers):
+            out[f"{prefix}layers.{i}.attention.bias"] = torch.tril(torch.ones(n, n, dtype=torch.bool)).view(1, 1, n, n)
+            out[f"{prefix}layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+            out[f"{prefix}layers.{i}.attention.rotary_emb.inv_freq"] = inv_freq.clone()
     elif kind == "clip":
         out["text_model.embeddings.position_ids"] = torch.arange(config.text_config.max_position_embeddings)[None]
         patches = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
         out["vision_model.embeddings.position_ids"] = torch.arange(patches + 1)[None]
     return out
+
+
+def _rotary_pct(config: object) -> float:
+    rope = getattr(config, "rope_parameters", None)
+    found = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    return float(found or getattr(config, "rotary_pct", None) or 0.25)
 
 
 def _prefix(model: torch.nn.Module) -> str:
