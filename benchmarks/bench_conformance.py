@@ -1,6 +1,6 @@
 """The checkpoint conformance table: family × layout → loaded like stock transformers, verify, merge.
 
-    python benchmarks/bench_conformance.py                 # every case (~3 min on 2 cores)
+    python benchmarks/bench_conformance.py                 # every case (~5 min on 2 cores)
     python benchmarks/bench_conformance.py --families gpt2 bert-base --layouts legacy-buffers base-class
 
 Each case writes a tiny model of the family in the layout (`tests/checkpoints.py`: how repositories
