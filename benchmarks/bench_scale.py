@@ -2,19 +2,39 @@
 
     python benchmarks/bench_scale.py --shape small --strategies vanilla weight-matching transfusion generalized-orthogonal
     python benchmarks/bench_scale.py --shape tinyllama --strategies vanilla weight-matching --json tinyllama.json
+    python benchmarks/bench_scale.py --shape tinyllama --layout single --strategies vanilla weight-matching transfusion
+    python benchmarks/bench_scale.py --shape mistral7b --layout hub --strategies vanilla --timeout 10800
     python benchmarks/bench_scale.py --shape mistral7b --strategies weight-matching --max-iter 1 --timeout 7200
-    python benchmarks/bench_scale.py --shape tinyllama --make-only      # only write the two models
+    python benchmarks/bench_scale.py --shape tinyllama --layout single --make-only      # only write the two models
     python benchmarks/bench_scale.py --shape small --strategies vanilla weight-matching --compare-in-memory
     python benchmarks/bench_scale.py --shape tinyllama --job transport --strategies weight-matching  # twice: cache hit
     python benchmarks/bench_scale.py --shape tinyllama --strategies head-perm --tokens 32768 --block-size 512
 
 ``make``: two models (seeds 0 and 1) of the shape are written under ``--root`` as stock
-transformers folders in bfloat16 (``config.json``, ~2 GB safetensors shards and their
-``model.safetensors.index.json``) without ever holding a model in memory: names and shapes come
+transformers folders in bfloat16 (``config.json`` and safetensors files laid out as ``--layout``
+says) without ever holding a model in memory: names and shapes come
 from the class built on the meta device (`hf_rebasin.offload.empty_model`), and each tensor is
 drawn from its own seeded generator just before `hf_rebasin.tensors.write_safetensors` writes it.
 Weights are ``randn · fan_in^-½``, norms ``1 + 0.1 · randn``. A folder is written under a
-temporary name and renamed when complete, so an existing folder is complete and is reused. At
+temporary name and renamed when complete, so an existing folder is complete and is reused. The
+folders are keyed by shape and layout (``ROOT/<shape>-<layout>-seed<n>``), so layouts never share
+a folder; the tensors (and so every output) are the same whatever the layout.
+
+``--layout`` (how the safetensors files of a model are split; tensors in the model's order):
+
+* ``2gb`` (default): files of at most ~2 GB, ``model-0000k-of-0000n.safetensors`` and their
+  ``model.safetensors.index.json`` (always an index, even for one file);
+* ``single``: one ``model.safetensors`` and no index, whatever the size;
+* ``hub``: what the shape's Hub repository ships, i.e. what ``save_pretrained`` wrote with the
+  ``max_shard_size`` of the transformers that saved it: 10 GB (`HUB_SHARD_BYTES`) for
+  ``tinyllama`` (TinyLlama ships one 2.2 GB ``model.safetensors``) and ``mistral7b``
+  (Mistral-7B-v0.1 ships ``model-00001-of-00002.safetensors`` ~9.9 GB and
+  ``model-00002-of-00002.safetensors`` ~4.5 GB, with an index); any other shape (``small``) gets
+  the installed transformers' ``save_pretrained`` default (50 GB in transformers 5: one file).
+  As ``save_pretrained`` does, a model that fits in one file is one ``model.safetensors`` without
+  an index.
+
+At
 ``small`` size the folder is also loaded with ``AutoModelForCausalLM.from_pretrained`` (an
 independent check that it is a valid checkpoint); at every size the dtype is read back with
 ``safetensors.safe_open``.
@@ -77,7 +97,11 @@ from hf_rebasin.offload import empty_model
 from hf_rebasin.tensors import write_safetensors
 
 GB = 1e9
-SHARD_BYTES = 2 * 10**9  # ~2 GB per file, as `save_pretrained` shards big models
+SHARD_BYTES = 2 * 10**9  # ~2 GB per file (--layout 2gb)
+LAYOUTS = ("2gb", "single", "hub")
+# --layout hub: the max_shard_size the shape's Hub repository was saved with (transformers 4's
+# default then, "10GB"): TinyLlama's one 2.2 GB file, Mistral-7B's 9.9 GB + 4.5 GB shards
+HUB_SHARD_BYTES = {"tinyllama": 10 * 10**9, "mistral7b": 10 * 10**9}
 STRATEGIES = ("vanilla", "weight-matching", "transfusion", "generalized-orthogonal", "head-perm")
 DATA_STRATEGIES = ("head-perm",)  # read alignment text: a corpus and a tokenizer in the model folders
 CORPUS_PLAYS = ("hamlet", "macbeth", "othello", "king-lear", "romeo-and-juliet")  # ~600k characters
@@ -174,6 +198,36 @@ def shards(entries: list[Entry], limit: int = SHARD_BYTES) -> list[list[Entry]]:
     return out
 
 
+def transformers_shard_bytes() -> int:
+    """The installed transformers' ``save_pretrained`` default ``max_shard_size``, in bytes."""
+    import inspect
+
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    default = inspect.signature(T.PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
+    return default if isinstance(default, int) else parse_size_to_int(default)
+
+
+def files_of(shape: str, layout: str, entries: list[Entry]) -> tuple[list[str], list[list[Entry]], bool]:
+    """How ``layout`` splits the model's ``entries``: (file names, entries per file, whether an
+    index is written)."""
+    if layout == "single":
+        return ["model.safetensors"], [list(entries)], False
+    if layout == "2gb":
+        groups = shards(entries, SHARD_BYTES)
+        return [f"model-{k:05d}-of-{len(groups):05d}.safetensors" for k in range(1, len(groups) + 1)], groups, True
+    if layout != "hub":
+        raise SystemExit(f"unknown layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    groups = shards(entries, HUB_SHARD_BYTES.get(shape) or transformers_shard_bytes())
+    if len(groups) == 1:  # as save_pretrained: one file, no index
+        return ["model.safetensors"], groups, False
+    return [f"model-{k:05d}-of-{len(groups):05d}.safetensors" for k in range(1, len(groups) + 1)], groups, True
+
+
+def model_folder(root: Path, shape: str, layout: str, seed: int, *, finetune: bool = False) -> Path:
+    return root / f"{shape}-{layout}-{'ft-' if finetune else ''}seed{seed}"
+
+
 def producer(entries: list[Entry], seed: int) -> Callable[[str], torch.Tensor]:
     """``produce(name)``: the tensor ``name`` of the model of ``seed``, each from its own generator
     (seeded by the model's seed and the tensor's index), so the order of writing does not matter."""
@@ -205,10 +259,10 @@ def finetune_producer(entries: list[Entry], seed: int) -> Callable[[str], torch.
     return produce
 
 
-def make_model(shape: str, folder: Path, seed: int, *, finetune: bool = False) -> None:
-    """Write a random bf16 model of ``shape`` to ``folder`` (skipped when it exists: a folder
-    appears only once complete, renamed from ``folder.partial``); ``finetune``: seed's model plus
-    noise (`finetune_producer`)."""
+def make_model(shape: str, layout: str, folder: Path, seed: int, *, finetune: bool = False) -> None:
+    """Write a random bf16 model of ``shape`` in files as ``layout`` splits them to ``folder``
+    (skipped when it exists: a folder appears only once complete, renamed from ``folder.partial``);
+    ``finetune``: seed's model plus noise (`finetune_producer`)."""
     if (folder / "config.json").is_file():
         print(f"make: {folder} exists, reused")
         return
@@ -217,24 +271,25 @@ def make_model(shape: str, folder: Path, seed: int, *, finetune: bool = False) -
     partial.mkdir(parents=True)
     entries = planned_entries(shape)
     produce = (finetune_producer if finetune else producer)(entries, seed)
-    groups = shards(entries)
+    names, groups, indexed = files_of(shape, layout, entries)
     weight_map: dict[str, str] = {}
     total = 0
     start = time.perf_counter()
-    for k, group in enumerate(groups, 1):
-        file = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+    for file, group in zip(names, groups, strict=True):
         write_safetensors(partial / file, group, produce)
         for name, dims, _ in group:
             weight_map[name] = file
             total += math.prod(dims) * 2
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if indexed:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     config_of(shape).save_pretrained(partial)
     partial.rename(folder)
     n_params = sum(math.prod(dims) for _, dims, _ in entries)
+    sizes = ", ".join(f"{(folder / f).stat().st_size / GB:.2f}" for f in names)
     print(
-        f"make: {folder}  {n_params / 1e9:.3f}B parameters, {total / GB:.2f} GB in {len(groups)} shard(s), "
-        f"{time.perf_counter() - start:.1f}s"
+        f"make: {folder}  {n_params / 1e9:.3f}B parameters, {total / GB:.2f} GB in {len(groups)} file(s) "
+        f"({layout}: {sizes} GB{', indexed' if indexed else ''}), {time.perf_counter() - start:.1f}s"
     )
 
 
@@ -289,25 +344,25 @@ def check_dtypes(folder: Path) -> None:
         raise SystemExit(f"{folder}: expected only BF16 tensors, found {dtypes}")
 
 
-def make(shape: str, root: Path) -> list[Path]:
-    folders = [root / f"{shape}-seed{seed}" for seed in SEEDS]
+def make(shape: str, layout: str, root: Path) -> list[Path]:
+    folders = [model_folder(root, shape, layout, seed) for seed in SEEDS]
     for seed, folder in zip(SEEDS, folders, strict=True):
-        make_model(shape, folder, seed)
+        make_model(shape, layout, folder, seed)
         check_dtypes(folder)
     if shape == "small":
         check_small(folders[0], shape)
     return folders
 
 
-def make_finetune(shape: str, root: Path) -> Path:
-    """``<shape>-ft-seed0``: seed 0's model plus noise; checked to differ from seed 0 by about
-    ``FINETUNE_NOISE`` on its first tensor."""
+def make_finetune(shape: str, layout: str, root: Path) -> Path:
+    """``<shape>-<layout>-ft-seed0``: seed 0's model plus noise; checked to differ from seed 0 by
+    about ``FINETUNE_NOISE`` on its first tensor."""
     from safetensors import safe_open
 
-    folder = root / f"{shape}-ft-seed{SEEDS[0]}"
-    make_model(shape, folder, SEEDS[0], finetune=True)
+    folder = model_folder(root, shape, layout, SEEDS[0], finetune=True)
+    make_model(shape, layout, folder, SEEDS[0], finetune=True)
     check_dtypes(folder)
-    base_file = safetensors_files(root / f"{shape}-seed{SEEDS[0]}")[0]
+    base_file = safetensors_files(model_folder(root, shape, layout, SEEDS[0]))[0]
     with safe_open(str(base_file), framework="pt") as fb, safe_open(str(safetensors_files(folder)[0]), "pt") as ff:
         name = next(iter(fb.keys()))
         std = (ff.get_tensor(name).float() - fb.get_tensor(name).float()).std().item()
@@ -357,10 +412,11 @@ class Result:
     identical: bool | None = None  # in-memory rows: its output = the streamed output, tensor by tensor
     identical_detail: str | None = None
     error: str | None = None
+    layout: str = LAYOUTS[0]  # how the input models' safetensors files are split (--layout)
 
     @property
     def label(self) -> str:
-        return f"{self.job} {self.strategy} ({self.path})"
+        return f"{self.job} {self.strategy} ({self.layout}, {self.path})"
 
 
 def strategy_spec(strategy: str, max_iter: int | None) -> dict[str, Any]:
@@ -394,6 +450,7 @@ def recipe_of(
     job: str,
     root: Path,
     shape: str,
+    layout: str,
     strategy: str,
     models: dict[str, Path],
     max_iter: int | None,
@@ -402,7 +459,7 @@ def recipe_of(
     """The recipe (dict) of ``job`` and its name, without an output folder yet; ``text`` is the
     alignment data section of a strategy that reads data."""
     if job == "merge":
-        name = f"{shape}-{strategy}"
+        name = f"{shape}-{layout}-{strategy}"
         body: dict[str, Any] = {
             "job": "merge",
             "models": [str(models["a"]), str(models["b"])],
@@ -411,7 +468,7 @@ def recipe_of(
             "cache": False,
         }
     else:
-        name = f"{shape}-transport-{strategy}"
+        name = f"{shape}-{layout}-transport-{strategy}"
         body = {
             "job": "transport",
             "base": str(models["base"]),
@@ -611,7 +668,7 @@ def run_one(
     if strategy in DATA_STRATEGIES:
         corpus = alignment_text(root, models, args.tokens)
         text = {"dataset": "text", "data_files": str(corpus), "max_tokens": args.tokens, "block_size": args.block_size}
-    name, body = recipe_of(job, root, shape, strategy, models, args.max_iter, text)
+    name, body = recipe_of(job, root, shape, args.layout, strategy, models, args.max_iter, text)
     recipe_path, output = write_recipe(root, name, body)
     model_bytes = disk_bytes(next(iter(models.values())))
     estimated, line = dry_run_estimate(recipe_path)
@@ -626,6 +683,7 @@ def run_one(
         model_gb=model_bytes / GB,
         estimated_peak_gb=estimated,
         estimate=line,
+        layout=args.layout,
     )
     stderr = measure(
         ["hf-rebasin", str(recipe_path)],
@@ -651,6 +709,7 @@ def run_one(
         model_gb=model_bytes / GB,
         estimated_peak_gb=estimated,
         estimate=line,
+        layout=args.layout,
     )
     results.append(memory)
     if estimated is not None and available is not None and estimated > available:
@@ -693,6 +752,7 @@ def table(results: list[Result]) -> str:
     show_identical = any(r.path == IN_MEMORY for r in results)
     head = [
         "shape",
+        "layout",
         "job",
         "strategy",
         "path",
@@ -716,6 +776,7 @@ def table(results: list[Result]) -> str:
         rows.append(
             [
                 r.shape,
+                r.layout,
                 r.job,
                 r.strategy,
                 r.path,
@@ -749,6 +810,9 @@ def table(results: list[Result]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="small", choices=list(SHAPES))
+    p.add_argument(
+        "--layout", default=LAYOUTS[0], choices=LAYOUTS, help="how the models' safetensors files are split (see above)"
+    )
     p.add_argument("--job", default="merge", choices=JOBS, help="merge seed 0 and seed 1, or transport (see above)")
     p.add_argument("--strategies", nargs="+", default=["vanilla"], choices=STRATEGIES)
     p.add_argument("--root", type=Path, default=Path("/tmp/hf-rebasin-bench"), help="models, recipes, outputs")
@@ -767,9 +831,9 @@ def main() -> None:
     os.environ["HF_REBASIN_CACHE"] = str(cache_root)  # every run (and the dry runs) inherit it
     if args.clear_cache:
         shutil.rmtree(cache_root / "alignments", ignore_errors=True)
-    folders = make(args.shape, root)
+    folders = make(args.shape, args.layout, root)
     if args.job == "transport":
-        finetuned = make_finetune(args.shape, root)
+        finetuned = make_finetune(args.shape, args.layout, root)
         models = {"base": folders[0], "finetuned": finetuned, "target": folders[1]}
     else:
         models = {"a": folders[0], "b": folders[1]}
