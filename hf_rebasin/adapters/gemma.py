@@ -6,32 +6,19 @@ map of the residual stream."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
+from .llama import llama_dims
 
 ATTN = "layers.{i}.attn"
 MLP = "layers.{i}.mlp"
 L = "{base}layers.{i}"
 
 
-def _dims(c: Any) -> dict[str, int]:
-    d, heads = c.hidden_size, c.num_attention_heads
-    return {
-        "d": d,
-        "layers": c.num_hidden_layers,
-        "heads": heads,
-        "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(c, "head_dim", None) or d // heads,
-        "ff": c.intermediate_size,
-    }
-
-
 SPEC = ArchitectureSpec(
     family="gemma",
     model_types=("gemma",),
     base_prefix="model.",
-    dims=_dims,
+    dims=llama_dims,
     loops={"i": "layers"},
     spaces=(
         SpaceT("res", "d", "orthogonal", kind="residual"),

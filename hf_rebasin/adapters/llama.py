@@ -14,7 +14,8 @@ MLP = "layers.{i}.mlp"
 L = "{base}layers.{i}"
 
 
-def _dims(c: Any) -> dict[str, int]:
+def llama_dims(c: Any) -> dict[str, int]:
+    """Sizes of a Llama-layout config (Gemma and Qwen3 read theirs the same way)."""
     d, heads = c.hidden_size, c.num_attention_heads
     return {
         "d": d,
@@ -30,7 +31,7 @@ SPEC = ArchitectureSpec(
     family="llama",
     model_types=("llama", "mistral", "qwen2"),
     base_prefix="model.",
-    dims=_dims,
+    dims=llama_dims,
     loops={"i": "layers"},
     spaces=(
         SpaceT("res", "d", "orthogonal", kind="residual"),
