@@ -383,7 +383,8 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
 
     _quiet_libraries()
     from .basis import check_gaps, function_gap, write_pair
-    from .models import check_compatible, check_output_folder, load_model, resolve_device, to_device
+    from .export import check_output
+    from .models import check_compatible, load_model, resolve_device, to_device
     from .recipe import strategy_spec
     from .strategies import Pair
     from .strategies.base import relative_distance
@@ -394,11 +395,13 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     device = resolve_device(args.device, where="--device")
     named = {"A": args.model_a, "B": args.model_b}
     if args.output:  # before any download or load: a refused output costs nothing
-        check_output_folder(args.output, [(f"MODEL_{k}", Path(v)) for k, v in named.items()])
+        check_output(
+            Path(args.output), False, inputs=[(f"MODEL_{k}", Path(v)) for k, v in named.items()], where="--output"
+        )
     folders = {k: _model_folder(v, args.allow_pickle, where=f"MODEL_{k}") for k, v in named.items()}
     inputs = [(f"MODEL_{k}", Path(v)) for k, v in folders.items()]
     if args.output and folders != named:  # a download: its folder is an input too
-        check_output_folder(args.output, inputs)
+        check_output(Path(args.output), False, inputs=inputs, where="--output")
     a, b = (load_model(folders[k], allow_pickle=args.allow_pickle) for k in ("A", "B"))
     check_compatible(a, b)
     for loaded in (a, b):

@@ -69,8 +69,6 @@ class LoadedModel:
         return self.source if self.source is not None else self.model.state_dict()
 
 
-
-
 # dtypes an output is written in; another stored dtype (float8) is written as float32
 WRITABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -785,11 +783,3 @@ def resolve_device(name: str | None, where: str = "`device`") -> torch.device:
     if name == "mps" and not torch.backends.mps.is_available():
         raise RebasinUserError(f"{where}: 'mps' was asked for, but MPS is not available here")
     return torch.device(name)
-
-
-def check_output_folder(path: str | Path, inputs: Iterable[tuple[str, Path]] = (), where: str = "--output") -> Path:
-    """An output folder that does not exist yet, outside every input, that can be written (checked
-    before any work is done; the same rules as a recipe's `output.dir`)."""
-    from .export import check_output
-
-    return check_output(Path(path), False, inputs=inputs, where=where)
