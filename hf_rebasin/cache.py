@@ -347,6 +347,7 @@ def save_alignment(key: str, alignment: Alignment, pair: Pair, *, root: Path | N
         "strategy": alignment.strategy,
         "exact": alignment.exact,
         "canonical": alignment.canonical,
+        "glu": alignment.glu_matched,
         "untied": list(alignment.untied),
         "notes": list(alignment.notes),
         "timings": {k: float(v) for k, v in alignment.timings.items()},
@@ -456,6 +457,10 @@ def read_alignment(key: str, pair: Pair, strategy: str | None = None, *, root: P
         transform = _decode(graph, meta["spaces"], tensors)
         norms = {k: sd_b[k] for k, b in graph.bindings.items() if b.norm_scale and k in sd_b}
         graph.apply(norms, transform)  # the class checks: orthogonal maps only where they are exact
+        if meta.get("glu"):  # B's gated units in A's scaling, as the strategy left them
+            from .glu import match_scales
+
+            sd_b = match_scales(graph, sd_a, sd_b, transform)
         return Alignment(
             str(meta["strategy"]),
             graph,
@@ -464,6 +469,7 @@ def read_alignment(key: str, pair: Pair, strategy: str | None = None, *, root: P
             transform,
             exact=bool(meta["exact"]),
             canonical=bool(meta["canonical"]),
+            glu_matched=bool(meta.get("glu")),
             untied=untied,
             notes=[str(n) for n in meta["notes"]],
             timings={str(k): float(v) for k, v in meta["timings"].items()},

@@ -99,10 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--class",
         dest="transform_class",
-        choices=("permutation", "orthogonal"),
+        choices=("permutation", "signed-permutation", "orthogonal"),
         default="permutation",
         help="richest transform class to draw from (default permutation); spaces that do not admit it "
-        "fall back to permutations, and the report says which",
+        "fall back (orthogonal to signed permutations where a norm's scale cannot be folded, else to "
+        "permutations), and the report says which",
     )
     verify.add_argument(
         "--allow-pickle",

@@ -27,9 +27,7 @@ def index_shards(index: Path, where: str) -> list[str]:
         raise CheckpointError(f"{where} is not a valid JSON shard index: {e}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(
-            f"{where} has no `weight_map` (tensor name -> shard file); the shard index is incomplete"
-        )
+        raise CheckpointError(f"{where} has no `weight_map` (tensor name -> shard file); the shard index is incomplete")
     suffix = ".bin" if Path(index).name.endswith(".bin.index.json") else ".safetensors"
     shards = sorted({str(v) for v in weight_map.values()})
     for shard in shards:

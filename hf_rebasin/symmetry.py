@@ -24,8 +24,10 @@ from torch import Tensor
 from .errors import AdapterError, CheckpointError, TransformError
 from .tensors import LazyState
 
-TransformClass = Literal["permutation", "orthogonal"]
-TRANSFORM_CLASSES: tuple[TransformClass, ...] = ("permutation", "orthogonal")
+TransformClass = Literal["permutation", "signed-permutation", "orthogonal"]
+# richest last; "signed-permutation" (a permutation times diag(±1)) is exact wherever every norm on
+# the space is sign-blind (RMSNorm: rms(Sx) = rms(x)), even where a norm's γ cannot be folded away
+TRANSFORM_CLASSES: tuple[TransformClass, ...] = ("permutation", "signed-permutation", "orthogonal")
 ROLES = ("q", "k", "v", "o")
 
 
@@ -49,6 +51,12 @@ class Space:
     centered: bool = False
     kind: str = "plain"
     reason: str = ""
+
+    @property
+    def allows_signs(self) -> bool:
+        """Whether signed permutations are exact: a signed-permutation space, or an orthogonal one
+        that need not fix 1 (every signed permutation with a −1 moves the all-ones vector)."""
+        return self.max_class == "signed-permutation" or (self.max_class == "orthogonal" and not self.centered)
 
 
 QKMode = Literal["free", "planes", "fixed"]
@@ -124,6 +132,23 @@ class AxisMap:
     def is_permutation(self) -> bool:
         return self.blocks is None
 
+    @property
+    def is_signed_permutation(self) -> bool:
+        """A permutation times diag(±1): 1×1 blocks of ±1 (a plain permutation counts too)."""
+        if self.blocks is None:
+            return True
+        return self.blocks.shape[1:] == (1, 1) and bool((self.blocks.detach().abs() == 1).all())
+
+    @property
+    def unsigned(self) -> AxisMap:
+        """The permutation part of a signed permutation: what a norm's γ on the space takes."""
+        return AxisMap(self.size, index=self.index)
+
+    @staticmethod
+    def signed(index: Tensor | None, signs: Tensor) -> AxisMap:
+        """``new[i] = signs[i] · old[index[i]]``."""
+        return AxisMap(len(signs), index=index, blocks=signs.to(torch.float64).reshape(-1, 1, 1))
+
     def matrix(self, dtype: torch.dtype = torch.float64) -> Tensor:
         """The dense ``[size, size]`` matrix (for solvers and tests; apply never builds it)."""
         return self.apply(torch.eye(self.size, dtype=dtype), 0)
@@ -133,7 +158,12 @@ class AxisMap:
             raise TransformError(f"axis of size {t.shape[axis]} cannot take a map of size {self.size}")
         if self.index is not None:
             t = t.index_select(axis, self.index.to(t.device))
-        if self.blocks is not None:
+        if self.blocks is not None and self.blocks.shape[1] == 1:  # a diagonal: one product per entry
+            shape = [1] * t.dim()
+            shape[axis] = -1
+            work = torch.promote_types(t.dtype, torch.float32)
+            t = (t.to(work) * self.blocks.reshape(shape).to(device=t.device, dtype=work)).to(t.dtype)
+        elif self.blocks is not None:
             nb, bs, _ = self.blocks.shape
             work = torch.promote_types(t.dtype, torch.float32)
             moved = t.movedim(axis, -1)
@@ -261,6 +291,20 @@ class Norm:
 
 
 @dataclass(frozen=True)
+class Glu:
+    """The units of a gated MLP, ``down(act(gate·x) ⊙ (up·x))``: unit i may be scaled by any s ≠ 0
+    (row i of ``up`` and its bias times s, column i of ``down`` divided by s) without changing the
+    function, so matching compares units in a canonical scaling. Each field names a tensor and which
+    occurrence of ``space`` on its unit axis holds the part (0 unless the axis is fused, as Phi-3's
+    ``gate_up_proj``: gate 0, up 1)."""
+
+    space: str
+    gate: tuple[str, int]
+    up: tuple[str, int]
+    down: tuple[str, int]
+
+
+@dataclass(frozen=True)
 class Sublayer:
     """One sublayer on the residual stream (an attention or MLP block), by module prefixes: those
     that read the stream (its norm, its input projections) and those that write it back (its output
@@ -295,6 +339,7 @@ class SymmetryGraph:
     sublayers: tuple[Sublayer, ...] = ()  # in forward order
     embeddings: tuple[str, ...] = ()  # module prefixes that write the stream before the first sublayer
     last_hidden: dict[str, str] = field(default_factory=dict)  # residual space -> module: its final state
+    glus: tuple[Glu, ...] = ()  # gated MLPs: their units' free scaling
 
     # ---- structure -------------------------------------------------------------------------
 
@@ -424,8 +469,13 @@ class SymmetryGraph:
                 t = torch.cat(chunks, dim=axis)
             else:
                 m = get(ref)
-                if m is None or (b.norm_scale and not m.is_permutation):
-                    continue  # a norm scale is isotropic (checked), so any orthogonal map leaves it alone
+                if m is not None and b.norm_scale and not m.is_permutation:
+                    # a norm's γ is a diagonal: under a signed permutation it only permutes (the
+                    # signs pass through the sign-blind norm); under any other orthogonal map it is
+                    # isotropic (checked), so the map leaves it alone
+                    m = m.unsigned if m.is_signed_permutation else None
+                if m is None:
+                    continue
                 t = m.apply(t, axis)
         return t
 
@@ -498,6 +548,18 @@ class SymmetryGraph:
             if isinstance(space, HeadSpace) and isinstance(m, HeadMap):
                 _check_inner(name, space, m)
             if isinstance(space, Space) and isinstance(m, AxisMap) and not m.is_permutation:
+                if m.is_signed_permutation and space.allows_signs:
+                    continue  # exact whatever the norm scales: they only permute
+                if m.is_signed_permutation and space.max_class == "orthogonal":
+                    raise TransformError(
+                        f"space {name!r} admits orthogonal maps fixing the all-ones vector only "
+                        "(LayerNorm subtracts the mean); a sign flip moves it"
+                    )
+                if space.max_class == "signed-permutation":
+                    raise TransformError(
+                        f"space {name!r} admits only signed permutations ({space.reason or 'a norm scale on its path'}); "
+                        "any other orthogonal map would change the model's outputs"
+                    )
                 if space.max_class != "orthogonal":
                     raise TransformError(
                         f"space {name!r} admits only permutations ({space.reason or 'post-norm'}); "
@@ -539,21 +601,24 @@ class SymmetryGraph:
                     )
                 else:
                     out[name] = "head-permutation" + (" (V/O inner only: rotary)" if space.qk == "planes" else "")
-            elif requested == "orthogonal" and space.max_class == "orthogonal":
-                out[name] = "orthogonal" + (" (fixing 1)" if space.centered else "")
             else:
-                out[name] = "permutation"
+                got = plain_class(space, requested)
+                out[name] = got + (" (fixing 1)" if got == "orthogonal" and space.centered else "")
         return out
 
     def fallbacks(self, requested: TransformClass) -> list[str]:
         """Human-readable notes for spaces that cannot take ``requested``."""
-        if requested != "orthogonal":
+        if requested == "permutation":
             return []
-        return [
-            f"space {name!r} admits only permutations ({space.reason}); using a permutation there"
-            for name, space in self.spaces.items()
-            if isinstance(space, Space) and space.kind == "residual" and space.max_class != "orthogonal"
-        ]
+        out = []
+        for name, space in self.spaces.items():
+            if not isinstance(space, Space) or space.kind != "residual":
+                continue
+            got = plain_class(space, requested)
+            if got != requested:
+                what = "signed permutations" if got == "signed-permutation" else "permutations"
+                out.append(f"space {name!r} admits only {what} ({space.reason}); using {what} there")
+        return out
 
     def random_transform(
         self, cls: TransformClass = "permutation", generator: torch.Generator | None = None
@@ -566,11 +631,29 @@ class SymmetryGraph:
         for name, space in self.spaces.items():
             if isinstance(space, HeadSpace):
                 out[name] = random_head_map(space, cls, g)
-            elif cls == "orthogonal" and space.max_class == "orthogonal":
+                continue
+            got = plain_class(space, cls, strict=True)
+            if got == "orthogonal":
                 out[name] = AxisMap(space.size, blocks=random_orthogonal(space.size, g, fix_ones=space.centered)[None])
+            elif got == "signed-permutation":
+                signs = torch.randint(0, 2, (space.size,), generator=g) * 2 - 1
+                out[name] = AxisMap.signed(torch.randperm(space.size, generator=g), signs)
             else:
                 out[name] = AxisMap(space.size, index=torch.randperm(space.size, generator=g))
         return out
+
+
+def plain_class(space: Space, requested: TransformClass, *, strict: bool = False) -> TransformClass:
+    """The class a plain space gets when ``requested`` is asked for: the richest the space admits up
+    to it. A signed-permutation space keeps its signs even when plain permutations are asked for
+    (a strategy matching it without signs would miss half its symmetry) unless ``strict``."""
+    if requested == "orthogonal" and space.max_class == "orthogonal":
+        return "orthogonal"
+    if space.max_class == "signed-permutation" and (requested != "permutation" or not strict):
+        return "signed-permutation"
+    if requested == "signed-permutation" and space.allows_signs:
+        return "signed-permutation"
+    return "permutation"
 
 
 def _check_inner(name: str, space: HeadSpace, m: HeadMap) -> None:

@@ -15,6 +15,7 @@ from hf_rebasin.errors import TransformError, UnsupportedArchitectureError
 from hf_rebasin.models import rebuild
 from hf_rebasin.strategies.weight_matching import weight_matching
 from hf_rebasin.symmetry import (
+    TRANSFORM_CLASSES,
     AxisMap,
     HeadMap,
     HeadSpace,
@@ -34,7 +35,7 @@ def models() -> dict[str, torch.nn.Module]:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("cls", ["permutation", "orthogonal"])
+@pytest.mark.parametrize("cls", TRANSFORM_CLASSES)
 @pytest.mark.parametrize("case", CASES)
 def test_random_allowed_transform_preserves_outputs(models, case, cls, seed):
     report = verify_model(models[case], cls, seed=seed)
@@ -156,7 +157,7 @@ def test_canonical_form_is_exact_and_idempotent(models, case):
         torch.testing.assert_close(sd2[k], sd[k])
 
 
-@pytest.mark.parametrize("cls", ["permutation", "orthogonal"])
+@pytest.mark.parametrize("cls", TRANSFORM_CLASSES)
 @pytest.mark.parametrize("case", CASES)
 def test_transformed_model_round_trips_through_save_pretrained(models, case, cls, tmp_path):
     model = models[case]
@@ -175,7 +176,7 @@ def test_transformed_model_round_trips_through_save_pretrained(models, case, cls
             assert (after[k] - before[k]).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("cls", ["permutation", "orthogonal"])
+@pytest.mark.parametrize("cls", TRANSFORM_CLASSES)
 @pytest.mark.parametrize("case", CASES)
 def test_aligning_a_model_to_itself_is_the_identity(models, case, cls):
     model = models[case]
@@ -187,13 +188,15 @@ def test_aligning_a_model_to_itself_is_the_identity(models, case, cls):
     assert all(m.is_identity() for m in transform.values())
 
 
+@pytest.mark.parametrize("cls", ["permutation", "signed-permutation"])
 @pytest.mark.parametrize("case", CASES)
-def test_permutation_is_recovered_exactly(models, case):
+def test_permutation_is_recovered_exactly(models, case, cls):
+    """Weight matching undoes a random (signed, where the residual allows signs) permutation."""
     model = models[case]
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    sd_b = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(9)))
-    back = graph.apply(sd_b, weight_matching(graph, sd, sd_b, "permutation"))
+    sd_b = graph.apply(sd, graph.random_transform(cls, torch.Generator().manual_seed(9)))
+    back = graph.apply(sd_b, weight_matching(graph, sd, sd_b, cls))
     for k in sd:
         torch.testing.assert_close(back[k], sd[k], atol=1e-6, rtol=0)
 

@@ -445,6 +445,66 @@ def gpt_neox_sequential(seed: int = 0) -> torch.nn.Module:
     return gpt_neox(seed, parallel=False, tied=True)
 
 
+def siglip(seed: int = 0) -> torch.nn.Module:
+    """SigLIP: both towers 32 wide (the text head writes the pooled vision stream), MLP widths that
+    differ per tower, 4 patches of a 16-pixel image pooled by the attention head."""
+    _seed(seed)
+    cfg = T.SiglipConfig(
+        text_config=dict(
+            vocab_size=V,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            max_position_embeddings=16,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=40,
+            image_size=16,
+            patch_size=8,
+            num_channels=3,
+        ),
+    )
+    return _randomize_norms(T.SiglipModel(cfg), seed)
+
+
+# ---- post-sublayer norms: Gemma 2 / 3 (sandwich), OLMo 2 (post only) -------------------------
+
+
+def gemma2(seed: int = 0) -> torch.nn.Module:
+    """Sandwich norms (γ = 1 + w, random), both soft-caps, a sliding window shorter than the inputs
+    (local and global layers), tied head."""
+    return _llama_like(
+        T.Gemma2ForCausalLM,
+        T.Gemma2Config,
+        seed,
+        tied=True,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+    )
+
+
+def gemma3_text(seed: int = 0) -> torch.nn.Module:
+    """Gemma 2's layers plus per-head q/k norms; untied head; a sliding window of 4."""
+    return _llama_like(
+        T.Gemma3ForCausalLM, T.Gemma3TextConfig, seed, tied=False, head_dim=8, sliding_window=4, query_pre_attn_scalar=8
+    )
+
+
+def olmo2(seed: int = 0) -> torch.nn.Module:
+    """Norms after each sublayer only; q/k norms over all heads; GQA; untied head."""
+    return _llama_like(T.Olmo2ForCausalLM, T.Olmo2Config, seed, tied=False, eos_token_id=None, pad_token_id=None)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bert-mlm": bert_mlm,
     "bert-cls": bert_cls,
@@ -481,4 +541,8 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "phi3-tied": phi3_tied,
     "gpt-neox": gpt_neox,
     "gpt-neox-sequential": gpt_neox_sequential,
+    "siglip": siglip,
+    "gemma2": gemma2,
+    "gemma3-text": gemma3_text,
+    "olmo2": olmo2,
 }

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import UnsupportedArchitectureError
 from ..symmetry import SymmetryGraph
-from . import bert, clip, dinov2, distilbert, gemma, gpt2, gpt_neox, llama, modernbert, phi3, vit
+from . import bert, clip, dinov2, distilbert, gemma, gpt2, gpt_neox, llama, modernbert, olmo2, phi3, siglip, vit
 from .base import ArchitectureSpec
 
 
@@ -44,7 +44,25 @@ class AdapterRegistry:
 
 
 REGISTRY = AdapterRegistry()
-for _spec in (bert.BERT, bert.ROBERTA, gpt2.SPEC, vit.SPEC, llama.SPEC, clip.SPEC, distilbert.SPEC, modernbert.SPEC, gemma.SPEC, dinov2.SPEC, llama.QWEN3, phi3.SPEC, gpt_neox.SPEC):
+for _spec in (
+    bert.BERT,
+    bert.ROBERTA,
+    gpt2.SPEC,
+    vit.SPEC,
+    llama.SPEC,
+    clip.SPEC,
+    distilbert.SPEC,
+    modernbert.SPEC,
+    gemma.SPEC,
+    dinov2.SPEC,
+    llama.QWEN3,
+    phi3.SPEC,
+    gpt_neox.SPEC,
+    siglip.SPEC,
+    gemma.GEMMA2,
+    gemma.GEMMA3,
+    olmo2.SPEC,
+):
     REGISTRY.register(_spec)
 
 

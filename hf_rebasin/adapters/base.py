@@ -18,7 +18,19 @@ from typing import Any, Literal
 import torch
 
 from ..canonical import WriterScale
-from ..symmetry import AxisRef, Binding, Fused, HeadSpace, Norm, QKMode, Space, Sublayer, SymmetryGraph, TransformClass
+from ..symmetry import (
+    AxisRef,
+    Binding,
+    Fused,
+    Glu,
+    HeadSpace,
+    Norm,
+    QKMode,
+    Space,
+    Sublayer,
+    SymmetryGraph,
+    TransformClass,
+)
 
 _VAR = re.compile(r"\{(\w+)\}")
 
@@ -86,6 +98,22 @@ class SublayerT:
     writes: tuple[str, ...]
 
 
+TensorAt = str | tuple[str, int]  # a tensor template, or (template, occurrence of the space on a fused axis)
+
+
+@dataclass(frozen=True)
+class GluT:
+    """Template of a :class:`Glu`: a gated MLP ``down(act(gate·x) ⊙ (up·x))`` on unit space
+    ``space``. Each of ``gate``/``up``/``down`` is a tensor template, or ``(template, k)`` where the
+    unit axis is fused: the k-th copy of ``space`` on it (Phi-3's ``gate_up_proj``: gate 0, up 1).
+    Its units' free scaling is what :mod:`hf_rebasin.glu` brings to a canonical form."""
+
+    space: str
+    gate: TensorAt
+    up: TensorAt
+    down: TensorAt
+
+
 Inputs = Literal["text", "image", "text-image"]
 
 
@@ -118,6 +146,8 @@ class ArchitectureSpec:
     # Optional escape hatch: fields that depend on the config, replaced before the graph is built
     # (GPT-NeoX's sublayers without a parallel residual).
     configured: Callable[[Any], Mapping[str, Any]] | None = None
+    # gated MLPs: their units' free scaling (up row × s, down column ÷ s)
+    glus: tuple[GluT, ...] = ()
 
     def graph(self, config: Any, keys: Collection[str]) -> SymmetryGraph:
         """The symmetry graph of a concrete model (its config and state-dict keys)."""
@@ -230,8 +260,29 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
     )
     used = {name for name in spaces if graph.users(name)}
     graph.spaces = {k: v for k, v in spaces.items() if k in used}
+    graph.glus = _glus(spec, dims, env0, graph)
     _limit_unfoldable(graph)
     return graph
+
+
+def _at(ref: TensorAt) -> tuple[str, int]:
+    return (ref, 0) if isinstance(ref, str) else ref
+
+
+def _glus(
+    spec: ArchitectureSpec, dims: Mapping[str, int], env0: Mapping[str, str], graph: SymmetryGraph
+) -> tuple[Glu, ...]:
+    """Every gated MLP of the model whose space and tensors it has (a model may lack one)."""
+    out: list[Glu] = []
+    for gt in spec.glus:
+        parts = (_at(gt.gate), _at(gt.up), _at(gt.down))
+        for env in _expansions([gt.space, *(t for t, _ in parts)], spec.loops, dims):
+            env = {**env0, **env}
+            space = _fmt(gt.space, env)
+            gate, up, down = [(_fmt(t, env), k) for t, k in parts]
+            if space in graph.spaces and all(t in graph.bindings for t, _ in (gate, up, down)):
+                out.append(Glu(space, gate, up, down))
+    return tuple(out)
 
 
 def _head_space(st: HeadsT, name: str, dims: Mapping[str, int]) -> HeadSpace:
@@ -257,14 +308,16 @@ def _sublayers(spec: ArchitectureSpec, dims: Mapping[str, int], env0: Mapping[st
 
 def _limit_unfoldable(graph: SymmetryGraph) -> None:
     """A space whose norm has no reader (a bare base model's final norm, a norm on the residual
-    path) cannot be rotated: downgrade it to permutations and say why."""
+    path, a post-sublayer norm writing the stream) cannot be rotated: downgrade it and say why. An
+    RMSNorm is blind to signs, so there it keeps signed permutations; a LayerNorm keeps permutations."""
     for norm in graph.norms:
         space = graph.spaces.get(norm.space)
         if isinstance(space, Space) and space.max_class == "orthogonal" and not norm.readers:
+            signed = graph.norm_type == "rmsnorm" and not space.centered
             graph.spaces[norm.space] = Space(
                 space.name,
                 space.size,
-                "permutation",
+                "signed-permutation" if signed else "permutation",
                 space.centered,
                 space.kind,
                 f"norm {norm.weight!r} has no linear reader to fold its scale into",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
+from .base import ArchitectureSpec, GluT, HeadsT, NormT, SpaceT, SublayerT
 
 ATTN = "layers.{i}.attn"
 MLP = "layers.{i}.mlp"
@@ -70,6 +70,7 @@ SPEC = ArchitectureSpec(
     last_hidden={"res": "{base}norm"},
     norm_type="rmsnorm",
     outputs={"logits": None, "last_hidden_state": "res"},
+    glus=(GluT(MLP, f"{L}.mlp.gate_proj.weight", f"{L}.mlp.up_proj.weight", f"{L}.mlp.down_proj.weight"),),
 )
 
 

@@ -21,7 +21,7 @@ from collections.abc import Collection
 from typing import Any
 
 from ..symmetry import AxisRef, Fused, SymmetryGraph
-from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
+from .base import ArchitectureSpec, GluT, HeadsT, NormT, SpaceT, SublayerT
 
 ATTN = "layers.{i}.attn"
 MLP = "layers.{i}.mlp"
@@ -101,4 +101,7 @@ SPEC = ModernBertSpec(
     ),
     embeddings=("{base}embeddings",),
     last_hidden={"res": "{base}final_norm"},
+    # Wi rows [input | gate], ``Wo(act(input) * gate)``: the activated "input" is the GLU's gate
+    # (occurrence 0), the linear "gate" its up (occurrence 1)
+    glus=(GluT(MLP, (f"{L}.mlp.Wi.weight", 0), (f"{L}.mlp.Wi.weight", 1), f"{L}.mlp.Wo.weight"),),
 )

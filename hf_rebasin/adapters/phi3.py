@@ -8,12 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..symmetry import Fused
-from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
+from .base import ArchitectureSpec, GluT, HeadsT, NormT, SpaceT, SublayerT
 
 ATTN = "layers.{i}.attn"
 MLP = "layers.{i}.mlp"
 L = "{base}layers.{i}"
 QKV = Fused((f"{ATTN}:q", f"{ATTN}:k", f"{ATTN}:v"))
+GATE_UP = f"{L}.mlp.gate_up_proj.weight"
 
 
 def rotary_dim(config: Any, head_dim: int) -> int:
@@ -79,4 +80,6 @@ SPEC = ArchitectureSpec(
     last_hidden={"res": "{base}norm"},
     norm_type="rmsnorm",
     outputs={"logits": None, "last_hidden_state": "res"},
+    # gate_up_proj rows: gate | up (transformers: ``up * act(gate)``)
+    glus=(GluT(MLP, (GATE_UP, 0), (GATE_UP, 1), f"{L}.mlp.down_proj.weight"),),
 )

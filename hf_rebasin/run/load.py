@@ -130,7 +130,9 @@ def load_workspace(
         if isinstance(inputs, TransportRoles):
             notes.extend(plan.adapter_notes if plan.adapter_notes is not None else check_adapter(recipe, inputs))
         models, adapter = _load_models(recipe, inputs, dev, report)
-        notes.extend(ignored_note(str(m.ref), lm.ignored) for m, lm in zip(inputs.all, models.all, strict=True) if lm.ignored)
+        notes.extend(
+            ignored_note(str(m.ref), lm.ignored) for m, lm in zip(inputs.all, models.all, strict=True) if lm.ignored
+        )
         sources = [lm.source for lm in models.all if lm.source is not None]
         if sources:
             on = sources[0].device

@@ -83,6 +83,8 @@ class Alignment:
     transform: Transform
     exact: bool = True
     canonical: bool = False
+    # B's gated-MLP units rescaled to A's (``glu.match_scales``): a cache rebuilds sd_b the same way
+    glu_matched: bool = False
     untied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
@@ -181,6 +183,18 @@ def timed() -> Iterator[dict[str, float]]:
         yield timings
     timings["solver"] = clock.seconds
     timings["total"] = time.perf_counter() - start
+
+
+def matching_forms(
+    pair: Pair, sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], options: Any
+) -> tuple[Mapping[str, Tensor], Mapping[str, Tensor], bool]:
+    """The forms weight-based matching compares: both models' gated MLPs balanced (unit scales and
+    signs made canonical) when ``options.glu`` asks for it and the graph has any; and whether they were."""
+    if getattr(options, "glu", "keep") != "balance" or not pair.graph.glus:
+        return sd_a, sd_b, False
+    from .. import glu
+
+    return glu.balance(pair.graph, sd_a), glu.balance(pair.graph, sd_b), True
 
 
 def relative_distance(sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor]) -> float:

@@ -21,7 +21,17 @@ from torch import Tensor
 from ..features import WeightViews, neighbours
 from ..features.weights import spaces_of
 from ..solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
-from ..symmetry import AxisMap, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, Transform, TransformClass
+from ..symmetry import (
+    AxisMap,
+    HeadMap,
+    HeadSpace,
+    Space,
+    SpaceMap,
+    SymmetryGraph,
+    Transform,
+    TransformClass,
+    plain_class,
+)
 from .base import Pair, Progress
 
 Views = Mapping[str | None, Tensor]
@@ -186,10 +196,17 @@ def solve_heads(
 
 
 def solve_plain(space: Space, view: Tensor, cls: TransformClass) -> AxisMap:
-    """LAP, or Procrustes (inside 1⊥ for a LayerNorm stream) where the space admits rotations."""
-    if cls == "orthogonal" and space.max_class == "orthogonal":
+    """LAP, Procrustes (inside 1⊥ for a LayerNorm stream) where the space admits rotations, or a
+    LAP on |view| with each pair's sign where it admits signed permutations (the best signed
+    permutation: ``Σ sᵢ M[i, π(i)]`` is largest with sᵢ = sign M[i, π(i)])."""
+    got = plain_class(space, cls)
+    if got == "orthogonal":
         o, _ = procrustes(view, fix_ones=space.centered)
         return AxisMap(space.size, blocks=o[None])
+    if got == "signed-permutation":
+        perm, _ = lap(view.abs())
+        picked = view.gather(1, perm[:, None])[:, 0]
+        return AxisMap.signed(perm, torch.where(picked < 0, -1.0, 1.0))
     perm, _ = lap(view)
     return AxisMap(space.size, index=perm)
 
@@ -197,11 +214,12 @@ def solve_plain(space: Space, view: Tensor, cls: TransformClass) -> AxisMap:
 def view_graph(graph: SymmetryGraph, cls: TransformClass) -> SymmetryGraph:
     """The graph whose tensors inform matching. A norm scale on a rotated space is a scaled identity
     (all ones in canonical form), not a vector of that space, so it is left out: as a vector it
-    would pull the solution towards maps that fix the all-ones direction."""
-    if cls != "orthogonal":
+    would pull the solution towards maps that fix the all-ones direction. On a space matched with
+    signs it is left out too: it only permutes, so as a signed vector it would score a flip wrongly."""
+    skip = {n for n, s in graph.spaces.items() if isinstance(s, Space) and plain_class(s, cls) != "permutation"}
+    if not skip:
         return graph
-    rotated = {n for n, s in graph.spaces.items() if isinstance(s, Space) and s.max_class == "orthogonal"}
-    keep = {k: b for k, b in graph.bindings.items() if not (b.norm_scale and set(b.axes) & rotated)}
+    keep = {k: b for k, b in graph.bindings.items() if not (b.norm_scale and set(b.axes) & skip)}
     return dataclasses.replace(graph, bindings=keep)
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from .. import glu
 from ..canonical import canonicalize
 from ..features import WeightViews
 from ..sublayers import PER_SUBLAYER_NOTE
 from ..symmetry import HeadSpace, Space, Transform
-from .base import Alignment, Pair, Progress, require_data, timed
+from .base import Alignment, Pair, Progress, matching_forms, require_data, timed
 from .descent import anchor_init, descend, per_sublayer_descent, space_solver, view_graph
 from .invertible import invertible_inner
 from .learned import LearnedSettings, refine
@@ -34,16 +35,18 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
     with timed() as timings:
         sd_a, graph, untied = canonicalize(pair.graph, pair.sd_a)
         sd_b, _, _ = canonicalize(pair.graph, pair.sd_b)
+        # matching compares balanced gated MLPs (after the fold: γ changes up's rows)
+        ma, mb, balanced = matching_forms(pair, sd_a, sd_b, options)
         vgraph = view_graph(graph, "orthogonal")
-        views = WeightViews(vgraph, sd_a, sd_b)
+        views = WeightViews(vgraph, ma, mb)
         # Permutations first: their discrete search escapes the poor optima a rotation started
         # at the identity falls into; every permutation is an allowed orthogonal map, so the
         # monotone descent below ends at least as well matched as weight matching.
         by_lap = space_solver(graph, "permutation")
         start, _ = descend(
             vgraph,
-            sd_a,
-            sd_b,
+            ma,
+            mb,
             by_lap,
             init=anchor_init(views, graph.identity(), by_lap),
             seed=options.seed,
@@ -58,8 +61,8 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         def rotate(init: Transform, spaces: list[str], stage: str) -> tuple[Transform, int]:
             return descend(
                 vgraph,
-                sd_a,
-                sd_b,
+                ma,
+                mb,
                 space_solver(graph, "orthogonal", ranking="circuit"),
                 init=init,
                 max_iter=options.iterations,
@@ -77,7 +80,7 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
             # heads, until neither moves (sheared heads pull the residual map off otherwise)
             others = [n for n in order if n not in heads]
             for _ in range(options.iterations):
-                transform = invertible_inner(graph, sd_a, sd_b, transform)
+                transform = invertible_inner(graph, ma, mb, transform)
                 before = dict(transform)
                 transform, _ = rotate(transform, others, "invertible heads")
                 if all(transform[n] is before[n] for n in others):
@@ -87,8 +90,8 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
             split_notes = [PER_SUBLAYER_NOTE]
             graph, transform = per_sublayer_descent(
                 graph,
-                sd_a,
-                sd_b,
+                ma,
+                mb,
                 transform,
                 functools.partial(space_solver, cls="orthogonal", ranking="circuit"),
                 cls="orthogonal",
@@ -102,6 +105,8 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
             if rotations
             else ["learned matching of permutations only (`maps: permutations`)"]
         )
+        if balanced:  # B's units take the scale and sign of the A unit they land on (exact)
+            sd_b = glu.match_scales(graph, sd_a, sd_b, transform)
         diagnostics: dict[str, Any] = {}
         if options.learned:
             settings = learned_settings(options)
@@ -117,6 +122,7 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         transform,
         exact=not split_notes,
         canonical=True,
+        glu_matched=balanced,
         untied=untied,
         notes=notes,
         timings=timings,

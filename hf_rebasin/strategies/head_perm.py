@@ -172,7 +172,8 @@ def split_residual(
     assert isinstance(base, Space)
     spaces = {k: v for k, v in graph.spaces.items() if k != space}
     for n in site_names:
-        spaces[n] = dataclasses.replace(base, name=n, max_class="permutation")
+        kept = "signed-permutation" if base.max_class == "signed-permutation" else "permutation"
+        spaces[n] = dataclasses.replace(base, name=n, max_class=kept)
     bindings: dict[str, Binding] = {}
     for k, b in graph.bindings.items():
         if space in b.axes:

@@ -126,6 +126,7 @@ class _Maps(torch.nn.Module):
         self.orth = torch.nn.ParameterDict()  # orthogonal: projected back after every step
         self.free = torch.nn.ParameterDict()  # invertible inner head maps: not projected
         self.scores = torch.nn.ParameterDict()
+        self.signs: dict[str, Tensor] = {}  # signed permutations: the sign of each old feature
         self.heads: dict[str, HeadMap] = {}
         self.keys: dict[str, str] = {}
         for i, (name, m) in enumerate(transform.items()):
@@ -158,6 +159,9 @@ class _Maps(torch.nn.Module):
                 dense = m.matrix(torch.float32)
                 if m.is_permutation:
                     self.scores[key] = torch.nn.Parameter(dense.clone())
+                elif m.is_signed_permutation:  # learn the permutation; each B feature keeps its sign
+                    self.signs[key] = dense.sum(0)
+                    self.scores[key] = torch.nn.Parameter(dense.abs().clone())
                 else:
                     self.orth[key] = torch.nn.Parameter(dense.clone())
 
@@ -184,7 +188,10 @@ class _Maps(torch.nn.Module):
             elif key in self.orth:
                 out[name] = AxisMap(self.orth[key].shape[0], blocks=self.orth[key][None])
             else:
-                out[name] = AxisMap(self.scores[key].shape[0], blocks=self._permutation(self.scores[key], soft)[None])
+                p = self._permutation(self.scores[key], soft)
+                if key in self.signs:
+                    p = p * self.signs[key][None, :]
+                out[name] = AxisMap(p.shape[0], blocks=p[None])
         return out
 
     def _inner(self, name: str, key: str) -> tuple[Tensor, Tensor]:
@@ -257,7 +264,11 @@ class _Maps(torch.nn.Module):
                 o = self.orth[key].detach().to(torch.float64).clone()
                 out[name] = AxisMap(o.shape[0], blocks=o[None])
             else:
-                out[name] = AxisMap(self.scores[key].shape[0], index=lap(self.scores[key])[0])
+                index = lap(self.scores[key])[0]
+                if key in self.signs:
+                    out[name] = AxisMap.signed(index, self.signs[key][index])
+                else:
+                    out[name] = AxisMap(self.scores[key].shape[0], index=index)
         return out
 
 
@@ -311,6 +322,9 @@ def _mix(
             out[name] = first
             continue
         out[name] = sum((w * m[name] for w, m in zip(weights, mapped, strict=True)), torch.zeros_like(first))
+    for alias, source in graph.ties.items():  # a tie the form keeps (nothing folded) stays one tensor
+        if alias in out and source in out:
+            out[alias] = out[source]
     return out
 
 

@@ -75,8 +75,17 @@ class _PassOptions(Options):
     seed: int = Field(0, description="seed of the random visiting order")
 
 
+GLU_HELP = (
+    "gated MLPs (Llama, Qwen, Gemma, Phi-3, OLMo-2…): `balance` matches units in a canonical scaling "
+    "(‖up row‖ = ‖down column‖, up·gate ≥ 0), then gives B's units the scale and sign of A's unit they "
+    "land on (exact); `keep` matches units as stored"
+)
+GluScaling = Literal["balance", "keep"]
+
+
 class WeightMatchingOptions(_PassOptions):
     residual_maps: ResidualMaps = Field("global", description=RESIDUAL_MAPS_HELP)
+    glu: GluScaling = Field("balance", description=GLU_HELP)
 
 
 WEIGHT_MATCHING = Strategy(
@@ -96,6 +105,7 @@ class TransfusionOptions(_PassOptions):
     residual_maps: ResidualMaps | None = Field(
         None, description=f"unset: `per-sublayer` in a transport, `global` otherwise; {RESIDUAL_MAPS_HELP}"
     )
+    glu: GluScaling = Field("balance", description=GLU_HELP)
 
 
 TRANSFUSION = Strategy(
@@ -196,6 +206,7 @@ class GeneralizedOrthogonalOptions(Options):
         description="maps inside heads: `invertible` also fits shears and scales (least squares on the circuits)",
     )
     residual_maps: ResidualMaps = Field("global", description=RESIDUAL_MAPS_HELP)
+    glu: GluScaling = Field("balance", description=GLU_HELP)
     learned: bool = Field(False, description="refine on the loss of the interpolated model (needs data)")
     steps: int = Field(200, ge=1, description="learned: optimisation steps (or give `budget`)")
     budget: int | None = Field(

@@ -12,16 +12,18 @@ between sublayers then gets a permutation of its own, for moving a task vector.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
+from .. import glu
 from ..features import WeightViews
 from ..solvers import lap, lap_batch, singular_values
 from ..symmetry import HeadMap, HeadSpace, SymmetryGraph
-from .base import Alignment, Pair, Progress, timed
-from .descent import anchor_init, descend, permutation_streams, space_solver
+from .base import Alignment, Pair, Progress, matching_forms, timed
+from .descent import anchor_init, descend, permutation_streams, space_solver, view_graph
 from .options import TRANSFUSION as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import TransfusionOptions
 
@@ -71,12 +73,14 @@ def run(pair: Pair, options: TransfusionOptions, progress: Progress | None) -> A
                 init[name] = hm
                 outer[name] = (hm.kv_perm, hm.q_perm)
         solve = space_solver(graph, "permutation", outer=outer)
-        views = WeightViews(graph, pair.sd_a, pair.sd_b)
+        ma, mb, balanced = matching_forms(pair, pair.sd_a, pair.sd_b, options)
+        vgraph = view_graph(graph, "permutation")
+        views = WeightViews(vgraph, ma, mb)
         init = anchor_init(views, init, solve)
         transform, _ = descend(
-            graph,
-            pair.sd_a,
-            pair.sd_b,
+            vgraph,
+            ma,
+            mb,
             solve,
             init=init,
             max_iter=options.max_iter,
@@ -85,7 +89,17 @@ def run(pair: Pair, options: TransfusionOptions, progress: Progress | None) -> A
             stage="transfusion",
             views=views,
         )
-        graph, transform, notes = permutation_streams(pair, transform, options, progress, outer)  # pairings stay
+        matched = dataclasses.replace(pair, sd_a=ma, sd_b=mb) if balanced else pair
+        graph, transform, notes = permutation_streams(matched, transform, options, progress, outer)  # pairings stay
+        sd_b = glu.match_scales(graph, pair.sd_a, pair.sd_b, transform) if balanced else pair.sd_b
     return Alignment(
-        "transfusion", graph, pair.sd_a, pair.sd_b, transform, exact=not notes, notes=notes, timings=timings
+        "transfusion",
+        graph,
+        pair.sd_a,
+        sd_b,
+        transform,
+        exact=not notes,
+        glu_matched=balanced,
+        notes=notes,
+        timings=timings,
     )

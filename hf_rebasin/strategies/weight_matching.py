@@ -8,13 +8,15 @@ assignment so heads never mix.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from torch import Tensor
 
+from .. import glu
 from ..features import WeightViews
 from ..symmetry import SymmetryGraph, Transform, TransformClass
-from .base import Alignment, Pair, Progress, timed
+from .base import Alignment, Pair, Progress, matching_forms, timed
 from .descent import anchor_init, descend, permutation_streams, space_solver, view_graph
 from .options import WEIGHT_MATCHING as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import WeightMatchingOptions
@@ -45,10 +47,19 @@ def weight_matching(
 
 def run(pair: Pair, options: WeightMatchingOptions, progress: Progress | None) -> Alignment:
     with timed() as timings:
-        transform = weight_matching(
-            pair.graph, pair.sd_a, pair.sd_b, max_iter=options.max_iter, seed=options.seed, progress=progress
-        )
-        graph, transform, notes = permutation_streams(pair, transform, options, progress)
+        ma, mb, balanced = matching_forms(pair, pair.sd_a, pair.sd_b, options)
+        transform = weight_matching(pair.graph, ma, mb, max_iter=options.max_iter, seed=options.seed, progress=progress)
+        matched = dataclasses.replace(pair, sd_a=ma, sd_b=mb) if balanced else pair
+        graph, transform, notes = permutation_streams(matched, transform, options, progress)
+        sd_b = glu.match_scales(graph, pair.sd_a, pair.sd_b, transform) if balanced else pair.sd_b
     return Alignment(
-        "weight-matching", graph, pair.sd_a, pair.sd_b, transform, exact=not notes, notes=notes, timings=timings
+        "weight-matching",
+        graph,
+        pair.sd_a,
+        sd_b,
+        transform,
+        exact=not notes,
+        glu_matched=balanced,
+        notes=notes,
+        timings=timings,
     )
