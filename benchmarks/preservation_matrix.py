@@ -335,6 +335,36 @@ def matrix_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def compact_table(rows: list[Row], controls: list[Control]) -> str:
+    """One row per model: the residual class under `orthogonal`, the max |Δ| per class over the
+    seeds, and the weakest negative control (the README's form of the matrix)."""
+    by_model: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        by_model.setdefault(r.model, {})[r.cls] = r
+    weakest: dict[str, tuple[float, str]] = {}
+    for c in controls:
+        if c.deltas:
+            low = min(c.deltas.values())
+            if c.model not in weakest or low < weakest[c.model][0]:
+                weakest[c.model] = (low, c.control)
+    head = " | ".join(CLASSES)
+    lines = [
+        f"| model | residual class | {head} | weakest negative control (Δ) |",
+        "|---|---|" + "---|" * len(CLASSES) + "---|",
+    ]
+    for model, per in by_model.items():
+        first = next(iter(per.values()))
+        residual = per.get("orthogonal", first).residual
+        cells = " | ".join(
+            (_num(per[c].max_delta) if per[c].ok else f"**{_num(per[c].max_delta)}**") if c in per else "—"
+            for c in CLASSES
+        )
+        low = weakest.get(model)
+        control = f"{low[1]} ({low[0]:.2g})" if low else "—"
+        lines.append(f"| {model} | {residual} | {cells} | {control} |")
+    return "\n".join(lines)
+
+
 def controls_table(controls: list[Control]) -> str:
     lines = [
         "| model | control | spaces | Δ (weakest space) | weakest space | ok |",
@@ -383,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="factories of tests/tiny.py to run (default: all)")
     parser.add_argument("--seeds", type=int, default=len(SEEDS), help="seeds per (model, class) (default: 3)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the raw numbers here")
+    parser.add_argument("--compact", action="store_true", help="one row per model (the README's table)")
     args = parser.parse_args(argv)
     names = list(tiny.FACTORIES) if not args.only else args.only
     unknown = [n for n in names if n not in tiny.FACTORIES]
@@ -399,9 +430,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
 
     print(f"## Function preservation ({len(names)} models × {len(CLASSES)} classes, {len(seeds)} seeds)\n")
-    print(matrix_table(rows))
-    print(f"\n## Negative controls (forbidden transforms; each must move the outputs by > {BROKEN:.0e})\n")
-    print(controls_table(controls))
+    if args.compact:
+        print(compact_table(rows, controls))
+    else:
+        print(matrix_table(rows))
+        print(f"\n## Negative controls (forbidden transforms; each must move the outputs by > {BROKEN:.0e})\n")
+        print(controls_table(controls))
     failing = [r for r in rows if not r.ok]
     weak = [c for c in controls if not c.ok]
     print(f"\n{len(rows) - len(failing)}/{len(rows)} rows ok, {len(controls) - len(weak)}/{len(controls)} controls ok")

@@ -276,5 +276,36 @@ def match_scales(
         index = m.index if isinstance(m, AxisMap) and m.index is not None else torch.arange(len(s_b))
         r = torch.ones_like(s_b)
         r[index] = s_b[index] / s_a  # slot i holds B's unit index[i]: balanced, then A's scaling undone
+        # The canonical sign (up·gate ≥ 0) is arbitrary where up·gate ≈ 0, so near-equal models can
+        # disagree there: each slot keeps the sign under which B's unit, mapped, agrees with A's
+        agree = _agreement(
+            graph, glu, sd_a, apply_unit_scales(graph, _only(graph, glu, sd_b), {glu.space: r}), transform
+        )
+        r[index[agree < 0]] *= -1
         relative[glu.space] = r
     return apply_unit_scales(graph, sd_b, relative)
+
+
+def _only(graph: SymmetryGraph, glu: Glu, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The tensors of one gated MLP (and up's bias): what `_agreement` reads."""
+    names = {glu.up[0], glu.down[0], glu.gate[0]}
+    bias = _bias_of(glu.up[0], graph, state)
+    return {n: state[n] for n in (*names, *([bias] if bias else []))}
+
+
+def _agreement(
+    graph: SymmetryGraph,
+    glu: Glu,
+    sd_a: Mapping[str, Tensor],
+    sd_b: Mapping[str, Tensor],
+    transform: Mapping[str, SpaceMap],
+) -> Tensor:
+    """Per slot, ⟨A's unit, B's unit mapped there⟩ over its up row and down column (float64)."""
+    total = torch.zeros(graph.spaces[glu.space].size, dtype=torch.float64)
+    for tensor, occurrence in (glu.up, glu.down):
+        span = _span(graph, tensor, glu.space, occurrence)
+        a = sd_a[tensor].narrow(span.axis, span.start, span.size).to(torch.float64)
+        b = graph.map_tensor(tensor, sd_b[tensor], transform).narrow(span.axis, span.start, span.size)
+        other = tuple(d for d in range(a.dim()) if d != span.axis)
+        total += (a * b.to(torch.float64)).sum(dim=other)
+    return total

@@ -602,7 +602,7 @@ class SymmetryGraph:
                 else:
                     out[name] = "head-permutation" + (" (V/O inner only: rotary)" if space.qk == "planes" else "")
             else:
-                got = plain_class(space, requested)
+                got = plain_class(space, requested, strict=True)  # what random_transform draws
                 out[name] = got + (" (fixing 1)" if got == "orthogonal" and space.centered else "")
         return out
 
