@@ -672,6 +672,11 @@ def _check_inner(name: str, space: HeadSpace, m: HeadMap) -> None:
             raise TransformError(f"space {name!r}: the {label} inner maps are not finite")
         if m.invertible and float(torch.linalg.cond(inner.detach().double()).max()) > 1e8:
             raise TransformError(f"space {name!r}: a {label} inner map is (nearly) singular")
+    if space.qk == "planes" and m.qk.dtype == torch.long and not is_identity_inner(m.qk):
+        raise TransformError(
+            f"space {name!r} has rotary embeddings: a Q/K inner permutation other than the identity "
+            "moves features between rotary planes and changes the attention scores"
+        )
     if space.qk == "planes" and m.qk.dtype != torch.long and not is_plane_scaling(m.qk):
         raise TransformError(
             f"space {name!r} has rotary embeddings: its Q/K inner maps may only rotate and scale each rotary "

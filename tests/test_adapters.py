@@ -106,7 +106,9 @@ def test_qk_inner_permutation_under_rope_breaks_the_function(models):
     swap_pairs = torch.arange(dh)
     swap_pairs[[0, 1, dh // 2, dh // 2 + 1]] = swap_pairs[[1, 0, dh // 2 + 1, dh // 2]]  # move whole rotary pairs
     t["layers.0.attn"] = HeadMap(ident.kv_perm, ident.q_perm, swap_pairs.expand(g, dh).clone(), ident.vo)
-    assert _max_diff(model, graph.apply(sd, t)) > 1e-3
+    assert _max_diff(model, graph.apply(sd, t, check=False)) > 1e-3
+    with pytest.raises(TransformError, match="Q/K inner permutation"):  # and the class check refuses it
+        graph.apply(sd, t)
     # …while the same permutation on the V/O side is exact
     t["layers.0.attn"] = HeadMap(ident.kv_perm, ident.q_perm, ident.qk, swap_pairs.expand(g, dh).clone())
     assert _max_diff(model, graph.apply(sd, t)) <= TOLERANCE
