@@ -1,10 +1,12 @@
 """Loss barriers of trained models: two tiny GPT-2 (character-level Shakespeare) and two tiny ViT
 (digits) trained from different seeds by ``hf_rebasin.train``, aligned by every strategy; or two
-tiny BERT (masked LM on the same characters, ``--kind bert``).
+tiny BERT (masked LM on the same characters, ``--kind bert``), or two tiny causal LMs of another
+family trained like the GPT-2 (``--kind qwen3``, ``gemma2``, ``pythia``).
 
     python benchmarks/bench_barriers.py            # both kinds (trains 4 models on first use, ~5 min)
     python benchmarks/bench_barriers.py --kind vit
     python benchmarks/bench_barriers.py --kind bert  # held-out masked-LM loss, fixed masks
+    python benchmarks/bench_barriers.py --kind qwen3  # or gemma2, pythia (2 models, ~1 min each)
     python benchmarks/bench_barriers.py --seeds 4   # spread of data-free results over visiting-order seeds
 
 Prints one Markdown table per kind: both barrier definitions (nats, held-out data, 21 λ) and the
@@ -14,16 +16,25 @@ alignment time. ``tests/test_trained.py`` runs the same code and checks the clai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any
 
 import torch
 
 from hf_rebasin import data as hdata
+from hf_rebasin import zoo
+from hf_rebasin.adapters import get_adapter
 from hf_rebasin.evaluate import barrier, lambdas, loss_curve, task_of
 from hf_rebasin.models import load_model, rebuild
 from hf_rebasin.strategies import AlignmentData, Pair, align
+from hf_rebasin.symmetry import Space, SymmetryGraph
 from hf_rebasin.train import cached_model, held_out_batches, masked_lm_batches, training_record
+
+# the zoo kinds trained from scratch, two seeds of which make a pair (not the fine-tunes of a gpt2)
+KINDS = ("gpt2", "vit", "bert", "qwen3", "gemma2", "pythia")
+
+SEEDED = ("weight-matching", "transfusion", "generalized-orthogonal")
 
 # (row label, strategy, options)
 STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
@@ -57,15 +68,69 @@ def alignment_data(kind: str, folder: Any, batches: int = 8) -> AlignmentData:
     return AlignmentData(made, frozenset(tokenizer.all_special_ids), "Shakespeare (train)")
 
 
+def unsigned(graph: SymmetryGraph) -> SymmetryGraph:
+    """``graph`` with every signed-permutation space lowered to plain permutations (the ablation)."""
+    spaces = {
+        n: dataclasses.replace(sp, max_class="permutation")
+        if isinstance(sp, Space) and sp.max_class == "signed-permutation"
+        else sp
+        for n, sp in graph.spaces.items()
+    }
+    return dataclasses.replace(graph, spaces=spaces)
+
+
+# --ablate: (row label, strategy, options, residual signs kept)
+ABLATIONS: list[tuple[str, str, dict[str, Any], bool]] = [
+    ("vanilla", "vanilla", {}, True),
+    *(
+        (
+            f"{name}{', glu: keep' if glu == 'keep' else ''}{', no signs' if not signs else ''}",
+            name,
+            {"glu": glu},
+            signs,
+        )
+        for name in SEEDED
+        for glu in ("balance", "keep")
+        for signs in (True, False)
+    ),
+]
+
+
+def ablation(kind: str, seeds: int) -> str:
+    """Linear barrier (11 λ) of each data-free strategy with and without the GLU balancing and the
+    residual signs, mean and range over ``seeds`` visiting orders: whether the symmetries help."""
+    config = zoo.DEFAULT_CONFIGS[kind]  # type: ignore[index]
+    family = getattr(config, "family", kind)
+    signed = any(getattr(sp, "max_class", "") == "signed-permutation" for sp in get_adapter(family).spaces)
+    ablations = [a for a in ABLATIONS if signed or a[3]]  # without signed spaces "no signs" is the same run
+    plain = frozenset(f"{label} seed={s}" for label, _, _, signs in ablations if not signs for s in range(seeds))
+    runs = [
+        (f"{label} seed={s}", name, {**options, "seed": s} if name != "vanilla" else options)
+        for label, name, options, _ in ablations
+        for s in (range(seeds) if name != "vanilla" else [0])
+    ]
+    rows = {r["strategy"]: r["linear"] for r in barrier_table(kind, points=11, strategies=runs, plain=plain)}
+    lines = [f"**{kind}**, linear barrier over {seeds} visiting orders (mean, min–max)", ""]
+    lines += ["| strategy | glu | residual signs | mean | min–max |", "|---|---|---|---|---|"]
+    for label, name, options, signs in ablations:
+        got = [v for k, v in rows.items() if k.startswith(f"{label} seed=")]
+        glu = options.get("glu", "—")
+        mean = sum(got) / len(got)
+        lines.append(f"| {name} | {glu} | {'yes' if signs else 'no'} | {mean:.3f} | {min(got):.3f}–{max(got):.3f} |")
+    return "\n".join(lines)
+
+
 def barrier_table(
     kind: str,
     seeds: tuple[int, int] = (0, 1),
     points: int = 21,
     strategies: list[tuple[str, str, dict[str, Any]]] = STRATEGIES,
     batches: int = 8,
+    plain: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """One row per strategy: barriers of A = seed 0 and B = seed 1 aligned to A, and the curve
-    (``lambdas``, ``losses``); ``batches`` of alignment data."""
+    (``lambdas``, ``losses``); ``batches`` of alignment data. Rows labelled in ``plain`` match
+    signed-permutation spaces by plain permutations."""
     folder_a, folder_b = cached_model(kind, seeds[0]), cached_model(kind, seeds[1])  # type: ignore[arg-type]
     a, b = load_model(folder_a), load_model(folder_b)
     sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
@@ -75,7 +140,8 @@ def barrier_table(
     rows = []
     for label, name, options in strategies:
         start = time.perf_counter()
-        alignment = align(name, Pair(a.graph, sd_a, sd_b, a.model, b.model, data), options)
+        graph = unsigned(a.graph) if label in plain else a.graph
+        alignment = align(name, Pair(graph, sd_a, sd_b, a.model, b.model, data), options)
         seconds = time.perf_counter() - start
         model = rebuild(a.model, dict(alignment.sd_a), untie=bool(alignment.untied))
         curve = loss_curve(model, alignment.sd_a, alignment.aligned_b(), evaluation, task, lambdas(points))
@@ -109,9 +175,6 @@ def markdown(kind: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-SEEDED = ("weight-matching", "transfusion", "generalized-orthogonal")
-
-
 def seed_spread(kind: str, seeds: int) -> str:
     """Linear barrier of each data-free strategy per ``seed`` option (the random visiting order of
     the coordinate descent): how much the result depends on it."""
@@ -129,12 +192,29 @@ def seed_spread(kind: str, seeds: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kind", choices=("gpt2", "vit", "bert", "both"), default="both", help="both: gpt2 and vit")
+    parser.add_argument("--kind", choices=(*KINDS, "both"), default="both", help="both: gpt2 and vit")
     parser.add_argument("--seeds", type=int, default=0, help="instead: data-free strategies over this many seeds")
+    parser.add_argument(
+        "--skip", action="append", default=[], metavar="ROW", help="leave out the row of this label (repeatable)"
+    )
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="instead: each data-free strategy with `glu: balance` / `keep`, and with / without residual signs",
+    )
     args = parser.parse_args(argv)
+    unknown = set(args.skip) - {label for label, _, _ in STRATEGIES}
+    if unknown:
+        parser.error(f"--skip: no row {', '.join(sorted(unknown))}; rows: {', '.join(s[0] for s in STRATEGIES)}")
+    strategies = [s for s in STRATEGIES if s[0] not in args.skip]
     torch.manual_seed(0)
     for kind in ("gpt2", "vit") if args.kind == "both" else (args.kind,):
-        print(seed_spread(kind, args.seeds) if args.seeds else markdown(kind, barrier_table(kind)))
+        if args.ablate:
+            print(ablation(kind, max(1, args.seeds)) + "\n")
+            continue
+        print(
+            seed_spread(kind, args.seeds) if args.seeds else markdown(kind, barrier_table(kind, strategies=strategies))
+        )
         print()
 
 

@@ -77,7 +77,7 @@ DEFAULT_PLAYS: tuple[str, ...] = ("hamlet", "macbeth", "othello", "king-lear", "
 # ---------------------------------------------------------------------------------------------
 # The zoo: tiny models hf-rebasin trains itself (`zoo:KIND-seedN` in recipes)
 
-Kind = Literal["gpt2", "vit", "gpt2-ft", "gpt2-lora", "gpt2-next", "bert"]
+Kind = Literal["gpt2", "vit", "gpt2-ft", "gpt2-lora", "gpt2-next", "bert", "qwen3", "gemma2", "pythia", "gemma3", "olmo2", "phi3"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 
 # ---------------------------------------------------------------------------------------------

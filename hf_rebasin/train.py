@@ -1,4 +1,5 @@
-"""A zoo of tiny trained models: GPT-2 and BERT on Shakespeare characters, ViT on 8×8 digits.
+"""A zoo of tiny trained models: GPT-2, BERT and causal LMs of other families (Qwen3, Gemma-2,
+Pythia) on Shakespeare characters, ViT on 8×8 digits.
 
 Re-basin needs pairs of models that compute the same kind of function from different seeds.
 These are trained by the project's own code (no Hub, no network) in about a minute each on one
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import data
-from .errors import ModelNotFoundError
+from .errors import ModelNotFoundError, UnsupportedArchitectureError
 from .evaldata import mask_tokens
 from .evaluate import evaluate_loss
 from .names import KINDS as KINDS  # `X as X`: re-exported, the runner and scripts read train.X
@@ -36,6 +38,7 @@ from .zoo import (
     RECIPE_VERSION,
     TRAINING_FILE,
     BertTrainConfig,
+    CausalLMTrainConfig,
     GPT2FineTuneConfig,
     GPT2LoraConfig,
     GPT2NextConfig,
@@ -235,7 +238,7 @@ def _run(
 def _run_text(
     kind: Kind,
     seed: int,
-    cfg: GPT2TrainConfig | GPT2FineTuneConfig | GPT2LoraConfig | GPT2NextConfig,
+    cfg: GPT2TrainConfig | GPT2FineTuneConfig | GPT2LoraConfig | GPT2NextConfig | CausalLMTrainConfig,
     out_dir: Path,
     build: Callable[[], Any],
     tokenizer: Any,
@@ -245,7 +248,7 @@ def _run_text(
     progress: Progress | None,
     threads: int | None,
 ) -> Path:
-    """`_run` for the GPT-2 kinds: batches of token blocks padded with the tokenizer's pad id, held-out
+    """`_run` for the causal-LM kinds: batches of token blocks padded with the tokenizer's pad id, held-out
     blocks scored 64 at a time, the tokenizer saved beside the result."""
     pad = int(tokenizer.pad_token_id)
     return _run(
@@ -299,6 +302,66 @@ def train_tiny_gpt2(
         cfg,
         out_dir,
         lambda: GPT2LMHeadModel(model_config),
+        tokenizer,
+        train,
+        test,
+        progress=progress,
+        threads=threads,
+    )
+
+
+def causal_lm_config(config: CausalLMTrainConfig, tokenizer: Any) -> Any:
+    """The transformers config of a `CausalLMTrainConfig`'s model for ``tokenizer``: the family's
+    config class with the zoo's sizes and the tokenizer's special ids, then ``options``; everything
+    else is the family's default (no dropout in any of the zoo's families)."""
+    from transformers import AutoConfig
+
+    sizes: dict[str, Any] = {
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+    }
+    return AutoConfig.for_model(
+        config.family,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=config.block_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        intermediate_size=config.intermediate_size,
+        tie_word_embeddings=config.tie_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=int(tokenizer.pad_token_id),
+        **{k: v for k, v in sizes.items() if v is not None},
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in config.options},  # tuples: hashable in the key
+    )
+
+
+def train_tiny_causal_lm(
+    kind: Kind,
+    seed: int,
+    out_dir: Path,
+    config: CausalLMTrainConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Train a small character-level causal LM of ``config.family`` on Shakespeare, as
+    `train_tiny_gpt2` trains its GPT-2 (same data, blocks, batches, schedule); save it with its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    default = DEFAULT_CONFIGS[check_kind(kind)]
+    if not isinstance(default, CausalLMTrainConfig):
+        raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by train_tiny_causal_lm")
+    cfg = config or default
+    tokenizer, train, test = _char_blocks(cfg.plays, cfg.block_size, cfg.eval_tokens, mask=False)
+    model_config = causal_lm_config(cfg, tokenizer)
+    return _run_text(
+        kind,
+        seed,
+        cfg,
+        out_dir,
+        lambda: AutoModelForCausalLM.from_config(model_config),
         tokenizer,
         train,
         test,
@@ -586,6 +649,11 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
     "gpt2-lora": lora_tiny_gpt2,
     "gpt2-next": next_tiny_gpt2,
     "bert": train_tiny_bert,
+    **{
+        kind: functools.partial(train_tiny_causal_lm, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, CausalLMTrainConfig)
+    },
 }
 
 

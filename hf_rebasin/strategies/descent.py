@@ -54,16 +54,18 @@ def map_value(graph: SymmetryGraph, space: str, m: SpaceMap, views: Views) -> fl
 
 
 def _axis_value(m: AxisMap, v: Tensor) -> float:
+    index = m.index.to(v.device) if m.index is not None else None  # maps live on the CPU, views may not
     if m.blocks is None:
-        if m.index is None:
+        if index is None:
             return float(torch.diagonal(v).sum())
-        return float(v.gather(1, m.index[:, None]).sum())
+        return float(v.gather(1, index[:, None]).sum())
     nb, bs, _ = m.blocks.shape
-    if m.index is None:
-        diag = v.reshape(nb, bs, nb, bs)[torch.arange(nb), :, torch.arange(nb), :]
+    if index is None:
+        rows = torch.arange(nb, device=v.device)
+        diag = v.reshape(nb, bs, nb, bs)[rows, :, rows, :]
     else:  # the diagonal blocks of v[:, index], without gathering every column
-        diag = v.reshape(nb, bs, -1).gather(2, m.index.reshape(nb, 1, bs).expand(nb, bs, bs))
-    return float((m.blocks.to(torch.float64) * diag).sum())
+        diag = v.reshape(nb, bs, -1).gather(2, index.reshape(nb, 1, bs).expand(nb, bs, bs))
+    return float((m.blocks.to(device=v.device, dtype=torch.float64) * diag).sum())
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,7 +207,7 @@ def solve_plain(space: Space, view: Tensor, cls: TransformClass) -> AxisMap:
         return AxisMap(space.size, blocks=o[None])
     if got == "signed-permutation":
         perm, _ = lap(view.abs())
-        picked = view.gather(1, perm[:, None])[:, 0]
+        picked = view.gather(1, perm[:, None].to(view.device))[:, 0].cpu()
         return AxisMap.signed(perm, torch.where(picked < 0, -1.0, 1.0))
     perm, _ = lap(view)
     return AxisMap(space.size, index=perm)
