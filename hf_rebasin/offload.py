@@ -67,8 +67,16 @@ def offloaded(model: nn.Module, state: Mapping[str, Tensor], device: torch.devic
     persistent = set(model.state_dict(keep_vars=True))
     handles: list[Any] = []
 
-    def hooks(prefix: str, module: nn.Module) -> None:
-        params = [n for n, p in module._parameters.items() if p is not None]
+    def hooks(prefix: str, module: nn.Module, whole: bool) -> None:
+        # ``whole``: the module reads its children's weights itself (nn.MultiheadAttention passes
+        # out_proj.weight to a functional call and never runs out_proj), so load them with it
+        owners = module.named_modules() if whole else [("", module)]
+        params = [
+            (sub, n, f"{prefix}{name}.{n}" if name else f"{prefix}{n}")
+            for name, sub in owners
+            for n, p in sub._parameters.items()
+            if p is not None
+        ]
         buffers = [
             n for n in module._buffers if f"{prefix}{n}" in persistent and n not in module._non_persistent_buffers_set
         ]
@@ -77,15 +85,15 @@ def offloaded(model: nn.Module, state: Mapping[str, Tensor], device: torch.devic
         saved: dict[str, Any] = {}
 
         def load(_module: nn.Module, _args: Any, _kwargs: Any = None) -> None:
-            for n in params:
-                saved.setdefault(n, _assign(module, n, state[f"{prefix}{n}"], device))
+            for sub, n, full in params:
+                saved.setdefault(full, _assign(sub, n, state[full], device))
             for n in buffers:
                 saved.setdefault(f"buffer:{n}", module._buffers[n])
                 module._buffers[n] = state[f"{prefix}{n}"].to(device)
 
         def drop(_module: nn.Module, _args: Any, _output: Any) -> None:
-            for n in params:
-                module._parameters[n] = saved[n]
+            for sub, n, full in params:
+                sub._parameters[n] = saved[full]
             for n in buffers:
                 module._buffers[n] = saved[f"buffer:{n}"]
 
@@ -93,8 +101,14 @@ def offloaded(model: nn.Module, state: Mapping[str, Tensor], device: torch.devic
         handles.append(module.register_forward_hook(drop, always_call=True))
 
     moved: list[tuple[nn.Module, str, Tensor]] = []  # buffers the class computed, on the device for the run
+    wholes: list[str] = []  # prefixes of modules loaded with their children
     for name, module in model.named_modules():
-        hooks(f"{name}." if name else "", module)
+        prefix = f"{name}." if name else ""
+        if not any(prefix.startswith(w) for w in wholes):
+            whole = isinstance(module, nn.MultiheadAttention)
+            if whole:
+                wholes.append(prefix)
+            hooks(prefix, module, whole)
         for n, b in module._buffers.items():
             if b is not None and b.device != device and b.device.type != "meta":
                 moved.append((module, n, b))
