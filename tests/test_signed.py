@@ -127,11 +127,11 @@ def test_unit_scales_and_signs_are_undone_by_balancing(case):
     transform = graph.random_transform("signed-permutation" if signed else "permutation", g)
     sd_b = graph.apply(glu.apply_unit_scales(graph, sd, scales), transform)
     assert (_logits(model, sd_b) - _logits(model, sd)).abs().max().item() <= 1e-4
-    balanced = align("weight-matching", Pair(graph, sd, sd_b))
+    balanced = align("weight-matching", Pair(graph, sd, sd_b), {"glu": "balance"})
     assert balanced.glu_matched
     assert _max_diff(balanced.aligned_b(), sd) < 1e-4
     assert (_logits(model, balanced.sd_b) - _logits(model, sd_b)).abs().max().item() <= 1e-4  # B' is B
-    kept = align("weight-matching", Pair(graph, sd, sd_b), {"glu": "keep"})
+    kept = align("weight-matching", Pair(graph, sd, sd_b))  # the default: units matched as stored
     assert not kept.glu_matched and _max_diff(kept.aligned_b(), sd) > 1e-2
 
 
@@ -173,7 +173,7 @@ def test_a_cached_alignment_rebuilds_b_in_a_unit_scaling(strategy, tmp_path):
     a, b = tiny.FACTORIES["gemma2"](0), tiny.FACTORIES["gemma2"](1)
     sd_a, sd_b = a.state_dict(), b.state_dict()
     pair = Pair(graph_for(a.config, sd_a.keys()), sd_a, sd_b)
-    alignment = align(strategy, pair)
+    alignment = align(strategy, pair, {"glu": "balance"})
     assert alignment.glu_matched
     assert cache.save_alignment("k" * 64, alignment, pair, root=tmp_path) is not None
     back = cache.read_alignment("k" * 64, pair, strategy, root=tmp_path)

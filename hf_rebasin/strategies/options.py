@@ -85,7 +85,7 @@ GluScaling = Literal["balance", "keep"]
 
 class WeightMatchingOptions(_PassOptions):
     residual_maps: ResidualMaps = Field("global", description=RESIDUAL_MAPS_HELP)
-    glu: GluScaling = Field("balance", description=GLU_HELP)
+    glu: GluScaling = Field("keep", description=GLU_HELP)
 
 
 WEIGHT_MATCHING = Strategy(
@@ -105,7 +105,7 @@ class TransfusionOptions(_PassOptions):
     residual_maps: ResidualMaps | None = Field(
         None, description=f"unset: `per-sublayer` in a transport, `global` otherwise; {RESIDUAL_MAPS_HELP}"
     )
-    glu: GluScaling = Field("balance", description=GLU_HELP)
+    glu: GluScaling = Field("keep", description=GLU_HELP)
 
 
 TRANSFUSION = Strategy(
@@ -206,7 +206,7 @@ class GeneralizedOrthogonalOptions(Options):
         description="maps inside heads: `invertible` also fits shears and scales (least squares on the circuits)",
     )
     residual_maps: ResidualMaps = Field("global", description=RESIDUAL_MAPS_HELP)
-    glu: GluScaling = Field("balance", description=GLU_HELP)
+    glu: GluScaling = Field("keep", description=GLU_HELP)
     learned: bool = Field(False, description="refine on the loss of the interpolated model (needs data)")
     steps: int = Field(200, ge=1, description="learned: optimisation steps (or give `budget`)")
     budget: int | None = Field(
