@@ -301,7 +301,7 @@ def _agreement(
     transform: Mapping[str, SpaceMap],
 ) -> Tensor:
     """Per slot, ⟨A's unit, B's unit mapped there⟩ over its up row and down column (float64)."""
-    total = torch.zeros(graph.spaces[glu.space].size, dtype=torch.float64)
+    total = torch.zeros(graph.ref_size(glu.space), dtype=torch.float64)
     for tensor, occurrence in (glu.up, glu.down):
         span = _span(graph, tensor, glu.space, occurrence)
         a = sd_a[tensor].narrow(span.axis, span.start, span.size).to(torch.float64)

@@ -167,10 +167,9 @@ class AxisMap:
             nb, bs, _ = self.blocks.shape
             work = torch.promote_types(t.dtype, torch.float32)
             moved = t.movedim(axis, -1)
-            shape = moved.shape
-            x = moved.to(work).reshape(*shape[:-1], nb, bs)
+            x = moved.to(work).reshape(*moved.shape[:-1], nb, bs)
             x = torch.einsum("...bj,bij->...bi", x, self.blocks.to(device=t.device, dtype=work))
-            t = x.reshape(shape).to(t.dtype).movedim(-1, axis)
+            t = x.reshape(moved.shape).to(t.dtype).movedim(-1, axis)
         return t
 
     def is_identity(self, atol: float = 1e-6) -> bool:

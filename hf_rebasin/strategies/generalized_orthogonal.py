@@ -13,7 +13,10 @@ model (see :mod:`hf_rebasin.strategies.learned`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
+
+from torch import Tensor
 
 from .. import glu
 from ..canonical import canonicalize
@@ -34,6 +37,7 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         require_data(pair, "generalized-orthogonal", "with `learned: true` optimizes the loss of the merged model")
     with timed() as timings:
         sd_a, graph, untied = canonicalize(pair.graph, pair.sd_a)
+        sd_b: Mapping[str, Tensor]
         sd_b, _, _ = canonicalize(pair.graph, pair.sd_b)
         # matching compares balanced gated MLPs (after the fold: γ changes up's rows)
         ma, mb, balanced = matching_forms(pair, sd_a, sd_b, options)

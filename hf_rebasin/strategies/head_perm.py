@@ -27,7 +27,18 @@ from ..features import ActivationStats, activation_stats
 from ..features.lockstep import LockstepPlan, lockstep_plan, lockstep_stats
 from ..offload import offloaded
 from ..solvers import lap
-from ..symmetry import AxisMap, Binding, Fused, HeadMap, HeadSpace, Space, SymmetryGraph, Transform, split_ref
+from ..symmetry import (
+    AxisMap,
+    Binding,
+    Fused,
+    HeadMap,
+    HeadSpace,
+    Space,
+    SymmetryGraph,
+    Transform,
+    TransformClass,
+    split_ref,
+)
 from ..tensors import CheckpointSource, is_lazy
 from .base import Alignment, AlignmentData, Pair, Progress, require_data, timed
 from .descent import solve_heads, solve_plain
@@ -172,7 +183,7 @@ def split_residual(
     assert isinstance(base, Space)
     spaces = {k: v for k, v in graph.spaces.items() if k != space}
     for n in site_names:
-        kept = "signed-permutation" if base.max_class == "signed-permutation" else "permutation"
+        kept: TransformClass = "signed-permutation" if base.max_class == "signed-permutation" else "permutation"
         spaces[n] = dataclasses.replace(base, name=n, max_class=kept)
     bindings: dict[str, Binding] = {}
     for k, b in graph.bindings.items():
