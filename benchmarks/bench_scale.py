@@ -5,6 +5,7 @@
     python benchmarks/bench_scale.py --shape tinyllama --layout single --strategies vanilla weight-matching transfusion
     python benchmarks/bench_scale.py --shape mistral7b --layout hub --strategies vanilla --timeout 10800
     python benchmarks/bench_scale.py --shape mistral7b --strategies weight-matching --max-iter 1 --timeout 7200
+    python benchmarks/bench_scale.py --shape qwen3-0.6b --layout hub --strategies vanilla weight-matching transfusion generalized-orthogonal
     python benchmarks/bench_scale.py --shape tinyllama --layout single --make-only      # only write the two models
     python benchmarks/bench_scale.py --shape small --strategies vanilla weight-matching --compare-in-memory
     python benchmarks/bench_scale.py --shape tinyllama --job transport --strategies weight-matching  # twice: cache hit
@@ -15,7 +16,11 @@ transformers folders in bfloat16 (``config.json`` and safetensors files laid out
 says) without ever holding a model in memory: names and shapes come
 from the class built on the meta device (`hf_rebasin.offload.empty_model`), and each tensor is
 drawn from its own seeded generator just before `hf_rebasin.tensors.write_safetensors` writes it.
-Weights are ``randn · fan_in^-½``, norms ``1 + 0.1 · randn``. A folder is written under a
+Weights are ``randn · fan_in^-½``, norms ``1 + 0.1 · randn`` (Gemma-2 adds 1 to its stored
+norm weights, so its norms scale by about 2). A tied LM head (``qwen3-0.6b``, ``gemma2-2b``:
+``tie_word_embeddings``) is left out of the files as ``save_pretrained`` leaves it out, except where
+the Hub checkpoint stores it anyway (`STORES_TIED_HEAD`: Qwen3-0.6B's ``lm_head.weight``), which
+gets a copy of the embeddings. A folder is written under a
 temporary name and renamed when complete, so an existing folder is complete and is reused. The
 folders are keyed by shape and layout (``ROOT/<shape>-<layout>-seed<n>``), so layouts never share
 a folder; the tensors (and so every output) are the same whatever the layout.
@@ -29,8 +34,11 @@ a folder; the tensors (and so every output) are the same whatever the layout.
   ``max_shard_size`` of the transformers that saved it: 10 GB (`HUB_SHARD_BYTES`) for
   ``tinyllama`` (TinyLlama ships one 2.2 GB ``model.safetensors``) and ``mistral7b``
   (Mistral-7B-v0.1 ships ``model-00001-of-00002.safetensors`` ~9.9 GB and
-  ``model-00002-of-00002.safetensors`` ~4.5 GB, with an index); any other shape (``small``) gets
-  the installed transformers' ``save_pretrained`` default (50 GB in transformers 5: one file).
+  ``model-00002-of-00002.safetensors`` ~4.5 GB, with an index), 10 GB for ``qwen3-0.6b``
+  (Qwen3-0.6B ships one 1.50 GB ``model.safetensors``, ``lm_head.weight`` included), 5 GB for
+  ``gemma2-2b`` (gemma-2-2b-it ships its 5.2 GB of bf16 in ``model-00001-of-00002`` and
+  ``model-00002-of-00002``, with an index); any other shape (``small``) gets the installed
+  transformers' ``save_pretrained`` default (50 GB in transformers 5: one file).
   As ``save_pretrained`` does, a model that fits in one file is one ``model.safetensors`` without
   an index.
 
@@ -101,7 +109,7 @@ SHARD_BYTES = 2 * 10**9  # ~2 GB per file (--layout 2gb)
 LAYOUTS = ("2gb", "single", "hub")
 # --layout hub: the max_shard_size the shape's Hub repository was saved with (transformers 4's
 # default then, "10GB"): TinyLlama's one 2.2 GB file, Mistral-7B's 9.9 GB + 4.5 GB shards
-HUB_SHARD_BYTES = {"tinyllama": 10 * 10**9, "mistral7b": 10 * 10**9}
+HUB_SHARD_BYTES = {"tinyllama": 10 * 10**9, "mistral7b": 10 * 10**9, "qwen3-0.6b": 10 * 10**9, "gemma2-2b": 5 * 10**9}
 STRATEGIES = ("vanilla", "weight-matching", "transfusion", "generalized-orthogonal", "head-perm")
 DATA_STRATEGIES = ("head-perm",)  # read alignment text: a corpus and a tokenizer in the model folders
 CORPUS_PLAYS = ("hamlet", "macbeth", "othello", "king-lear", "romeo-and-juliet")  # ~600k characters
@@ -112,7 +120,8 @@ FINETUNE_NOISE_SEED = 100  # the noise's generators: seeded apart from every mod
 STAGES = ("load", "align", "check", "evaluate", "save")  # rebasin.json's timings, in the order a run does them
 JOBS = ("merge", "transport")
 
-# Hub shapes (tie_word_embeddings=False, as both checkpoints ship a separate LM head)
+# Hub shapes: the Llama and Mistral checkpoints ship a separate LM head (tie_word_embeddings=False,
+# the default here); Qwen3-0.6B and Gemma-2-2B tie it to the embeddings (see `planned_entries`)
 SHAPES: dict[str, tuple[type[T.PreTrainedConfig], type[T.PreTrainedModel], dict[str, Any]]] = {
     "small": (
         T.LlamaConfig,
@@ -159,7 +168,53 @@ SHAPES: dict[str, tuple[type[T.PreTrainedConfig], type[T.PreTrainedModel], dict[
             sliding_window=4096,
         ),
     ),
+    # Qwen/Qwen3-0.6B: ≈0.60B parameters (0.44B without the embeddings), tied LM head; its one
+    # model.safetensors (1,503,300,328 bytes, 311 tensors) also stores lm_head.weight: ≈1.50 GB in bf16
+    "qwen3-0.6b": (
+        T.Qwen3Config,
+        T.Qwen3ForCausalLM,
+        dict(
+            hidden_size=1024,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            tie_word_embeddings=True,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        ),
+    ),
+    # google/gemma-2-2b: ≈2.61B parameters (0.59B of them the 256000 × 2304 embeddings), tied LM head
+    # (not stored), ≈5.23 GB in bf16
+    "gemma2-2b": (
+        T.Gemma2Config,
+        T.Gemma2ForCausalLM,
+        dict(
+            hidden_size=2304,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            intermediate_size=9216,
+            vocab_size=256000,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-6,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
+# Shapes whose Hub checkpoint stores a tied LM head anyway, as a copy of the tensor it is tied to
+# (`save_pretrained` of transformers 5 drops it: `remove_tied_weights_from_state_dict`)
+STORES_TIED_HEAD = {"qwen3-0.6b"}
 
 Entry = tuple[str, tuple[int, ...], torch.dtype]
 
@@ -171,17 +226,27 @@ Entry = tuple[str, tuple[int, ...], torch.dtype]
 
 def config_of(shape: str) -> T.PreTrainedConfig:
     config_cls, model_cls, kwargs = SHAPES[shape]
-    config = config_cls(**{**kwargs, "tie_word_embeddings": False})
+    config = config_cls(**{"tie_word_embeddings": False, **kwargs})
     config.dtype = "bfloat16"
     config.architectures = [model_cls.__name__]  # as `model.save_pretrained` writes it: the head's class
     return config
 
 
+def tied_aliases(shape: str) -> dict[str, str]:
+    """``{alias: source}`` of the shape's tied tensors (``lm_head.weight`` → the embeddings when
+    ``tie_word_embeddings``), as the model class declares them for its config."""
+    _, model_cls, _ = SHAPES[shape]
+    return dict(empty_model(model_cls, config_of(shape)).all_tied_weights_keys)
+
+
 def planned_entries(shape: str) -> list[Entry]:
-    """(name, shape, bf16) of every tensor of the shape's model, from meta tensors (no memory)."""
+    """(name, shape, bf16) of every tensor the shape's files hold, from meta tensors (no memory):
+    the model's state dict without its tied aliases, as ``save_pretrained`` writes it, except in
+    `STORES_TIED_HEAD` shapes, whose Hub file also stores them (``producer`` writes a copy)."""
     _, model_cls, _ = SHAPES[shape]
     model = empty_model(model_cls, config_of(shape))
-    return [(name, tuple(t.shape), torch.bfloat16) for name, t in model.state_dict().items()]
+    skip = set() if shape in STORES_TIED_HEAD else set(model.all_tied_weights_keys)
+    return [(name, tuple(t.shape), torch.bfloat16) for name, t in model.state_dict().items() if name not in skip]
 
 
 def shards(entries: list[Entry], limit: int = SHARD_BYTES) -> list[list[Entry]]:
@@ -228,13 +293,15 @@ def model_folder(root: Path, shape: str, layout: str, seed: int, *, finetune: bo
     return root / f"{shape}-{layout}-{'ft-' if finetune else ''}seed{seed}"
 
 
-def producer(entries: list[Entry], seed: int) -> Callable[[str], torch.Tensor]:
+def producer(entries: list[Entry], seed: int, ties: dict[str, str] | None = None) -> Callable[[str], torch.Tensor]:
     """``produce(name)``: the tensor ``name`` of the model of ``seed``, each from its own generator
-    (seeded by the model's seed and the tensor's index), so the order of writing does not matter."""
+    (seeded by the model's seed and the tensor's index), so the order of writing does not matter;
+    a tied alias (``ties``: alias → source) is a copy of its source."""
     index = {name: (i, shape) for i, (name, shape, _) in enumerate(entries)}
+    ties = ties or {}
 
     def produce(name: str) -> torch.Tensor:
-        i, shape = index[name]
+        i, shape = index[ties.get(name, name)]
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
         t = torch.randn(shape, generator=g, dtype=torch.float32)
         if len(shape) == 1:  # RMSNorm γ
@@ -244,13 +311,18 @@ def producer(entries: list[Entry], seed: int) -> Callable[[str], torch.Tensor]:
     return produce
 
 
-def finetune_producer(entries: list[Entry], seed: int) -> Callable[[str], torch.Tensor]:
+def finetune_producer(
+    entries: list[Entry], seed: int, ties: dict[str, str] | None = None
+) -> Callable[[str], torch.Tensor]:
     """``produce(name)``: the tensor of the model of ``seed`` as stored (bf16) plus
-    ``FINETUNE_NOISE · randn`` from a generator of its own (seed ``FINETUNE_NOISE_SEED``)."""
-    base = producer(entries, seed)
+    ``FINETUNE_NOISE · randn`` from a generator of its own (seed ``FINETUNE_NOISE_SEED``); a tied
+    alias is a copy of its source, noise included."""
+    ties = ties or {}
+    base = producer(entries, seed, ties)
     index = {name: (i, shape) for i, (name, shape, _) in enumerate(entries)}
 
     def produce(name: str) -> torch.Tensor:
+        name = ties.get(name, name)
         i, shape = index[name]
         g = torch.Generator().manual_seed(FINETUNE_NOISE_SEED * 1_000_003 + i)
         noise = torch.randn(shape, generator=g, dtype=torch.float32)
@@ -270,7 +342,7 @@ def make_model(shape: str, layout: str, folder: Path, seed: int, *, finetune: bo
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     entries = planned_entries(shape)
-    produce = (finetune_producer if finetune else producer)(entries, seed)
+    produce = (finetune_producer if finetune else producer)(entries, seed, tied_aliases(shape))
     names, groups, indexed = files_of(shape, layout, entries)
     weight_map: dict[str, str] = {}
     total = 0
@@ -318,7 +390,7 @@ def check_small(folder: Path, shape: str) -> None:
 
     model = T.AutoModelForCausalLM.from_pretrained(folder).eval()
     entries = planned_entries(shape)
-    produce = producer(entries, int(folder.name.rsplit("seed", 1)[1]))
+    produce = producer(entries, int(folder.name.rsplit("seed", 1)[1]), tied_aliases(shape))
     loaded = model.state_dict()
     worst = 0.0
     for name, _, _ in entries:
