@@ -121,7 +121,7 @@ def test_hub_id_with_a_local_folder_of_that_name_is_local(tmp_path: Path) -> Non
 def test_barrier_recipe_parses(tmp_path: Path) -> None:
     recipe = load_recipe(write(tmp_path, BARRIER))
     assert recipe.job == "barrier" and [m.model for m in recipe.models] == ["org/a", "org/b"]
-    assert recipe.strategy.options.model_dump() == {"max_iter": 5, "seed": 0, "residual_maps": "global"}
+    assert recipe.strategy.options.model_dump() == {"max_iter": 5, "seed": 0, "residual_maps": "global", "glu": "keep"}
     assert not recipe.strategy.needs_data and recipe.data is None
     ev = recipe.evaluate
     assert ev is not None and ev.task == "masked-lm" and ev.points == 5
