@@ -34,7 +34,8 @@ def _dims(c: Any) -> dict[str, int]:
     return out
 
 
-def _tower(a: str, m: str, layer: str, res: str) -> dict:
+def tower(a: str, m: str, layer: str, res: str) -> dict:
+    """The tensors of one CLIP-style encoder layer (SigLIP's are the same)."""
     return {
         **{f"{layer}.self_attn.{p}_proj.weight": (f"{a}:{p}", res) for p in "qkv"},
         **{f"{layer}.self_attn.{p}_proj.bias": (f"{a}:{p}",) for p in "qkv"},
@@ -47,7 +48,7 @@ def _tower(a: str, m: str, layer: str, res: str) -> dict:
     }
 
 
-def _tower_sublayers(layer: str) -> tuple[SublayerT, ...]:
+def tower_sublayers(layer: str) -> tuple[SublayerT, ...]:
     return (
         SublayerT(
             (f"{layer}.layer_norm1", *(f"{layer}.self_attn.{p}_proj" for p in "qkv")), (f"{layer}.self_attn.out_proj",)
@@ -56,7 +57,7 @@ def _tower_sublayers(layer: str) -> tuple[SublayerT, ...]:
     )
 
 
-def _tower_norms(layer: str, res: str) -> tuple[NormT, ...]:
+def tower_norms(layer: str, res: str) -> tuple[NormT, ...]:
     return (
         NormT(f"{layer}.layer_norm1", res, tuple(f"{layer}.self_attn.{p}_proj.weight" for p in "qkv")),
         NormT(f"{layer}.layer_norm2", res, (f"{layer}.mlp.fc1.weight",)),
@@ -81,23 +82,23 @@ SPEC = ArchitectureSpec(
     tensors={
         "text_model.embeddings.token_embedding.weight": (None, "text.res"),
         "text_model.embeddings.position_embedding.weight": (None, "text.res"),
-        **_tower(TA, TM, TL, "text.res"),
+        **tower(TA, TM, TL, "text.res"),
         "text_projection.weight": ("joint", "text.res"),
         "vision_model.embeddings.class_embedding": ("vision.res",),
         "vision_model.embeddings.patch_embedding.weight": ("vision.res", None, None, None),
         "vision_model.embeddings.position_embedding.weight": (None, "vision.res"),
-        **_tower(VA, VM, VL, "vision.res"),
+        **tower(VA, VM, VL, "vision.res"),
         "visual_projection.weight": ("joint", "vision.res"),
     },
     norms=(
-        *_tower_norms(TL, "text.res"),
+        *tower_norms(TL, "text.res"),
         NormT("text_model.final_layer_norm", "text.res", ("text_projection.weight",)),
         NormT("vision_model.pre_layrnorm", "vision.res"),
-        *_tower_norms(VL, "vision.res"),
+        *tower_norms(VL, "vision.res"),
         NormT("vision_model.post_layernorm", "vision.res", ("visual_projection.weight",)),
     ),
     invariant=("logit_scale",),
-    sublayers=(*_tower_sublayers(TL), *_tower_sublayers(VL)),
+    sublayers=(*tower_sublayers(TL), *tower_sublayers(VL)),
     embeddings=("text_model.embeddings", "vision_model.embeddings", "vision_model.pre_layrnorm"),
     # the vision tower normalizes its class token only: its encoder output is the stream at every patch
     last_hidden={"text.res": "text_model.final_layer_norm", "vision.res": "vision_model.encoder"},

@@ -31,7 +31,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..symmetry import Fused
-from .base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
+from .base import ArchitectureSpec, HeadsT, NormT, SpaceT
+from .clip import tower, tower_norms, tower_sublayers
 
 TA, TM, TL = "text.{t}.attn", "text.{t}.mlp", "text_model.encoder.layers.{t}"
 VA, VM, VL = "vision.{v}.attn", "vision.{v}.mlp", "vision_model.encoder.layers.{v}"
@@ -55,35 +56,6 @@ def _dims(c: Any) -> dict[str, int]:
     # the text head writes the pooled vision stream: SiglipModel needs projection_size == vision width
     out["joint"] = getattr(t, "projection_size", None) or v.hidden_size
     return out
-
-
-def _tower(a: str, m: str, layer: str, res: str) -> dict:
-    return {
-        **{f"{layer}.self_attn.{p}_proj.weight": (f"{a}:{p}", res) for p in "qkv"},
-        **{f"{layer}.self_attn.{p}_proj.bias": (f"{a}:{p}",) for p in "qkv"},
-        f"{layer}.self_attn.out_proj.weight": (res, f"{a}:o"),
-        f"{layer}.self_attn.out_proj.bias": (res,),
-        f"{layer}.mlp.fc1.weight": (m, res),
-        f"{layer}.mlp.fc1.bias": (m,),
-        f"{layer}.mlp.fc2.weight": (res, m),
-        f"{layer}.mlp.fc2.bias": (res,),
-    }
-
-
-def _tower_norms(layer: str, res: str) -> tuple[NormT, ...]:
-    return (
-        NormT(f"{layer}.layer_norm1", res, tuple(f"{layer}.self_attn.{p}_proj.weight" for p in "qkv")),
-        NormT(f"{layer}.layer_norm2", res, (f"{layer}.mlp.fc1.weight",)),
-    )
-
-
-def _tower_sublayers(layer: str) -> tuple[SublayerT, ...]:
-    return (
-        SublayerT(
-            (f"{layer}.layer_norm1", *(f"{layer}.self_attn.{p}_proj" for p in "qkv")), (f"{layer}.self_attn.out_proj",)
-        ),
-        SublayerT((f"{layer}.layer_norm2", f"{layer}.mlp.fc1"), (f"{layer}.mlp.fc2",)),
-    )
 
 
 SPEC = ArchitectureSpec(
@@ -116,13 +88,13 @@ SPEC = ArchitectureSpec(
     tensors={
         "text_model.embeddings.token_embedding.weight": (None, "text.res"),
         "text_model.embeddings.position_embedding.weight": (None, "text.res"),
-        **_tower(TA, TM, TL, "text.res"),
+        **tower(TA, TM, TL, "text.res"),
         "text_model.head.weight": ("joint", "text.res"),
         "text_model.head.bias": ("joint",),
         "vision_model.embeddings.patch_embedding.weight": ("vision.res", None, None, None),
         "vision_model.embeddings.patch_embedding.bias": ("vision.res",),
         "vision_model.embeddings.position_embedding.weight": (None, "vision.res"),
-        **_tower(VA, VM, VL, "vision.res"),
+        **tower(VA, VM, VL, "vision.res"),
         f"{HEAD}.probe": (None, None, "vision.res"),  # [1, 1, d]: the query, read by in_proj's q rows
         f"{HEAD}.attention.in_proj_weight": (IN_PROJ, "vision.res"),
         f"{HEAD}.attention.in_proj_bias": (IN_PROJ,),
@@ -134,15 +106,15 @@ SPEC = ArchitectureSpec(
         f"{HEAD}.mlp.fc2.bias": ("joint",),
     },
     norms=(
-        *_tower_norms(TL, "text.res"),
+        *tower_norms(TL, "text.res"),
         NormT("text_model.final_layer_norm", "text.res", ("text_model.head.weight",)),
-        *_tower_norms(VL, "vision.res"),
+        *tower_norms(VL, "vision.res"),
         # its output is read by in_proj's k and v rows; the q rows read the probe instead
         NormT("vision_model.post_layernorm", "vision.res", (f"{HEAD}.attention.in_proj_weight",)),
         NormT(f"{HEAD}.layernorm", "joint", (f"{HEAD}.mlp.fc1.weight",)),
     ),
     invariant=("logit_scale", "logit_bias"),
-    sublayers=(*_tower_sublayers(TL), *_tower_sublayers(VL)),
+    sublayers=(*tower_sublayers(TL), *tower_sublayers(VL)),
     embeddings=("text_model.embeddings", "vision_model.embeddings"),
     last_hidden={"text.res": "text_model.final_layer_norm", "vision.res": "vision_model.post_layernorm"},
     inputs="text-image",

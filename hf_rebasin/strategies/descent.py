@@ -402,6 +402,26 @@ def per_sublayer_descent(
     return split, max(results, key=lambda r: r[0])[1]
 
 
+def finish_permutations(
+    pair: Pair,
+    matched: Pair,
+    balanced: bool,
+    transform: Transform,
+    options: Any,
+    progress: Progress | None,
+    outer: Mapping[str, tuple[Tensor, Tensor]] | None = None,
+) -> tuple[SymmetryGraph, Transform, list[str], Mapping[str, Tensor]]:
+    """Weight matching's and TransFusion's last steps: :func:`permutation_streams` on the forms
+    ``matched`` compared, then (``balanced``) B's gated units rescaled to A's. Returns ``(graph,
+    transform, notes, sd_b)``, ``sd_b`` the B the transform applies to."""
+    graph, transform, notes = permutation_streams(matched, transform, options, progress, outer)
+    if not balanced:
+        return graph, transform, notes, pair.sd_b
+    from .. import glu
+
+    return graph, transform, notes, glu.match_scales(graph, pair.sd_a, pair.sd_b, transform)
+
+
 def permutation_streams(
     pair: Pair,
     transform: Transform,

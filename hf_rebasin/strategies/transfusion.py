@@ -18,12 +18,11 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from .. import glu
 from ..features import WeightViews
 from ..solvers import lap, lap_batch, singular_values
 from ..symmetry import HeadMap, HeadSpace, SymmetryGraph
 from .base import Alignment, Pair, Progress, matching_forms, timed
-from .descent import anchor_init, descend, permutation_streams, space_solver, view_graph
+from .descent import anchor_init, descend, finish_permutations, space_solver, view_graph
 from .options import TRANSFUSION as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import TransfusionOptions
 
@@ -90,8 +89,9 @@ def run(pair: Pair, options: TransfusionOptions, progress: Progress | None) -> A
             views=views,
         )
         matched = dataclasses.replace(pair, sd_a=ma, sd_b=mb) if balanced else pair
-        graph, transform, notes = permutation_streams(matched, transform, options, progress, outer)  # pairings stay
-        sd_b = glu.match_scales(graph, pair.sd_a, pair.sd_b, transform) if balanced else pair.sd_b
+        graph, transform, notes, sd_b = finish_permutations(  # head pairings stay
+            pair, matched, balanced, transform, options, progress, outer
+        )
     return Alignment(
         "transfusion",
         graph,

@@ -13,11 +13,10 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from .. import glu
 from ..features import WeightViews
 from ..symmetry import SymmetryGraph, Transform, TransformClass
 from .base import Alignment, Pair, Progress, matching_forms, timed
-from .descent import anchor_init, descend, permutation_streams, space_solver, view_graph
+from .descent import anchor_init, descend, finish_permutations, space_solver, view_graph
 from .options import WEIGHT_MATCHING as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import WeightMatchingOptions
 
@@ -50,8 +49,7 @@ def run(pair: Pair, options: WeightMatchingOptions, progress: Progress | None) -
         ma, mb, balanced = matching_forms(pair, pair.sd_a, pair.sd_b, options)
         transform = weight_matching(pair.graph, ma, mb, max_iter=options.max_iter, seed=options.seed, progress=progress)
         matched = dataclasses.replace(pair, sd_a=ma, sd_b=mb) if balanced else pair
-        graph, transform, notes = permutation_streams(matched, transform, options, progress)
-        sd_b = glu.match_scales(graph, pair.sd_a, pair.sd_b, transform) if balanced else pair.sd_b
+        graph, transform, notes, sd_b = finish_permutations(pair, matched, balanced, transform, options, progress)
     return Alignment(
         "weight-matching",
         graph,
