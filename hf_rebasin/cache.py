@@ -4,7 +4,8 @@ Transporting many task vectors, or re-running a recipe to change its evaluation,
 alignment again; solving it can take minutes. An entry is one safetensors file,
 ``<root>/<key>.safetensors`` (root: ``$HF_REBASIN_CACHE/alignments``, default
 ``~/.cache/hf-rebasin/alignments``), holding only what cannot be recomputed cheaply: the transform's
-tensors, plus the strategy, flags, notes and original timings as JSON metadata. State dicts and
+tensors and B's gated-unit scales where the strategy set them (``Alignment.glu_scales``: learned ones
+cannot be recomputed), plus the strategy, flags, notes and original timings as JSON metadata. State dicts and
 canonical forms are rebuilt from the live models on load, and anything that does not fit the live
 graph is a miss, never an error. No pickle is written or read.
 
@@ -341,6 +342,10 @@ def save_alignment(key: str, alignment: Alignment, pair: Pair, *, root: Path | N
     from safetensors.torch import save_file
 
     tensors, spaces = _encode(alignment.transform)
+    scales: dict[str, str] = {}  # unit space → tensor name, float64 as applied
+    for i, (space, s) in enumerate((alignment.glu_scales or {}).items()):
+        scales[space] = f"g{i}"
+        tensors[f"g{i}"] = s.detach().cpu().to(torch.float64).contiguous().clone()
     meta = {
         "format": CACHE_FORMAT,
         "key": key,
@@ -348,6 +353,7 @@ def save_alignment(key: str, alignment: Alignment, pair: Pair, *, root: Path | N
         "exact": alignment.exact,
         "canonical": alignment.canonical,
         "glu": alignment.glu_matched,
+        "glu_scales": scales if alignment.glu_scales is not None else None,
         "untied": list(alignment.untied),
         "notes": list(alignment.notes),
         "timings": {k: float(v) for k, v in alignment.timings.items()},
@@ -420,6 +426,25 @@ def _decode(graph: SymmetryGraph, spaces: Mapping[str, Any], tensors: Mapping[st
     return out
 
 
+def _tensor(tensors: Mapping[str, Tensor], name: Any) -> Tensor:
+    """The entry's tensor ``name``; a miss when it is not there."""
+    if not isinstance(name, str) or name not in tensors:
+        raise CacheMiss(f"tensor {name!r} is missing")
+    return tensors[name]
+
+
+def _scales(graph: SymmetryGraph, space: Any, s: Tensor) -> Tensor:
+    """Stored unit scales of ``space``, checked against ``graph``: a gated MLP, its size, float64,
+    finite and nonzero."""
+    units = {u.space for u in graph.glus}
+    if space not in units:
+        raise CacheMiss(f"unit scales of {space!r}, which is not a gated MLP of the model")
+    n = graph.ref_size(space)
+    if s.dtype != torch.float64 or s.shape != (n,) or not bool(s.isfinite().all()) or bool((s == 0).any()):
+        raise CacheMiss(f"unit scales of {space!r} are not {n} finite nonzero float64 numbers")
+    return s
+
+
 def read_alignment(key: str, pair: Pair, strategy: str | None = None, *, root: Path | None = None) -> Alignment:
     """The cached alignment of ``key``, rebuilt on ``pair`` (canonical forms recomputed from its
     state dicts); raises :class:`CacheMiss` saying why when there is none or it does not fit."""
@@ -457,7 +482,14 @@ def read_alignment(key: str, pair: Pair, strategy: str | None = None, *, root: P
         transform = _decode(graph, meta["spaces"], tensors)
         norms = {k: sd_b[k] for k, b in graph.bindings.items() if b.norm_scale and k in sd_b}
         graph.apply(norms, transform)  # the class checks: orthogonal maps only where they are exact
-        if meta.get("glu"):  # B's gated units in A's scaling, as the strategy left them
+        glu_scales: dict[str, Tensor] | None = None
+        if meta.get("glu_scales") is not None:  # B's gated units scaled as the strategy left them
+            from .glu import apply_unit_scales
+
+            stored = meta["glu_scales"]
+            glu_scales = {str(space): _scales(graph, space, _tensor(tensors, name)) for space, name in stored.items()}
+            sd_b = apply_unit_scales(graph, sd_b, glu_scales)
+        elif meta.get("glu"):  # B's gated units in A's scaling: recomputed as the strategy did
             from .glu import match_scales
 
             sd_b = match_scales(graph, sd_a, sd_b, transform)
@@ -470,6 +502,7 @@ def read_alignment(key: str, pair: Pair, strategy: str | None = None, *, root: P
             exact=bool(meta["exact"]),
             canonical=bool(meta["canonical"]),
             glu_matched=bool(meta.get("glu")),
+            glu_scales=glu_scales,
             untied=untied,
             notes=[str(n) for n in meta["notes"]],
             timings={str(k): float(v) for k, v in meta["timings"].items()},

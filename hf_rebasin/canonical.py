@@ -11,7 +11,12 @@ A norm's scale is γ = weight + ``Norm.offset`` (Gemma's RMSNorm computes x·(1 
 its neutral weight is 1 − offset (0 for Gemma). A `WriterScale` (DINOv2's LayerScale λ, a diagonal
 on a sublayer's output) folds into the writers it multiplies, which are centered after the fold. A
 reader whose axis concatenates copies of the stream (DINOv2's classifier reads [CLS, mean of
-patches]) takes γ in each copy and, with β, one shift per copy.
+patches]) takes γ in each copy and, with β, one shift per copy. A `BypassedNorm`'s readers also
+read tensors in place of its output (SigLIP's pooling probe): each becomes (p − β)/γ, so the folded
+readers see it as before, and is never centered (it writes nothing to the stream). A `RawStream` is
+a LayerNorm stream that something also reads without a norm (SigLIP's pooled stream is the image
+embedding): its writers keep their mean. Neither needs the centering to be exact: a map R fixing 1
+commutes with LayerNorm whatever the mean (mean(Rx) = mean(x), ‖R(x − m·1)‖ = ‖x − m·1‖).
 
 The form is a list of steps per tensor (`canonical_steps`), each reading only that tensor, its
 norm's γ/β and, for a folded bias, its reader: a state dict in memory is rewritten at once, a
@@ -30,7 +35,7 @@ from torch import Tensor
 
 from .errors import TransformError
 from .symmetry import Fused, Norm, Space, SymmetryGraph
-from .tensors import LazyState
+from .tensors import LazyState, RowReader
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,25 @@ class WriterScale(Norm):
     projection's weight and bias): λ folds into them along the stream's axis like a norm's γ into
     its readers, and leaves λ = 1; they stay writers, so a LayerNorm stream centers them after the
     fold. Every other use of a `Norm` (its stream, its class checks) holds unchanged."""
+
+
+@dataclass(frozen=True)
+class BypassedNorm(Norm):
+    """A norm whose readers also read the tensors ``bypass`` *in place of* its output (SigLIP's
+    attention-pooling ``probe``: the query of an ``nn.MultiheadAttention`` whose keys and values
+    read ``post_layernorm``, through the same fused ``in_proj`` columns). Once γ (and β) are folded
+    into the readers, a bypass input p becomes (p − β)/γ (p/γ where β stays in the norm), so the
+    readers compute what they did. It writes nothing to the stream, so it is not centered; it moves
+    with the readers' columns, so every orthogonal map of the space keeps their product."""
+
+    bypass: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RawStream(Space):
+    """A ``centered`` space (a LayerNorm reads it: orthogonal maps fix 1) whose stream something
+    also reads without a norm, as it is (SigLIP's pooling-head stream *is* the image embedding):
+    canonical form folds its norms as usual but leaves its writers' mean, which that reader sees."""
 
 
 def gamma(norm: Norm, weight: Tensor) -> Tensor:
@@ -77,10 +101,12 @@ def _spans(graph: SymmetryGraph, tensor: str, space: str) -> list[Span]:
 
 
 def bias_of(weight: str, state_dict: Mapping[str, object]) -> str | None:
-    if weight.endswith(".weight"):
-        bias = weight[: -len(".weight")] + ".bias"
-        if bias in state_dict:
-            return bias
+    """The bias beside ``weight`` in ``state_dict``: ``x.weight`` → ``x.bias``, and
+    ``nn.MultiheadAttention``'s ``in_proj_weight`` → ``in_proj_bias``."""
+    for suffix in (".weight", "_weight"):
+        if weight.endswith(suffix):
+            bias = weight[: -len(suffix)] + suffix[0] + "bias"
+            return bias if bias in state_dict else None
     return None
 
 
@@ -94,14 +120,16 @@ def is_canonical(graph: SymmetryGraph, state_dict: Mapping[str, Tensor]) -> bool
     return True
 
 
-StepKind = Literal["scale", "shift", "ones", "zeros", "divide", "center"]
+StepKind = Literal["scale", "shift", "ones", "zeros", "divide", "center", "unfold", "unscale"]
 
 
 @dataclass(frozen=True)
 class Step:
     """One rewrite of one tensor: ``scale`` a reader by γ along ``axis``; ``shift`` a reader's bias
     by W·β (W: ``reader`` as stored); set a norm's γ to ``ones`` (its neutral weight, 1 − offset),
-    its β to ``zeros`` or β/γ (``divide``); ``center`` a writer of a LayerNorm stream along ``axis``.
+    its β to ``zeros`` or β/γ (``divide``); ``center`` a writer of a LayerNorm stream along ``axis``;
+    a `BypassedNorm`'s bypass input p to (p − β)/γ (``unfold``) or, where β stays in the norm, p/γ
+    (``unscale``) along ``axis``.
     ``start``/``size``: only that slice of ``axis`` (one copy of the stream in a fused axis)."""
 
     kind: StepKind
@@ -136,6 +164,8 @@ def canonical_steps(graph: SymmetryGraph, names: Mapping[str, object]) -> Canoni
         norms = [n for n in graph.norms if n.space == name and n.readers]
         # a writer scale's tensors write the stream: they are centered below, after the fold
         readers = {r for n in norms if not isinstance(n, WriterScale) for r in n.readers}
+        # what the readers read in a norm's place is no writer: rewritten below, never centered
+        bypass = {p for n in norms if isinstance(n, BypassedNorm) for p in n.bypass}
         for norm in norms:
             biases = [bias_of(r, names) for r in norm.readers]
             fold_beta = norm.bias is not None and all(b is not None for b in biases)
@@ -150,13 +180,19 @@ def canonical_steps(graph: SymmetryGraph, names: Mapping[str, object]) -> Canoni
                 for axis, start, size in spans:
                     add(reader, Step("scale", norm, axis, None, start, size))
                 touched.add(reader)
+            for tensor in norm.bypass if isinstance(norm, BypassedNorm) else ():
+                for axis, start, _size in _spans(graph, tensor, name):
+                    if start is not None:
+                        raise AssertionError(f"bypass input {tensor} has a fused axis")  # adapter bug
+                    add(tensor, Step("unfold" if fold_beta else "unscale", norm, axis))
+                touched.add(tensor)
             add(norm.weight, Step("ones", norm))
             if norm.bias is not None:
                 add(norm.bias, Step("zeros" if fold_beta else "divide", norm))
         space = graph.spaces[name]
-        if isinstance(space, Space) and space.centered:
+        if isinstance(space, Space) and space.centered and not isinstance(space, RawStream):
             for tensor, axis, _role, _off in graph.users(name):
-                if tensor in readers or tensor in norm_params:
+                if tensor in readers or tensor in norm_params or tensor in bypass:
                     continue
                 if isinstance(graph.bindings[tensor].axes[axis], Fused):
                     raise AssertionError(f"writer {tensor} has a fused residual axis")
@@ -180,6 +216,8 @@ def _apply(step: Step, t: Tensor, raw: Mapping[str, Tensor]) -> Tensor:
     if step.kind == "zeros":
         return torch.zeros_like(t)
     scale = gamma(norm, raw[norm.weight])
+    if step.kind in ("unfold", "unscale"):
+        return _unfolded(step, t, raw, scale)
     if step.kind == "scale":
         if step.start is None:
             return _scaled(t, scale, step.axis)
@@ -208,6 +246,24 @@ def _apply(step: Step, t: Tensor, raw: Mapping[str, Tensor]) -> Tensor:
     return (beta / scale).to(t.dtype)
 
 
+def _unfolded(step: Step, t: Tensor, raw: Mapping[str, Tensor], scale: Tensor) -> Tensor:
+    """A bypass input p as its folded readers must read it: (p − β)/γ (``unfold``) or p/γ."""
+    norm = step.norm
+    assert norm is not None
+    if scale.abs().min() < 1e-8:
+        raise TransformError(
+            f"norm scale {norm.weight!r} has a zero entry, so what its readers read in its place "
+            "cannot follow its fold; use `class: permutation` for this model"
+        )
+    shape = [1] * t.dim()
+    shape[step.axis] = -1
+    p = t.to(torch.float64)
+    if step.kind == "unfold":
+        assert norm.bias is not None
+        p = p - raw[norm.bias].to(torch.float64).reshape(shape)
+    return (p / scale.reshape(shape)).to(t.dtype)
+
+
 def _scaled(t: Tensor, scale: Tensor, axis: int) -> Tensor:
     """``t`` times ``scale`` (float64) along ``axis``, rounded once to t's dtype."""
     shape = [1] * t.dim()
@@ -225,6 +281,24 @@ def canonical_tensor(form: CanonicalSteps, name: str, raw: Mapping[str, Tensor])
     for step in form.steps.get(name, ()):
         t = _apply(step, t, raw)
     return t
+
+
+def _canonical_rows(form: CanonicalSteps, name: str, raw: LazyState) -> RowReader | None:
+    """Rows of tensor ``name`` in canonical form from the same rows as stored, where every step
+    acts within a row (a reader scaled or a writer centered along a later axis: an embedding)."""
+    read = raw.rows(name)
+    steps = form.steps.get(name, ())
+    if read is None or any(step.kind not in ("scale", "center") or step.axis == 0 for step in steps):
+        return None
+    reader = read
+
+    def rows(start: int, stop: int) -> Tensor:
+        t = reader(start, stop)
+        for step in steps:
+            t = _apply(step, t, raw)
+        return t
+
+    return rows
 
 
 @overload
@@ -249,7 +323,10 @@ def canonicalize(
     form = canonical_steps(graph, state_dict)
     if isinstance(state_dict, LazyState):
         untied = set(form.untied)
-        lazy = state_dict.derive(lambda name: canonical_tensor(form, name, state_dict))
+        lazy = state_dict.derive(
+            lambda name: canonical_tensor(form, name, state_dict),
+            rows=lambda name: _canonical_rows(form, name, state_dict),
+        )
         lazy.aliases = {a: s for a, s in state_dict.aliases.items() if a not in untied}
         return lazy, form.graph, form.untied
     sd = {name: canonical_tensor(form, name, state_dict) for name in state_dict}

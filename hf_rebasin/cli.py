@@ -182,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Shakespeare, about a minute; vit: 8x8 digits, about 30 s; gpt2-ft: the gpt2 of the same seed "
             "fine-tuned on another play, about 10 s; gpt2-lora: a PEFT LoRA adapter of it trained on that play, about "
             "10 s; gpt2-next: the gpt2 of the same seed trained further, a re-release, about 25 s; bert: a masked LM on "
-            "the same text, about 2 min; qwen3, gemma2, gemma3, olmo2, phi3, pythia: causal LMs of those families "
-            "trained like gpt2, about a minute each; one CPU core each). Prints one folder per seed; recipes "
+            "the same text, about 2 min; qwen3, gemma, gemma2, gemma3, olmo2, phi3, pythia: causal LMs of those "
+            "families trained like gpt2, about a minute each; distilbert, xlm-roberta, modernbert: masked LMs trained "
+            "like bert, about 2 min each; dinov2: a classifier trained like vit, about 30 s; one CPU core each). Prints one folder per seed; recipes "
             "name them as zoo:KIND-seedN."
         ),
     )

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .symmetry import AxisMap, Fused, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, split_ref
-from .tensors import give_back_freed, shape_of
+from .symmetry import AxisMap, AxisRef, Fused, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, split_ref
+from .tensors import dtype_of, give_back_freed, row_blocks, shape_of
 
 __all__ = ["feature_similarity", "matched_correlation"]
 
@@ -48,39 +48,53 @@ def _accumulate(
             give_back_freed()
             passed = 0
         passed += nbytes
-        a = sd_a[name]
-        if not a.is_floating_point():
+        if not dtype_of(sd_a, name).is_floating_point:
             continue
-        b = sd_b[name]
-        if transform is not None:
-            b = graph.map_tensor(name, b, transform, cache=cache)
-        for axis, ref in enumerate(binding.axes):
-            if ref is None:
-                continue
-            parts = ref.parts if isinstance(ref, Fused) else (ref,)
-            offset = 0
-            for part in parts:
-                size = graph.ref_size(part)
-                space, role = split_ref(part)
-                pa = graph.part(name, a, axis, offset, size).movedim(axis, 0)
-                pb = graph.part(name, b, axis, offset, size).movedim(axis, 0)
-                acc = sums.setdefault((space, role), [torch.zeros(size, dtype=torch.float64) for _ in range(3)])
-                for start, stop in _blocks(size, math.prod(pa.shape[1:])):
-                    xa, xb = _float64_rows(pa[start:stop]), _float64_rows(pb[start:stop])
-                    acc[0][start:stop] += (xa * xb).sum(1)
-                    acc[1][start:stop] += (xa * xa).sum(1)
-                    acc[2][start:stop] += (xb * xb).sum(1)
-                    del xa, xb
-                offset += size
-        del a, b
+        # an unbound first axis (an embedding's vocabulary): every sum below is over it, so blocks of its rows add up
+        pairs = row_blocks([sd_a, sd_b], name) if binding.axes[0] is None else iter([[sd_a[name], sd_b[name]]])
+        for a, b in pairs:
+            if transform is not None:
+                b = graph.map_tensor(name, b, transform, cache=cache)
+            _add_sums(graph, sums, name, binding.axes, a, b)
+            del a, b
     return sums
+
+
+def _add_sums(
+    graph: SymmetryGraph,
+    sums: dict[tuple[str, str | None], list[Tensor]],
+    name: str,
+    axes: tuple[AxisRef | None, ...],
+    a: Tensor,
+    b: Tensor,
+) -> None:
+    """Add one tensor's (or block of rows') per-feature sums to ``sums``."""
+    for axis, ref in enumerate(axes):
+        if ref is None:
+            continue
+        parts = ref.parts if isinstance(ref, Fused) else (ref,)
+        offset = 0
+        for part in parts:
+            size = graph.ref_size(part)
+            space, role = split_ref(part)
+            pa = graph.part(name, a, axis, offset, size).movedim(axis, 0)
+            pb = graph.part(name, b, axis, offset, size).movedim(axis, 0)
+            acc = sums.setdefault((space, role), [torch.zeros(size, dtype=torch.float64) for _ in range(3)])
+            for start, stop in _blocks(size, math.prod(pa.shape[1:])):
+                xa, xb = _float64_rows(pa[start:stop]), _float64_rows(pb[start:stop])
+                acc[0][start:stop] += (xa * xb).sum(1)
+                acc[1][start:stop] += (xa * xa).sum(1)
+                acc[2][start:stop] += (xb * xb).sum(1)
+                del xa, xb
+            offset += size
 
 
 BLOCK_ELEMENTS = 1 << 22  # float64 values per block of features (32 MB): the sums' working memory
 # A streamed pass frees every tensor it reads, many of them small enough for glibc to keep in its
 # heap, fragmented: without a give-back the pass over TinyLlama peaked 1 GB above what it held.
-# Given back once per GIVE_BACK_BYTES read (TinyLlama: ~8 times a pass), the trims cost within noise.
-GIVE_BACK_BYTES = 1 << 30
+# Given back once per GIVE_BACK_BYTES read (Qwen3-0.6B: ~24 times a pass), the trims cost within
+# noise; once per GB, the heap of a Qwen3-0.6B pass still grew 0.6 GB above what it held.
+GIVE_BACK_BYTES = 1 << 28
 
 
 def _blocks(features: int, per_feature: int) -> list[tuple[int, int]]:

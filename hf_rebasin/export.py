@@ -592,7 +592,7 @@ def save_streamed(
 
     from .models import output_config
     from .offload import empty_model
-    from .tensors import write_safetensors
+    from .tensors import row_blocks, write_safetensors
 
     config = output_config(template, untie)
     model = empty_model(type(template), config)  # which names the output ties, and how it saves them
@@ -602,6 +602,10 @@ def save_streamed(
         if not stored.is_floating_point:
             return stored
         return (dtypes or {}).get(name) or dtype or stored
+
+    def rows_of(name: str) -> Iterator[torch.Tensor]:  # a large embedding in blocks of rows, each cast and written
+        for (block,) in row_blocks([state], name):
+            yield block
 
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})  # stored once, under the name it is tied to
     meta = {n: torch.empty(t.shape, dtype=written(n), device="meta") for n, t in model.state_dict().items()}
@@ -618,7 +622,7 @@ def save_streamed(
 
     for file, names in split.filename_to_tensors.items():
         entries = [(n, tuple(saved[n].shape), saved[n].dtype) for n in names]
-        write_safetensors(Path(dest) / file, entries, lambda n: state[name_of[id(saved[n])]], done=tick)
+        write_safetensors(Path(dest) / file, entries, lambda n: rows_of(name_of[id(saved[n])]), done=tick)
     if split.is_sharded:
         index = {
             "metadata": {"total_parameters": sum(p.numel() for n, p in model.named_parameters() if n not in tied)}

@@ -27,9 +27,17 @@ from torch import Tensor
 
 from .errors import AdapterError, TransformError
 from .symmetry import AxisMap, Fused, Glu, SpaceMap, SymmetryGraph
-from .tensors import LazyState
+from .tensors import LazyState, RowReader
 
-__all__ = ["apply_unit_scales", "balance", "is_balanced", "unit_scales"]
+__all__ = [
+    "apply_unit_scales",
+    "balance",
+    "is_balanced",
+    "log_scaled",
+    "match_scales",
+    "matched_unit_scales",
+    "unit_scales",
+]
 
 CHUNK = 1 << 22  # float64 elements per working block (32 MiB): a 7B layer's MLP never goes float64 whole
 
@@ -226,8 +234,13 @@ def apply_unit_scales(
         key = source if source is not None and source in edits and source in state else name
         return _edited(state[key], edits.get(key, []), scales)
 
+    def rows(name: str) -> RowReader | None:  # a tensor no gated MLP edits, as its rows come
+        assert isinstance(state, LazyState)
+        touched = name in edits or graph.ties.get(name) in edits
+        return None if touched else state.rows(name)
+
     if isinstance(state, LazyState):
-        return state.derive(one)
+        return state.derive(one, rows=rows)
     return {name: one(name) if (name in edits or graph.ties.get(name) in edits) else state[name] for name in state}
 
 
@@ -267,6 +280,15 @@ def match_scales(
     space the transform maps by anything but a permutation keep their scaling."""
     if not graph.glus:
         return sd_b if isinstance(sd_b, LazyState) else dict(sd_b)
+    return apply_unit_scales(graph, sd_b, matched_unit_scales(graph, sd_a, sd_b, transform))
+
+
+def matched_unit_scales(
+    graph: SymmetryGraph, sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], transform: Mapping[str, SpaceMap]
+) -> dict[str, Tensor]:
+    """The scales `match_scales` applies to B (float64, by unit space; B's unit order): kept apart
+    so that a caller can compose them with further scales of its own (learned matching's) and apply
+    the product once, and a cache can store them instead of recomputing them."""
     relative: dict[str, Tensor] = {}
     for glu in graph.glus:
         m = transform.get(glu.space)
@@ -283,7 +305,7 @@ def match_scales(
         )
         r[index[agree < 0]] *= -1
         relative[glu.space] = r
-    return apply_unit_scales(graph, sd_b, relative)
+    return relative
 
 
 def _only(graph: SymmetryGraph, glu: Glu, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -309,3 +331,38 @@ def _agreement(
         other = tuple(d for d in range(a.dim()) if d != span.axis)
         total += (a * b.to(torch.float64)).sum(dim=other)
     return total
+
+
+def log_scaled(
+    graph: SymmetryGraph, state: Mapping[str, Tensor], log_scales: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """``state`` with unit i of each gated MLP in ``log_scales`` scaled by exp(tᵢ): row i of ``up``
+    (and its bias) times exp(tᵢ), column i of ``down`` times exp(−tᵢ); signs stay. Differentiable
+    in ``log_scales`` and in each tensor's own dtype (learned matching optimises the t in float32);
+    `apply_unit_scales` is the exact float64 version for the scales a run keeps."""
+    edits = _edits(graph, state)
+    out = dict(state)
+    for name, todo in edits.items():
+        if name not in state:
+            continue
+        t = state[name]
+        for e in todo:
+            if e.space not in log_scales:
+                continue
+            logs = log_scales[e.space].to(device=t.device, dtype=t.dtype)
+            axis = t.shape[e.span.axis]
+            factor = torch.cat(
+                [
+                    torch.ones(e.span.start, dtype=t.dtype, device=t.device),
+                    torch.exp(-logs if e.divide else logs),
+                    torch.ones(axis - e.span.start - e.span.size, dtype=t.dtype, device=t.device),
+                ]
+            )
+            shape = [1] * t.dim()
+            shape[e.span.axis] = axis
+            t = t * factor.reshape(shape)
+        out[name] = t
+    for alias, source in graph.ties.items():  # a tied copy of a scaled tensor is scaled with it
+        if alias in out and source in edits and source in state:
+            out[alias] = out[source]
+    return out

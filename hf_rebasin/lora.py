@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from .canonical import WriterScale, bias_of, gamma
+from .canonical import RawStream, WriterScale, bias_of, gamma
 from .errors import CheckpointError, IncompatibleModelsError, ModelNotFoundError, PickleRefusedError, TransformError
 from .merge import StorageKey, storage_key
 from .symmetry import AnySpace, Fused, Norm, Space, SymmetryGraph, Transform, split_ref
@@ -418,9 +418,11 @@ def transport_adapter(
             if norm is not None:
                 folded.append((k, norm))
                 factors[k] = _scale(factors[k], k, gamma(norm, base[norm.weight]))
-            # a writer is centered (after its LayerScale λ, which it takes in like a reader takes γ)
+            # a writer is centered (after its LayerScale λ, which it takes in like a reader takes γ),
+            # as canonical form centers it: not on a stream something also reads raw (`RawStream`)
             if norm is None or isinstance(norm, WriterScale):
-                if isinstance(space := graph.spaces[ref], Space) and space.centered:
+                space = graph.spaces[ref]
+                if isinstance(space, Space) and space.centered and not isinstance(space, RawStream):
                     factors[k] = factors[k] - factors[k].mean(dim=k, keepdim=True)
         moved = [
             _map(mapped, m.weight, factors[0], transform, 1, cache),

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .errors import IncompatibleModelsError
-from .tensors import LazyState, shape_of
+from .tensors import LazyState, RowReader, shape_of
 
 __all__ = ["StorageKey", "merge_state_dicts", "merge_tensor", "storage_key"]
 
@@ -80,7 +80,9 @@ def merge_state_dicts(
     for i, sd in enumerate(state_dicts[1:], start=1):
         _check_same(reference, sd, i)
     if isinstance(reference, LazyState):
-        return reference.derive(lambda name: merge_tensor(name, state_dicts, w))
+        return reference.derive(
+            lambda name: merge_tensor(name, state_dicts, w), rows=lambda name: _merged_rows(name, state_dicts, w)
+        )
     out: dict[str, Tensor] = {}
     done: dict[StorageKey, Tensor] = {}
     for name, ref in reference.items():
@@ -108,7 +110,34 @@ def merge_tensor(name: str, state_dicts: Sequence[Mapping[str, Tensor]], weights
         return reference[name]
     terms = [(w, sd[name]) for w, sd in zip(weights, state_dicts, strict=True) if w != 0.0]
     device = terms[0][1].device if isinstance(reference, LazyState) and terms else reference[name].device
-    out = torch.empty(shape_of(reference, name), dtype=dtype, device=device)
+    return _weighted(terms, shape_of(reference, name), dtype, device)
+
+
+def _merged_rows(name: str, state_dicts: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> RowReader | None:
+    """Rows of the merged tensor ``name`` from the same rows of each input (`LazyState.rows`)."""
+    reference = state_dicts[0]
+    assert isinstance(reference, LazyState)
+    dtype = reference.dtype(name)
+    if not dtype.is_floating_point:
+        return reference.rows(name)
+    used = [(w, sd) for w, sd in zip(weights, state_dicts, strict=True) if w != 0.0]
+    readers = [sd.rows(name) if isinstance(sd, LazyState) else None for _, sd in used]
+    if not used or any(r is None for r in readers):
+        return None
+    shape = shape_of(reference, name)
+
+    def rows(start: int, stop: int) -> Tensor:
+        terms = [(w, r(start, stop)) for (w, _), r in zip(used, readers, strict=True) if r is not None]
+        return _weighted(terms, (stop - start, *shape[1:]), dtype, terms[0][1].device)
+
+    return rows
+
+
+def _weighted(
+    terms: Sequence[tuple[float, Tensor]], shape: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """Σ w·t over ``terms`` in float64, a chunk at a time, rounded once to ``dtype``."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
     flat = out.view(-1)
     for start in range(0, flat.numel(), CHUNK):
         stop = min(start + CHUNK, flat.numel())

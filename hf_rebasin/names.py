@@ -77,7 +77,25 @@ DEFAULT_PLAYS: tuple[str, ...] = ("hamlet", "macbeth", "othello", "king-lear", "
 # ---------------------------------------------------------------------------------------------
 # The zoo: tiny models hf-rebasin trains itself (`zoo:KIND-seedN` in recipes)
 
-Kind = Literal["gpt2", "vit", "gpt2-ft", "gpt2-lora", "gpt2-next", "bert", "qwen3", "gemma2", "pythia", "gemma3", "olmo2", "phi3"]
+Kind = Literal[
+    "gpt2",
+    "vit",
+    "gpt2-ft",
+    "gpt2-lora",
+    "gpt2-next",
+    "bert",
+    "qwen3",
+    "gemma2",
+    "pythia",
+    "gemma3",
+    "olmo2",
+    "phi3",
+    "gemma",
+    "distilbert",
+    "xlm-roberta",
+    "modernbert",
+    "dinov2",
+]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 
 # ---------------------------------------------------------------------------------------------

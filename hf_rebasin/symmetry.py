@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .errors import AdapterError, CheckpointError, TransformError
-from .tensors import LazyState
+from .tensors import LazyState, RowReader
 
 TransformClass = Literal["permutation", "signed-permutation", "orthogonal"]
 # richest last; "signed-permutation" (a permutation times diag(±1)) is exact wherever every norm on
@@ -511,7 +511,10 @@ class SymmetryGraph:
             self._check_transform(transform, state_dict)
         cache: dict[str, AxisMap | None] = {}
         if isinstance(state_dict, LazyState):
-            return state_dict.derive(lambda name: self._mapped(state_dict, name, transform, cache))
+            return state_dict.derive(
+                lambda name: self._mapped(state_dict, name, transform, cache),
+                rows=lambda name: self._mapped_rows(state_dict, name, transform, cache),
+            )
         out: dict[str, Tensor] = {}
         for name, t in state_dict.items():
             if name in self.ties:
@@ -534,6 +537,25 @@ class SymmetryGraph:
         key = source if source is not None and source in state else name
         t = state[key]
         return self.map_tensor(key, t, transform, cache=cache) if key in self.bindings else t
+
+    def _mapped_rows(
+        self,
+        state: LazyState,
+        name: str,
+        transform: Mapping[str, SpaceMap],
+        cache: dict[str, AxisMap | None],
+    ) -> RowReader | None:
+        """Rows of one tensor of `apply`'s result from the same rows of ``state``, where no map
+        touches the first axis (an embedding's vocabulary)."""
+        source = self.ties.get(name)
+        key = source if source is not None and source in state else name
+        read = state.rows(key)
+        if read is None or key not in self.bindings:
+            return read
+        if self.bindings[key].axes[0] is not None:
+            return None
+        reader = read
+        return lambda start, stop: self.map_tensor(key, reader(start, stop), transform, cache=cache)
 
     def _check_transform(self, transform: Mapping[str, SpaceMap], state_dict: Mapping[str, Tensor]) -> None:
         for name, m in transform.items():

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,13 @@ __all__ = [
     "DTYPES",
     "CheckpointSource",
     "LazyState",
+    "RowReader",
     "SafetensorsEntry",
+    "dtype_of",
     "give_back_freed",
     "is_lazy",
     "read_safetensors_header",
+    "row_blocks",
     "shape_of",
     "write_safetensors",
 ]
@@ -86,12 +89,21 @@ def give_back_freed() -> None:
         trim(0)
 
 
+RowReader = Callable[[int, int], Tensor]  # rows [start, stop) of one tensor, computed without the others
+
+
 class LazyState(Mapping[str, Tensor]):
     """A state dict computed on read: ``state[name]`` builds the tensor, nothing is kept.
 
     Names, shapes and dtypes are known without computing a tensor, so checks and plans that need
     only shapes cost nothing. Reading the same name twice computes it twice: callers that need a
     tensor more than once keep it themselves for as long as they need it.
+
+    ``rows(name)`` says whether a block of a tensor's first-axis rows can be computed alone, and
+    how: a checkpoint reads their bytes, and a derived state can when every stage maps each row
+    on its own (an embedding, whose vocabulary axis no symmetry maps). Without it, a 151936×1024
+    embedding is computed whole, in float32, by every stage that reads it; `row_blocks` reads
+    it a block at a time where every state in the chain allows.
     """
 
     def __init__(
@@ -101,10 +113,12 @@ class LazyState(Mapping[str, Tensor]):
         read: Callable[[str], Tensor],
         *,
         aliases: Mapping[str, str] | None = None,
+        rows: Callable[[str], RowReader | None] | None = None,
     ) -> None:
         self._shapes = dict(shapes)
         self._dtypes = dict(dtypes)
         self._read = read
+        self._rows = rows
         self.aliases: dict[str, str] = dict(aliases or {})  # tied names -> the name that holds the data
 
     def shape(self, name: str) -> torch.Size:
@@ -120,6 +134,10 @@ class LazyState(Mapping[str, Tensor]):
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._shapes:
             raise KeyError(name)
+        if math.prod(self._shapes[name]) > ROW_BLOCK_ELEMENTS:
+            read = self.rows(name)
+            if read is not None:  # whole, but each stage of the chain holds one block of rows, not a copy
+                return _assembled(read, self._shapes[name])
         return self._read(name)
 
     def __contains__(self, name: object) -> bool:
@@ -131,9 +149,65 @@ class LazyState(Mapping[str, Tensor]):
     def __len__(self) -> int:
         return len(self._shapes)
 
-    def derive(self, read: Callable[[str], Tensor], *, dtypes: Mapping[str, torch.dtype] | None = None) -> LazyState:
-        """A state with the same names and shapes whose tensors ``read`` computes (from this one)."""
-        return LazyState(self._shapes, dtypes if dtypes is not None else self._dtypes, read, aliases=self.aliases)
+    def rows(self, name: str) -> RowReader | None:
+        """How to compute rows ``[start, stop)`` of tensor ``name`` alone, or None where only the
+        whole tensor can be (a stage that mixes its rows, or a scalar)."""
+        if self._rows is None or name not in self._shapes or not self._shapes[name]:
+            return None
+        return self._rows(name)
+
+    def derive(
+        self,
+        read: Callable[[str], Tensor],
+        *,
+        dtypes: Mapping[str, torch.dtype] | None = None,
+        rows: Callable[[str], RowReader | None] | None = None,
+    ) -> LazyState:
+        """A state with the same names and shapes whose tensors ``read`` computes (from this one);
+        ``rows`` as `rows` (None: no tensor in blocks)."""
+        return LazyState(
+            self._shapes, dtypes if dtypes is not None else self._dtypes, read, aliases=self.aliases, rows=rows
+        )
+
+
+ROW_BLOCK_ELEMENTS = 1 << 23  # values per block of rows (32 MB in float32)
+
+
+def _assembled(read: RowReader, shape: Sequence[int]) -> Tensor:
+    """A whole tensor filled from its blocks of rows. A forward pass needs an embedding or LM head
+    whole; built whole through canonical form and a rotation it took three float32 copies at once
+    (the peak of a streamed generalized-orthogonal run at the Qwen3-0.6B shape), built from blocks one."""
+    step = max(1, ROW_BLOCK_ELEMENTS * shape[0] // max(1, math.prod(shape)))
+    out: Tensor | None = None
+    for start in range(0, shape[0], step):
+        block = read(start, min(start + step, shape[0]))
+        if out is None:
+            out = torch.empty(tuple(shape), dtype=block.dtype, device=block.device)
+        out[start : start + block.shape[0]] = block
+        del block
+    assert out is not None
+    return out
+
+
+def row_blocks(
+    states: Sequence[Mapping[str, Tensor]], name: str, *, elements: int | None = None
+) -> Iterator[list[Tensor]]:
+    """Tensor ``name`` of every state, as ``[one per state]`` lists of matching row blocks, in
+    order: in blocks of about ``elements`` values where it is larger than that and every state
+    computes its rows alone (`LazyState.rows`), else whole, in one list. For work that is a sum
+    over rows or row-wise (saving, merging, sums over an axis the first one is not): the same
+    values as the whole tensors, without holding them (``elements``: `ROW_BLOCK_ELEMENTS`)."""
+    elements = ROW_BLOCK_ELEMENTS if elements is None else elements
+    shape = shape_of(states[0], name)
+    numel = math.prod(shape)
+    readers = [s.rows(name) if isinstance(s, LazyState) else None for s in states]
+    if numel <= elements or any(r is None for r in readers):
+        yield [s[name] for s in states]
+        return
+    step = max(1, elements * shape[0] // numel)
+    for start in range(0, shape[0], step):
+        stop = min(start + step, shape[0])
+        yield [r(start, stop) for r in readers if r is not None]
 
 
 def is_lazy(state: Mapping[str, Tensor]) -> bool:
@@ -143,6 +217,11 @@ def is_lazy(state: Mapping[str, Tensor]) -> bool:
 def shape_of(state: Mapping[str, Tensor], name: str) -> torch.Size:
     """A tensor's shape without computing a lazy one."""
     return state.shape(name) if isinstance(state, LazyState) else state[name].shape
+
+
+def dtype_of(state: Mapping[str, Tensor], name: str) -> torch.dtype:
+    """A tensor's dtype (as read) without computing a lazy one."""
+    return state.dtype(name) if isinstance(state, LazyState) else state[name].dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,11 +306,33 @@ class CheckpointSource(LazyState):
             self._where[name] = entries[key]
         self.stored_dtypes = {n: e.dtype for n, e in self._where.items()}
         dtypes = {n: WORK_DTYPE if d.is_floating_point else d for n, d in self.stored_dtypes.items()}
-        super().__init__({n: e.shape for n, e in self._where.items()}, dtypes, self._load, aliases=aliases)
+        super().__init__(
+            {n: e.shape for n, e in self._where.items()}, dtypes, self._load, aliases=aliases, rows=self._row_reader
+        )
 
     def _load(self, name: str) -> Tensor:
-        t = self.stored(name).to(self.device)
+        return self._work(self.stored(name))
+
+    def _work(self, t: Tensor) -> Tensor:
+        t = t.to(self.device)
         return t.to(WORK_DTYPE) if t.is_floating_point() else t
+
+    def _row_reader(self, name: str) -> RowReader:
+        """Rows of a stored tensor: their bytes are contiguous in the file, read alone."""
+        entry = self._where[name]
+        row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+
+        def read(start: int, stop: int) -> Tensor:
+            part = SafetensorsEntry(
+                entry.file,
+                entry.offset + start * row_bytes,
+                (stop - start) * row_bytes,
+                entry.dtype,
+                (stop - start, *entry.shape[1:]),
+            )
+            return self._work(_read_entry(part))
+
+        return read
 
     def stored(self, name: str) -> Tensor:
         """Tensor ``name`` as the file stores it (bf16 stays bf16): for checks that need no float32."""
@@ -279,25 +380,39 @@ def _header(entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> byte
 def write_safetensors(
     path: Path,
     entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
-    produce: Callable[[str], Tensor],
+    produce: Callable[[str], Tensor | Iterable[Tensor]],
     *,
     done: Callable[[str], None] | None = None,
 ) -> None:
     """A safetensors file of ``entries`` (name, shape, dtype written), each tensor computed by
     ``produce(name)`` just before its bytes are written and dropped after: the header is known
-    from the shapes, so nothing waits in memory. A tensor whose shape differs from its entry is a
-    bug, raised before a wrong byte count could corrupt the file."""
+    from the shapes, so nothing waits in memory. ``produce`` may give a tensor or its blocks of
+    rows in order (`row_blocks`), each cast and written as it comes. A tensor whose shape differs
+    from its entry is a bug, raised before a wrong byte count could corrupt the file."""
     with open(path, "wb") as f:
         f.write(_header(entries))
         for name, shape, dtype in entries:
-            t = produce(name)
-            if tuple(t.shape) != tuple(shape):
-                raise AssertionError(f"{name}: produced shape {tuple(t.shape)}, planned {tuple(shape)}")
-            t = t.detach().to(device="cpu", dtype=dtype).contiguous()
-            if t.numel():
-                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-            del t
+            made = produce(name)
+            blocks = [made] if isinstance(made, Tensor) else made
+            rows = 0
+            for block in blocks:
+                if tuple(block.shape[1:]) != tuple(shape[1:]) or (isinstance(made, Tensor) and block.shape != shape):
+                    raise AssertionError(f"{name}: produced shape {tuple(block.shape)}, planned {tuple(shape)}")
+                rows += block.shape[0] if block.dim() else 1
+                t = block.detach().to(device="cpu", dtype=dtype).contiguous()
+                del block
+                if t.numel():
+                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+                del t
+            if shape and rows != shape[0]:
+                raise AssertionError(f"{name}: produced {rows} rows, planned {shape[0]}")
+            del made, blocks
+            if _nbytes(shape, torch.float32) >= GIVE_BACK_BYTES:
+                give_back_freed()  # a large tensor's float32 temporaries: not kept in the heap for the next
             if done is not None:
                 done(name)
         f.flush()
         os.fsync(f.fileno())
+
+
+GIVE_BACK_BYTES = 1 << 28  # float32 bytes of a tensor after whose writing the freed heap is given back

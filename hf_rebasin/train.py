@@ -1,5 +1,6 @@
-"""A zoo of tiny trained models: GPT-2, BERT and causal LMs of other families (Qwen3, Gemma-2,
-Pythia) on Shakespeare characters, ViT on 8×8 digits.
+"""A zoo of tiny trained models: GPT-2, causal LMs of other families (Qwen3, Gemma, Gemma-2,
+Gemma-3, Pythia, OLMo-2, Phi-3), BERT and masked LMs of other encoder families (DistilBERT,
+XLM-RoBERTa, ModernBERT) on Shakespeare characters; ViT and DINOv2 on 8×8 digits.
 
 Re-basin needs pairs of models that compute the same kind of function from different seeds.
 These are trained by the project's own code (no Hub, no network) in about a minute each on one
@@ -43,6 +44,8 @@ from .zoo import (
     GPT2LoraConfig,
     GPT2NextConfig,
     GPT2TrainConfig,
+    ImageTrainConfig,
+    MaskedLMTrainConfig,
     TrainConfig,
     ViTTrainConfig,
     check_kind,
@@ -58,7 +61,14 @@ if TYPE_CHECKING:
 Progress = Callable[[int, float], None]
 
 # the loss a zoo kind is trained and scored with (every kind not named here is a causal LM)
-_TASKS: dict[Kind, Task] = {"vit": "image-classification", "bert": "masked-lm"}
+_TASKS: dict[Kind, Task] = {
+    "vit": "image-classification",
+    "bert": "masked-lm",
+    **{kind: "masked-lm" for kind, config in DEFAULT_CONFIGS.items() if isinstance(config, MaskedLMTrainConfig)},
+    **{
+        kind: "image-classification" for kind, config in DEFAULT_CONFIGS.items() if isinstance(config, ImageTrainConfig)
+    },
+}
 _MASK_STREAM = 2**62  # offsets the seed of an epoch's masks from that of its block order
 
 
@@ -337,6 +347,81 @@ def causal_lm_config(config: CausalLMTrainConfig, tokenizer: Any) -> Any:
     )
 
 
+# sizes a family names otherwise than the zoo's shared names (and its config's attribute_map does not alias)
+_RENAMED: dict[str, dict[str, str]] = {"distilbert": {"intermediate_size": "hidden_dim"}}
+# families whose learned positions start after padding_idx (RoBERTa's rule): two more rows than a
+# block, as the released checkpoints have (514 for 512 tokens) and as a run reads them (`run.data`)
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert")
+
+
+def _family_config(family: str, sizes: dict[str, Any], options: tuple[tuple[str, Any], ...], **fixed: Any) -> Any:
+    """``AutoConfig.for_model(family)`` with the zoo's ``sizes`` under the family's own names, every
+    dropout of the family at 0, ``fixed`` (special ids, labels), then ``options``.
+
+    Dropout off everywhere: the zoo's models are compared weight by weight and scored as trained,
+    and the families' defaults differ (DistilBERT's and XLM-R's 0.1, ModernBERT's and DINOv2's 0).
+    """
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(family).to_dict()
+    no_dropout = {
+        k: 0.0
+        for k, v in defaults.items()
+        if ("dropout" in k or "drop_path" in k) and isinstance(v, float) and not isinstance(v, bool)
+    }
+    named = {_RENAMED.get(family, {}).get(k, k): v for k, v in sizes.items()}
+    if family == "dinov2" and "intermediate_size" in named:  # DINOv2 sizes its MLP as a multiple of the width
+        ratio = named.pop("intermediate_size") / named["hidden_size"]
+        named["mlp_ratio"] = int(ratio) if ratio.is_integer() else ratio
+    return AutoConfig.for_model(
+        family,
+        **no_dropout,
+        **named,
+        **fixed,
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in options},  # tuples: hashable in the key
+    )
+
+
+def masked_lm_config(config: MaskedLMTrainConfig, tokenizer: Any) -> Any:
+    """The transformers config of a `MaskedLMTrainConfig`'s model for ``tokenizer``: the family's
+    config class with the zoo's sizes, no dropout, the tokenizer's special ids for every special-id
+    field the family has (ModernBERT's ``cls_token_id`` too), then ``options``."""
+    from transformers import AutoConfig
+
+    fields = AutoConfig.for_model(config.family).to_dict()
+    special = {
+        f"{name}_token_id": getattr(tokenizer, f"{name}_token_id", None)
+        for name in ("pad", "bos", "eos", "cls", "sep")
+        if f"{name}_token_id" in fields
+    }
+    offset = 2 if config.family in _OFFSET_POSITIONS else 0
+    sizes = {
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": config.block_size + offset,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    return _family_config(config.family, sizes, config.options, **special)
+
+
+def image_config(config: ImageTrainConfig) -> Any:
+    """The transformers config of an `ImageTrainConfig`'s model: the family's config class for the
+    8×8 grayscale digits and their 10 labels, the zoo's sizes, no dropout, then ``options``."""
+    sizes = {
+        "image_size": 8,
+        "patch_size": config.patch_size,
+        "num_channels": 1,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    labels = {"id2label": {i: str(i) for i in range(10)}, "label2id": {str(i): i for i in range(10)}}
+    return _family_config(config.family, sizes, config.options, **labels)
+
+
 def train_tiny_causal_lm(
     kind: Kind,
     seed: int,
@@ -386,8 +471,6 @@ def train_tiny_vit(
     from transformers import ViTConfig, ViTForImageClassification
 
     cfg = config or ViTTrainConfig()
-    images, labels = data.digits_dataset("train")
-    test_images, test_labels = data.digits_dataset("test")
     model_config = ViTConfig(
         image_size=8,
         patch_size=cfg.patch_size,
@@ -401,17 +484,65 @@ def train_tiny_vit(
         id2label={i: str(i) for i in range(10)},
         label2id={str(i): i for i in range(10)},
     )
+    return _run_digits(
+        "vit", seed, cfg, out_dir, lambda: ViTForImageClassification(model_config), progress=progress, threads=threads
+    )
+
+
+def _run_digits(
+    kind: Kind,
+    seed: int,
+    cfg: ViTTrainConfig | ImageTrainConfig,
+    out_dir: Path,
+    build: Callable[[], Any],
+    *,
+    progress: Progress | None,
+    threads: int | None,
+) -> Path:
+    """`_run` for the image kinds: the digits' training split in batches drawn per epoch, the test
+    split scored 256 at a time, the digits' image processor saved beside the result."""
+    images, labels = data.digits_dataset("train")
+    test_images, test_labels = data.digits_dataset("test")
     return _run(
-        "vit",
+        kind,
         seed,
         cfg,
         out_dir,
-        lambda: ViTForImageClassification(model_config),
+        build,
         lambda s: data.image_batches(images, labels, cfg.batch_size, seed=s, drop_last=True),
         list(data.image_batches(test_images, test_labels, 256)),
         progress=progress,
         threads=threads,
         processor=digits_processor(),
+    )
+
+
+def train_tiny_image_classifier(
+    kind: Kind,
+    seed: int,
+    out_dir: Path,
+    config: ImageTrainConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Train a small image classifier of ``config.family`` on the 8×8 digits, as `train_tiny_vit`
+    trains its ViT (same images, batches, schedule); save it with the digits' image processor."""
+    from transformers import AutoModelForImageClassification
+
+    default = DEFAULT_CONFIGS[check_kind(kind)]
+    if not isinstance(default, ImageTrainConfig):
+        raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by train_tiny_image_classifier")
+    cfg = config or default
+    model_config = image_config(cfg)
+    return _run_digits(
+        kind,
+        seed,
+        cfg,
+        out_dir,
+        lambda: AutoModelForImageClassification.from_config(model_config),
+        progress=progress,
+        threads=threads,
     )
 
 
@@ -447,8 +578,8 @@ def _finetune_data(seed: int, plays: tuple[str, ...], eval_tokens: int) -> tuple
     return base, tokenizer, train, test
 
 
-def bert_data(config: BertTrainConfig) -> tuple[Any, Tensor, Tensor]:
-    """(tokenizer with a ``<mask>`` token, train blocks, held-out blocks) of a BERT zoo config:
+def bert_data(config: BertTrainConfig | MaskedLMTrainConfig) -> tuple[Any, Tensor, Tensor]:
+    """(tokenizer with a ``<mask>`` token, train blocks, held-out blocks) of a masked-LM zoo config:
     `gpt2_data`'s text and blocks, unmasked (masks are drawn per batch)."""
     return _char_blocks(config.plays, config.block_size, config.eval_tokens, mask=True)
 
@@ -520,17 +651,79 @@ def train_tiny_bert(
         attention_probs_dropout_prob=0.0,
         pad_token_id=int(tokenizer.pad_token_id),
     )
-    return _run(
+    return _run_masked(
         "bert",
         seed,
         cfg,
         out_dir,
         lambda: BertForMaskedLM(model_config),
+        tokenizer,
+        train,
+        test,
+        progress=progress,
+        threads=threads,
+    )
+
+
+def _run_masked(
+    kind: Kind,
+    seed: int,
+    cfg: BertTrainConfig | MaskedLMTrainConfig,
+    out_dir: Path,
+    build: Callable[[], Any],
+    tokenizer: Any,
+    train: Tensor,
+    test: Tensor,
+    *,
+    progress: Progress | None,
+    threads: int | None,
+) -> Path:
+    """`_run` for the masked-LM kinds: fresh masks every step, the held-out blocks masked once from
+    ``EVAL_MASK_SEED`` and scored 64 at a time, the tokenizer saved beside the result."""
+    return _run(
+        kind,
+        seed,
+        cfg,
+        out_dir,
+        build,
         lambda s: _masked_epoch(train, tokenizer, cfg.batch_size, s),
         masked_lm_batches(test, tokenizer, 64),
         progress=progress,
         threads=threads,
         processor=tokenizer,
+    )
+
+
+def train_tiny_masked_lm(
+    kind: Kind,
+    seed: int,
+    out_dir: Path,
+    config: MaskedLMTrainConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Train a small character-level masked LM of ``config.family`` on Shakespeare, as
+    `train_tiny_bert` trains its BERT (same data, blocks, masks, schedule); save it with its tokenizer."""
+    from transformers import AutoModelForMaskedLM
+
+    default = DEFAULT_CONFIGS[check_kind(kind)]
+    if not isinstance(default, MaskedLMTrainConfig):
+        raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by train_tiny_masked_lm")
+    cfg = config or default
+    tokenizer, train, test = bert_data(cfg)
+    model_config = masked_lm_config(cfg, tokenizer)
+    return _run_masked(
+        kind,
+        seed,
+        cfg,
+        out_dir,
+        lambda: AutoModelForMaskedLM.from_config(model_config),
+        tokenizer,
+        train,
+        test,
+        progress=progress,
+        threads=threads,
     )
 
 
@@ -654,6 +847,16 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
         for kind, config in DEFAULT_CONFIGS.items()
         if isinstance(config, CausalLMTrainConfig)
     },
+    **{
+        kind: functools.partial(train_tiny_masked_lm, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, MaskedLMTrainConfig)
+    },
+    **{
+        kind: functools.partial(train_tiny_image_classifier, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, ImageTrainConfig)
+    },
 }
 
 
@@ -704,12 +907,12 @@ def training_record(folder: Path) -> dict[str, Any]:
 def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tensor]]:
     """The held-out evaluation batches of a zoo model (text or digits it was not trained on).
 
-    A BERT's are masked-LM batches whose masks come from ``EVAL_MASK_SEED``: the batches its
+    A masked LM's are masked-LM batches whose masks come from ``EVAL_MASK_SEED``: the batches its
     ``training.json`` loss was computed on, the same at every call.
     """
     record = training_record(folder)
     kind = check_kind(record["kind"])
-    if kind == "vit":
+    if _TASKS.get(kind) == "image-classification":
         images, labels = data.digits_dataset("test")
         return list(data.image_batches(images, labels, batch_size))
     from transformers import PreTrainedTokenizerFast
@@ -717,8 +920,11 @@ def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tenso
     cfg = record["config"]  # every text kind names its plays and eval_tokens
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
     text = data.shakespeare_text(tuple(cfg["plays"]), split="test")
-    model_folder = cached_model("gpt2", int(record["seed"])) if kind == "gpt2-lora" else Path(folder)
-    blocks = data.text_blocks(tokenizer, text, _block(model_folder), max_tokens=cfg["eval_tokens"])
+    if "block_size" in cfg:  # the blocks it was trained on (XLM-R's positions are 2 more)
+        block = int(cfg["block_size"])
+    else:  # trained on top of the zoo GPT-2: its context
+        block = _block(cached_model("gpt2", int(record["seed"])) if kind == "gpt2-lora" else Path(folder))
+    blocks = data.text_blocks(tokenizer, text, block, max_tokens=cfg["eval_tokens"])
     if _TASKS.get(kind) == "masked-lm":
         return masked_lm_batches(blocks, tokenizer, batch_size)
     return list(data.batches(blocks, batch_size, pad_token_id=int(tokenizer.pad_token_id)))

@@ -12,7 +12,7 @@ update) and linear in α in canonical coordinates.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import overload
 
 import torch
@@ -24,7 +24,7 @@ from .merge import StorageKey, storage_key
 from .strategies import Alignment
 from .sublayers import is_per_sublayer, per_sublayer
 from .symmetry import SymmetryGraph
-from .tensors import LazyState, shape_of
+from .tensors import LazyState, RowReader, shape_of
 
 __all__ = ["add_task_vector", "check_shared", "move_finetune", "task_vector"]
 
@@ -74,7 +74,10 @@ def move_finetune(
     moved_ft = _moved_finetune(alignment, graph, finetuned, finetuned_graph)
     aligned = alignment.aligned_b()
     if isinstance(aligned, LazyState) and isinstance(moved_ft, LazyState) and set(moved_ft) == set(aligned):
-        return aligned.derive(lambda name: _difference(moved_ft[name], aligned[name])), {}
+        return aligned.derive(
+            lambda name: _difference(moved_ft[name], aligned[name]),
+            rows=lambda name: _rows_of(_difference, moved_ft, aligned, name),
+        ), {}
     tau: dict[str, Tensor] = {}
     for name, base in aligned.items():
         if base.is_floating_point() and name in moved_ft:
@@ -138,7 +141,10 @@ def add_task_vector(
                 f"task vector {name!r} has shape {tuple(shape_of(tau, name))}, the target {tuple(shape_of(target, name))}"
             )
     if isinstance(target, LazyState):
-        return target.derive(lambda name: _added(target[name], tau, name, alpha))
+        return target.derive(
+            lambda name: _added(target[name], tau, name, alpha),
+            rows=lambda name: _rows_of(lambda t, d: _added(t, {name: d}, name, alpha), target, tau, name),
+        )
     out: dict[str, Tensor] = {}
     done: dict[StorageKey, Tensor] = {}
     for name, t in target.items():
@@ -147,6 +153,24 @@ def add_task_vector(
             done[key] = _added(t, tau, name, alpha)
         out[name] = done[key]
     return out
+
+
+def _rows_of(
+    combine: Callable[[Tensor, Tensor], Tensor], first: Mapping[str, Tensor], second: Mapping[str, Tensor], name: str
+) -> RowReader | None:
+    """Rows of ``combine(first[name], second[name])`` (an element-wise sum) from the same rows of
+    each, where both compute rows alone (``first``'s own where ``second`` lacks the tensor)."""
+    if not isinstance(first, LazyState):
+        return None
+    if name not in second:
+        return first.rows(name)
+    if not isinstance(second, LazyState):
+        return None
+    a, b = first.rows(name), second.rows(name)
+    if a is None or b is None:
+        return None
+    read_a, read_b = a, b
+    return lambda start, stop: combine(read_a(start, stop), read_b(start, stop))
 
 
 def _added(t: Tensor, tau: Mapping[str, Tensor], name: str, alpha: float) -> Tensor:

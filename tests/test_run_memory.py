@@ -43,14 +43,17 @@ def test_footprint_counts_what_the_files_hold(pair: tuple[Path, Path]) -> None:
     model = T.AutoModelForCausalLM.from_pretrained(str(pair[0]))
     assert found.params == sum(p.numel() for p in model.parameters())  # untied: every parameter stored once
     stored = 0
-    largest = 0
+    largest = mixed = 0
     for f in pair[0].glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as h:
             for k in h.keys():
                 t = h.get_tensor(k)
                 stored += t.numel() * t.element_size()
                 largest = max(largest, t.numel())
+                if "embed_tokens" not in k and "lm_head" not in k:
+                    mixed = max(mixed, t.numel())
     assert found.nbytes == stored and found.largest == largest and found.dtype == "bfloat16"
+    assert found.largest_mixed == mixed < largest  # vocabulary rows are streamed in blocks
     assert found.width == model.config.intermediate_size
     assert memory.footprint(pair[0].parent) is None  # no checkpoint there
 
@@ -66,6 +69,9 @@ def test_a_streamed_run_is_estimated_far_below_one_that_loads_its_models(
     fp = memory.footprint(pair[0])
     assert fp is not None
     assert streamed.peak - memory.OVERHEAD < whole.peak - memory.OVERHEAD
+    lap = memory.LAP_COPIES * 8 * fp.width**2
+    held = max(memory.FORWARD_COPIES * 4 * fp.largest, memory.STREAM_COPIES * 4 * fp.largest_mixed)
+    assert streamed.peak == memory.OVERHEAD + held + lap
     assert whole.peak - memory.OVERHEAD >= 2 * 4 * fp.params  # both models in float32 at least
     learned = {"strategy": {"name": "generalized-orthogonal", "learned": True}, "data": {"dataset": "shakespeare"}}
     plan = build_plan(loads_recipe(_recipe(tmp_path, pair, **learned).read_text()))

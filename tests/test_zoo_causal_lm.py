@@ -1,4 +1,4 @@
-"""The zoo's causal LMs of other families (kinds qwen3, gemma2, pythia, gemma3, olmo2, phi3): one config class,
+"""The zoo's causal LMs of other families (kinds qwen3, gemma2, pythia, gemma3, olmo2, phi3, gemma): one config class,
 `CausalLMTrainConfig`, built through ``AutoConfig.for_model`` and trained like the zoo GPT-2.
 
 Fast: the default configs are only built (never trained); training runs on a tiny variant of each,
@@ -31,6 +31,7 @@ KINDS = {
     "gemma3": ("gemma3_text", T.Gemma3ForCausalLM, 2, True),
     "olmo2": ("olmo2", T.Olmo2ForCausalLM, 2, False),
     "phi3": ("phi3", T.Phi3ForCausalLM, 2, False),
+    "gemma": ("gemma", T.GemmaForCausalLM, 2, True),
 }
 PLAYS = ("macbeth",)
 
@@ -92,12 +93,14 @@ def test_the_default_config_builds_a_model_like_the_zoo_gpt2(kind: str) -> None:
     assert (model.lm_head.weight is model.get_input_embeddings().weight) is tied
     params = sum(p.numel() for p in model.parameters())
     assert 90_000 < params < 120_000, params  # the zoo GPT-2 has 108,544
-    if kind in ("qwen3", "gemma2", "gemma3"):
+    if kind in ("qwen3", "gemma2", "gemma3", "gemma"):
         assert c.head_dim == 16 and c.intermediate_size == 176  # a GLU of ⅔ · 4 · 64, rounded to 16
     if kind == "gemma3":
         assert c.layer_types == ["sliding_attention", "full_attention"] and c.sliding_window == 32
     if kind == "phi3":
         assert c.rope_parameters["partial_rotary_factor"] == 0.5
+    if kind == "gemma":
+        assert c.hidden_act == "gelu_pytorch_tanh" and cfg.lr == 3e-3  # GeGLU; Gemma-2's rate
     if kind == "gemma2":
         assert c.query_pre_attn_scalar == 16 and c.sliding_window > cfg.block_size
         assert c.final_logit_softcapping == 30.0 and c.attn_logit_softcapping == 50.0  # the family's
@@ -152,7 +155,8 @@ def _stand_in(kind: str, cache: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["merge-qwen3", "merge-pythia", "barrier-gemma2", "merge-olmo2", "barrier-gemma3", "merge-phi3"]
+    "name",
+    ["merge-qwen3", "merge-pythia", "barrier-gemma2", "merge-olmo2", "barrier-gemma3", "merge-phi3", "merge-gemma"],
 )
 def test_the_recipe_of_a_new_kind_runs_end_to_end_on_stand_ins(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

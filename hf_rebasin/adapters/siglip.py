@@ -1,42 +1,49 @@
 """SigLIP (``SiglipModel``): a text tower and a vision tower whose attention-pooling head writes the
 space the text head writes into.
 
-Both towers are pre-LayerNorm encoders without CLIP's ``pre_layrnorm``. The text tower's residual
-admits orthogonal maps fixing 1 after canonical form (γ/β of every LayerNorm folded into its
-readers, writers centered); its ``head`` reads ``final_layer_norm`` at the last token.
+Both towers are pre-LayerNorm encoders without CLIP's ``pre_layrnorm``, so after canonical form (γ/β
+of every LayerNorm folded into its readers, writers centered) each residual stream admits
+orthogonal maps fixing 1. The text tower's ``head`` reads ``final_layer_norm`` at the last token.
 
-The vision tower ends in ``post_layernorm`` and the attention-pooling head
-(``vision_model.head``): a ``torch.nn.MultiheadAttention`` whose fused ``in_proj_weight`` rows are
-q | k | v of one head space, then ``layernorm`` → ``mlp`` with a residual around the mlp. Its
-query is the learned ``probe``, fed through the same in_proj columns as the normalized patches, so
-the probe lives in the vision residual basis. Two limits follow from canonical form as
-`hf_rebasin.canonical` defines it, so both spaces below are permutation-only:
+The vision tower ends in ``post_layernorm`` and the attention-pooling head (``vision_model.head``):
+a ``torch.nn.MultiheadAttention`` whose fused ``in_proj_weight`` rows are q | k | v of one head
+space, then ``layernorm`` → ``mlp`` with a residual around the mlp. Who reads and writes what:
 
-* ``vision.res``: folding ``post_layernorm``'s γ/β into ``in_proj`` also scales the probe's path
-  (the probe would have to become (probe − β)/γ), and centering the stream's writers would center
-  the probe, which reaches ``in_proj`` without a LayerNorm.
-* ``joint``: the pooled stream (out_proj rows, ``head.mlp.fc2`` rows) and the text head's rows
-  share one space, because the logits are dot products of the two L2-normalised embeddings.
-  ``head.layernorm`` reads it, so a rotation must fix 1; but the pooled stream *is* the image
-  embedding, read raw, so canonical form may not center its writers, and a centered space's
-  canonical form always does.
+* ``vision.res``: written by the patch and position embeddings and every layer's ``out_proj`` and
+  ``fc2``; read through ``layer_norm1``/``layer_norm2`` and, at the end, ``post_layernorm``, whose
+  output only the k and v rows of ``in_proj`` read. The q rows read the learned ``probe`` instead,
+  through the same ``in_proj`` columns: the probe lives in the vision basis but bypasses the norm
+  (a `BypassedNorm`). Folding γ/β into ``in_proj`` rewrites it as (probe − β)/γ, and it is never
+  centered (it writes nothing to the stream); any orthogonal map keeps ``W_q·probe``.
+* ``joint``: the pooling head's own stream, written by ``attention.out_proj`` and ``mlp.fc2``, read
+  by ``head.layernorm`` (→ ``mlp.fc1``), so its rotations fix 1; its value at the probe *is* the
+  image embedding, and the text ``head``'s rows write the same space, because the logits are dot
+  products of the two L2-normalised embeddings. That reader sees the stream raw, so canonical form
+  leaves its writers uncentered (a `RawStream`): maps fixing 1 commute with LayerNorm whatever the
+  mean, so nothing needs the centering.
 
 ``logit_scale`` and ``logit_bias`` carry no hidden axis. Nested ``last_hidden_state`` /
 ``pooler_output`` of the towers are not compared: canonical form changes the text tower's
-(γ of ``final_layer_norm`` moves into ``head``), as CLIP's.
+(γ of ``final_layer_norm`` moves into ``head``), as CLIP's. Only ``SiglipModel`` (model type
+``siglip``) is registered: ``SiglipForImageClassification``'s classifier and the towers' own model
+types are not described.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Collection
 from typing import Any
 
-from ..symmetry import Fused
+from ..canonical import BypassedNorm, RawStream
+from ..symmetry import Fused, Space, SymmetryGraph
 from .base import ArchitectureSpec, HeadsT, NormT, SpaceT
 from .clip import tower, tower_norms, tower_sublayers
 
 TA, TM, TL = "text.{t}.attn", "text.{t}.mlp", "text_model.encoder.layers.{t}"
 VA, VM, VL = "vision.{v}.attn", "vision.{v}.mlp", "vision_model.encoder.layers.{v}"
 PA, PM, HEAD = "vision.pool.attn", "vision.pool.mlp", "vision_model.head"
+PROBE, POST = f"{HEAD}.probe", "vision_model.post_layernorm"
 IN_PROJ = Fused((f"{PA}:q", f"{PA}:k", f"{PA}:v"))  # nn.MultiheadAttention in_proj rows: q | k | v
 
 
@@ -58,7 +65,28 @@ def _dims(c: Any) -> dict[str, int]:
     return out
 
 
-SPEC = ArchitectureSpec(
+@dataclasses.dataclass(frozen=True)
+class SiglipSpec(ArchitectureSpec):
+    """The spec's graph, with what a template cannot say: the probe bypasses ``post_layernorm``
+    (its readers read it in the norm's place), and the joint space is read raw (its writers keep
+    their mean)."""
+
+    def graph(self, config: Any, keys: Collection[str]) -> SymmetryGraph:
+        graph = ArchitectureSpec.graph(self, config, keys)
+        if PROBE in graph.bindings:
+            graph.norms = [
+                BypassedNorm(n.weight, n.bias, n.space, n.readers, n.offset, bypass=(PROBE,))
+                if n.weight == f"{POST}.weight"
+                else n
+                for n in graph.norms
+            ]
+        joint = graph.spaces.get("joint")
+        if isinstance(joint, Space):
+            graph.spaces["joint"] = RawStream(**{f.name: getattr(joint, f.name) for f in dataclasses.fields(joint)})
+        return graph
+
+
+SPEC = SiglipSpec(
     family="siglip",
     model_types=("siglip",),
     base_prefix="",
@@ -68,22 +96,12 @@ SPEC = ArchitectureSpec(
         SpaceT("text.res", "t_d", "orthogonal", centered=True, kind="residual"),
         HeadsT(TA, heads="t_heads", kv_heads="t_heads", head_dim="t_head_dim"),
         SpaceT(TM, "t_ff", kind="mlp"),
-        SpaceT(
-            "vision.res",
-            "v_d",
-            kind="residual",
-            reason="the pooling probe reaches in_proj without post_layernorm, so its γ/β cannot be folded",
-        ),
+        SpaceT("vision.res", "v_d", "orthogonal", centered=True, kind="residual"),
         HeadsT(VA, heads="v_heads", kv_heads="v_heads", head_dim="v_head_dim"),
         SpaceT(VM, "v_ff", kind="mlp"),
         HeadsT(PA, heads="v_heads", kv_heads="v_heads", head_dim="v_head_dim"),
         SpaceT(PM, "v_ff", kind="mlp"),
-        SpaceT(
-            "joint",
-            "joint",
-            kind="joint",
-            reason="head.layernorm reads the pooled stream, which is the image embedding itself: not centerable",
-        ),
+        SpaceT("joint", "joint", "orthogonal", centered=True, kind="joint"),
     ),
     tensors={
         "text_model.embeddings.token_embedding.weight": (None, "text.res"),
@@ -95,7 +113,7 @@ SPEC = ArchitectureSpec(
         "vision_model.embeddings.patch_embedding.bias": ("vision.res",),
         "vision_model.embeddings.position_embedding.weight": (None, "vision.res"),
         **tower(VA, VM, VL, "vision.res"),
-        f"{HEAD}.probe": (None, None, "vision.res"),  # [1, 1, d]: the query, read by in_proj's q rows
+        PROBE: (None, None, "vision.res"),  # [1, 1, d]: the query, read by in_proj's q rows (a bypass)
         f"{HEAD}.attention.in_proj_weight": (IN_PROJ, "vision.res"),
         f"{HEAD}.attention.in_proj_bias": (IN_PROJ,),
         f"{HEAD}.attention.out_proj.weight": ("joint", f"{PA}:o"),
@@ -109,14 +127,14 @@ SPEC = ArchitectureSpec(
         *tower_norms(TL, "text.res"),
         NormT("text_model.final_layer_norm", "text.res", ("text_model.head.weight",)),
         *tower_norms(VL, "vision.res"),
-        # its output is read by in_proj's k and v rows; the q rows read the probe instead
-        NormT("vision_model.post_layernorm", "vision.res", (f"{HEAD}.attention.in_proj_weight",)),
+        # its output is read by in_proj's k and v rows; the q rows read the probe in its place
+        NormT(POST, "vision.res", (f"{HEAD}.attention.in_proj_weight",)),
         NormT(f"{HEAD}.layernorm", "joint", (f"{HEAD}.mlp.fc1.weight",)),
     ),
     invariant=("logit_scale", "logit_bias"),
     sublayers=(*tower_sublayers(TL), *tower_sublayers(VL)),
     embeddings=("text_model.embeddings", "vision_model.embeddings"),
-    last_hidden={"text.res": "text_model.final_layer_norm", "vision.res": "vision_model.post_layernorm"},
+    last_hidden={"text.res": "text_model.final_layer_norm", "vision.res": POST},
     inputs="text-image",
     outputs={"logits_per_image": None, "text_embeds": "joint", "image_embeds": "joint"},
 )

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..symmetry import AxisMap, Fused, SpaceMap, SymmetryGraph, split_ref
-from ..tensors import give_back_freed
+from ..tensors import give_back_freed, row_blocks
 
 
 def spaces_of(graph: SymmetryGraph, tensor: str, skip_axis: int | None = None) -> set[str]:
@@ -48,9 +48,32 @@ class WeightViews:
         use: tuple[str, int, str | None, int],
         cache: dict[str, AxisMap | None],
     ) -> Tensor:
+        tensor, axis = use[0], use[1]
+        if axis != 0 and self.graph.bindings[tensor].axes[0] is None:
+            # an unbound first axis (an embedding's vocabulary) is summed over: blocks of its rows add up
+            pairs = row_blocks([self.sd_a, self.sd_b], tensor)
+        else:
+            pairs = iter([[self.sd_a[tensor], self.sd_b[tensor]]])
+        total: Tensor | None = None
+        for a, b in pairs:
+            m = self._product(transform, space, use, cache, a, b)
+            del a, b
+            total = m if total is None else total + m
+        assert total is not None
+        return total
+
+    def _product(
+        self,
+        transform: Mapping[str, SpaceMap],
+        space: str,
+        use: tuple[str, int, str | None, int],
+        cache: dict[str, AxisMap | None],
+        a: Tensor,
+        b: Tensor,
+    ) -> Tensor:
+        """One term (or one block of rows' share of it) of a weight view."""
         tensor, axis, role, offset = use
-        a = self.sd_a[tensor]
-        b = self.graph.map_tensor(tensor, self.sd_b[tensor], transform, skip_axis=axis, cache=cache)
+        b = self.graph.map_tensor(tensor, b, transform, skip_axis=axis, cache=cache)
         size = self.graph.ref_size(f"{space}:{role}" if role else space)
         work = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
         a2 = self.graph.part(tensor, a, axis, offset, size).to(work)

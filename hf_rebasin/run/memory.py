@@ -27,6 +27,9 @@ __all__ = ["InsufficientMemoryError", "MemoryEstimate", "ModelFootprint", "avail
 GIB = 1024**3
 OVERHEAD = 1 * GIB  # Python with torch, transformers and datasets imported, before any model
 STREAM_COPIES = 6  # float32 copies of the largest tensor a streamed step holds (inputs, maps, float64 sum)
+# a tensor of vocabulary rows (an embedding, an LM head) is merged, saved and summed in blocks of
+# rows; whole only in a forward pass, which holds it as stored and in float32
+FORWARD_COPIES = 2
 LAP_COPIES = 3  # float64 copies of the widest space's n×n cost (view, solver input, solver work)
 ASSUMED_TOKENS = 100_000  # alignment data without `max_tokens`: the size of its hidden states is a guess
 LEARNED_COPIES = 3  # learned matching: B under the dense maps and the interpolation (kept for backward), the model
@@ -53,6 +56,7 @@ class ModelFootprint:
     width: int  # its widest hidden space (MLP units or residual): the size of an assignment problem
     hidden: int = 0  # the residual stream's width
     layers: int = 1  # its layer count
+    largest_mixed: int = 0  # elements of its largest tensor other than vocabulary rows (streamed whole); 0: unknown
 
 
 def _shards(folder: Path) -> list[Path]:
@@ -82,6 +86,7 @@ def footprint(folder: Path) -> ModelFootprint | None:
     """The size of the model in ``folder`` from its safetensors headers; None when it has none
     (a pickle checkpoint, a LoRA adapter, a folder not downloaded yet)."""
     params = nbytes = largest = 0
+    firsts: list[tuple[int, int]] = []  # (first dimension, elements) of every tensor
     by_dtype: dict[str, int] = {}
     files = _shards(Path(folder))
     for f in files:
@@ -97,6 +102,7 @@ def footprint(folder: Path) -> ModelFootprint | None:
             if name == "__metadata__" or not isinstance(info, dict):
                 continue
             n = math.prod(info.get("shape", []))
+            firsts.append(((info.get("shape") or [0])[0], n))
             params += n
             nbytes += n * _ITEM.get(str(info.get("dtype")), 4)
             largest = max(largest, n)
@@ -111,7 +117,9 @@ def footprint(folder: Path) -> ModelFootprint | None:
     dtype = max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else "float32"
     hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(config.get(k), int)), 0)
     layers = next((config[k] for k in ("num_hidden_layers", "n_layer") if isinstance(config.get(k), int)), 1)
-    return ModelFootprint(params, nbytes, dtype, largest, _width(config), hidden, max(1, layers))
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    mixed = max((n for first, n in firsts if first != vocab), default=0)
+    return ModelFootprint(params, nbytes, dtype, largest, _width(config), hidden, max(1, layers), mixed)
 
 
 def available_memory() -> int | None:
@@ -229,10 +237,13 @@ def estimate(
     lap = LAP_COPIES * 8 * max(fp.width for fp in known) ** 2 if matching else 0
     if streamed:
         largest = max(fp.largest for fp in known)
-        peak = OVERHEAD + STREAM_COPIES * 4 * largest + lap
-        how = f"{STREAM_COPIES} float32 copies of the largest tensor" + (
-            ", the widest assignment problem" if lap else ""
-        )
+        mixed = max(fp.largest_mixed or fp.largest for fp in known)
+        peak = OVERHEAD + max(STREAM_COPIES * 4 * mixed, FORWARD_COPIES * 4 * largest) + lap
+        if mixed < largest:
+            how = f"{FORWARD_COPIES} float32 copies of the embedding, {STREAM_COPIES} of the largest other tensor"
+        else:
+            how = f"{STREAM_COPIES} float32 copies of the largest tensor"
+        how += ", the widest assignment problem" if lap else ""
         if recipe.data is not None and recipe.strategy.name == "head-perm":
             fp = known[0]
             tokens = recipe.data.max_tokens or ASSUMED_TOKENS

@@ -85,6 +85,9 @@ class Alignment:
     canonical: bool = False
     # B's gated-MLP units rescaled to A's (``glu.match_scales``): a cache rebuilds sd_b the same way
     glu_matched: bool = False
+    # where set, the unit scales (float64, by unit space) that took B from its (canonical) form to
+    # ``sd_b``: matched and learned scales in one; a cache stores them and applies them again
+    glu_scales: dict[str, Tensor] | None = None
     untied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)

@@ -7,7 +7,11 @@ exact. Then, for a few rounds: the residual map by Procrustes over every residua
 heads by a LAP on QK-circuit (W_Qᵀ W_K) and OV-circuit (W_O W_V) similarity with orthogonal maps
 inside each head, MLP units by LAP. Post-norm models (BERT) keep a permuted residual.
 Optionally (``learned: true``, needs data) the maps are refined on the loss of the interpolated
-model (see :mod:`hf_rebasin.strategies.learned`).
+model (see :mod:`hf_rebasin.strategies.learned`), with ``learn_glu_scales`` B's gated-unit scales too.
+
+B's gated units are rescaled at most once, in float64, by the product of the scales ``glu: balance``
+gives them (A's scale and sign) and the learned ones; the alignment carries that product
+(``Alignment.glu_scales``), so a cache rebuilds B exactly without rerunning anything.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         sd_a, graph, untied = canonicalize(pair.graph, pair.sd_a)
         sd_b: Mapping[str, Tensor]
         sd_b, _, _ = canonicalize(pair.graph, pair.sd_b)
+        canonical_b = sd_b
         # matching compares balanced gated MLPs (after the fold: γ changes up's rows)
         ma, mb, balanced = matching_forms(pair, sd_a, sd_b, options)
         vgraph = view_graph(graph, "orthogonal")
@@ -109,8 +114,10 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
             if rotations
             else ["learned matching of permutations only (`maps: permutations`)"]
         )
+        scales: dict[str, Tensor] | None = None  # applied to canonical B: what the cache stores
         if balanced:  # B's units take the scale and sign of the A unit they land on (exact)
-            sd_b = glu.match_scales(graph, sd_a, sd_b, transform)
+            scales = glu.matched_unit_scales(graph, sd_a, canonical_b, transform)
+            sd_b = glu.apply_unit_scales(graph, canonical_b, scales)
         diagnostics: dict[str, Any] = {}
         if options.learned:
             settings = learned_settings(options)
@@ -118,6 +125,15 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
             transform = learned.transform
             notes += learned.notes
             diagnostics["learned"] = learned.history
+            if options.learn_glu_scales and not graph.glus:
+                notes.append("learn_glu_scales: the model has no gated MLP, so no unit scales were learned")
+            if learned.unit_scales:  # learned on top of the start's: their product, applied once
+                matched = scales or {}
+                scales = {
+                    **matched,
+                    **{sp: s * matched[sp] if sp in matched else s for sp, s in learned.unit_scales.items()},
+                }
+                sd_b = glu.apply_unit_scales(graph, canonical_b, scales)
     return Alignment(
         "generalized-orthogonal",
         graph,
@@ -127,6 +143,7 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         exact=not split_notes,
         canonical=True,
         glu_matched=balanced,
+        glu_scales=scales,
         untied=untied,
         notes=notes,
         timings=timings,
@@ -149,4 +166,5 @@ def learned_settings(options: GeneralizedOrthogonalOptions) -> LearnedSettings:
         eval_every=options.eval_every,
         patience=options.patience,
         invertible=options.inner == "invertible",
+        glu_scales=options.learn_glu_scales,
     )

@@ -11,6 +11,13 @@ through estimator; or (``sinkhorn``) the soft matrix in both, projected once whe
 Head pairings also get a greedy search over swaps on the loss at every score (see
 `_Maps.swap_heads` for why gradients alone cannot). The learning rate decays on a cosine.
 
+With ``glu_scales`` the per-unit scaling of gated MLPs is learned too: B's unit i is scaled by
+exp(tᵢ) on ``up`` (row and bias) and exp(−tᵢ) on ``down`` (column) before the maps, so the model
+interpolated is ``λ·θ_A + (1−λ)·T(S(θ_B))`` with S(θ_B) computing exactly what θ_B computes. The t
+start at 0 (B as the data-free start left it) and exp keeps every sign: signs come from the start
+(``glu: balance`` gives B's units the signs of the A units they land on). The kept scales come back
+as float64 `LearnedResult.unit_scales`, to be applied once to B (`glu.apply_unit_scales`).
+
 Part of the alignment data is held out. Every ``eval_every`` steps the hard maps are scored there
 (the midpoint barrier); the best maps are kept, and training stops after ``patience`` scores without
 a better one. The data-free start is such a score too, so the result is never worse than it on
@@ -30,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from .. import glu
 from ..errors import MissingDataError
 from ..models import rebuild
 from ..solvers import lap, procrustes, sinkhorn, svd
@@ -65,15 +73,22 @@ class LearnedSettings:
     patience: int = 4  # held-out scores without improvement before stopping (0: never stop early)
     # inner head maps are any invertible matrices (rotary Q/K: scaled plane rotations; fixed Q/K stay)
     invertible: bool = False
+    # a positive scale per gated-MLP unit of B (exp(t) on up, exp(−t) on down), before the maps
+    glu_scales: bool = False
 
 
 @dataclass
 class LearnedResult:
-    """The refined transform, report notes and the curve of held-out barrier against steps."""
+    """The refined transform, report notes and the curve of held-out barrier against steps.
+
+    ``unit_scales``: with ``glu_scales``, the learned scale of each of B's gated units (float64, by
+    unit space, B's unit order, all positive), to apply to B before ``transform``; empty when none
+    were learned or the data-free start was kept."""
 
     transform: Transform
     notes: list[str]
     history: dict[str, Any] = field(default_factory=dict)
+    unit_scales: dict[str, Tensor] = field(default_factory=dict)
 
 
 def _project_orthogonal(m: Tensor, centered: bool) -> Tensor:
@@ -129,6 +144,13 @@ class _Maps(torch.nn.Module):
         self.signs: dict[str, Tensor] = {}  # signed permutations: the sign of each old feature
         self.heads: dict[str, HeadMap] = {}
         self.keys: dict[str, str] = {}
+        # log-scales of B's gated units (in B's unit order: applied before the maps), by unit space
+        self.log_scales = torch.nn.ParameterDict()
+        self.unit_keys: dict[str, str] = {}
+        if settings.glu_scales:
+            for i, unit in enumerate(graph.glus):
+                self.unit_keys[unit.space] = f"u{i}"
+                self.log_scales[f"u{i}"] = torch.nn.Parameter(torch.zeros(graph.ref_size(unit.space)))
         for i, (name, m) in enumerate(transform.items()):
             key = f"s{i}"
             self.keys[name] = key
@@ -193,6 +215,17 @@ class _Maps(torch.nn.Module):
                     p = p * self.signs[key][None, :]
                 out[name] = AxisMap(p.shape[0], blocks=p[None])
         return out
+
+    def logs(self) -> dict[str, Tensor]:
+        """The log-scales of B's gated units by unit space (parameters: differentiable)."""
+        return {space: self.log_scales[key] for space, key in self.unit_keys.items()}
+
+    @torch.no_grad()
+    def final_logs(self) -> dict[str, Tensor] | None:
+        """The log-scales as they are now (float64 copies), or None when none are learned."""
+        if not self.unit_keys:
+            return None
+        return {space: t.detach().to(torch.float64).clone() for space, t in self.logs().items()}
 
     def _inner(self, name: str, key: str) -> tuple[Tensor, Tensor]:
         """The Q/K and V/O inner maps of head space ``name`` (parameters where learned)."""
@@ -347,14 +380,60 @@ def _floats(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().float() if v.is_floating_point() else v for k, v in sd.items()}
 
 
+Logs = dict[str, Tensor] | None  # one model's gated-unit log-scales (None: as it is)
+
+
+def _scaled(graph: SymmetryGraph, bases: Sequence[Mapping[str, Tensor]], logs: Sequence[Logs]) -> list[Any]:
+    """Each base with its gated units scaled by exp(log-scales) (S(θ) before the maps T)."""
+    return [b if t is None else glu.log_scaled(graph, b, t) for b, t in zip(bases, logs, strict=True)]
+
+
+def _scale_note(logs: Mapping[str, Tensor]) -> str:
+    """How far the kept unit scales moved from 1, for the notes."""
+    t = torch.cat([v.reshape(-1) for v in logs.values()]).abs()
+    return (
+        f"learned gated-unit scales of B ({t.numel()} units): median |log s| {float(t.median()):.3f}, "
+        f"max {float(t.max()):.3f}"
+    )
+
+
+class _SharedAdam:
+    """Adam with one second moment per tensor, not per entry: the step of the gated-unit
+    log-scales. A unit then moves in proportion to its share of the gradient, so units the loss
+    hardly sees stay near where they started; per-entry Adam moves every unit at the full rate,
+    and those units wander on noise. On a tiny Qwen3 whose B is A with rescaled units
+    (``tests/test_learned_glu.py``, 30 steps) per-entry Adam took the barrier from 0.106 to 0.020
+    nats and left the mean error of the log-scales at 0.81 (0.79 before); this takes it to 0.015
+    and the error to 0.66."""
+
+    def __init__(self, params: Sequence[Tensor], betas: tuple[float, float] = (0.9, 0.999)) -> None:
+        self.params, self.betas, self.steps = list(params), betas, 0
+        self.first = [torch.zeros_like(p) for p in self.params]
+        self.second = [0.0 for _ in self.params]
+
+    @torch.no_grad()
+    def step(self, rate: float) -> None:
+        self.steps += 1
+        b1, b2 = self.betas
+        for k, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            self.first[k].mul_(b1).add_(p.grad, alpha=1 - b1)
+            self.second[k] = b2 * self.second[k] + (1 - b2) * float(p.grad.square().mean())
+            scale = (self.second[k] / (1 - b2**self.steps)) ** 0.5 + 1e-12
+            p.sub_(rate * self.first[k] / ((1 - b1**self.steps) * scale))
+
+
 def _optimise(
     run: _Run, batches: Sequence[Mapping[str, Tensor]], settings: LearnedSettings, progress: Progress | None
-) -> tuple[list[Transform | None], list[str], dict[str, Any]]:
-    """The training loop shared by pairs and universes; returns (kept transforms, notes, history)."""
+) -> tuple[list[Transform | None], list[Logs], list[str], dict[str, Any]]:
+    """The training loop shared by pairs and universes; returns (kept transforms, kept gated-unit
+    log-scales, notes, history)."""
     train, held, apart = split(batches, settings.holdout)
     learners = [m for m in run.maps if m is not None]
     dense = [p for m in learners for p in (*m.orth.values(), *m.free.values())]
     opt = torch.optim.Adam(dense, lr=settings.lr) if dense else None
+    unit_opt = _SharedAdam([p for m in learners for p in m.log_scales.values()])
     # permutation scores: plain gradient steps, each scaled so its largest entry moves by the rate.
     # The Hungarian solution of the accumulated scores then follows the summed gradient's linear
     # model of the loss; Adam's per-entry scaling would let entries with negligible gradients
@@ -372,20 +451,24 @@ def _optimise(
     with torch.no_grad():
         ends = [loss_on(held, _mix(run.graph, [b], [t], [1.0])) for b, t in zip(run.bases, run.starts, strict=True)]
 
-    def barrier(ts: Sequence[Mapping[str, SpaceMap] | None]) -> float:
+    def barrier(ts: Sequence[Mapping[str, SpaceMap] | None], logs: Sequence[Logs]) -> float:
         with torch.no_grad():
+            bases = _scaled(run.graph, run.bases, logs)
             total = 0.0
             for w in run.scored:
-                total += loss_on(held, _mix(run.graph, run.bases, ts, w)) - sum(
-                    x * e for x, e in zip(w, ends, strict=True)
-                )
+                total += loss_on(held, _mix(run.graph, bases, ts, w)) - sum(x * e for x, e in zip(w, ends, strict=True))
             return total / len(run.scored)
 
     def hard() -> list[Transform | None]:
         return [m.final() if m is not None else None for m in run.maps]
 
+    def hard_logs() -> list[Logs]:
+        return [m.final_logs() if m is not None else None for m in run.maps]
+
+    unscaled: list[Logs] = [None] * len(run.bases)
     best_ts: list[Transform | None] = list(run.starts)
-    best = start = barrier(best_ts)
+    best_logs = unscaled
+    best = start = barrier(best_ts, best_logs)
     history: dict[str, Any] = {
         "unit": unit,
         "held_out": "held-out alignment batches" if apart else "the alignment batch (too few batches to hold one out)",
@@ -404,13 +487,15 @@ def _optimise(
             group["lr"] = rate
         batch = train[step % len(train)]
         current = [m.current() if m is not None else None for m in run.maps]
-        loss = _loss(run.model, _mix(run.graph, run.bases, current, run.sample(rng)), batch)
+        bases = _scaled(run.graph, run.bases, [m.logs() if m is not None and m.unit_keys else None for m in run.maps])
+        loss = _loss(run.model, _mix(run.graph, bases, current, run.sample(rng)), batch)
         for m in learners:
             for p in m.parameters():
                 p.grad = None
         loss.backward()
         if opt is not None:
             opt.step()
+        unit_opt.step(rate)
         with torch.no_grad():
             for p in scores:
                 if p.grad is not None:
@@ -424,31 +509,40 @@ def _optimise(
             progress("learned matching", step, steps)
         if step % settings.eval_every and step < steps:
             continue
+        logs = hard_logs()
         if settings.heads:
             probe = train[step % len(train)]  # a training batch: the held-out ones only score
+            with torch.no_grad():
+                scaled = _scaled(run.graph, run.bases, logs)
             for i, learner in enumerate(run.maps):
                 if learner is None:
                     continue
                 others = hard()  # after the previous learners' swaps
 
                 def probe_loss(
-                    t: Transform, i: int = i, x: Mapping[str, Tensor] = probe, others: list[Transform | None] = others
+                    t: Transform,
+                    i: int = i,
+                    x: Mapping[str, Tensor] = probe,
+                    others: list[Transform | None] = others,
+                    bases: list[Any] = scaled,
                 ) -> float:
                     ts = [t if j == i else h for j, h in enumerate(others)]
-                    return sum(float(_loss(run.model, _mix(run.graph, run.bases, ts, w), x)) for w in run.scored)
+                    return sum(float(_loss(run.model, _mix(run.graph, bases, ts, w), x)) for w in run.scored)
 
                 swaps += learner.swap_heads(probe_loss)
         ts = hard()
-        score = barrier(ts)
+        score = barrier(ts, logs)
         history["steps"].append(step)
         history[unit].append(seen)
         history["barrier"].append(score)
         history["train_loss"].append(running / since)
         if settings.sinkhorn:
-            history["soft_barrier"].append(barrier([m.current(soft=True) if m is not None else None for m in run.maps]))
+            history["soft_barrier"].append(
+                barrier([m.current(soft=True) if m is not None else None for m in run.maps], logs)
+            )
         running, since = 0.0, 0
         if score < best - 1e-6:
-            best, best_ts, stale = score, ts, 0
+            best, best_ts, best_logs, stale = score, ts, logs, 0
         else:
             stale += 1
             if settings.patience and stale >= settings.patience:
@@ -458,14 +552,15 @@ def _optimise(
     trained = f"{step} steps, {seen:,} {unit}" + (f", {swaps} head swaps" if settings.heads else "")
     if best == start:
         note = f"learned matching ({trained}) did not lower the {run.what} on {where} ({start:.4f} nats); kept the data-free solution"
-        return list(run.starts), [note], history
+        return list(run.starts), unscaled, [note], history
     notes = [f"learned matching ({trained}): {run.what} on {where} {start:.4f} → {best:.4f} nats"]
+    notes += [_scale_note(logs) for logs in best_logs if logs]
     if settings.sinkhorn:
         notes.append(
             f"learned matching with soft permutations: held-out {run.what} {history['soft_barrier'][-1]:.4f} "
             f"nats with the soft maps, {history['barrier'][-1]:.4f} projected to permutations"
         )
-    return best_ts, notes, history
+    return best_ts, best_logs, notes, history
 
 
 def _frozen_model(template: Any, sd: Mapping[str, Tensor], untied: list[str]) -> Any:
@@ -506,10 +601,11 @@ def refine(
         [[0.5, 0.5]],
         "midpoint barrier",
     )
-    kept, notes, history = _optimise(run, pair.data.batches, settings, progress)
+    kept, logs, notes, history = _optimise(run, pair.data.batches, settings, progress)
     result = kept[1]
     assert result is not None
-    return LearnedResult(result, notes, history)
+    scales = {space: t.exp() for space, t in (logs[1] or {}).items()}  # float64, applied once by the caller
+    return LearnedResult(result, notes, history, scales)
 
 
 def refine_many(
@@ -527,8 +623,16 @@ def refine_many(
     """Every model's maps refined together on the loss of ``Σ wᵢ·Tᵢ(θᵢ)`` with w ~ Dirichlet(α)
     per step (Theus et al.'s multi-model learned matching): the whole simplex, not only the merge's
     weights, is pulled towards low loss. Kept by the held-out barrier averaged over the merge's
-    ``weights`` and seven fixed Dirichlet draws; returns (transforms, notes, history)."""
+    ``weights`` and seven fixed Dirichlet draws; returns (transforms, notes, history).
+
+    Gated-unit scales (``glu_scales``) are not learned here: the caller keeps each model's state
+    dict and replaces only its transform, so scales would be lost (the pairwise alignments before
+    it may have learned theirs)."""
     n = len(state_dicts)
+    skipped = []
+    if settings.glu_scales:
+        settings = dataclasses.replace(settings, glu_scales=False)
+        skipped = ["learned gated-unit scales are kept from the pairwise alignments, not refined across models"]
 
     def dirichlet(rng: random.Random) -> list[float]:  # normalised Gamma(α) draws
         g = [rng.gammavariate(float(concentration), 1.0) for _ in range(n)]
@@ -548,6 +652,6 @@ def refine_many(
         scored,
         f"barrier over Dirichlet({concentration:g}) weightings",
     )
-    kept, notes, history = _optimise(run, data, settings, progress)
+    kept, _logs, notes, history = _optimise(run, data, settings, progress)
     history["models"] = n
-    return [t for t in kept if t is not None], notes, history
+    return [t for t in kept if t is not None], notes + skipped, history

@@ -172,6 +172,7 @@ LEARNED_ONLY = (  # options that only apply with `learned: true`
     "temperature",
     "sampler",
     "learn_heads",
+    "learn_glu_scales",
     "maps",
     "holdout",
     "eval_every",
@@ -217,6 +218,11 @@ class GeneralizedOrthogonalOptions(Options):
     temperature: float = Field(0.05, gt=0, description="learned + sinkhorn: temperature of the soft permutations")
     sampler: str = Field("uniform(0.4, 0.6)", description="learned: λ per step, `uniform(a, b)` or `fixed(x)`")
     learn_heads: bool = Field(True, description="learned: learn which head of B goes to which head of A too")
+    learn_glu_scales: bool = Field(
+        False,
+        description="learned: learn a positive scale per gated-MLP unit of B too (exp(t) on up, exp(−t) on "
+        "down: exact); signs stay as the data-free start left them (`glu: balance` gives B's units A's signs)",
+    )
     maps: Literal["all", "permutations"] = Field(
         "all", description="learned: `permutations` learns permutations only, no rotations (ablation)"
     )
