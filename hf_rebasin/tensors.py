@@ -173,11 +173,16 @@ class LazyState(Mapping[str, Tensor]):
 ROW_BLOCK_ELEMENTS = 1 << 23  # values per block of rows (32 MB in float32)
 
 
+def _rows_per_block(shape: Sequence[int], elements: int) -> int:
+    """Rows of ``shape`` that hold about ``elements`` values (one at least)."""
+    return max(1, elements * shape[0] // max(1, math.prod(shape)))
+
+
 def _assembled(read: RowReader, shape: Sequence[int]) -> Tensor:
     """A whole tensor filled from its blocks of rows. A forward pass needs an embedding or LM head
     whole; built whole through canonical form and a rotation it took three float32 copies at once
     (the peak of a streamed generalized-orthogonal run at the Qwen3-0.6B shape), built from blocks one."""
-    step = max(1, ROW_BLOCK_ELEMENTS * shape[0] // max(1, math.prod(shape)))
+    step = _rows_per_block(shape, ROW_BLOCK_ELEMENTS)
     out: Tensor | None = None
     for start in range(0, shape[0], step):
         block = read(start, min(start + step, shape[0]))
@@ -204,7 +209,7 @@ def row_blocks(
     if numel <= elements or any(r is None for r in readers):
         yield [s[name] for s in states]
         return
-    step = max(1, elements * shape[0] // numel)
+    step = _rows_per_block(shape, elements)
     for start in range(0, shape[0], step):
         stop = min(start + step, shape[0])
         yield [r(start, stop) for r in readers if r is not None]
