@@ -1,12 +1,14 @@
 """Loss barriers of trained models: two tiny GPT-2 (character-level Shakespeare) and two tiny ViT
 (digits) trained from different seeds by ``hf_rebasin.train``, aligned by every strategy; or two
-tiny BERT (masked LM on the same characters, ``--kind bert``), or two tiny causal LMs of another
-family trained like the GPT-2 (``--kind qwen3``, ``gemma2``, ``pythia``).
+zoo models of any other kind trained from scratch: masked LMs on the same text (``--kind bert``,
+``distilbert``, ``xlm-roberta``, ``modernbert``), causal LMs of another family trained like the
+GPT-2 (``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``olmo2``, ``phi3``, ``pythia``), image
+classifiers trained like the ViT (``dinov2``, …).
 
     python benchmarks/bench_barriers.py            # both kinds (trains 4 models on first use, ~5 min)
     python benchmarks/bench_barriers.py --kind vit
     python benchmarks/bench_barriers.py --kind bert  # held-out masked-LM loss, fixed masks
-    python benchmarks/bench_barriers.py --kind qwen3  # or gemma2, pythia (2 models, ~1 min each)
+    python benchmarks/bench_barriers.py --kind qwen3  # any zoo kind trained from scratch
     python benchmarks/bench_barriers.py --seeds 4   # spread of data-free results over visiting-order seeds
 
 Prints one Markdown table per kind: both barrier definitions (nats, held-out data, 21 λ) and the
@@ -32,7 +34,13 @@ from hf_rebasin.symmetry import Space, SymmetryGraph
 from hf_rebasin.train import cached_model, held_out_batches, masked_lm_batches, training_record
 
 # the zoo kinds trained from scratch, two seeds of which make a pair (not the fine-tunes of a gpt2)
-KINDS = ("gpt2", "vit", "bert", "qwen3", "gemma2", "pythia")
+KINDS = tuple(
+    kind
+    for kind, config in zoo.DEFAULT_CONFIGS.items()
+    if not isinstance(
+        config, zoo.GPT2FineTuneConfig | zoo.GPT2LoraConfig | zoo.GPT2NextConfig | zoo.DomainFineTuneConfig
+    )
+)
 
 SEEDED = ("weight-matching", "transfusion", "generalized-orthogonal")
 
@@ -50,7 +58,8 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
 def alignment_data(kind: str, folder: Any, batches: int = 8) -> AlignmentData:
     """Training-split data (never the held-out evaluation data); a BERT's masked once (seed 0), as a
     recipe's masked-LM data are, so that strategies learning on the loss have its labels."""
-    if kind == "vit":
+    config = zoo.DEFAULT_CONFIGS[kind]  # type: ignore[index]
+    if isinstance(config, zoo.ViTTrainConfig | zoo.ImageTrainConfig):
         images, labels = hdata.digits_dataset("train")
         return AlignmentData(list(hdata.image_batches(images, labels, 64))[:batches], description="digits (train)")
     from transformers import PreTrainedTokenizerFast
@@ -62,7 +71,7 @@ def alignment_data(kind: str, folder: Any, batches: int = 8) -> AlignmentData:
     pad = int(tokenizer.pad_token_id)
     made = (
         masked_lm_batches(blocks, tokenizer, 16, seed=0)
-        if kind == "bert"
+        if isinstance(config, zoo.BertTrainConfig | zoo.MaskedLMTrainConfig)
         else list(hdata.batches(blocks, 16, pad_token_id=pad))
     )
     return AlignmentData(made, frozenset(tokenizer.all_special_ids), "Shakespeare (train)")

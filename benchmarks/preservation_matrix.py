@@ -23,7 +23,10 @@ catch an adapter that claims too much):
 - ``residual signs``: a random sign flip of each residual space that does not allow signs
   (canonical form).
 
-Each control is applied to one space at a time; the table shows the weakest space. Prints two
+Each control is applied to one space at a time; the table shows the weakest space. A space whose
+control moves nothing is checked for reach: if noise on every tensor with an axis on it leaves the
+outputs too, no output reads it (``siglip-cls``: `SiglipForImageClassification`'s attention-pooling
+head, whose pooled embedding the classifier never reads) and it is listed as unread instead. Prints two
 Markdown tables on stdout, progress on stderr; exits 1 when a row fails, a control is weak (Δ ≤
 1e-3) or a model errors.
 """
@@ -104,6 +107,7 @@ class Control:
     control: str
     deltas: dict[str, float] = field(default_factory=dict)
     error: str = ""
+    unread: list[str] = field(default_factory=list)  # spaces no compared output reads: no control possible
 
     @property
     def weakest(self) -> tuple[str, float]:
@@ -114,7 +118,7 @@ class Control:
     @property
     def ok(self) -> bool:
         if self.error or not self.deltas:
-            return False
+            return not self.error and bool(self.unread)
         delta = self.weakest[1]
         return not math.isfinite(delta) or delta > BROKEN
 
@@ -218,6 +222,12 @@ def control_targets(graph: SymmetryGraph) -> dict[str, list[str]]:
     }
 
 
+def _spaces(ref: Any) -> tuple[str, ...]:
+    """The spaces an axis reference names (a head space's ``:q``/``:k``/``:v``/``:o`` dropped)."""
+    parts = () if ref is None else (ref,) if isinstance(ref, str) else tuple(ref.parts)
+    return tuple(p.split(":")[0] for p in parts)
+
+
 def forbidden(graph: SymmetryGraph, control: str, name: str, seed: int) -> Transform:
     """The identity but for space ``name``, which gets the forbidden map of ``control``."""
     g = torch.Generator().manual_seed(seed)
@@ -275,6 +285,16 @@ class Probe:
         after = outputs_of(rebuild(self.model, state, untie=untie), self.spec, self.inputs(seed))
         return compare(self.spec, graph, transform, self.before(seed), after)
 
+    def reaches_outputs(self, name: str, seed: int) -> bool:
+        """Whether space ``name`` reaches a compared output: noise on every tensor with an axis on it
+        moves the outputs by more than `BROKEN`."""
+        g = torch.Generator().manual_seed(seed)
+        noisy = dict(self.sd)
+        for tensor, binding in self.graph.bindings.items():
+            if any(name in _spaces(ref) for ref in binding.axes):
+                noisy[tensor] = noisy[tensor] + torch.randn(noisy[tensor].shape, generator=g)
+        return self.delta(self.graph, noisy, self.graph.identity(), False, seed) > BROKEN
+
     def row(self, cls: str, seeds: Sequence[int]) -> Row:
         row = Row(self.name, self.model_type, cls)
         try:
@@ -307,7 +327,11 @@ class Probe:
                 sd, graph, untie = self.canonical() if canonical else (self.sd, self.graph, False)
                 for name in targets[control]:
                     t = forbidden(graph, control, name, seed)
-                    c.deltas[name] = self.delta(graph, graph.apply(sd, t, check=False), t, untie, seed)
+                    delta = self.delta(graph, graph.apply(sd, t, check=False), t, untie, seed)
+                    if not delta > BROKEN and not self.reaches_outputs(name, seed):
+                        c.unread.append(name)
+                    else:
+                        c.deltas[name] = delta
             except Exception as e:
                 c.error = _short(e)
                 traceback.print_exc(file=sys.stderr)
@@ -372,7 +396,8 @@ def controls_table(controls: list[Control]) -> str:
     ]
     for c in controls:
         if c.error or not c.deltas:
-            lines.append(f"| {c.model} | {c.control} | {len(c.deltas)} | — | — | **ERROR** ({c.error}) |")
+            ok = "unread" if c.ok else f"**ERROR** ({c.error})"
+            lines.append(f"| {c.model} | {c.control} | {len(c.deltas)} | — | — | {ok} |")
             continue
         name, delta = c.weakest
         ok = "yes" if c.ok else f"**WEAK** (≤ {BROKEN:.0e})"
@@ -441,6 +466,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{len(rows) - len(failing)}/{len(rows)} rows ok, {len(controls) - len(weak)}/{len(controls)} controls ok")
     for r in failing:
         print(f"- FAILING: {r.model} × {r.cls}: {r.error or f'max |Δ| {_num(r.max_delta)} > {TOLERANCE:.0e}'}")
+    for c in controls:
+        for name in c.unread:
+            print(f"- UNREAD: {c.model} × {c.control}: space {name!r} reaches no compared output (no control)")
     for c in weak:
         what = c.error or f"space {c.weakest[0]!r}: Δ {_num(c.weakest[1])} ≤ {BROKEN:.0e}"
         print(f"- WEAK CONTROL: {c.model} × {c.control}: {what}")

@@ -143,6 +143,10 @@ def _context(record: RunRecord, recipe_text: str, command: str) -> dict[str, Any
         "merged_scores": _merged_scores(found.merged, strategy, found.universe),
         "transport_rows": _transport_rows(transport),
         "transport_support": _transport_rows(transport.get("support") or {}, transport),
+        "chosen": _chosen(transport),
+        "tradeoff_table": _tradeoff_table(transport),
+        "tradeoff_reading": _tradeoff_reading(transport),
+        "tradeoff_missing": bool(transport.get("loss")) and not transport.get("support"),
         "adapter": _adapter(found),
         "moved": _moved(transport),
         "function_preserved": _function_preserved(found.function_preserved, job),
@@ -229,21 +233,29 @@ def _merged_scores(
     return rows
 
 
+def _saved_index(transport: Mapping[str, Any]) -> int:
+    """Which α of ``alphas`` the folder holds: the one `alpha: auto` chose, else the first."""
+    alphas = [float(a) for a in transport.get("alphas") or []]
+    chosen = (transport.get("chosen") or {}).get("alpha")
+    return alphas.index(float(chosen)) if chosen is not None and float(chosen) in alphas else 0
+
+
 def _transport_rows(scores: Mapping[str, Any], outer: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
-    """Rows of a transport table: target, fine-tune, then naive and transported per α."""
+    """Rows of a transport table: target, old base, fine-tune, then naive and transported per α."""
     loss, metric = scores.get("loss") or {}, scores.get("metric") or {}
     if not loss:
         return []
     alphas = (outer or scores).get("alphas") or []
+    saved = _saved_index(outer or scores)
 
     def row(label: str, value: float, extra: Mapping[str, float] | None) -> dict[str, str]:
         shown = ", ".join(f"{k} {float(v):.4f}" for k, v in (extra or {}).items()) or "—"
         return {"model": _cell(label), "loss": f"{float(value):.4f}", "metric": _cell(shown)}
 
-    rows = [
-        row("target B", loss["target"], metric.get("target")),
-        row("fine-tune A + τ", loss["finetuned"], metric.get("finetuned")),
-    ]
+    rows = [row("target B", loss["target"], metric.get("target"))]
+    if "base" in loss:  # recorded since the trade-off: what the fine-tune forgot is A_ft against A
+        rows.append(row("old base A", loss["base"], metric.get("base")))
+    rows.append(row("fine-tune A + τ", loss["finetuned"], metric.get("finetuned")))
     for i, alpha in enumerate(alphas):
         if "naive" in loss:
             rows.append(
@@ -251,12 +263,72 @@ def _transport_rows(scores: Mapping[str, Any], outer: Mapping[str, Any] | None =
             )
         rows.append(
             row(
-                f"this model: B + {float(alpha):g}·π(τ)" if i == 0 else f"B + {float(alpha):g}·π(τ)",
+                f"this model: B + {float(alpha):g}·π(τ)" if i == saved else f"B + {float(alpha):g}·π(τ)",
                 loss["transported"][i],
                 (metric.get("transported") or [{}])[i],
             )
         )
     return rows
+
+
+_RULES = {
+    "no-cost": "it gains on the task at no cost on the support data",
+    "ratio": "the best task gain per nat of support cost",
+    "budget": "the largest task gain within the support budget",
+    "fallback": "no α qualified",
+}
+
+
+def _chosen(transport: Mapping[str, Any]) -> str | None:
+    """One sentence on the α `alpha: auto` saved, and why; None when the recipe gave α itself."""
+    chosen = transport.get("chosen")
+    if not chosen:
+        return None
+    try:
+        alpha, rule = float(chosen["alpha"]), str(chosen.get("rule"))
+        reason = str(chosen.get("reason") or _RULES.get(rule, rule))
+    except (KeyError, TypeError, ValueError):
+        return None
+    grid = ", ".join(f"{float(a):g}" for a in transport.get("alphas") or [])
+    return _cell(f"α = {alpha:g} chosen automatically (`alpha: auto` over {grid}): {reason}.")
+
+
+def _tradeoff_table(transport: Mapping[str, Any]) -> str | None:
+    """The trade-off table of a record that has one (records from before it render as they did)."""
+    if not transport.get("tradeoff"):
+        return None
+    from .report import tradeoff_table
+
+    alphas = [float(a) for a in transport.get("alphas") or []]
+    saved = alphas[_saved_index(transport)] if alphas else None
+    try:
+        table = tradeoff_table(transport, saved)
+    except (KeyError, TypeError, ValueError, IndexError):  # a damaged record still renders a card
+        return None
+    return table.rstrip("\n") if table else None
+
+
+def _tradeoff_reading(transport: Mapping[str, Any]) -> str | None:
+    """One sentence on the fine-tune's own forgetting, beside what the saved model costs B."""
+    points = transport.get("tradeoff") or {}
+    own = points.get("finetuned")
+    if not own:
+        return None
+    try:
+        text = (
+            f"The fine-tune itself, on its own base A, has a task gain of {float(own['gain']):+.4f} nats and a "
+            f"support cost of {float(own['cost']):+.4f} nats: what it forgot, τ carries along."
+        )
+        moved = points.get("transported")
+        if moved:
+            i = _saved_index(transport)
+            text += (
+                f" This model, over B: task gain {float(moved['gain'][i]):+.4f} nats, support cost "
+                f"{float(moved['cost'][i]):+.4f} nats."
+            )
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+    return text
 
 
 def _alignment_reading(similarity: Mapping[str, Any] | None) -> str | None:

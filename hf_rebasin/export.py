@@ -92,6 +92,8 @@ NOT_CARRIED: tuple[str, ...] = (
     "barrier.md",
     "learned.png",
     "alignment.png",
+    "tradeoff.png",
+    "tradeoff.md",
 )
 NOT_CARRIED_PREFIXES: tuple[str, ...] = ("adapter_", ".")
 CODE_SUFFIXES: tuple[str, ...] = (".py", ".pyc", ".so", ".dll", ".dylib", ".sh")

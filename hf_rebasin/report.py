@@ -221,3 +221,151 @@ def plot_alignment(similarity: Mapping[str, Any], path: Path, *, title: str = ""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Transport: task gain against support cost
+
+TRADEOFF_METHODS = {"naive": "naive B + α·τ", "transported": "B + α·π(τ)"}
+
+
+def tradeoff(transport: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A transport's trade-off from its scores (``rebasin.json``'s ``transport``): for every α,
+    task gain = L_task(B) − L_task(θ) and support cost = L_sup(θ) − L_sup(B), per method
+    (``transported`` B + α·π(τ), ``naive`` B + α·τ), and the fine-tune's own point: its gain over
+    A on the task, L_task(A) − L_task(A_ft), and its cost over A on the support data,
+    L_sup(A_ft) − L_sup(A). None without support scores (nothing to weigh the gain against)."""
+    task = transport.get("loss") or {}
+    support = (transport.get("support") or {}).get("loss") or {}
+    if "target" not in task or "target" not in support:
+        return None
+    b_task, b_support = float(task["target"]), float(support["target"])
+    out: dict[str, Any] = {"alphas": [float(a) for a in transport.get("alphas") or []]}
+    for method in TRADEOFF_METHODS:
+        if method in task and method in support:
+            out[method] = {
+                "gain": [b_task - float(x) for x in task[method]],
+                "cost": [float(x) - b_support for x in support[method]],
+            }
+    if all(k in scores for scores in (task, support) for k in ("base", "finetuned")):
+        out["finetuned"] = {
+            "gain": float(task["base"]) - float(task["finetuned"]),
+            "cost": float(support["finetuned"]) - float(support["base"]),
+        }
+    return out
+
+
+def _signed(x: float) -> str:
+    return _num(x) if math.isnan(x) or math.isinf(x) else f"{x:+.4f}"
+
+
+def tradeoff_table(transport: Mapping[str, Any], saved: float | None = None) -> str | None:
+    """The trade-off as a Markdown table: one row per model (B, A, the fine-tune, then naive and
+    transported per α) with its task and support loss, task gain and support cost (nats; B's
+    for every row but the fine-tune's, which is over its own base A). ``saved``: the α written,
+    its transported row marked. None without support scores."""
+    points = tradeoff(transport)
+    if points is None:
+        return None
+    task, support = transport["loss"], transport["support"]["loss"]
+    u = LOSS_UNIT
+    lines = [
+        f"| model | α | task loss ({u}) | support loss ({u}) | task gain ({u}) | support cost ({u}) |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| target B | — | {_num(float(task['target']))} | {_num(float(support['target']))} | 0 | 0 |",
+    ]
+    if "base" in task and "base" in support:
+        lines.append(f"| old base A | — | {_num(float(task['base']))} | {_num(float(support['base']))} | — | — |")
+    own = points.get("finetuned")
+    gain, cost = (_signed(own["gain"]) + " (over A)", _signed(own["cost"]) + " (over A)") if own else ("—", "—")
+    lines.append(
+        f"| fine-tune A + τ | — | {_num(float(task['finetuned']))} | {_num(float(support['finetuned']))} "
+        f"| {gain} | {cost} |"
+    )
+    for i, alpha in enumerate(points["alphas"]):
+        for method, label in TRADEOFF_METHODS.items():
+            if method not in points:
+                continue
+            if method == "transported" and saved is not None and alpha == saved:
+                label = f"**this model**: {label}"
+            p = points[method]
+            lines.append(
+                f"| {label} | {alpha:g} | {_num(float(task[method][i]))} | {_num(float(support[method][i]))} "
+                f"| {_signed(p['gain'][i])} | {_signed(p['cost'][i])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot_tradeoff(
+    points: Mapping[str, Any],
+    path: Path,
+    *,
+    title: str = "",
+    saved: float | None = None,
+    budget: float | None = None,
+) -> Path:
+    """Task gain (y) against support cost (x), both in nats over the target B, saved as a PNG: one
+    line per method through its α (each point labelled with its α), B at the origin, the
+    fine-tune's own point (its gain and cost over its base A) as a star, ``saved`` α ringed and
+    ``budget`` (`alpha: auto`'s support budget) a dashed line. ``points`` is `tradeoff`'s result.
+    Returns ``path``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    alphas = [float(a) for a in points["alphas"]]
+    methods = [m for m in TRADEOFF_METHODS if m in points]
+    if not alphas or not methods:
+        raise ValueError("no trade-off points to plot")
+    fig = Figure(figsize=(6.4, 4.8), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    ax.axvline(0.0, color="black", linewidth=0.6)
+    ax.scatter([0.0], [0.0], marker="s", color="black", zorder=3, label="target B")
+    if budget is not None:
+        ax.axvline(budget, color="gray", linestyle="--", linewidth=1, label=f"support budget ({budget:g})")
+    markers = {"naive": "s", "transported": "o"}
+    for method in methods:
+        cost, gain = points[method]["cost"], points[method]["gain"]
+        order = sorted(range(len(alphas)), key=alphas.__getitem__)  # the line runs along α
+        (line,) = ax.plot(
+            [cost[i] for i in order],
+            [gain[i] for i in order],
+            marker=markers[method],
+            markersize=5,
+            linewidth=1.5,
+            label=TRADEOFF_METHODS[method],
+        )
+        for i in order:
+            ax.annotate(
+                f"α={alphas[i]:g}",
+                (cost[i], gain[i]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+                color=line.get_color(),
+            )
+        if method == "transported" and saved is not None and saved in alphas:
+            i = alphas.index(saved)
+            ax.scatter([cost[i]], [gain[i]], s=160, facecolors="none", edgecolors="black", zorder=4, label="saved")
+    own = points.get("finetuned")
+    if own is not None:
+        ax.scatter([own["cost"]], [own["gain"]], marker="*", s=180, color="tab:red", zorder=4)
+        ax.annotate(
+            "fine-tune on A",
+            (own["cost"], own["gain"]),
+            textcoords="offset points",
+            xytext=(6, -10),
+            fontsize=7,
+            color="tab:red",
+        )
+        ax.plot([], [], marker="*", linestyle="", color="tab:red", markersize=10, label="fine-tune's own (over A)")
+    ax.set_xlabel(f"support cost: support loss − B's ({LOSS_UNIT}; right = forgets more)")
+    ax.set_ylabel(f"task gain: B's task loss − task loss ({LOSS_UNIT}; up = better)")
+    ax.set_title(title or "transport: task gain against support cost", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path

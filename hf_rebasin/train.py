@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import shutil
@@ -40,12 +41,15 @@ from .zoo import (
     TRAINING_FILE,
     BertTrainConfig,
     CausalLMTrainConfig,
+    DomainFineTuneConfig,
     GPT2FineTuneConfig,
     GPT2LoraConfig,
     GPT2NextConfig,
     GPT2TrainConfig,
     ImageTrainConfig,
     MaskedLMTrainConfig,
+    SubwordLMTrainConfig,
+    SubwordMaskedLMTrainConfig,
     TrainConfig,
     ViTTrainConfig,
     check_kind,
@@ -197,6 +201,21 @@ def gpt2_data(config: GPT2TrainConfig) -> tuple[Any, Tensor, Tensor]:
     return _char_blocks(config.plays, config.block_size, config.eval_tokens, mask=False)
 
 
+def _text_data(
+    cfg: CausalLMTrainConfig | MaskedLMTrainConfig | BertTrainConfig, *, mask: bool
+) -> tuple[Any, Tensor, Tensor]:
+    """(tokenizer, train blocks, held-out blocks) of a text kind trained from scratch: characters
+    for the tiny zoo, a BPE vocabulary learned on the training split for the benchmark zoo."""
+    if not isinstance(cfg, SubwordLMTrainConfig | SubwordMaskedLMTrainConfig):
+        return _char_blocks(cfg.plays, cfg.block_size, cfg.eval_tokens, mask=mask)
+    text = data.shakespeare_text(cfg.plays, split="train")
+    tokenizer = data.bpe_tokenizer(text, cfg.vocab_size, mask=mask)
+    train = data.text_blocks(tokenizer, text, cfg.block_size)
+    held_out = data.shakespeare_text(cfg.plays, split="test")
+    test = data.text_blocks(tokenizer, held_out, cfg.block_size, max_tokens=cfg.eval_tokens)
+    return tokenizer, train, test
+
+
 def _char_blocks(
     plays: tuple[str, ...], block_size: int, eval_tokens: int, *, mask: bool
 ) -> tuple[Any, Tensor, Tensor]:
@@ -225,6 +244,13 @@ def _run(
     ``processor`` (tokenizer or image processor) is saved beside the model, so a recipe can read
     data for it like for any user's folder.
     """
+    losses: list[float] = []
+
+    def track(step: int, loss: float) -> None:
+        losses.append(loss)
+        if progress is not None:
+            progress(step, loss)
+
     with _quiet_transformers(), _training_context(seed, threads):
         model = build()
         start = time.perf_counter()
@@ -235,20 +261,33 @@ def _run(
             lr=cfg.lr,
             warmup=cfg.warmup,
             weight_decay=cfg.weight_decay,
-            progress=progress,
+            progress=track,
         )
         seconds = time.perf_counter() - start
         task = _TASKS.get(kind, "causal-lm")
         result = evaluate_loss(model, held_out, task)
         count = {"examples" if task == "image-classification" else "tokens": result.count}
         record = _record(kind, seed, cfg, seconds, train_loss, loss=result.loss, **count, **result.metric)
+        record["train_curve"] = _tenths(losses)
         return _save(model, Path(out_dir), record, processor)
+
+
+def _tenths(losses: list[float]) -> list[float]:
+    """Mean training loss over each tenth of the steps: whether the loss had flattened by the end."""
+    n = len(losses)
+    cuts = [round(i * n / 10) for i in range(11)]
+    return [round(sum(losses[a:b]) / (b - a), 4) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def _run_text(
     kind: Kind,
     seed: int,
-    cfg: GPT2TrainConfig | GPT2FineTuneConfig | GPT2LoraConfig | GPT2NextConfig | CausalLMTrainConfig,
+    cfg: GPT2TrainConfig
+    | GPT2FineTuneConfig
+    | GPT2LoraConfig
+    | GPT2NextConfig
+    | CausalLMTrainConfig
+    | DomainFineTuneConfig,
     out_dir: Path,
     build: Callable[[], Any],
     tokenizer: Any,
@@ -323,7 +362,7 @@ def train_tiny_gpt2(
 def causal_lm_config(config: CausalLMTrainConfig, tokenizer: Any) -> Any:
     """The transformers config of a `CausalLMTrainConfig`'s model for ``tokenizer``: the family's
     config class with the zoo's sizes and the tokenizer's special ids, then ``options``; everything
-    else is the family's default (no dropout in any of the zoo's families)."""
+    else is the family's default, but every dropout is 0 (GPT-2's default is 0.1)."""
     from transformers import AutoConfig
 
     sizes: dict[str, Any] = {
@@ -332,6 +371,7 @@ def causal_lm_config(config: CausalLMTrainConfig, tokenizer: Any) -> Any:
     }
     return AutoConfig.for_model(
         config.family,
+        **_no_dropout(config.family),
         vocab_size=len(tokenizer),
         max_position_embeddings=config.block_size,
         hidden_size=config.hidden_size,
@@ -354,6 +394,18 @@ _RENAMED: dict[str, dict[str, str]] = {"distilbert": {"intermediate_size": "hidd
 _OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert")
 
 
+def _no_dropout(family: str) -> dict[str, float]:
+    """Every dropout rate of ``family``'s config at 0 (``hidden_dropout_prob``, GPT-2's ``resid_pdrop``, …)."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(family).to_dict()
+    return {
+        k: 0.0
+        for k, v in defaults.items()
+        if any(part in k for part in ("dropout", "drop_path", "pdrop")) and isinstance(v, float)
+    }
+
+
 def _family_config(family: str, sizes: dict[str, Any], options: tuple[tuple[str, Any], ...], **fixed: Any) -> Any:
     """``AutoConfig.for_model(family)`` with the zoo's ``sizes`` under the family's own names, every
     dropout of the family at 0, ``fixed`` (special ids, labels), then ``options``.
@@ -363,12 +415,7 @@ def _family_config(family: str, sizes: dict[str, Any], options: tuple[tuple[str,
     """
     from transformers import AutoConfig
 
-    defaults = AutoConfig.for_model(family).to_dict()
-    no_dropout = {
-        k: 0.0
-        for k, v in defaults.items()
-        if ("dropout" in k or "drop_path" in k) and isinstance(v, float) and not isinstance(v, bool)
-    }
+    no_dropout = _no_dropout(family)
     named = {_RENAMED.get(family, {}).get(k, k): v for k, v in sizes.items()}
     if family == "dinov2" and "intermediate_size" in named:  # DINOv2 sizes its MLP as a multiple of the width
         ratio = named.pop("intermediate_size") / named["hidden_size"]
@@ -406,9 +453,35 @@ def masked_lm_config(config: MaskedLMTrainConfig, tokenizer: Any) -> Any:
     return _family_config(config.family, sizes, config.options, **special)
 
 
+# families whose image classifier is one tower of a two-tower config: the tower's config key and
+# model type (the zoo's sizes, no dropout and ``options`` go there), and the other tower's minimal
+# config. SiglipForImageClassification builds the vision tower only: no text weight exists, but
+# SiglipConfig keeps a text config (projection_size: the vision width, as a SiglipModel needs it).
+_TOWERS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
+    "siglip": (
+        "vision_config",
+        "siglip_vision_model",
+        "text_config",
+        {
+            "vocab_size": 16,
+            "hidden_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 1,
+            "intermediate_size": 16,
+            "max_position_embeddings": 8,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 2,
+        },
+    ),
+}
+
+
 def image_config(config: ImageTrainConfig) -> Any:
     """The transformers config of an `ImageTrainConfig`'s model: the family's config class for the
-    8×8 grayscale digits and their 10 labels, the zoo's sizes, no dropout, then ``options``."""
+    8×8 grayscale digits and their 10 labels, the zoo's sizes, no dropout, then ``options``; for a
+    two-tower family (SigLIP) the sizes and ``options`` go to the vision tower's config, the other
+    tower gets a minimal one."""
     sizes = {
         "image_size": 8,
         "patch_size": config.patch_size,
@@ -419,6 +492,13 @@ def image_config(config: ImageTrainConfig) -> Any:
         "intermediate_size": config.intermediate_size,
     }
     labels = {"id2label": {i: str(i) for i in range(10)}, "label2id": {str(i): i for i in range(10)}}
+    if config.family in _TOWERS:
+        key, tower, other, minimal = _TOWERS[config.family]
+        vision = _family_config(tower, sizes, config.options).to_dict()
+        text = {**minimal, "projection_size": config.hidden_size}
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(config.family, **{key: vision, other: text}, **labels)
     return _family_config(config.family, sizes, config.options, **labels)
 
 
@@ -439,7 +519,7 @@ def train_tiny_causal_lm(
     if not isinstance(default, CausalLMTrainConfig):
         raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by train_tiny_causal_lm")
     cfg = config or default
-    tokenizer, train, test = _char_blocks(cfg.plays, cfg.block_size, cfg.eval_tokens, mask=False)
+    tokenizer, train, test = _text_data(cfg, mask=False)
     model_config = causal_lm_config(cfg, tokenizer)
     return _run_text(
         kind,
@@ -580,8 +660,8 @@ def _finetune_data(seed: int, plays: tuple[str, ...], eval_tokens: int) -> tuple
 
 def bert_data(config: BertTrainConfig | MaskedLMTrainConfig) -> tuple[Any, Tensor, Tensor]:
     """(tokenizer with a ``<mask>`` token, train blocks, held-out blocks) of a masked-LM zoo config:
-    `gpt2_data`'s text and blocks, unmasked (masks are drawn per batch)."""
-    return _char_blocks(config.plays, config.block_size, config.eval_tokens, mask=True)
+    `gpt2_data`'s text and blocks (the benchmark zoo's: BPE), unmasked (masks are drawn per batch)."""
+    return _text_data(config, mask=True)
 
 
 def _mask(ids: Tensor, tokenizer: Any, seed: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -815,6 +895,43 @@ def lora_tiny_gpt2(
     return folder
 
 
+def finetune_on_domain(
+    kind: Kind,
+    seed: int,
+    out_dir: Path,
+    config: DomainFineTuneConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Fine-tune the zoo model ``config.base`` of ``seed`` (trained first if needed) on the text of
+    ``config.corpus``, with the base's tokenizer and context; save it."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    default = DEFAULT_CONFIGS[check_kind(kind)]
+    if not isinstance(default, DomainFineTuneConfig):
+        raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by finetune_on_domain")
+    cfg = config or default
+    base = cached_model(cfg.base, seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
+    block = _block(base)
+    train = data.text_blocks(tokenizer, data.corpus_text(cfg.corpus, split="train"), block)
+    held_out = data.corpus_text(cfg.corpus, split="test")
+    test = data.text_blocks(tokenizer, held_out, block, max_tokens=cfg.eval_tokens)
+    return _run_text(
+        kind,
+        seed,
+        cfg,
+        out_dir,
+        lambda: AutoModelForCausalLM.from_pretrained(str(base)),
+        tokenizer,
+        train,
+        test,
+        progress=progress,
+        threads=threads,
+    )
+
+
 def next_tiny_gpt2(
     seed: int,
     out_dir: Path,
@@ -856,6 +973,11 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
         kind: functools.partial(train_tiny_image_classifier, kind)
         for kind, config in DEFAULT_CONFIGS.items()
         if isinstance(config, ImageTrainConfig)
+    },
+    **{
+        kind: functools.partial(finetune_on_domain, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, DomainFineTuneConfig)
     },
 }
 
@@ -917,9 +1039,10 @@ def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tenso
         return list(data.image_batches(images, labels, batch_size))
     from transformers import PreTrainedTokenizerFast
 
-    cfg = record["config"]  # every text kind names its plays and eval_tokens
+    cfg = record["config"]  # every text kind names its plays (or another corpus) and eval_tokens
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
-    text = data.shakespeare_text(tuple(cfg["plays"]), split="test")
+    plays = tuple(cfg["plays"]) if "plays" in cfg else None
+    text = data.corpus_text(cfg.get("corpus", "shakespeare"), plays, split="test")
     if "block_size" in cfg:  # the blocks it was trained on (XLM-R's positions are 2 more)
         block = int(cfg["block_size"])
     else:  # trained on top of the zoo GPT-2: its context

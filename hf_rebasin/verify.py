@@ -101,11 +101,26 @@ def example_inputs(spec: ArchitectureSpec, config: Any, generator: torch.Generat
     return inputs
 
 
+# the modality of each input `example_inputs` draws
+_MODALITY = {"input_ids": "text", "attention_mask": "text", "pixel_values": "image"}
+
+
+def accepted_inputs(model: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``inputs`` less those of a modality ``model`` does not read (its ``input_modalities``): a
+    model type with text and images has one-tower classes (``SiglipForImageClassification`` takes
+    pixels only, and passes other keyword arguments on into its encoder)."""
+    modalities = getattr(model, "input_modalities", None)
+    if not modalities:
+        return inputs
+    read = {modalities} if isinstance(modalities, str) else set(modalities)
+    return {k: v for k, v in inputs.items() if k not in _MODALITY or _MODALITY[k] in read}
+
+
 @torch.no_grad()
 def outputs_of(
     model: PreTrainedModel, spec: ArchitectureSpec, inputs: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    out = model(**inputs)
+    out = model(**(accepted_inputs(model, inputs) if spec.inputs == "text-image" else inputs))
     return {k: out[k] for k in spec.outputs if k in out and isinstance(out[k], torch.Tensor)}
 
 

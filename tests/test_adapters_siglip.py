@@ -9,6 +9,11 @@ strategy recovers such a transform. Negative controls: a rotation that moves 1 o
 joint space rotated on one side only, the probe left behind, canonical form without the probe's
 rewrite or with the joint writers centered, heads of the pooling attention mixed, an MLP unit space
 rotated: each changes the outputs.
+
+``SiglipForImageClassification`` (the vision tower under a classifier of the mean token, its unused
+pooling head kept): every allowed class gives the same logits, the tower's ``pooler_output`` moves by
+the joint map; a vision rotation moving 1, one without canonical form, or one that leaves the
+classifier behind moves the logits.
 """
 
 from __future__ import annotations
@@ -359,3 +364,141 @@ def test_mixing_pooling_heads_or_rotating_its_mlp_units_moves_the_outputs(model)
     with pytest.raises(TransformError, match="only permutations"):
         graph.apply(sd, t)
     assert _gap(model, graph, graph.apply(sd, t, check=False), t) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# SiglipForImageClassification: the vision tower under a classifier of the mean token
+# ------------------------------------------------------------------------------------------------
+
+VISION_STREAMS = ("vision.res", "joint")
+
+
+@pytest.fixture(scope="module")
+def classifier() -> torch.nn.Module:
+    return tiny.siglip_cls(0)
+
+
+def _logits_gap(model: torch.nn.Module, sd: dict[str, torch.Tensor], seed: int = 7) -> float:
+    """max |Δ logits| of a stock ``SiglipForImageClassification`` loaded (strict) with ``sd``."""
+    pixels = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+    stock = T.SiglipForImageClassification(model.config).eval()
+    stock.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        return (stock(pixel_values=pixels).logits - model.eval()(pixel_values=pixels).logits).abs().max().item()
+
+
+def test_the_classifier_is_described_without_a_text_tower(classifier):
+    """Only vision tensors and the classifier; the norms' γ/β really are random (a γ of 1 would
+    hide a fold into the wrong reader); the classifier reads post_layernorm, the probe bypasses it."""
+    sd = classifier.state_dict()
+    assert not any(k.startswith("text_model.") for k in sd) and f"{HEAD}.probe" in sd
+    graph = graph_for(classifier.config, sd.keys())
+    graph.check(sd, source="siglip-cls")
+    assert set(graph.spaces) == {
+        "vision.res",
+        "joint",
+        "vision.pool.attn",
+        "vision.pool.mlp",
+        *(f"vision.{i}.{s}" for i in (0, 1) for s in ("attn", "mlp")),
+    }
+    assert graph.bindings["classifier.weight"].axes == (None, "vision.res") and "classifier.bias" in graph.invariant
+    (post,) = [n for n in graph.norms if n.weight == f"{POST}.weight"]
+    assert isinstance(post, BypassedNorm) and "classifier.weight" in post.readers
+    for name, p in sd.items():
+        if "norm" in name and name.endswith("weight"):
+            assert (p - 1).abs().max() > 0.1, name
+
+
+@pytest.mark.parametrize("seed", (0, 1, 2))
+@pytest.mark.parametrize("cls", ("permutation", "orthogonal"))
+def test_classifier_random_allowed_transform_keeps_the_logits(classifier, cls, seed):
+    """Every class the graph claims at once (head permutations and inner rotations, unit
+    permutations, the vision stream and the pooling stream orthogonal fixing 1 after canonical
+    form): the same logits, within 1e-4 in float32. Text inputs are not passed to the model."""
+    report = verify_model(classifier, cls, seed=seed)
+    assert report.compared == ["logits"]
+    assert report.max_abs_diff <= TOLERANCE, report
+    assert report.fallbacks == [] and report.untied == []
+    if cls == "orthogonal":
+        for name in VISION_STREAMS:
+            assert report.classes[name] == "orthogonal (fixing 1)", name
+        heads = "head-permutation + inner rotations"
+        assert report.classes["vision.0.attn"] == report.classes["vision.pool.attn"] == heads
+        assert report.classes["vision.0.mlp"] == "permutation"
+
+
+@pytest.mark.parametrize("seed", (0, 1, 2))
+def test_classifier_stock_forward_after_an_orthogonal_transform(seed):
+    """Independent of the package's forward helpers: a stock ``SiglipForImageClassification``
+    loaded (strict) with the transformed state dict gives the same logits; its tower's
+    ``pooler_output`` (the pooling head, unused by the logits) moves by the joint map exactly."""
+    model = tiny.siglip_cls(seed)
+    sd = model.state_dict()
+    canon, graph = _canonical(model)
+    transform = graph.random_transform("orthogonal", torch.Generator().manual_seed(seed))
+    new = graph.apply(canon, transform)
+    ones = torch.ones(D, dtype=torch.float64)
+    for name in VISION_STREAMS:
+        dense = transform[name]
+        assert isinstance(dense, AxisMap) and (dense.matrix().abs() > 1e-3).float().mean() > 0.5, name
+        torch.testing.assert_close(dense.matrix() @ ones, ones)
+    for k in ("classifier.weight", PROBE, f"{HEAD}.mlp.fc2.weight", "vision_model.embeddings.patch_embedding.weight"):
+        assert (new[k] - sd[k]).abs().max() > 1e-2, k  # really moved
+    # β of post_layernorm folds into the bias (the mean of the tokens sees it whole); no map moves it
+    w, beta = sd["classifier.weight"].double(), sd[f"{POST}.bias"].double()
+    torch.testing.assert_close(canon["classifier.bias"].double(), sd["classifier.bias"].double() + w @ beta)
+    assert torch.equal(new["classifier.bias"], canon["classifier.bias"])
+    assert _logits_gap(model, new, seed) <= TOLERANCE
+
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+    stock = T.SiglipForImageClassification(model.config).eval()
+    stock.load_state_dict(new, strict=True)
+    with torch.no_grad():
+        before = model.vision_model(pixel_values=pixels).pooler_output
+        after = stock.vision_model(pixel_values=pixels).pooler_output
+    joint = transform["joint"]
+    assert isinstance(joint, AxisMap)
+    assert (after - joint.apply(before, 1)).abs().max().item() <= TOLERANCE
+    assert (after - before).abs().max().item() > 1e-2
+
+
+def test_classifier_without_the_pooling_head():
+    """``vision_use_head: false``: no probe, no joint space; the classifier alone reads
+    post_layernorm, and the vision stream is still orthogonal fixing 1."""
+    torch.manual_seed(0)
+    cfg = T.SiglipConfig(
+        vision_config=dict(
+            hidden_size=D, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40, image_size=16,
+            patch_size=8, num_channels=3, vision_use_head=False,
+        ),
+        num_labels=3,
+    )  # fmt: skip
+    model = tiny._randomize_norms(T.SiglipForImageClassification(cfg), 0)
+    graph = graph_for(model.config, model.state_dict().keys())
+    assert "joint" not in graph.spaces and not any(k.startswith(f"{HEAD}.") for k in model.state_dict())
+    (post,) = [n for n in graph.norms if n.weight == f"{POST}.weight"]
+    assert not isinstance(post, BypassedNorm) and post.readers == ("classifier.weight",)
+    for seed in (0, 1):
+        report = verify_model(model, "orthogonal", seed=seed)
+        assert report.max_abs_diff <= TOLERANCE and report.classes["vision.res"] == "orthogonal (fixing 1)", report
+
+
+def test_classifier_forbidden_transforms_move_the_logits(classifier):
+    """Negative controls on the logits: a vision rotation that moves 1 (after canonical form), one
+    fixing 1 without canonical form (refused; forced through), and one that leaves the classifier
+    behind: each moves the logits far beyond the tolerance. The allowed one beside them does not."""
+    sd = classifier.state_dict()
+    canon, graph = _canonical(classifier)
+    allowed = _rotate(graph, "vision.res", True)
+    assert _logits_gap(classifier, graph.apply(canon, allowed)) <= TOLERANCE
+
+    moves_ones = _rotate(graph, "vision.res", False)
+    assert _logits_gap(classifier, graph.apply(canon, moves_ones)) > 0.1
+
+    raw = graph_for(classifier.config, sd.keys())
+    with pytest.raises(TransformError, match="not uniform"):
+        raw.apply(sd, allowed)
+    assert _logits_gap(classifier, raw.apply(sd, allowed, check=False)) > 0.1
+
+    rotated = graph.apply(canon, allowed)
+    assert _logits_gap(classifier, {**rotated, "classifier.weight": canon["classifier.weight"]}) > 0.1

@@ -19,7 +19,7 @@ from hf_rebasin.strategies import Pair, align
 from hf_rebasin.sublayers import is_per_sublayer, per_sublayer, stream_of
 from hf_rebasin.symmetry import HeadSpace, Space
 from hf_rebasin.transport import add_task_vector, task_vector
-from hf_rebasin.verify import example_inputs
+from hf_rebasin.verify import accepted_inputs, example_inputs
 from test_transport import _finetune, _max_diff, permuted_transport_folders
 
 PER_SUBLAYER = {"residual_maps": "per-sublayer"}
@@ -64,7 +64,7 @@ def test_streams_follow_the_order_the_model_runs_its_modules(case):
         )
     graph = graph_for(model.config, model.state_dict().keys())
     inputs = example_inputs(get_adapter(model.config.model_type), model.config, torch.Generator().manual_seed(0))
-    order = _run_order(model, inputs)
+    order = _run_order(model, accepted_inputs(model, inputs))  # SiglipForImageClassification: pixels only
     for res in _residuals(graph):
         streams = stream_of(graph, res)
         tower = res[: -len("res")]  # CLIP: "text." / "vision."; one tower otherwise

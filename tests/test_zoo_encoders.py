@@ -1,6 +1,6 @@
 """The zoo's encoders and vision models of other families (kinds distilbert, xlm-roberta, modernbert:
-`MaskedLMTrainConfig`, trained like the zoo BERT; dinov2: `ImageTrainConfig`, trained like the zoo ViT),
-each built through ``AutoConfig.for_model``.
+`MaskedLMTrainConfig`, trained like the zoo BERT; dinov2, siglip: `ImageTrainConfig`, trained like the
+zoo ViT), each built through ``AutoConfig.for_model``.
 
 Fast: the default configs are only built (never trained); training runs on a tiny variant of each,
 and each kind's recipe runs end to end on stand-ins (tiny random models where the zoo keeps its
@@ -34,9 +34,10 @@ KINDS: dict[str, tuple[str, type, Task]] = {
     "xlm-roberta": ("xlm-roberta", T.XLMRobertaForMaskedLM, "masked-lm"),
     "modernbert": ("modernbert", T.ModernBertForMaskedLM, "masked-lm"),
     "dinov2": ("dinov2", T.Dinov2ForImageClassification, "image-classification"),
+    "siglip": ("siglip", T.SiglipForImageClassification, "image-classification"),
 }
 MASKED = [kind for kind, (_, _, task) in KINDS.items() if task == "masked-lm"]
-RECIPES = ["merge-distilbert", "merge-xlm-roberta", "barrier-modernbert", "merge-dinov2"]
+RECIPES = ["merge-distilbert", "merge-xlm-roberta", "barrier-modernbert", "merge-dinov2", "merge-siglip"]
 PLAYS = ("macbeth",)
 
 
@@ -140,6 +141,37 @@ def test_the_default_dinov2_config_builds_a_model_like_the_zoo_vit() -> None:
     params = sum(p.numel() for p in model.parameters())
     assert 65_000 < params < 75_000, params  # the zoo ViT has 69,194
     get_adapter("dinov2").graph(config, model.state_dict().keys())
+
+
+def test_the_default_siglip_config_builds_a_classifier_like_the_zoo_vit() -> None:
+    """SiglipForImageClassification: the zoo sizes on the vision tower, a minimal text config (no
+    text weight is built), the digits' 10 labels; the classifier reads the mean of all 16 patches."""
+    cfg = zoo.DEFAULT_CONFIGS["siglip"]
+    vit = zoo.DEFAULT_CONFIGS["vit"]
+    assert isinstance(cfg, zoo.ImageTrainConfig) and isinstance(vit, zoo.ViTTrainConfig)
+    schedule = ("steps", "batch_size", "patch_size", "hidden_size", "intermediate_size", "lr", "warmup")
+    assert [getattr(cfg, f) for f in schedule] == [getattr(vit, f) for f in schedule]
+    assert (cfg.num_layers, cfg.num_heads) == (vit.num_hidden_layers, vit.num_attention_heads)
+    config = train.image_config(cfg)
+    assert type(config) is T.SiglipConfig and config.model_type == "siglip"
+    v, t = config.vision_config, config.text_config
+    assert (v.image_size, v.patch_size, v.num_channels, v.hidden_size, v.num_hidden_layers) == (8, 2, 1, 64, 2)
+    assert (v.num_attention_heads, v.intermediate_size, v.attention_dropout) == (4, 128, 0.0)
+    assert v.vision_use_head and t.projection_size == 64 and t.num_hidden_layers == 1
+    assert config.id2label == {i: str(i) for i in range(10)} and config.num_labels == 10
+    torch.manual_seed(0)
+    model = T.AutoModelForImageClassification.from_config(config)
+    assert type(model) is T.SiglipForImageClassification
+    sd = model.state_dict()
+    assert not any(k.startswith("text_model.") for k in sd) and "vision_model.head.probe" in sd
+    assert sd["vision_model.embeddings.position_embedding.weight"].shape == (16, 64)  # 4 × 4 patches, no [CLS]
+    assert model.classifier.in_features == 64
+    assert model(pixel_values=torch.zeros(3, 1, 8, 8)).logits.shape == (3, 10)
+    params = sum(p.numel() for p in model.parameters())
+    head = sum(p.numel() for n, p in model.named_parameters() if n.startswith("vision_model.head."))
+    assert 65_000 < params - head < 75_000, params  # the zoo ViT has 69,194; the pooling head is unused
+    graph = get_adapter("siglip").graph(config, sd.keys())
+    assert graph.spaces["vision.res"].max_class == "orthogonal" and "text.res" not in graph.spaces
 
 
 @pytest.mark.parametrize("kind", KINDS)

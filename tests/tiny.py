@@ -474,6 +474,28 @@ def siglip(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(T.SiglipModel(cfg), seed)
 
 
+def siglip_cls(seed: int = 0) -> torch.nn.Module:
+    """``SiglipForImageClassification``: `siglip`'s vision tower (its attention-pooling head kept,
+    unused by the logits) under a classifier of the mean token, 3 labels; no text weights."""
+    _seed(seed)
+    cfg = T.SiglipConfig(
+        text_config=dict(
+            vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=40,
+            image_size=16,
+            patch_size=8,
+            num_channels=3,
+        ),
+        num_labels=3,
+    )
+    return _randomize_norms(T.SiglipForImageClassification(cfg), seed)
+
+
 # ---- post-sublayer norms: Gemma 2 / 3 (sandwich), OLMo 2 (post only) -------------------------
 
 
@@ -542,6 +564,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "gpt-neox": gpt_neox,
     "gpt-neox-sequential": gpt_neox_sequential,
     "siglip": siglip,
+    "siglip-cls": siglip_cls,
     "gemma2": gemma2,
     "gemma3-text": gemma3_text,
     "olmo2": olmo2,

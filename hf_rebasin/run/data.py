@@ -160,8 +160,14 @@ def _classification(
         batch_size=batching.batch_size,
         label2id=_label2id(records, label_column, config),
         max_length=None if image else length,
-        image_mode=("L" if getattr(config, "num_channels", 3) == 1 else "RGB") if image else None,
+        image_mode=("L" if _channels(config) == 1 else "RGB") if image else None,
     )
+
+
+def _channels(config: Any) -> int:
+    """The image channels a model reads: its vision tower's where the config has one (SigLIP)."""
+    vision = getattr(config, "vision_config", None) or config
+    return int(getattr(vision, "num_channels", 3))
 
 
 def _check_labels(out: list[dict[str, Tensor]], config: Any, where: str) -> None:

@@ -9,8 +9,12 @@ class each space gets (permutation or orthogonal).
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import contextvars
 import dataclasses
 import functools
+import os
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
@@ -259,12 +263,15 @@ def descend(
     progress: Progress | None = None,
     stage: str = "matching",
     views: WeightViews | None = None,
+    tol: float = 0.0,
 ) -> tuple[Transform, int]:
     """Coordinate descent; returns the transform and the number of passes.
 
     A new map is kept only when it raises the weight-matching objective, and the descent stops
     after a pass without improvement (git re-basin): monotone whatever the solver ranks by (head
     pairings chosen by circuit similarity are accepted only when they also match better).
+    Rotations improve a little at every pass (Procrustes is continuous), so ``tol`` > 0 also stops
+    after a pass that gained less than ``tol`` × what all passes so far gained.
     ``order=None`` visits spaces in a random order per pass. ``views`` shares cached anchor terms
     with :func:`anchor_init`.
     """
@@ -276,29 +283,102 @@ def descend(
     version = dict.fromkeys(graph.spaces, 0)
     solved_at: dict[str, tuple[int, ...]] = {}  # neighbours' versions when a space was last solved
     passes = 0
-    for _ in range(max_iter):
-        passes += 1
-        if order is None:
-            rng.shuffle(names)
-        changed = 0
-        for k, name in enumerate(names):
-            state = tuple(version[n] for n in sorted(near[name]))
-            if solved_at.get(name) == state:
-                continue  # nothing it depends on moved: same view, same answer
-            solved_at[name] = state
-            view = views_of(transform, name)
-            new_map = solve(name, view)
-            old = map_value(graph, name, transform[name], view)
-            new = map_value(graph, name, new_map, view)
-            if new > old + 1e-12 * max(1.0, abs(old)):
-                transform[name] = new_map
-                version[name] += 1
-                changed += 1
-            if progress is not None:
-                progress(f"{stage} (pass {passes})", k + 1, len(names))
-        if not changed:
-            break
+    gained = 0.0
+    tally = {"changed": 0, "done": 0, "gain": 0.0}  # of the current pass
+
+    def accept(name: str, view: Views, new_map: SpaceMap) -> None:
+        old = map_value(graph, name, transform[name], view)
+        new = map_value(graph, name, new_map, view)
+        if new > old + 1e-12 * max(1.0, abs(old)):
+            transform[name] = new_map
+            version[name] += 1
+            tally["changed"] += 1
+            tally["gain"] += new - old
+        tally["done"] += 1
+        if progress is not None:
+            progress(f"{stage} (pass {passes})", int(tally["done"]), len(names))
+
+    with _SolverThreads() as threads:
+        for _ in range(max_iter):
+            passes += 1
+            if order is None:
+                rng.shuffle(names)
+            tally.update(changed=0, done=0, gain=0.0)
+            for run in independent_runs(names, near):
+                # spaces of one run share no tensor: each view ignores the others' maps, so their
+                # solvers may run while the next view is built, with the same result as in turn
+                for name in run:
+                    state = tuple(version[n] for n in sorted(near[name]))
+                    if solved_at.get(name) == state:  # nothing it depends on moved: same view, same answer
+                        tally["done"] += 1
+                        continue
+                    solved_at[name] = state
+                    threads.submit(name, views_of(transform, name), solve, accept)
+                threads.drain(accept)
+            gained += tally["gain"]
+            if not tally["changed"] or tally["gain"] <= tol * gained:
+                break
     return transform, passes
+
+
+def independent_runs(names: Sequence[str], near: Mapping[str, set[str]]) -> list[list[str]]:
+    """``names`` cut, in order, into runs of spaces no two of which share a tensor."""
+    runs: list[list[str]] = []
+    current: list[str] = []
+    for name in names:
+        if current and near[name] & set(current):
+            runs.append(current)
+            current = []
+        current.append(name)
+    if current:
+        runs.append(current)
+    return runs
+
+
+# a view at most this large is solved on a worker thread while the next is built (the LAP of a
+# 3,072-unit MLP takes as long as its view); a larger one (a 7B model's MLP: 11,008² float64, about
+# 1 GB) is solved in turn, so that no second view of that size is alive at once
+PIPELINE_MAX_ELEMENTS = 1 << 24
+
+
+class _SolverThreads:
+    """Solvers (LAP, SVD: single-threaded, they release the GIL) on worker threads, at most
+    ``workers`` in flight, while the main thread builds the next view (multi-threaded GEMMs)."""
+
+    def __init__(self) -> None:
+        cores = os.cpu_count() or 1
+        self.workers = max(1, min(4, cores // 2)) if cores > 1 else 0
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pending: collections.deque[tuple[str, Views, concurrent.futures.Future[SpaceMap]]] = collections.deque()
+
+    def __enter__(self) -> _SolverThreads:
+        if self.workers:
+            self.pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="hf-rebasin-solver")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def submit(
+        self, name: str, view: Views, solve: SpaceSolver, accept: Callable[[str, Views, SpaceMap], None]
+    ) -> None:
+        if self.pool is None or sum(v.numel() for v in view.values()) > PIPELINE_MAX_ELEMENTS:
+            self.drain(accept)
+            accept(name, view, solve(name, view))
+            return
+        context = contextvars.copy_context()  # the solver clock of the caller counts the worker's time
+        self.pending.append((name, view, self.pool.submit(context.run, solve, name, view)))
+        while len(self.pending) > self.workers:
+            self._first(accept)
+
+    def drain(self, accept: Callable[[str, Views, SpaceMap], None]) -> None:
+        while self.pending:
+            self._first(accept)
+
+    def _first(self, accept: Callable[[str, Views, SpaceMap], None]) -> None:
+        name, view, future = self.pending.popleft()
+        accept(name, view, future.result())
 
 
 def space_solver(

@@ -79,6 +79,7 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
                 progress=progress,
                 stage=f"generalized-orthogonal: {stage}",
                 views=views,
+                tol=options.tol,
             )
 
         rotations = not (options.learned and options.maps == "permutations")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -305,8 +306,29 @@ class _Maps(torch.nn.Module):
         return out
 
 
+_ALIASES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _aliases(model: Any) -> frozenset[str]:
+    """Names of parameters that are another name's tensor (BERT's ``cls.predictions.decoder.bias``
+    is ``cls.predictions.bias``): `functional_call` refuses two values for one tied tensor, and
+    fills an alias from its source when given only the source."""
+    known = _ALIASES.get(model)
+    if known is None:
+        seen: set[int] = set()
+        aliases = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                aliases.add(name)
+            seen.add(id(p))
+        known = _ALIASES[model] = frozenset(aliases)
+    return known
+
+
 def _loss(model: Any, params: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Tensor:
-    out = functional_call(model, dict(params), args=(), kwargs=dict(batch), strict=False)
+    aliases = _aliases(model)
+    given = {k: v for k, v in params.items() if k not in aliases}
+    out = functional_call(model, given, args=(), kwargs=dict(batch), strict=False)
     loss = getattr(out, "loss", None)
     if loss is None:
         raise MissingDataError(

@@ -202,6 +202,14 @@ def parse_sampler(text: str) -> tuple[float, float]:
 
 class GeneralizedOrthogonalOptions(Options):
     iterations: int = Field(10, ge=1, description="alternating rounds at most (stops early when stable)")
+    tol: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="stop rotating after a round that raised the match by less than this share of what all "
+        "rounds so far raised it (0: until no map changes or `iterations`; 1e-3 saves rounds on trained models "
+        "at the same barrier, but leaves a known rotation recovered to only ~1e-3)",
+    )
     inner: Literal["orthogonal", "invertible"] = Field(
         "orthogonal",
         description="maps inside heads: `invertible` also fits shears and scales (least squares on the circuits)",

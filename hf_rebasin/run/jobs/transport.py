@@ -2,21 +2,25 @@
 B's basis and save B + α·π(τ); for a LoRA fine-tune, the adapter with its factors moved.
 
 In the alignment the target B is the reference (`Pair`'s first model): A is brought into B's basis.
+With support data the run weighs each α's task gain against its support cost (``tradeoff.png``),
+and ``alpha: auto`` saves the α that `choose_alpha` picks from them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from ...export import copy_support_files, save_merged_model
+from ...export import copy_support_files, save_merged_model, write_text
 from ...lora import canonical_blocker, lora_graph, save_adapter, transport_adapter
 from ...models import LoadedModel
 from ...record import Findings
+from ...report import plot_tradeoff, tradeoff, tradeoff_table
 from ...strategies import Alignment, Pair, align
 from ...sublayers import is_per_sublayer, per_sublayer
 from ...symmetry import SymmetryGraph
@@ -31,7 +35,7 @@ from .barrier import save_diagnostics
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["run"]
+__all__ = ["Choice", "choose_alpha", "run"]
 
 
 @dataclass
@@ -54,7 +58,8 @@ class Moved:
 
 
 def run(ws: Workspace) -> JobOutput:
-    """B + α·π(τ) for each α of the recipe; the first α is saved."""
+    """B + α·π(τ) for each α of the recipe; the first α is saved, or with ``alpha: auto`` the one
+    `choose_alpha` picks from the trade-off."""
     models = ws.models
     assert isinstance(models, TransportRoles)  # the recipe's job
     graph = _graph(ws, models)
@@ -70,6 +75,7 @@ def run(ws: Workspace) -> JobOutput:
             ws.recipe.strategy.name, [models.base], [alignment], [alignment.aligned_b()], inputs, real=real
         )
     record = _scores(ws, models, moved, naive)
+    saved_alpha = _saved_alpha(ws, record)
     saved_model = ws.adapter is None
     canonical = alignment.canonical and saved_model
     untied = list(alignment.untied) if saved_model else []  # an adapter stores no head
@@ -84,7 +90,7 @@ def run(ws: Workspace) -> JobOutput:
         diagnostics=dict(alignment.diagnostics),
     )
     result = job_result(ws, findings, {}, saved_model=saved_model)
-    return JobOutput(result, lambda folder: _save(ws, models, alignment, graph, moved, record, folder))
+    return JobOutput(result, lambda folder: _save(ws, models, alignment, graph, moved, record, saved_alpha, folder))
 
 
 def _graph(ws: Workspace, models: TransportRoles[LoadedModel]) -> SymmetryGraph:
@@ -177,6 +183,7 @@ def _scores(ws: Workspace, models: TransportRoles[LoadedModel], moved: Moved, na
                 config = models.finetune.model.config
                 support = batches(ev.support, spec, ws.base_dir, ws.processor, config, where="evaluate.support")
                 record["support"] = _scores_on(ws, models, support, moved, naive)
+                record["tradeoff"] = tradeoff(record)
     if moved.carried:
         record["carried"] = sorted(moved.carried)
     return record
@@ -189,10 +196,11 @@ def _scores_on(
     moved: Moved,
     naive: Moved | None,
 ) -> dict[str, Any]:
-    """Loss and metric of target B, fine-tune A_ft, B + α·π(τ) per α and (``naive``) B + α·τ per α.
+    """Loss and metric of target B, old base A, fine-tune A_ft, B + α·π(τ) per α and (``naive``)
+    B + α·τ per α. A's scores set against A_ft's are what the fine-tune itself forgot.
 
-    When the fine-tune has a head its base lacks, "target" is B carrying that head (moved, α = 0):
-    B alone has no such head to score.
+    When the fine-tune has a head its base lacks, "target" is B carrying that head (moved, α = 0)
+    and "base" A carrying it (as the fine-tune has it): neither base alone has such a head to score.
     """
     out: dict[str, Any] = {"loss": {}, "metric": {}}
 
@@ -208,6 +216,7 @@ def _scores_on(
 
     finetuned = ws.score.model(models.finetune.model, data, ws.task)
     put("target", scored(moved, 0.0) if moved.carried else ws.score.model(models.target.model, data, ws.task), False)
+    put("base", _base_score(ws, models, moved, data), False)
     put("finetuned", finetuned, False)
     for alpha in ws.recipe.alphas:
         put("transported", scored(moved, alpha), True)
@@ -217,6 +226,122 @@ def _scores_on(
     return out
 
 
+def _base_score(
+    ws: Workspace, models: TransportRoles[LoadedModel], moved: Moved, data: Sequence[Mapping[str, Tensor]]
+) -> dict[str, Any]:
+    """The old base A on ``data``; with a head only the fine-tune has, A carrying that head."""
+    if not moved.carried:
+        return ws.score.model(models.base.model, data, ws.task)
+    sd_a, sd_ft = weights(models.base), weights(models.finetune)
+    sd = {n: sd_ft[n] if n in moved.carried else sd_a[n] for n in moved.names}
+    return ws.score(moved.template, sd, False, data, ws.task)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The α `choose_alpha` picks: which, by what rule, its task gain and support cost (nats over B),
+    and why, in words (the card and the run's summary say it)."""
+
+    alpha: float
+    index: int  # in the grid
+    rule: str  # "no-cost", "ratio", "budget" or "fallback"
+    gain: float
+    cost: float
+    reason: str
+    support_budget: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """``rebasin.json``'s ``transport.chosen``."""
+        return asdict(self)
+
+
+def choose_alpha(
+    alphas: Sequence[float], gains: Sequence[float], costs: Sequence[float], budget: float | None = None
+) -> Choice:
+    """The α ``alpha: auto`` saves, from each α's task gain (L_task(B) − L_task(θ)) and support cost
+    (L_sup(θ) − L_sup(B)). Only an α with a positive gain is eligible, and with ``budget`` only
+    one whose cost is at most the budget:
+
+    - ``budget``: the eligible α with the largest gain ("budget");
+    - else an eligible α at no cost (cost ≤ 0) beats any that costs: the largest gain among them
+      ("no-cost"); otherwise the largest gain per nat of cost, gain / cost ("ratio");
+    - no α eligible: the α with the smallest support cost ("fallback"), and ``reason`` says what
+      to change. An α whose gain or cost is not finite is never picked unless all are.
+
+    Ties go to the larger gain, then the smaller cost, then the smaller α.
+    """
+    if not (len(alphas) == len(gains) == len(costs)) or not alphas:
+        raise ValueError(f"{len(alphas)} alphas, {len(gains)} gains and {len(costs)} costs: give one of each per α")
+    n = range(len(alphas))
+    finite = [i for i in n if math.isfinite(gains[i]) and math.isfinite(costs[i])]
+    gaining = [i for i in finite if gains[i] > 0]
+    eligible = [i for i in gaining if budget is None or costs[i] <= budget]
+
+    def pick(candidates: list[int], *key: Any) -> int:
+        return min(candidates, key=lambda i: (*(k(i) for k in key), -gains[i], costs[i], alphas[i]))
+
+    def choice(i: int, rule: str, reason: str) -> Choice:
+        return Choice(float(alphas[i]), i, rule, float(gains[i]), float(costs[i]), reason, budget)
+
+    if eligible and budget is not None:
+        i = pick(eligible)
+        return choice(
+            i,
+            "budget",
+            f"the largest task gain ({gains[i]:.4f} nats) whose support cost ({costs[i]:+.4f}) fits the budget "
+            f"of {budget:g} nats",
+        )
+    free = [i for i in eligible if costs[i] <= 0]
+    if free:
+        i = pick(free)
+        return choice(
+            i, "no-cost", f"a task gain of {gains[i]:.4f} nats at no support cost ({costs[i]:+.4f}), the largest such"
+        )
+    if eligible:
+        i = pick(eligible, lambda j: -gains[j] / costs[j])
+        return choice(
+            i,
+            "ratio",
+            f"the best task gain per nat of support cost: {gains[i]:.4f} nats gained for {costs[i]:.4f} nats of "
+            f"support cost ({gains[i] / costs[i]:.2f} per nat)",
+        )
+    i = pick(finite or list(n), lambda j: costs[j] if j in finite else math.inf)
+    if not gaining:
+        why = "no α of the grid lowers the task loss below B's"
+        fix = (
+            "the transport does not help this fine-tune on this target: try another strategy (generalized-orthogonal "
+            "rotates the residual stream) or keep B"
+        )
+    else:
+        cheapest = min(gaining, key=lambda j: costs[j])
+        why = (
+            f"no α that lowers the task loss keeps the support cost within the budget of {budget:g} nats "
+            f"(the cheapest, α = {alphas[cheapest]:g}, costs {costs[cheapest]:+.4f})"
+        )
+        fix = f"raise `alpha.support_budget` to {costs[cheapest]:.4g} or more, or add smaller α to `alpha.auto`"
+    return choice(
+        i, "fallback", f"{why}: saved the α of the smallest support cost ({costs[i]:+.4f}, gain {gains[i]:+.4f}); {fix}"
+    )
+
+
+def _saved_alpha(ws: Workspace, record: dict[str, Any]) -> float:
+    """The α written: the first of the recipe's, or with ``alpha: auto`` the one `choose_alpha` picks
+    from the transported trade-off (recorded as ``record["chosen"]``; a fallback is noted too)."""
+    auto = ws.recipe.auto_alpha
+    alphas = ws.recipe.alphas
+    points = record.get("tradeoff") or {}
+    if auto is None:
+        return alphas[0]
+    if "transported" not in points:  # the recipe asks for support data: only a run without scores lands here
+        ws.notes.append(f"alpha: auto had no support scores to choose from: saved the first α, {alphas[0]:g}")
+        return alphas[0]
+    chosen = choose_alpha(alphas, points["transported"]["gain"], points["transported"]["cost"], auto.support_budget)
+    record["chosen"] = chosen.as_dict()
+    if chosen.rule == "fallback":
+        ws.notes.append(f"alpha: auto: {chosen.reason}")
+    return chosen.alpha
+
+
 def _save(
     ws: Workspace,
     models: TransportRoles[LoadedModel],
@@ -224,14 +349,16 @@ def _save(
     graph: SymmetryGraph,
     moved: Moved,
     record: dict[str, Any],
+    alpha: float,
     folder: Path,
 ) -> None:
-    """B + α·π(τ) for the first α (or the moved adapter, whose summary joins ``record``), then B's files."""
+    """B + α·π(τ) for the saved α (or the moved adapter, whose summary joins ``record``), then B's
+    files, the alignment's plots and, with support data, the trade-off (tradeoff.png, tradeoff.md)."""
     recipe = ws.recipe
     if ws.adapter is None:
         save_merged_model(
             moved.template,
-            moved.theta(recipe.alphas[0]),
+            moved.theta(alpha),
             folder,
             untie=moved.untie,
             max_shard_size=recipe.output.max_shard_size,
@@ -252,7 +379,7 @@ def _save(
             factors,
             folder,
             base_model=str(recipe.target),
-            alpha=recipe.alphas[0],
+            alpha=alpha,
             target=sd_b,
             whole=whole,
             dtype=ws.score.dtype,
@@ -264,3 +391,20 @@ def _save(
         }
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained: B's files as they were
     save_diagnostics(folder, alignment.diagnostics)
+    save_tradeoff(ws, record, alpha, folder)
+
+
+def save_tradeoff(ws: Workspace, record: Mapping[str, Any], alpha: float, folder: Path) -> None:
+    """tradeoff.png (task gain against support cost per α) and tradeoff.md, when support was scored."""
+    points = record.get("tradeoff")
+    table = tradeoff_table(record, alpha)
+    if not points or table is None:
+        return
+    inputs = ws.inputs
+    assert isinstance(inputs, TransportRoles)
+    ft, b = (Path(m.ref.model).name or m.ref.model for m in (inputs.finetune, inputs.target))
+    auto = ws.recipe.auto_alpha
+    title = f"{ft} moved onto {b}: task gain against support cost"
+    budget = auto.support_budget if auto is not None else None
+    plot_tradeoff(points, folder / "tradeoff.png", title=title, saved=alpha, budget=budget)
+    write_text(folder / "tradeoff.md", table)
