@@ -90,7 +90,11 @@ def _rotary_pct(config: object) -> float:
 def _prefix(model: torch.nn.Module) -> str:
     """``bert.`` / ``transformer.`` / ``model.``: the base model's prefix in a head class's names."""
     prefix = getattr(model, "base_model_prefix", "")
-    return f"{prefix}." if prefix and hasattr(model, prefix) and type(model).__name__ != type(model.base_model).__name__ else ""
+    return (
+        f"{prefix}."
+        if prefix and hasattr(model, prefix) and type(model).__name__ != type(model.base_model).__name__
+        else ""
+    )
 
 
 def _files(folder: Path) -> dict[str, torch.Tensor]:
@@ -171,7 +175,10 @@ def pickle_sharded(model: torch.nn.Module, folder: Path) -> None:
         part = {k: state[k] for k in names[i * per : (i + 1) * per]}
         torch.save(part, folder / file)
         weight_map |= dict.fromkeys(part, file)
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}, "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+        "weight_map": weight_map,
+    }
     (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2))
 
 

@@ -137,10 +137,23 @@ def test_weight_matching_gives_the_checkpoint_back(root: Path, family: str, layo
 
 def _first_mlp(model: torch.nn.Module) -> str:
     """A tensor the MLP permutation moves (rows of the first MLP's input matrix)."""
-    names = [n for n in model.state_dict() if any(s in n for s in ("mlp.c_fc.weight", "intermediate.dense.weight",
-                                                                     "mlp.up_proj.weight", "mlp.fc1.weight",
-                                                                     "mlp.gate_up_proj.weight", "mlp.dense_h_to_4h.weight",
-                                                                     "ffn.lin1.weight", "mlp.Wi.weight"))]
+    names = [
+        n
+        for n in model.state_dict()
+        if any(
+            s in n
+            for s in (
+                "mlp.c_fc.weight",
+                "intermediate.dense.weight",
+                "mlp.up_proj.weight",
+                "mlp.fc1.weight",
+                "mlp.gate_up_proj.weight",
+                "mlp.dense_h_to_4h.weight",
+                "ffn.lin1.weight",
+                "mlp.Wi.weight",
+            )
+        )
+    ]
     return names[0]
 
 
