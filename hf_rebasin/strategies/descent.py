@@ -335,9 +335,12 @@ def independent_runs(names: Sequence[str], near: Mapping[str, set[str]]) -> list
     return runs
 
 
-# a view at most this large is solved on a worker thread while the next is built (the LAP of a
-# 3,072-unit MLP takes as long as its view); a larger one (a 7B model's MLP: 11,008² float64, about
-# 1 GB) is solved in turn, so that no second view of that size is alive at once
+# a view of at least MIN and at most MAX elements is solved on a worker thread while the next is
+# built (the LAP of a 3,072-unit MLP takes as long as its view). A smaller one is solved in turn:
+# handing it to a thread costs more than solving it (a tiny model's descent took twice as long).
+# A larger one (a 7B model's MLP: 11,008² float64, about 1 GB) too, so that no second view of that
+# size is alive at once.
+PIPELINE_MIN_ELEMENTS = 1 << 18
 PIPELINE_MAX_ELEMENTS = 1 << 24
 
 
@@ -352,8 +355,6 @@ class _SolverThreads:
         self.pending: collections.deque[tuple[str, Views, concurrent.futures.Future[SpaceMap]]] = collections.deque()
 
     def __enter__(self) -> _SolverThreads:
-        if self.workers:
-            self.pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="hf-rebasin-solver")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -363,10 +364,13 @@ class _SolverThreads:
     def submit(
         self, name: str, view: Views, solve: SpaceSolver, accept: Callable[[str, Views, SpaceMap], None]
     ) -> None:
-        if self.pool is None or sum(v.numel() for v in view.values()) > PIPELINE_MAX_ELEMENTS:
+        size = sum(v.numel() for v in view.values())
+        if not self.workers or not PIPELINE_MIN_ELEMENTS <= size <= PIPELINE_MAX_ELEMENTS:
             self.drain(accept)
             accept(name, view, solve(name, view))
             return
+        if self.pool is None:  # threads start with the first view worth them
+            self.pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="hf-rebasin-solver")
         context = contextvars.copy_context()  # the solver clock of the caller counts the worker's time
         self.pending.append((name, view, self.pool.submit(context.run, solve, name, view)))
         while len(self.pending) > self.workers:
