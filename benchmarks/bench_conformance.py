@@ -96,7 +96,9 @@ def main_(argv: list[str] | None = None) -> None:
         values = [r[key] for r in results.values()]
         floats = [v for v in values if isinstance(v, float)]
         if floats:
-            print(f"\nworst {key}: {max(floats):.2e} over {len(floats)} cases; not measured: {len(values) - len(floats)}")
+            print(
+                f"\nworst {key}: {max(floats):.2e} over {len(floats)} cases; not measured: {len(values) - len(floats)}"
+            )
     print(f"\n{len(results)} cases")
 
 
