@@ -11,7 +11,7 @@ import functools
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
@@ -157,7 +157,6 @@ def bpe_tokenizer(text: str, vocab_size: int, *, mask: bool = False) -> PreTrain
     merges, so models trained from different seeds share one vocabulary.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     special = [PAD, UNK, EOS, *([MASK] if mask else [])]
     backend = Tokenizer(models.BPE(unk_token=UNK))
@@ -170,6 +169,14 @@ def bpe_tokenizer(text: str, vocab_size: int, *, mask: bool = False) -> PreTrain
         show_progress=False,
     )
     backend.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return _fast(backend, mask)
+
+
+def _fast(backend: Any, mask: bool) -> PreTrainedTokenizerFast:
+    """A `tokenizers` backend with the zoo's special tokens: ``<pad>``, ``<unk>``, ``<eos>`` (also
+    the bos token) and, for masked LMs, ``<mask>``."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD,
@@ -191,22 +198,13 @@ def char_tokenizer(text: str, *, mask: bool = False) -> PreTrainedTokenizerFast:
     round-trip it.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     chars = sorted(set(text))
     vocab = {tok: i for i, tok in enumerate([PAD, UNK, EOS, *chars, *([MASK] if mask else [])])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.FixedLength(length=1)
     backend.decoder = decoders.Fuse()  # join characters without the default spaces
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=PAD,
-        unk_token=UNK,
-        eos_token=EOS,
-        bos_token=EOS,
-        clean_up_tokenization_spaces=False,
-        **({"mask_token": MASK} if mask else {}),
-    )
+    return _fast(backend, mask)
 
 
 def text_blocks(

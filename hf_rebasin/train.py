@@ -645,16 +645,21 @@ def digits_processor() -> Any:
     )
 
 
-def _finetune_data(seed: int, plays: tuple[str, ...], eval_tokens: int) -> tuple[Path, Any, Tensor, Tensor]:
+def _finetune_data(
+    seed: int, plays: tuple[str, ...] | None, eval_tokens: int, *, base_kind: str = "gpt2", corpus: str = "shakespeare"
+) -> tuple[Path, Any, Tensor, Tensor]:
     """(base folder, its tokenizer, train blocks, held-out blocks) for training on top of the zoo
-    GPT-2 of ``seed``. The tokenizer is the base's (characters it never saw become ``<unk>``), so
-    the result shares every tensor shape with its base, as a task vector needs."""
+    model ``base_kind`` of ``seed``, on ``corpus`` (`data.corpus_text`). The tokenizer is the
+    base's (characters it never saw become ``<unk>``), so the result shares every tensor shape
+    with its base, as a task vector needs."""
     from transformers import PreTrainedTokenizerFast
 
-    base = cached_model("gpt2", seed)
+    base = cached_model(base_kind, seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
-    train = data.text_blocks(tokenizer, data.shakespeare_text(plays, split="train"), _block(base))
-    test = data.text_blocks(tokenizer, data.shakespeare_text(plays, split="test"), _block(base), max_tokens=eval_tokens)
+    block = _block(base)
+    train = data.text_blocks(tokenizer, data.corpus_text(corpus, plays, split="train"), block)
+    held_out = data.corpus_text(corpus, plays, split="test")
+    test = data.text_blocks(tokenizer, held_out, block, max_tokens=eval_tokens)
     return base, tokenizer, train, test
 
 
@@ -906,18 +911,13 @@ def finetune_on_domain(
 ) -> Path:
     """Fine-tune the zoo model ``config.base`` of ``seed`` (trained first if needed) on the text of
     ``config.corpus``, with the base's tokenizer and context; save it."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     default = DEFAULT_CONFIGS[check_kind(kind)]
     if not isinstance(default, DomainFineTuneConfig):
         raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by finetune_on_domain")
     cfg = config or default
-    base = cached_model(cfg.base, seed)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
-    block = _block(base)
-    train = data.text_blocks(tokenizer, data.corpus_text(cfg.corpus, split="train"), block)
-    held_out = data.corpus_text(cfg.corpus, split="test")
-    test = data.text_blocks(tokenizer, held_out, block, max_tokens=cfg.eval_tokens)
+    base, tokenizer, train, test = _finetune_data(seed, None, cfg.eval_tokens, base_kind=cfg.base, corpus=cfg.corpus)
     return _run_text(
         kind,
         seed,
