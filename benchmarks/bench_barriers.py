@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 from typing import Any
 
@@ -129,6 +130,26 @@ def ablation(kind: str, seeds: int) -> str:
     return "\n".join(lines)
 
 
+# --head-perm: head-perm with each way of choosing the residual permutation (its `residual` option)
+HEAD_PERM_RESIDUALS: list[tuple[str, str, dict[str, Any]]] = [
+    (f"head-perm, residual: {r}", "head-perm", {"residual": r})
+    for r in ("identity", "first", "last", "all", "separate")
+]
+
+
+def _first_tokens(batches: list[dict[str, Any]], tokens: int | None) -> list[dict[str, Any]]:
+    """The first batches holding ``tokens`` scored positions (all of them when None, or for images)."""
+    if tokens is None or "attention_mask" not in batches[0]:
+        return batches
+    out, seen = [], 0
+    for b in batches:
+        if seen >= tokens:
+            break
+        out.append(b)
+        seen += int((b["labels"] != -100).sum()) if "labels" in b else int(b["attention_mask"].sum())
+    return out
+
+
 def barrier_table(
     kind: str,
     seeds: tuple[int, int] = (0, 1),
@@ -136,14 +157,15 @@ def barrier_table(
     strategies: list[tuple[str, str, dict[str, Any]]] = STRATEGIES,
     batches: int = 8,
     plain: frozenset[str] = frozenset(),
+    tokens: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per strategy: barriers of A = seed 0 and B = seed 1 aligned to A, and the curve
-    (``lambdas``, ``losses``); ``batches`` of alignment data. Rows labelled in ``plain`` match
-    signed-permutation spaces by plain permutations."""
+    """One row per strategy: barriers of A = seeds[0] and B = seeds[1] aligned to A, and the curve
+    (``lambdas``, ``losses``); ``batches`` of alignment data; the held-out text cut to ``tokens``
+    scored tokens. Rows labelled in ``plain`` match signed-permutation spaces by plain permutations."""
     folder_a, folder_b = cached_model(kind, seeds[0]), cached_model(kind, seeds[1])  # type: ignore[arg-type]
     a, b = load_model(folder_a), load_model(folder_b)
     sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
-    evaluation = held_out_batches(folder_a)
+    evaluation = _first_tokens(held_out_batches(folder_a), tokens)
     task = task_of(a.model)
     data = alignment_data(kind, folder_a, batches)
     rows = []
@@ -184,6 +206,39 @@ def markdown(kind: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def pair_table(
+    kind: str, pairs: list[tuple[int, int]], strategies: list[tuple[str, str, dict[str, Any]]], tokens: int | None
+) -> str:
+    """Each strategy's linear barrier over seed ``pairs``: per pair, then the median and range, in
+    nats and as a share of vanilla's (the pair's own), with the median alignment seconds."""
+    per_pair = {}
+    for pair in pairs:
+        rows = barrier_table(kind, pair, points=11, strategies=strategies, tokens=tokens)
+        per_pair[pair] = {r["strategy"]: r for r in rows}
+        print(
+            f"{kind} {pair[0]}:{pair[1]}: " + ", ".join(f"{r['strategy']} {r['linear']:.3f}" for r in rows), flush=True
+        )
+    lines = [
+        f"**{kind}**, linear barrier (11 λ) over seed pairs {', '.join(f'{a}:{b}' for a, b in pairs)}",
+        "",
+        "| strategy | "
+        + " | ".join(f"{a}:{b}" for a, b in pairs)
+        + " | median (range) | % of vanilla, median (range) | align s |",
+        "|---|" + "---:|" * (len(pairs) + 3),
+    ]
+    for label, _, _ in strategies:
+        got = [per_pair[p][label]["linear"] for p in pairs]
+        share = sorted(100 * per_pair[p][label]["linear"] / per_pair[p]["vanilla"]["linear"] for p in pairs)
+        secs = statistics.median(per_pair[p][label]["seconds"] for p in pairs)
+        lines.append(
+            f"| {label} | "
+            + " | ".join(f"{g:.3f}" for g in got)
+            + f" | {statistics.median(got):.3f} ({min(got):.3f}–{max(got):.3f})"
+            + f" | {statistics.median(share):.0f} % ({share[0]:.0f}–{share[-1]:.0f}) | {secs:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def seed_spread(kind: str, seeds: int) -> str:
     """Linear barrier of each data-free strategy per ``seed`` option (the random visiting order of
     the coordinate descent): how much the result depends on it."""
@@ -211,13 +266,27 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="instead: each data-free strategy with `glu: balance` / `keep`, and with / without residual signs",
     )
+    parser.add_argument(
+        "--pairs",
+        nargs="+",
+        default=[],
+        metavar="A:B",
+        help="instead: the barriers over these seed pairs (median, range)",
+    )
+    parser.add_argument("--tokens", type=int, default=None, help="score this many held-out tokens (text kinds)")
+    parser.add_argument("--head-perm", action="store_true", help="add a head-perm row per `residual` option")
     args = parser.parse_args(argv)
-    unknown = set(args.skip) - {label for label, _, _ in STRATEGIES}
+    rows = STRATEGIES + (HEAD_PERM_RESIDUALS if args.head_perm else [])
+    unknown = set(args.skip) - {label for label, _, _ in rows}
     if unknown:
-        parser.error(f"--skip: no row {', '.join(sorted(unknown))}; rows: {', '.join(s[0] for s in STRATEGIES)}")
-    strategies = [s for s in STRATEGIES if s[0] not in args.skip]
+        parser.error(f"--skip: no row {', '.join(sorted(unknown))}; rows: {', '.join(s[0] for s in rows)}")
+    strategies = [s for s in rows if s[0] not in args.skip]
     torch.manual_seed(0)
     for kind in ("gpt2", "vit") if args.kind == "both" else (args.kind,):
+        if args.pairs:
+            pairs = [(int(a), int(b)) for a, b in (p.split(":") for p in args.pairs)]
+            print(pair_table(kind, pairs, strategies, args.tokens) + "\n")
+            continue
         if args.ablate:
             print(ablation(kind, max(1, args.seeds)) + "\n")
             continue

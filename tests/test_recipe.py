@@ -315,9 +315,10 @@ output: {dir: o}
 """
 
 
-def test_transport_recipe_defaults_to_transfusion_and_lists_its_models(tmp_path: Path) -> None:
+def test_transport_recipe_defaults_to_generalized_orthogonal_and_lists_its_models(tmp_path: Path) -> None:
     recipe = load_recipe(write(tmp_path, TRANSPORT))
-    assert recipe.strategy.name == "transfusion" and recipe.alphas == [1.0, 0.5] and recipe.models is None
+    assert recipe.strategy.name == "generalized-orthogonal" and recipe.strategy.residual_maps == "global"
+    assert recipe.alphas == [1.0, 0.5] and recipe.models is None
     assert [(where, str(ref)) for where, ref in recipe.refs] == [
         ("target.model", "org/b@main"),
         ("base.model", "org/a"),

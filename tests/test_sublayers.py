@@ -179,16 +179,18 @@ def test_learned_matching_and_per_sublayer_maps_are_refused_together():
         get_strategy("generalized-orthogonal").parse({"learned": True, "residual_maps": "per-sublayer"})
 
 
-def test_a_transport_recipe_defaults_to_per_sublayer_transfusion(tmp_path):
-    """job: transport with no strategy runs transfusion with per-sublayer maps; B is A permuted, so
-    the transported model is the fine-tune; the record says why no aligned model was checked."""
+def test_transfusion_in_a_transport_defaults_to_per_sublayer_maps(tmp_path):
+    """`strategy: transfusion` in a transport runs with per-sublayer maps (the paper's Step 3); B is
+    A permuted, so the transported model is the fine-tune; the record says why no aligned model was
+    checked."""
     import transformers as T
     import yaml
 
     from test_cli import run_cli
 
     model, ft = permuted_transport_folders(tmp_path)
-    recipe = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target", "output": {"dir": "out"}}
+    recipe = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}
+    recipe |= {"strategy": "transfusion", "output": {"dir": "out"}}
     path = tmp_path / "transport.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     proc = run_cli(str(path))

@@ -119,6 +119,39 @@ def permuted_transport_folders(tmp_path, tokenizer=None):
     return model, ft
 
 
+def test_a_transport_recipe_without_strategy_rotates_one_residual_stream(tmp_path):
+    """No `strategy`: generalized-orthogonal with one residual map. B is A rotated (canonical form),
+    which no permutation can undo, so only a rotation found exactly gives back the fine-tune's
+    logits, here read with the stock class from the output folder."""
+    import transformers as T
+    import yaml
+
+    from test_cli import run_cli
+
+    model = tiny.gpt2(0)
+    base = model.state_dict()
+    graph = graph_for(model.config, base.keys())
+    ft = _finetune(base, scale=0.2)
+    canon, cgraph, untied = canonicalize(graph, base)
+    target = cgraph.apply(canon, cgraph.random_transform("orthogonal", torch.Generator().manual_seed(1)))
+    assert untied  # canonical form folds ln_f's scale into lm_head: all three are saved untied
+    for name, sd in (("base", base), ("ft", ft), ("target", target)):
+        rebuild(model, dict(sd), untie=True).save_pretrained(str(tmp_path / name))
+    recipe = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target", "output": {"dir": "out"}}
+    path = tmp_path / "transport.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
+    proc = run_cli(str(path))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
+    assert record["strategy"] == "generalized-orthogonal"
+    assert record["strategy_options"]["residual_maps"] == "global"
+    out = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    ids = torch.randint(0, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = rebuild(model, dict(ft))(ids).logits
+        assert (out(ids).logits - want).abs().max().item() < 1e-4
+
+
 @pytest.mark.slow  # ~25 s: runs in CI's slow pass, keeping the default run under 10 minutes
 def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
     import json
