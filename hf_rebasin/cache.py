@@ -358,6 +358,7 @@ def save_alignment(key: str, alignment: Alignment, pair: Pair, *, root: Path | N
         "notes": list(alignment.notes),
         "timings": {k: float(v) for k, v in alignment.timings.items()},
         "diagnostics": alignment.diagnostics,
+        "resolved": alignment.resolved,
         "spaces": spaces,
         "digest": _digest(tensors),
     }
@@ -507,6 +508,7 @@ def read_alignment(key: str, pair: Pair, strategy: str | None = None, *, root: P
             notes=[str(n) for n in meta["notes"]],
             timings={str(k): float(v) for k, v in meta["timings"].items()},
             diagnostics=dict(meta.get("diagnostics") or {}),
+            resolved=dict(meta.get("resolved") or {}),
         )
     except CacheMiss:
         raise

@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
             "families trained like gpt2, about a minute each; distilbert, xlm-roberta, modernbert: masked LMs trained "
             "like bert, about 2 min each; dinov2, siglip: classifiers trained like vit, about 30 s each; one CPU core "
             "each; and the benchmark zoo, models closer to released ones that defaults are chosen on: bench-gpt2, "
-            "bench-bert, bench-vit, 4 layers of width 128, about 45 min each, and bench-gpt2-ft, bench-gpt2 fine-tuned "
+            "bench-modernbert, bench-vit, 4 layers of width 128, about 45 min each, and bench-gpt2-ft, bench-gpt2 fine-tuned "
             "on the King James Bible, pip install 'hf-rebasin[bench]'). Prints one folder per seed; recipes "
             "name them as zoo:KIND-seedN."
         ),

@@ -110,7 +110,7 @@ Kind = Literal[
     # the benchmark zoo: models that behave more like released ones, to choose defaults on
     "bench-gpt2",
     "bench-gpt2-ft",
-    "bench-bert",
+    "bench-modernbert",
     "bench-vit",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)

@@ -80,14 +80,17 @@ def test_the_benchmark_gpt2_is_four_layers_of_width_128_without_dropout_on_a_bpe
     )
     assert config.vocab_size == 2048 and config.tie_word_embeddings
     assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.0  # GPT-2's defaults are 0.1
-    bert = zoo.DEFAULT_CONFIGS["bench-bert"]
+    bert = zoo.DEFAULT_CONFIGS["bench-modernbert"]
     assert isinstance(bert, zoo.SubwordMaskedLMTrainConfig)
     masked = train.masked_lm_config(bert, data.bpe_tokenizer(data.shakespeare_text(("macbeth",)), 2048, mask=True))
-    assert (masked.num_hidden_layers, masked.hidden_size, masked.hidden_dropout_prob) == (4, 128, 0.0)
+    assert (masked.model_type, masked.num_hidden_layers, masked.hidden_size) == ("modernbert", 4, 128)
+    assert masked.attention_dropout == masked.embedding_dropout == masked.mlp_dropout == 0.0
     vit = zoo.DEFAULT_CONFIGS["bench-vit"]
     assert isinstance(vit, zoo.ImageTrainConfig)
     assert (train.image_config(vit).num_hidden_layers, train.image_config(vit).hidden_size) == (4, 128)
-    hashes = {zoo.config_hash(k, zoo.DEFAULT_CONFIGS[k]) for k in ("bench-gpt2", "bench-bert", "bench-vit", "gpt2")}
+    hashes = {
+        zoo.config_hash(k, zoo.DEFAULT_CONFIGS[k]) for k in ("bench-gpt2", "bench-modernbert", "bench-vit", "gpt2")
+    }
     assert len(hashes) == 4
 
 

@@ -240,6 +240,7 @@ def test_masked_lm_barrier_with_alignment_data(tmp_path: Path, text: str, env) -
     data = _rebasin_json(output)
     assert data["recipe"]["output"]["dir"] == "elsewhere"  # relative to the recipe: no local folder layout
     _check_curves(data, ["head-perm", "vanilla"], 3)
+    assert data["strategy_options"]["residual"] == "all"  # unset in the recipe: settled from the models
     assert set(data["curves"]["vanilla"]["metric"]) == {"pseudo_perplexity"}
     assert data["function_preserved"]["max_abs_diff"] < 1e-4
     assert data["models"][0] == {

@@ -250,6 +250,11 @@ def estimate(
             hidden_states = 2 * 4 * tokens * fp.hidden  # A's and B's, kept between layers
             layer = 2 * 4 * fp.params // fp.layers  # one layer of each model, in float32
             moments = 8 * (fp.width**2 + 2 * fp.hidden**2)  # one layer's cross moments (MLP units, heads)
+            residual = getattr(recipe.strategy.options, "residual", None)
+            every_site = (2 * fp.layers + 1) * 8 * (2 * fp.hidden) ** 2  # `residual: all`, as head_perm counts it
+            small = every_site <= max(2 * fp.params, 2**30)  # head-perm's rule for an unset `residual`
+            if residual not in (None, "identity") or (residual is None and small):
+                moments += every_site  # statistics of every reading site at once, whole forward passes
             peak += hidden_states + layer + moments
             assumed = "" if recipe.data.max_tokens else ", assumed: set data.max_tokens"
             how += f", one layer of each model and the hidden states of {tokens:,} tokens{assumed}"

@@ -92,6 +92,8 @@ class Alignment:
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     diagnostics: dict[str, Any] = field(default_factory=dict)  # curves a run draws (``learned``: barrier vs steps)
+    # options left unset in the recipe that the strategy settled from the models (head-perm's `residual`)
+    resolved: dict[str, Any] = field(default_factory=dict)
 
     def aligned_b(self) -> dict[str, Tensor]:
         """B's state dict in A's basis."""

@@ -276,15 +276,58 @@ def _lockstep(pair: Pair, collect: list[str], residual_mode: str, notes: list[st
     return plan
 
 
+def residual_moment_bytes(graph: SymmetryGraph, layers: int) -> int:
+    """Bytes of `residual: all`'s statistics: float64 moments of A's and B's stream, (2d)² per
+    reading site, about two sites a layer plus the final state."""
+    widths = [graph.ref_size(n) for n in _residual_names(graph)]
+    return (2 * layers + 1) * 8 * (2 * max(widths, default=0)) ** 2
+
+
+RESIDUAL_MOMENTS_FLOOR = 2**30  # statistics this small never decide: any machine holds them
+
+
+def default_residual(graph: SymmetryGraph, model: Any, streamed: bool) -> Residual:
+    """`residual` when the recipe leaves it unset: ``all``, the best choice on every benchmark model,
+    unless the models are streamed and its statistics would outweigh both 1 GiB and half of one
+    model in float32 (Qwen3-0.6B, TinyLlama, 7B models): then ``identity``, whose statistics run
+    layer by layer in a few GB."""
+    if not streamed:
+        return "all"
+    layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+    params = sum(p.numel() for p in model.parameters())  # a streamed model's skeleton has its shapes
+    limit = max(2 * params, RESIDUAL_MOMENTS_FLOOR)
+    return "all" if residual_moment_bytes(graph, layers) <= limit else "identity"
+
+
+def _settle(pair: Pair, options: HeadPermOptions, notes: list[str]) -> tuple[HeadPermOptions, dict[str, Any]]:
+    """``options`` with `residual` chosen when it was left unset, and what was chosen."""
+    if options.residual is not None or "residual" not in options.components:
+        return options, {}
+    assert pair.model_a is not None
+    streamed = is_lazy(pair.sd_a)
+    chosen = default_residual(pair.graph, pair.model_a, streamed)
+    why = (
+        "the models are in memory"
+        if not streamed
+        else "streamed, and its statistics are small beside the model"
+        if chosen == "all"
+        else "streamed, and every reading site's statistics would outweigh 1 GiB and half of one model: set `residual: all` "
+        "to trade that memory for a lower barrier"
+    )
+    notes.append(f"residual: {chosen} (unset in the recipe; {why})")
+    return options.model_copy(update={"residual": chosen}), {"residual": chosen}
+
+
 def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alignment:
     data = require_data(pair, "head-perm", "matches features by the correlation of their activations")
     assert pair.model_a is not None and pair.model_b is not None
     graph = pair.graph
     _check_applicable(graph, options, any("input_ids" in b for b in data.batches))
     notes: list[str] = []
+    options, resolved = _settle(pair, options, notes)
     with timed() as timings:
         collect = _spaces_to_collect(graph, options)
-        residual_mode = options.residual if "residual" in options.components else "identity"
+        residual_mode = options.residual if "residual" in options.components and options.residual else "identity"
         plan = _lockstep(pair, collect, residual_mode, notes)
         if plan is not None:
             transform, flat, matched, timings["features"] = _by_layer(pair, plan, collect, options, data, progress)
@@ -348,4 +391,5 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
         notes=notes,
         timings=timings,
         diagnostics=diagnostics,
+        resolved=resolved,
     )

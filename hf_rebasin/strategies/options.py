@@ -127,7 +127,12 @@ Component = Literal["ff", "attn", "residual"]
 
 class HeadPermOptions(Options):
     heads: Heads = Field("head-perm", description="how attention heads are matched")
-    residual: Residual = Field("identity", description="which residual features give the residual permutation")
+    residual: Residual | None = Field(
+        None,
+        description="which residual features give the residual permutation; unset: `all` (best on the benchmark "
+        "zoo), except on streamed models whose every-site statistics would outweigh half of one model in "
+        "float32, which take `identity` (statistics layer by layer, a few GB for a 7B model)",
+    )
     qk: Literal["shared", "separate"] = Field(
         "separate",
         description="`shared`: Q and K take their head's value/output permutation (Verma & Elbayad's main "

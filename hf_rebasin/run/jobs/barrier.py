@@ -63,7 +63,7 @@ def findings_of(
     strategy = ws.recipe.strategy
     return Findings(
         strategy=strategy.name,
-        strategy_options=strategy.options.model_dump(mode="json"),
+        strategy_options={**strategy.options.model_dump(mode="json"), **primary.resolved},
         task=ws.task,
         canonical=primary.canonical,
         untied=list(primary.untied),

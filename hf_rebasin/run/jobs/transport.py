@@ -81,7 +81,7 @@ def run(ws: Workspace) -> JobOutput:
     untied = list(alignment.untied) if saved_model else []  # an adapter stores no head
     findings = Findings(
         strategy=ws.recipe.strategy.name,
-        strategy_options=ws.recipe.strategy.options.model_dump(mode="json"),
+        strategy_options={**ws.recipe.strategy.options.model_dump(mode="json"), **alignment.resolved},
         task=ws.task,
         canonical=canonical,
         untied=untied,
