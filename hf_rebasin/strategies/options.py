@@ -226,7 +226,12 @@ class GeneralizedOrthogonalOptions(Options):
     budget: int | None = Field(
         None, ge=1, description="learned: tokens (text) or examples (images) to train on, instead of `steps`"
     )
-    lr: float = Field(3e-2, gt=0, description="learned: peak learning rate (cosine decay to 10 %)")
+    lr: float = Field(
+        1e-2,
+        gt=0,
+        description="learned: peak learning rate (cosine decay to 10 %); 0.01 beats 0.03 on the benchmark zoo's "
+        "GPT-2 (16 % of vanilla's barrier against 22 %); 0.03 suits the tiny 2-layer zoo",
+    )
     sinkhorn: bool = Field(False, description="learned: soft (Sinkhorn) permutations, projected once at the end")
     temperature: float = Field(0.05, gt=0, description="learned + sinkhorn: temperature of the soft permutations")
     sampler: str = Field("uniform(0.4, 0.6)", description="learned: λ per step, `uniform(a, b)` or `fixed(x)`")
