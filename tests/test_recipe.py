@@ -381,7 +381,9 @@ def test_json_schema_lists_strategies_and_their_options(tmp_path: Path) -> None:
     for name in REGISTRY.names:
         assert name in text
     head_perm = schema["$defs"]["HeadPermStrategy"]
-    assert head_perm["properties"]["residual"]["enum"] == ["identity", "first", "last", "all", "separate"]
+    residual = head_perm["properties"]["residual"]  # unset (null): chosen from the models' size
+    assert [c.get("enum") for c in residual["anyOf"]] == [["identity", "first", "last", "all", "separate"], None]
+    assert residual["anyOf"][1] == {"type": "null"} and residual["default"] is None
     assert schema["properties"]["job"]["enum"] == ["merge", "barrier", "transport"]
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.Draft202012Validator.check_schema(schema)
