@@ -59,7 +59,7 @@ LEARNED: list[tuple[str, str, dict[str, Any]]] = [
     ("learned, defaults", "generalized-orthogonal", {"learned": True}),
     *(
         (f"learned, lr {lr:g}, {steps} steps", "generalized-orthogonal", {"learned": True, "lr": lr, "steps": steps})
-        for lr, steps in ((0.01, 200), (0.1, 200), (0.03, 600))
+        for lr, steps in ((0.01, 200), (0.03, 200), (0.1, 200), (0.03, 600))
     ),
 ]
 
