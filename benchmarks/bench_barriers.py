@@ -145,7 +145,7 @@ HEAD_PERM_RESIDUALS: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
-def _first_tokens(batches: list[dict[str, Any]], tokens: int | None) -> list[dict[str, Any]]:
+def first_tokens(batches: list[dict[str, Any]], tokens: int | None) -> list[dict[str, Any]]:
     """The first batches holding ``tokens`` scored positions (all of them when None, or for images)."""
     if tokens is None or "attention_mask" not in batches[0]:
         return batches
@@ -173,7 +173,7 @@ def barrier_table(
     folder_a, folder_b = cached_model(kind, seeds[0]), cached_model(kind, seeds[1])  # type: ignore[arg-type]
     a, b = load_model(folder_a), load_model(folder_b)
     sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
-    evaluation = _first_tokens(held_out_batches(folder_a), tokens)
+    evaluation = first_tokens(held_out_batches(folder_a), tokens)
     task = task_of(a.model)
     data = alignment_data(kind, folder_a, batches)
     rows = []

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import torch
+from bench_barriers import first_tokens
 
 from hf_rebasin.adapters import graph_for
 from hf_rebasin.evaluate import evaluate_loss
@@ -46,21 +47,11 @@ def _model(folder: Any) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(folder)).eval()
 
 
-def _tokens(batches: list[dict[str, torch.Tensor]], tokens: int) -> list[dict[str, torch.Tensor]]:
-    out, seen = [], 0
-    for b in batches:
-        if seen >= tokens:
-            break
-        out.append(b)
-        seen += int(b["attention_mask"].sum())
-    return out
-
-
 def pair_rows(seed_a: int, seed_b: int, tokens: int, budget: float) -> list[dict[str, Any]]:
     a_folder, b_folder = cached_model("bench-gpt2", seed_a), cached_model("bench-gpt2", seed_b)
     ft_folder = cached_model("bench-gpt2-ft", seed_a)
-    task = _tokens(held_out_batches(ft_folder, 32), tokens)
-    support = _tokens(held_out_batches(b_folder, 32), tokens)
+    task = first_tokens(held_out_batches(ft_folder, 32), tokens)
+    support = first_tokens(held_out_batches(b_folder, 32), tokens)
     a, b, ft = _model(a_folder), _model(b_folder), _model(ft_folder)
 
     def losses(model: Any) -> tuple[float, float]:

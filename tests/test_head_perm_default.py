@@ -9,7 +9,8 @@ import torch
 import tiny
 from hf_rebasin.adapters import graph_for
 from hf_rebasin.strategies import AlignmentData, Pair, align, get_strategy
-from hf_rebasin.strategies.head_perm import RESIDUAL_MOMENTS_FLOOR, default_residual, residual_moment_bytes
+from hf_rebasin.strategies.head_perm import default_residual
+from hf_rebasin.strategies.options import RESIDUAL_MOMENTS_FLOOR, residual_moment_bytes
 
 
 def _data() -> AlignmentData:
@@ -75,15 +76,16 @@ def test_streamed_models_with_large_statistics_take_identity(name, config, param
     count = sum(p.numel() for p in model.parameters())
     assert abs(count - params) / params < 0.01, count  # the published sizes
     d, layers = cfg.hidden_size, cfg.num_hidden_layers
-    assert residual_moment_bytes(graph, layers) == (2 * layers + 1) * 8 * (2 * d) ** 2
+    assert residual_moment_bytes(layers, d) == (2 * layers + 1) * 8 * (2 * d) ** 2
     assert default_residual(graph, model, streamed=False) == "all"
     assert default_residual(graph, model, streamed=True) == streamed_choice
-    big = residual_moment_bytes(graph, layers) > max(2 * count, RESIDUAL_MOMENTS_FLOOR)
+    big = residual_moment_bytes(layers, d) > max(2 * count, RESIDUAL_MOMENTS_FLOOR)
     assert (streamed_choice == "identity") == big
 
 
 def test_a_tiny_streamed_model_takes_all():
     model = tiny.llama(0)
     graph = graph_for(model.config, model.state_dict().keys())
-    assert residual_moment_bytes(graph, model.config.num_hidden_layers) < RESIDUAL_MOMENTS_FLOOR
+    config = model.config
+    assert residual_moment_bytes(config.num_hidden_layers, config.hidden_size) < RESIDUAL_MOMENTS_FLOOR
     assert default_residual(graph, model, streamed=True) == "all"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..errors import RebasinUserError
 from ..recipe import Recipe
+from ..strategies.options import residual_moment_bytes, unset_residual
 
 __all__ = ["InsufficientMemoryError", "MemoryEstimate", "ModelFootprint", "available_memory", "estimate", "footprint"]
 
@@ -251,10 +252,10 @@ def estimate(
             layer = 2 * 4 * fp.params // fp.layers  # one layer of each model, in float32
             moments = 8 * (fp.width**2 + 2 * fp.hidden**2)  # one layer's cross moments (MLP units, heads)
             residual = getattr(recipe.strategy.options, "residual", None)
-            every_site = (2 * fp.layers + 1) * 8 * (2 * fp.hidden) ** 2  # `residual: all`, as head_perm counts it
-            small = every_site <= max(2 * fp.params, 2**30)  # head-perm's rule for an unset `residual`
-            if residual not in (None, "identity") or (residual is None and small):
-                moments += every_site  # statistics of every reading site at once, whole forward passes
+            if residual is None:  # unset: head-perm settles it from the same sizes
+                residual = unset_residual(fp.layers, fp.hidden, fp.params, streamed=True)
+            if residual != "identity":  # statistics of every reading site at once, whole forward passes
+                moments += residual_moment_bytes(fp.layers, fp.hidden)
             peak += hidden_states + layer + moments
             assumed = "" if recipe.data.max_tokens else ", assumed: set data.max_tokens"
             how += f", one layer of each model and the hidden states of {tokens:,} tokens{assumed}"

@@ -44,7 +44,7 @@ from .base import Alignment, AlignmentData, Pair, Progress, require_data, timed
 from .descent import solve_heads, solve_plain
 from .options import HEAD_PERM as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import Component as Component  # re-exported, as before
-from .options import HeadPermOptions, Heads
+from .options import HeadPermOptions, Heads, unset_residual
 from .options import Residual as Residual
 from .options import head_perm_exact as exact
 
@@ -276,27 +276,12 @@ def _lockstep(pair: Pair, collect: list[str], residual_mode: str, notes: list[st
     return plan
 
 
-def residual_moment_bytes(graph: SymmetryGraph, layers: int) -> int:
-    """Bytes of `residual: all`'s statistics: float64 moments of A's and B's stream, (2d)² per
-    reading site, about two sites a layer plus the final state."""
-    widths = [graph.ref_size(n) for n in _residual_names(graph)]
-    return (2 * layers + 1) * 8 * (2 * max(widths, default=0)) ** 2
-
-
-RESIDUAL_MOMENTS_FLOOR = 2**30  # statistics this small never decide: any machine holds them
-
-
 def default_residual(graph: SymmetryGraph, model: Any, streamed: bool) -> Residual:
-    """`residual` when the recipe leaves it unset: ``all``, the best choice on every benchmark model,
-    unless the models are streamed and its statistics would outweigh both 1 GiB and half of one
-    model in float32 (Qwen3-0.6B, TinyLlama, 7B models): then ``identity``, whose statistics run
-    layer by layer in a few GB."""
-    if not streamed:
-        return "all"
+    """`unset_residual` for ``model``: its layers, widest residual space and parameter count."""
     layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+    hidden = max((graph.ref_size(n) for n in _residual_names(graph)), default=0)
     params = sum(p.numel() for p in model.parameters())  # a streamed model's skeleton has its shapes
-    limit = max(2 * params, RESIDUAL_MOMENTS_FLOOR)
-    return "all" if residual_moment_bytes(graph, layers) <= limit else "identity"
+    return unset_residual(layers, hidden, params, streamed)
 
 
 def _settle(pair: Pair, options: HeadPermOptions, notes: list[str]) -> tuple[HeadPermOptions, dict[str, Any]]:
@@ -306,14 +291,15 @@ def _settle(pair: Pair, options: HeadPermOptions, notes: list[str]) -> tuple[Hea
     assert pair.model_a is not None
     streamed = is_lazy(pair.sd_a)
     chosen = default_residual(pair.graph, pair.model_a, streamed)
-    why = (
-        "the models are in memory"
-        if not streamed
-        else "streamed, and its statistics are small beside the model"
-        if chosen == "all"
-        else "streamed, and every reading site's statistics would outweigh 1 GiB and half of one model: set `residual: all` "
-        "to trade that memory for a lower barrier"
-    )
+    if not streamed:
+        why = "the models are in memory"
+    elif chosen == "all":
+        why = "streamed, and its statistics are small beside the model"
+    else:
+        why = (
+            "streamed, and every reading site's statistics would outweigh 1 GiB and half of one model: set "
+            "`residual: all` to trade that memory for a lower barrier"
+        )
     notes.append(f"residual: {chosen} (unset in the recipe; {why})")
     return options.model_copy(update={"residual": chosen}), {"residual": chosen}
 

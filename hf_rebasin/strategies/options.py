@@ -34,6 +34,8 @@ __all__ = [
     "head_perm_exact",
     "parse_sampler",
     "residual_maps_exact",
+    "residual_moment_bytes",
+    "unset_residual",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -130,8 +132,8 @@ class HeadPermOptions(Options):
     residual: Residual | None = Field(
         None,
         description="which residual features give the residual permutation; unset: `all` (best on the benchmark "
-        "zoo), except on streamed models whose every-site statistics would outweigh half of one model in "
-        "float32, which take `identity` (statistics layer by layer, a few GB for a 7B model)",
+        "zoo), except on streamed models whose every-site statistics would outweigh both 1 GiB and half of one "
+        "model in float32, which take `identity` (statistics layer by layer, a few GB for a 7B model)",
     )
     qk: Literal["shared", "separate"] = Field(
         "separate",
@@ -148,6 +150,26 @@ class HeadPermOptions(Options):
         if len(set(v)) != len(v) or not v:
             raise ValueError("list each of ff, attn, residual at most once, and at least one")
         return v
+
+
+RESIDUAL_MOMENTS_FLOOR = 2**30  # statistics this small never decide: any machine holds them
+
+
+def residual_moment_bytes(layers: int, hidden: int) -> int:
+    """Bytes of `residual: all`'s statistics: float64 moments of A's and B's stream, (2d)² per
+    reading site, about two sites a layer plus the final state."""
+    return (2 * layers + 1) * 8 * (2 * hidden) ** 2
+
+
+def unset_residual(layers: int, hidden: int, params: int, streamed: bool) -> Residual:
+    """head-perm's `residual` when the recipe leaves it unset: ``all``, the best choice on every
+    benchmark model, unless the models are streamed and its statistics would outweigh both 1 GiB
+    and half of one model in float32 (Qwen3-0.6B, TinyLlama, 7B models): then ``identity``, whose
+    statistics run layer by layer in a few GB. Torch-free: the memory estimate applies it too."""
+    if not streamed:
+        return "all"
+    limit = max(2 * params, RESIDUAL_MOMENTS_FLOOR)
+    return "all" if residual_moment_bytes(layers, hidden) <= limit else "identity"
 
 
 def head_perm_exact(options: HeadPermOptions) -> bool:
