@@ -389,10 +389,27 @@ def _value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+_MARKDOWN = re.compile(r"([\\`*_{}\[\]<>()#+!|~&])")
+
+
+def _text(text: str) -> str:
+    """``text`` as Markdown shows it, letter for letter: a folder or repo name may hold ``<img …>``,
+    ``*`` or ``[…](…)``, which a Hub page would otherwise render as HTML or a link."""
+    return _MARKDOWN.sub(r"\\\1", " ".join(text.split()))
+
+
+def _code(text: str) -> str:
+    """``text`` as an inline code span inside a table cell: fenced past any backticks it holds."""
+    text = _cell(text)
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def _short(model: ModelEntry) -> str:
-    """A model's name for titles: the Hub id, or a folder's last component."""
-    name = model.model
-    return name if model.source == "hub" else (PurePath(name).name or name)
+    """A model's name for titles, as Markdown text: the label, the Hub id, or a folder's own name."""
+    name = model.shown
+    return _text(name if model.source == "hub" or model.label else (PurePath(name).name or name))
 
 
 def _role(i: int) -> str:
@@ -403,8 +420,10 @@ def _inputs(record: RunRecord) -> list[dict[str, str]]:
     weights = record.findings.merge_weights
     rows = []
     for i, m in enumerate(record.models):
-        name = m.model
-        shown = f"[{_cell(name)}](https://huggingface.co/{name})" if m.source == "hub" else f"`{_cell(name)}`"
+        if m.source == "hub":
+            shown = f"[{_cell(_text(m.shown))}](https://huggingface.co/{m.model})"
+        else:
+            shown = _code(m.shown)
         weight = weights[i] if weights is not None and i < len(weights) else None
         rows.append(
             {

@@ -682,7 +682,9 @@ def cmd_zoo(args: argparse.Namespace, console: Console) -> int:
     with _progress_bars(Console(stderr=True, highlight=False)) as bars:  # stdout: the folders only
         folders = [
             resolve_model(
-                ModelRef(model=f"zoo:{args.kind}-seed{s}", revision=None), "zoo", progress=_stage_reporter(bars)
+                ModelRef(model=f"zoo:{args.kind}-seed{s}", revision=None, label=None),
+                "zoo",
+                progress=_stage_reporter(bars),
             )
             for s in args.seeds
         ]

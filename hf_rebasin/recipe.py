@@ -187,6 +187,12 @@ class ModelRef(_Section):
 
     model: str = Field(min_length=1, description="Hub repo id (org/name) or local folder")
     revision: str | None = Field(None, min_length=1, description="branch, tag or commit; default: main")
+    label: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="the model's name in the card and rebasin.json (default: a Hub id as is, a local folder by its own name)",
+    )
 
     @model_validator(mode="before")
     @classmethod

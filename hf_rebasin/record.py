@@ -35,11 +35,17 @@ class ModelEntry:
     license: str | None = None  # absent when the model's card declares none
     # tensors of its files that stock loading drops (legacy buffers) -> why
     ignored_tensors: dict[str, str] = field(default_factory=dict)
+    label: str | None = None  # the recipe's name for it, shown instead of ``model`` when given
 
     def to_json(self) -> dict[str, Any]:
-        """As written: ``role`` and ``license`` only when known."""
+        """As written: ``role``, ``license`` and ``label`` only when known."""
         out = dataclasses.asdict(self)
-        return {k: v for k, v in out.items() if v is not None or k not in ("role", "license")}
+        return {k: v for k, v in out.items() if v is not None or k not in ("role", "license", "label")}
+
+    @property
+    def shown(self) -> str:
+        """The name people read: the recipe's label, else the Hub id or the folder's own name."""
+        return self.label or self.model
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ModelEntry:
@@ -53,6 +59,7 @@ class ModelEntry:
             role=data.get("role"),
             license=data.get("license"),
             ignored_tensors=dict(data.get("ignored_tensors") or {}),
+            label=data.get("label"),
         )
 
 

@@ -8,9 +8,10 @@ not show the user's own folder layout.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import yaml
@@ -34,10 +35,13 @@ __all__ = [
     "model_entries",
     "recipe_dir",
     "recipe_record",
+    "shown_recipe_text",
     "write_record",
 ]
 
 _PATH_KEYS = frozenset({"model", "dir", "data_files", "data_dir", "dataset"})
+# as written, a model may be a bare string under its role
+_ECHO_PATH_KEYS = _PATH_KEYS | {"models", "base", "finetuned", "target"}
 
 
 def recipe_dir(recipe: Recipe) -> Path:
@@ -46,22 +50,60 @@ def recipe_dir(recipe: Recipe) -> Path:
 
 
 def _relative(value: Any, base: Path) -> Any:
-    """A local path as rebasin.json records it: relative to the recipe's folder."""
+    """A local path as rebasin.json and the card show it: relative to the recipe's folder when it
+    lies inside it, else by its own name (a path outside would publish the user's folder layout)."""
     if not isinstance(value, str) or not Path(value).is_absolute():
         return value
     try:
-        return Path(os.path.relpath(value, base)).as_posix()
+        inside = Path(os.path.relpath(value, base))
     except ValueError:  # another drive (Windows)
         return Path(value).name
+    return Path(value).name if ".." in inside.parts else inside.as_posix()
 
 
-def _relative_paths(data: Any, base: Path, key: str | None = None) -> Any:
-    """``data`` (a recipe dump) with every local path under a path key made relative to ``base``."""
+def _relative_paths(data: Any, base: Path, inside: bool = False) -> Any:
+    """``data`` (a recipe dump) with every local path under a path key (at any depth below it, as
+    in a ``data_files`` mapping) made relative to ``base``."""
     if isinstance(data, dict):
-        return {k: _relative_paths(v, base, k) for k, v in data.items()}
+        return {k: _relative_paths(v, base, inside or k in _PATH_KEYS) for k, v in data.items()}
     if isinstance(data, list):
-        return [_relative_paths(v, base, key) for v in data]
-    return _relative(data, base) if key in _PATH_KEYS else data
+        return [_relative_paths(v, base, inside) for v in data]
+    return _relative(data, base) if inside else data
+
+
+def _written_outside(value: str) -> bool:
+    """Whether a path as the recipe wrote it points outside the recipe's folder (absolute, ``~``,
+    a drive, or through ``..``): the echo shows such a path by its own name only."""
+    posix, windows = PurePosixPath(value), PureWindowsPath(value)
+    absolute = posix.is_absolute() or windows.is_absolute() or bool(windows.drive) or value.startswith("~")
+    return absolute or ".." in windows.parts
+
+
+def _private_spans(node: yaml.Node, inside: bool = False) -> Iterator[tuple[int, int, str]]:
+    """(start, end, shown) of every scalar under a path key whose path leaves the recipe's folder."""
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            yield from _private_spans(v, inside or (isinstance(k, yaml.ScalarNode) and k.value in _ECHO_PATH_KEYS))
+    elif isinstance(node, yaml.SequenceNode):
+        for v in node.value:
+            yield from _private_spans(v, inside)
+    elif isinstance(node, yaml.ScalarNode) and inside and _written_outside(node.value):
+        name = PureWindowsPath(node.value).name or "folder"
+        yield node.start_mark.index, node.end_mark.index, json.dumps(name)
+
+
+def shown_recipe_text(text: str) -> str:
+    """The recipe as written, comments kept, with each path that leaves the recipe's folder cut to
+    its own name: the card is published, the user's folder layout is not."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:  # it was parsed once already; be safe rather than echo it raw
+        return text
+    if root is None:
+        return text
+    for start, end, shown in sorted(_private_spans(root), reverse=True):
+        text = text[:start] + shown + text[end:]
+    return text
 
 
 def recipe_record(recipe: Recipe, output: Path) -> dict[str, Any]:
@@ -90,6 +132,7 @@ def model_entries(
             role=role,
             license=read_license(m.folder) if m.folder is not None else None,
             ignored_tensors=dict(dropped_here),
+            label=m.ref.label,
         )
         for m, role, dropped_here in zip(models.all, roles, dropped, strict=True)
     ]
@@ -117,8 +160,9 @@ def dataset_entries(recipe: Recipe) -> list[DatasetEntry]:
 def _recipe_text(recipe: Recipe) -> str:
     """The recipe as written (comments and all), or as parsed when it was built in code."""
     if recipe.text is not None:
-        return recipe.text.rstrip("\n")
-    return yaml.safe_dump(recipe.model_dump(mode="json", exclude_defaults=True), sort_keys=False).rstrip("\n")
+        return shown_recipe_text(recipe.text).rstrip("\n")
+    dumped = _relative_paths(recipe.model_dump(mode="json", exclude_defaults=True), recipe_dir(recipe))
+    return yaml.safe_dump(dumped, sort_keys=False).rstrip("\n")
 
 
 def _command(recipe: Recipe, command: str | None) -> str:
