@@ -20,9 +20,10 @@ from torch import Tensor
 
 from . import __version__
 from .adapters import get_adapter
-from .export import copy_support_files, output_folder, save_merged_model, write_json, write_text
+from .export import copy_support_files, save_merged_model
 from .hub import is_path
 from .models import WRITABLE_DTYPES, LoadedModel, dtype_name, rebuilt
+from .output import output_folder, write_json, write_text
 from .verify import check_preserved, example_inputs, logits_gap, tolerance
 
 if TYPE_CHECKING:

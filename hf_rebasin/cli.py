@@ -389,8 +389,8 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
 
     _quiet_libraries()
     from .basis import check_gaps, function_gap, write_pair
-    from .export import check_output
     from .models import check_compatible, load_model, resolve_device, to_device
+    from .output import check_output
     from .recipe import strategy_spec
     from .strategies import Pair
     from .strategies.base import relative_distance
@@ -721,7 +721,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RebasinUserError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         return EXIT_USER
-    except KeyboardInterrupt as e:  # export.OutputInterrupted says what is on disk
+    except KeyboardInterrupt as e:  # output.OutputInterrupted says what is on disk
         err.print(escape(str(e) or "interrupted"), soft_wrap=True)
         return 130
     except Exception as e:

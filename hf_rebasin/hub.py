@@ -2,7 +2,7 @@
 
 The only module that touches the network. Downloads are restricted to what hf-rebasin reads or
 carries into its output, by exact file name (`download_files`): config, card, the non-weight files
-`export.is_support_file` keeps (tokenizer, generation config, chat template, processor configs),
+`layout.is_support_file` keeps (tokenizer, generation config, chat template, processor configs),
 and the weights stock ``from_pretrained`` reads: ``model.safetensors``, else
 ``model.safetensors.index.json`` and the shards it names (else, when allowed, the same for
 ``pytorch_model.bin``); never ``consolidated*.safetensors``, other precisions (``model.fp16.safetensors``)
@@ -25,8 +25,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from .errors import ModelNotFoundError, PickleRefusedError, RebasinUserError
-from .export import is_support_file
-from .layout import PICKLE, PICKLE_INDEX, SAFETENSORS, SAFETENSORS_INDEX, index_shards
+from .layout import PICKLE, PICKLE_INDEX, SAFETENSORS, SAFETENSORS_INDEX, index_shards, is_support_file
 
 __all__ = [
     "Download",
@@ -55,7 +54,7 @@ PICKLE_PATTERNS = ("*.bin", "*.bin.index.json")
 # how a repo's other weight formats look, to name them when none of them is loadable
 _OTHER_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".index.json")
 # besides the weights: the config, the card (its licence) and every file of the model that
-# `export.is_support_file` carries into the output (tokenizer, generation config, chat template,
+# `layout.is_support_file` carries into the output (tokenizer, generation config, chat template,
 # processor configs, ...): one list for what is downloaded and what is copied
 CONFIG_FILES = ("config.json", "README.md")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

@@ -1,4 +1,5 @@
-"""Which files a checkpoint is made of, as stock ``from_pretrained`` reads them (torch-free).
+"""Which files a checkpoint is made of, as stock ``from_pretrained`` reads them, and which of a
+model folder's other files an output carries (torch-free).
 
 `model.safetensors`, else `model.safetensors.index.json` and the shards its ``weight_map`` names;
 pickles (`pytorch_model.bin` or its index) only where allowed. The Hub download (`hub`) and the
@@ -15,6 +16,69 @@ from .errors import CheckpointError
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+RECORD = "rebasin.json"  # what marks a folder as an hf-rebasin output (the only kind overwrite replaces)
+
+# The one list of what is *not* carried from model A to the output: weights in every format (the
+# output's own are written by `save_merged_model`), its config (written with the weights), its card
+# and hf-rebasin's own files (the output gets new ones), adapters, code and hidden files. Every
+# other top-level file of A (tokenizer, generation config, chat template, processor configs,
+# licence texts, ...) reaches the output byte for byte; `hub` downloads the same set.
+WEIGHT_SUFFIXES: tuple[str, ...] = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".gguf",
+    ".pkl",
+    ".pickle",
+    ".npz",
+    ".npy",
+    ".ot",
+    ".tflite",
+    ".index.json",  # model.safetensors.index.json, pytorch_model.bin.index.json
+)
+NOT_CARRIED: tuple[str, ...] = (
+    "config.json",
+    "README.md",
+    RECORD,
+    "barrier.png",
+    "barrier.md",
+    "learned.png",
+    "alignment.png",
+    "tradeoff.png",
+    "tradeoff.md",
+)
+NOT_CARRIED_PREFIXES: tuple[str, ...] = ("adapter_", ".")
+CODE_SUFFIXES: tuple[str, ...] = (".py", ".pyc", ".so", ".dll", ".dylib", ".sh")
+
+
+def is_support_file(name: str) -> bool:
+    """Whether the file ``name`` (relative to a model folder, ``/``-separated) is one of model A's
+    files that the output keeps as it is: top level, not weights, not config.json, not code."""
+    if "/" in name or "\\" in name or not name:
+        return False  # sub-folders hold other formats (onnx/, original/) or code
+    lower = name.lower()
+    return not (
+        name in NOT_CARRIED
+        or name.startswith(NOT_CARRIED_PREFIXES)
+        or lower.endswith(WEIGHT_SUFFIXES)
+        or lower.endswith(CODE_SUFFIXES)
+    )
+
+
+def support_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` that `is_support_file` keeps (symbolic links followed, as in a Hub
+    snapshot), sorted by name."""
+    folder = Path(folder)
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return []
+    return [p for p in entries if p.is_file() and is_support_file(p.name)]
 
 
 def index_shards(index: Path, where: str) -> list[str]:

@@ -41,7 +41,7 @@ def _run(ws: Workspace, argv: list[str]) -> Any:
 
 
 def test_a_kill_between_the_renames_is_recovered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_rebasin import export
+    from hf_rebasin import output
     from hf_rebasin.errors import OutputExistsError
 
     target = _previous(tmp_path / "result")
@@ -53,19 +53,19 @@ def test_a_kill_between_the_renames_is_recovered(tmp_path: Path, monkeypatch: py
         return real_rename(self, dest)
 
     monkeypatch.setattr(Path, "rename", rename)
-    with pytest.raises(SystemExit), export.output_folder(target, overwrite=True) as tmp:
+    with pytest.raises(SystemExit), output.output_folder(target, overwrite=True) as tmp:
         (tmp / "rebasin.json").write_text(json.dumps({"label": "new"}), encoding="utf-8")
     monkeypatch.setattr(Path, "rename", real_rename)
     assert not target.exists() and [p.name[:12] for p in tmp_path.iterdir()] == [".result.old-"]
 
     # the next run restores the previous result before it checks the folder, and says so
-    with pytest.raises(OutputExistsError, match="restored"), export.output_folder(target, overwrite=False):
+    with pytest.raises(OutputExistsError, match="restored"), output.output_folder(target, overwrite=False):
         pass
     assert _label(target) == "previous" and [p.name for p in tmp_path.iterdir()] == ["result"]
 
 
 def test_recover_removes_unfinished_and_stale_copies(tmp_path: Path) -> None:
-    from hf_rebasin.export import recover
+    from hf_rebasin.output import recover
 
     target = _previous(tmp_path / "out", "current")
     (tmp_path / ".out.tmp-abc12345").mkdir()
@@ -148,27 +148,27 @@ def test_sigterm_during_the_save_removes_the_temporary_folder(tmp_path: Path) ->
 def test_an_interrupt_during_the_swap_waits_for_it_and_says_the_output_is_complete(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hf_rebasin import export
+    from hf_rebasin import output
 
     target = _previous(tmp_path / "out")
-    replace = export._replace
+    replace = output._replace
 
     def interrupted_replace(tmp: Path, dest: Path, overwrite: bool) -> None:
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C between the two renames
         replace(tmp, dest, overwrite)
 
-    monkeypatch.setattr(export, "_replace", interrupted_replace)
-    with pytest.raises(export.OutputInterrupted, match="output was complete"):
-        with export.output_folder(target, overwrite=True) as tmp:
+    monkeypatch.setattr(output, "_replace", interrupted_replace)
+    with pytest.raises(output.OutputInterrupted, match="output was complete"):
+        with output.output_folder(target, overwrite=True) as tmp:
             (tmp / "rebasin.json").write_text(json.dumps({"label": "new"}), encoding="utf-8")
     assert _label(target) == "new" and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_an_interrupt_while_writing_leaves_nothing(tmp_path: Path) -> None:
-    from hf_rebasin import export
+    from hf_rebasin import output
 
-    with pytest.raises(export.OutputInterrupted, match="nothing was written"):
-        with export.output_folder(tmp_path / "out", overwrite=False) as tmp:
+    with pytest.raises(output.OutputInterrupted, match="nothing was written"):
+        with output.output_folder(tmp_path / "out", overwrite=False) as tmp:
             (tmp / "model.safetensors").write_bytes(b"half")
             raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == []

@@ -442,7 +442,7 @@ def test_merge_state_dicts_keeps_ties_dtypes_and_buffers() -> None:
 
 def test_output_folder_leaves_nothing_half_written(tmp_path: Path) -> None:
     from hf_rebasin.errors import OutputExistsError
-    from hf_rebasin.export import output_folder
+    from hf_rebasin.output import output_folder
 
     target = tmp_path / "result"
     with pytest.raises(RuntimeError), output_folder(target, overwrite=False) as tmp:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import cache
-from ..export import support_files
+from ..layout import support_files
 from ..models import LoadedModel
 from ..recipe import Recipe
 from ..record import CacheStats

@@ -20,7 +20,6 @@ from torch import Tensor
 
 from ..errors import IncompatibleModelsError, RebasinUserError, UnsupportedArchitectureError
 from ..evaluate import Task, task_of
-from ..export import check_inputs
 from ..lora import LoraAdapter, apply_adapter, is_adapter, read_adapter
 from ..models import (
     WRITABLE_DTYPES,
@@ -33,6 +32,7 @@ from ..models import (
     resolve_device,
     to_device,
 )
+from ..output import check_inputs
 from ..recipe import Recipe
 from ..record import DtypeEntry
 from ..strategies import AlignmentData

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import hub
-from ..export import claim_output, output_folder
+from ..output import claim_output, output_folder
 from ..recipe import Recipe
 from .clock import Progress
 from .jobs import JOBS
@@ -32,8 +32,8 @@ def run_recipe(
     ``output`` and ``device`` override the recipe's; ``command`` is the line the model card gives
     to reproduce the run (default ``hf-rebasin <recipe file>``). ``check_memory`` refuses a run whose
     estimated peak memory exceeds what is available, before loading (see `run.memory`). Nothing is written until everything is computed,
-    and then into a temporary folder renamed into place (see `export.output_folder`). The output is
-    held for the whole run (`export.claim_output`): a second run on it is refused at once, and the
+    and then into a temporary folder renamed into place (see `output.output_folder`). The output is
+    held for the whole run (`output.claim_output`): a second run on it is refused at once, and the
     leftovers of a killed run are cleaned up first (the result's notes say what was done).
     """
     plan = build_plan(recipe, output=output)

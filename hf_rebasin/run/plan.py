@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..export import check_output
+from ..output import check_output
 from ..recipe import ModelRef, Recipe, describe
 from .checks import (
     check_adapter,

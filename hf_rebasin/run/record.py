@@ -18,7 +18,7 @@ import yaml
 
 from ..card import read_license, render_card
 from ..evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS
-from ..export import write_json, write_text
+from ..output import write_json, write_text
 from ..recipe import Recipe
 from ..record import CacheStats, DatasetEntry, DtypeEntry, Findings, ModelEntry, RunRecord
 from .resolve import PlannedModel

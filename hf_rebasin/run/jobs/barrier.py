@@ -9,8 +9,8 @@ from torch import Tensor
 
 from ...diagnostics import feature_similarity
 from ...evaluate import Curve
-from ...export import write_text
 from ...models import LoadedModel
+from ...output import write_text
 from ...record import Findings
 from ...report import markdown_table, metric_names, plot_alignment, plot_curves, plot_learning
 from ...strategies import Alignment

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from ...export import copy_support_files, save_merged_model, write_text
+from ...export import copy_support_files, save_merged_model
 from ...lora import canonical_blocker, lora_graph, save_adapter, transport_adapter
 from ...models import LoadedModel
+from ...output import write_text
 from ...record import Findings
 from ...report import plot_tradeoff, tradeoff, tradeoff_table
 from ...strategies import Alignment, Pair, align
