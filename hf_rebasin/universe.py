@@ -233,7 +233,7 @@ def universe_merge(
             w,
             untied,
             data.batches,
-            learned_settings(opts),  # type: ignore[arg-type]  # learned: only generalized-orthogonal has it
+            learned_settings(opts, data.batches),  # type: ignore[arg-type]  # learned: only generalized-orthogonal has it
             float(opts.dirichlet),  # type: ignore[attr-defined]
             progress,
         )

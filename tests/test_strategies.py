@@ -481,3 +481,32 @@ def test_multi_model_learned_matching_with_dirichlet_weights_finds_a_common_head
     assert _max_diff(mapped[0], mapped[1]) < 1e-5 and _max_diff(mapped[0], mapped[2]) < 1e-5, notes
     assert "Dirichlet(0.1)" in history["measure"] and history["models"] == 3
     assert history["best"] < 1e-3 < history["barrier"][0]
+
+
+def _image_data(n: int = 3, seed: int = 0) -> AlignmentData:
+    g = torch.Generator().manual_seed(seed)
+    return AlignmentData(
+        [{"pixel_values": torch.randn(4, 1, 8, 8, generator=g), "labels": torch.randint(0, 5, (4,), generator=g)}] * n
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "data", "rate", "reads"), [("gpt2", _text_data, 0.01, "text"), ("vit", _image_data, 0.03, "images")]
+)
+def test_an_unset_learned_rate_is_chosen_by_what_the_model_reads(kind, data, rate, reads):
+    """Unset, learned matching runs at 0.01 on text and 0.03 on images (the benchmark zoo's GPT-2
+    and ViT each prefer theirs on every seed pair): the same maps as with that rate given, and the
+    choice is recorded and said."""
+    a, b = tiny.FACTORIES[kind](0), tiny.FACTORIES[kind](1)
+    sd_a, sd_b = a.state_dict(), b.state_dict()
+    pair = Pair(graph_for(a.config, sd_a.keys()), sd_a, sd_b, a, b, data())
+    base = {"learned": True, "steps": 4, "eval_every": 2, "patience": 0}
+    unset = align("generalized-orthogonal", pair, base)
+    given = align("generalized-orthogonal", pair, {**base, "lr": rate})
+    other = align("generalized-orthogonal", pair, {**base, "lr": 0.04 - rate})  # the other kind's rate
+    assert unset.resolved == {"lr": rate} and given.resolved == {}
+    assert f"lr: {rate:g} (unset in the recipe; the model reads {reads})" in unset.notes
+    mapped, same, moved = unset.aligned_b(), given.aligned_b(), other.aligned_b()
+    for name, tensor in mapped.items():
+        torch.testing.assert_close(tensor, same[name], atol=0, rtol=0)
+    assert any(not torch.equal(t, moved[n]) for n, t in mapped.items())  # the rate matters at all here

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import tiny
-from hf_rebasin import tensors
+from hf_rebasin import export, tensors
 from hf_rebasin.adapters import get_adapter
 from hf_rebasin.cli import main
 from hf_rebasin.errors import CheckpointError
@@ -255,7 +255,7 @@ def test_interrupted_streamed_write_leaves_no_partial_output(
     """Ctrl-C after the first shard: no output folder, no temporary folder; with ``overwrite`` the
     previous result stays as it was."""
     recipe = _recipe(tmp_path, "out", pairs["gpt2"], "vanilla", overwrite=True)
-    real = tensors.write_safetensors
+    real = export.write_safetensors  # patched where the streamed save calls it
     calls: list[Path] = []
 
     def interrupted(path: Path, *args: Any, **kwargs: Any) -> None:
@@ -264,18 +264,18 @@ def test_interrupted_streamed_write_leaves_no_partial_output(
             raise KeyboardInterrupt
         real(path, *args, **kwargs)
 
-    monkeypatch.setattr(tensors, "write_safetensors", interrupted)
+    monkeypatch.setattr(export, "write_safetensors", interrupted)
     code, err = _run(recipe, capsys, monkeypatch, stream=True)
     assert code == 130 and "nothing was written" in err, err
     assert len(calls) == 2 and calls[0].name.startswith("model-00001-of-")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml"]
 
-    monkeypatch.setattr(tensors, "write_safetensors", real)
+    monkeypatch.setattr(export, "write_safetensors", real)
     code, err = _run(recipe, capsys, monkeypatch, stream=True)
     assert code == 0, err
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     calls.clear()
-    monkeypatch.setattr(tensors, "write_safetensors", interrupted)
+    monkeypatch.setattr(export, "write_safetensors", interrupted)
     code, err = _run(recipe, capsys, monkeypatch, stream=True)
     assert code == 130 and "unchanged" in err, err
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before

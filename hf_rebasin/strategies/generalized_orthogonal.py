@@ -17,7 +17,7 @@ gives them (A's scale and sign) and the learned ones; the alignment carries that
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -33,7 +33,7 @@ from .invertible import invertible_inner
 from .learned import LearnedSettings, refine
 from .options import GENERALIZED_ORTHOGONAL as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import LEARNED_ONLY as LEARNED_ONLY  # re-exported, as before
-from .options import GeneralizedOrthogonalOptions, parse_sampler
+from .options import GeneralizedOrthogonalOptions, default_learned_lr, parse_sampler
 
 
 def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | None) -> Alignment:
@@ -120,8 +120,14 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
             scales = glu.matched_unit_scales(graph, sd_a, canonical_b, transform)
             sd_b = glu.apply_unit_scales(graph, canonical_b, scales)
         diagnostics: dict[str, Any] = {}
+        resolved: dict[str, Any] = {}
         if options.learned:
-            settings = learned_settings(options)
+            assert pair.data is not None
+            settings = learned_settings(options, pair.data.batches)
+            if options.lr is None:  # unset: chosen by what the model reads
+                resolved["lr"] = settings.lr
+                reads = "images" if _reads_images(pair.data.batches) else "text"
+                notes.append(f"lr: {settings.lr:g} (unset in the recipe; the model reads {reads})")
             learned = refine(pair, graph, sd_a, sd_b, transform, untied, settings, progress)
             transform = learned.transform
             notes += learned.notes
@@ -149,14 +155,20 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         notes=notes,
         timings=timings,
         diagnostics=diagnostics,
+        resolved=resolved,
     )
 
 
-def learned_settings(options: GeneralizedOrthogonalOptions) -> LearnedSettings:
-    """The learned-matching settings of these options (also the universe merge's refinement)."""
+def _reads_images(batches: Sequence[Mapping[str, Any]]) -> bool:
+    return any("pixel_values" in batch for batch in batches)
+
+
+def learned_settings(options: GeneralizedOrthogonalOptions, batches: Sequence[Mapping[str, Any]]) -> LearnedSettings:
+    """The learned-matching settings of these options (also the universe merge's refinement); an
+    unset rate is chosen by what the alignment ``batches`` feed the model (images or text)."""
     return LearnedSettings(
         steps=options.steps,
-        lr=options.lr,
+        lr=options.lr if options.lr is not None else default_learned_lr(_reads_images(batches)),
         sinkhorn=options.sinkhorn,
         temperature=options.temperature,
         seed=options.seed,
