@@ -1,7 +1,10 @@
-"""The ``hf-rebasin`` command, run as a user runs it: a subprocess on model folders.
+"""The ``hf-rebasin`` command on model folders.
 
 Covers the CLI contract: exit 0 when outputs are preserved, 1 on an internal error
 or outputs outside tolerance, 2 on a user error with a one-paragraph message and no traceback.
+Where the process is the point (start-up, `--help`, what a user's terminal shows, the debug
+switch read from the environment) the command runs as a subprocess, as a user runs it; the other
+cases call `cli.main` in this process (`run_main`), which saves the 4–5 s interpreter start-up each.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ def test_verify_gpt2_permutation(saved_model) -> None:
 
 def test_verify_gpt2_orthogonal(saved_model) -> None:
     folder = saved_model("gpt2")
-    proc = run_cli("verify", str(folder), "--class", "orthogonal")
+    proc = run_main("verify", str(folder), "--class", "orthogonal")
     out = flat(proc.stdout)
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "orthogonal (fixing 1)" in out  # LayerNorm residual stream
@@ -130,7 +133,7 @@ def test_verify_gpt2_orthogonal(saved_model) -> None:
 
 def test_verify_bert_orthogonal_falls_back_to_permutation(saved_model) -> None:
     folder = saved_model("bert-mlm")
-    proc = run_cli("verify", str(folder), "--class", "orthogonal")
+    proc = run_main("verify", str(folder), "--class", "orthogonal")
     out = flat(proc.stdout)
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "fall back to permutation" in out
@@ -140,7 +143,7 @@ def test_verify_bert_orthogonal_falls_back_to_permutation(saved_model) -> None:
 
 def test_verify_pickle_with_allow_pickle(tmp_path: Path, saved_model) -> None:
     folder = _pickle_only(tmp_path, saved_model)
-    proc = run_cli("verify", str(folder), "--allow-pickle")
+    proc = run_main("verify", str(folder), "--allow-pickle")
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "max |Δ| = " in proc.stdout
 
@@ -152,14 +155,14 @@ def test_verify_pickle_with_allow_pickle(tmp_path: Path, saved_model) -> None:
 
 def test_nonexistent_path(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
-    assert_user_error(run_cli("verify", str(missing)), "does not exist", "no-such-model")
+    assert_user_error(run_main("verify", str(missing)), "does not exist", "no-such-model")
 
 
 def test_folder_without_config(tmp_path: Path) -> None:
     folder = tmp_path / "empty"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"")
-    assert_user_error(run_cli("verify", str(folder)), "config.json")
+    assert_user_error(run_main("verify", str(folder)), "config.json")
 
 
 def test_checkpoint_that_does_not_match_its_config(saved_model) -> None:
@@ -168,7 +171,7 @@ def test_checkpoint_that_does_not_match_its_config(saved_model) -> None:
     cfg = json.loads(cfg_path.read_text())
     cfg["n_embd"] = 48  # the weights were saved with 32
     cfg_path.write_text(json.dumps(cfg))
-    err = assert_user_error(run_cli("verify", str(folder)), "tensor '", "config.json")
+    err = assert_user_error(run_main("verify", str(folder)), "tensor '", "config.json")
     assert "32" in err and "48" in err  # both shapes
 
 
@@ -177,7 +180,7 @@ def test_unsupported_model_type(saved_model) -> None:
     # a state-space model: no attention heads, no adapter
     cfg = T.MambaConfig(vocab_size=tiny.V, hidden_size=16, num_hidden_layers=1, state_size=4, conv_kernel=2)
     folder = saved_model(T.MambaForCausalLM(cfg))
-    err = assert_user_error(run_cli("verify", str(folder)), "'mamba'", "not supported")
+    err = assert_user_error(run_main("verify", str(folder)), "'mamba'", "not supported")
     for model_type in ("bert", "gpt2", "llama", "distilbert", "modernbert"):
         assert model_type in err
 
@@ -194,21 +197,21 @@ def _pickle_only(tmp_path: Path, saved_model) -> Path:
 
 def test_pickle_only_checkpoint_is_refused(tmp_path: Path, saved_model) -> None:
     folder = _pickle_only(tmp_path, saved_model)
-    assert_user_error(run_cli("verify", str(folder)), "pytorch_model.bin", "allow_pickle", "--allow-pickle")
+    assert_user_error(run_main("verify", str(folder)), "pytorch_model.bin", "allow_pickle", "--allow-pickle")
 
 
 def test_allowed_pickle_that_does_not_match_its_config(tmp_path: Path, saved_model) -> None:
     folder = _pickle_only(tmp_path, saved_model)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(cfg | {"n_embd": 48}))
-    assert_user_error(run_cli("verify", str(folder), "--allow-pickle"), "tensor '", "config.json")
+    assert_user_error(run_main("verify", str(folder), "--allow-pickle"), "tensor '", "config.json")
 
 
 def test_model_type_unknown_to_transformers_lists_supported(saved_model) -> None:
     folder = saved_model("gpt2")
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(cfg | {"model_type": "not-a-model"}))
-    assert_user_error(run_cli("verify", str(folder)), "'not-a-model'", "supported", "gpt2", "llama")
+    assert_user_error(run_main("verify", str(folder)), "'not-a-model'", "supported", "gpt2", "llama")
 
 
 def test_bad_class_is_a_usage_error(tmp_path: Path) -> None:
