@@ -77,6 +77,9 @@ def run(ws: Workspace) -> JobOutput:
         )
     record = _scores(ws, models, moved, naive)
     saved_alpha = _saved_alpha(ws, record)
+    adapter = _move_adapter(ws, models, alignment, graph)
+    if adapter is not None:  # part of the findings: the card reads it (library_name: peft)
+        record["adapter"] = adapter.summary
     saved_model = ws.adapter is None
     canonical = alignment.canonical and saved_model
     untied = list(alignment.untied) if saved_model else []  # an adapter stores no head
@@ -91,7 +94,7 @@ def run(ws: Workspace) -> JobOutput:
         diagnostics=dict(alignment.diagnostics),
     )
     result = job_result(ws, findings, {}, saved_model=saved_model)
-    return JobOutput(result, lambda folder: _save(ws, models, alignment, graph, moved, record, saved_alpha, folder))
+    return JobOutput(result, lambda folder: _save(ws, alignment, moved, adapter, record, saved_alpha, folder))
 
 
 def _graph(ws: Workspace, models: TransportRoles[LoadedModel]) -> SymmetryGraph:
@@ -343,20 +346,49 @@ def _saved_alpha(ws: Workspace, record: dict[str, Any]) -> float:
     return chosen.alpha
 
 
+@dataclass(frozen=True)
+class MovedAdapter:
+    """A LoRA fine-tune's factors in B's basis, and what the record says of them."""
+
+    factors: dict[str, Tensor]
+    whole: dict[str, str]  # file key → B's tensor it scales from (see lora.save_adapter)
+    target: Mapping[str, Tensor]  # B's weights
+    summary: dict[str, Any]
+
+
+def _move_adapter(
+    ws: Workspace, models: TransportRoles[LoadedModel], alignment: Alignment, graph: SymmetryGraph
+) -> MovedAdapter | None:
+    """The adapter's factors moved by π (None for a full fine-tune), before anything is written."""
+    if ws.adapter is None:
+        return None
+    sd_a, sd_b = weights(models.base), weights(models.target)
+    canonical = alignment.graph if alignment.canonical and graph is models.target.graph else None
+    if is_per_sublayer(alignment.graph):  # the adapter's factors follow their own sublayers' maps
+        graph = per_sublayer(graph)
+    factors, whole = transport_adapter(ws.adapter, graph, alignment.transform, sd_a, sd_b, canonical_graph=canonical)
+    summary = {
+        **ws.adapter.summary(),
+        "canonical": canonical is not None,  # factors took the norm scales (generalized-orthogonal)
+        "whole_biases": sorted(whole.values()),  # biases that carry a folded β's shift, stored whole
+    }
+    return MovedAdapter(factors, whole, sd_b, summary)
+
+
 def _save(
     ws: Workspace,
-    models: TransportRoles[LoadedModel],
     alignment: Alignment,
-    graph: SymmetryGraph,
     moved: Moved,
+    adapter: MovedAdapter | None,
     record: dict[str, Any],
     alpha: float,
     folder: Path,
 ) -> None:
-    """B + α·π(τ) for the saved α (or the moved adapter, whose summary joins ``record``), then B's
-    files, the alignment's plots and, with support data, the trade-off (tradeoff.png, tradeoff.md)."""
+    """B + α·π(τ) for the saved α (or the moved adapter), then B's files, the alignment's plots
+    and, with support data, the trade-off (tradeoff.png, tradeoff.md). Writes only: every finding
+    was made before."""
     recipe = ws.recipe
-    if ws.adapter is None:
+    if adapter is None:
         save_merged_model(
             moved.template,
             moved.theta(alpha),
@@ -368,28 +400,17 @@ def _save(
             progress=writing(ws.progress),
         )
     else:
-        sd_a, sd_b = weights(models.base), weights(models.target)
-        canonical = alignment.graph if alignment.canonical and graph is models.target.graph else None
-        if is_per_sublayer(alignment.graph):  # the adapter's factors follow their own sublayers' maps
-            graph = per_sublayer(graph)
-        factors, whole = transport_adapter(
-            ws.adapter, graph, alignment.transform, sd_a, sd_b, canonical_graph=canonical
-        )
+        assert ws.adapter is not None  # what `adapter` was moved from
         save_adapter(
             ws.adapter,
-            factors,
+            adapter.factors,
             folder,
             base_model=str(recipe.target),
             alpha=alpha,
-            target=sd_b,
-            whole=whole,
+            target=adapter.target,
+            whole=adapter.whole,
             dtype=ws.score.dtype,
         )
-        record["adapter"] = {
-            **ws.adapter.summary(),
-            "canonical": canonical is not None,  # factors took the norm scales (generalized-orthogonal)
-            "whole_biases": sorted(whole.values()),  # biases that carry a folded β's shift, stored whole
-        }
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained: B's files as they were
     save_diagnostics(folder, alignment.diagnostics)
     save_tradeoff(ws, record, alpha, folder)
