@@ -61,6 +61,13 @@ def _label(ws: Workspace, reference: LoadedModel, other: LoadedModel) -> str:
     return f"{found.get(other.path, 'B')} to {found.get(reference.path, 'A')}"
 
 
+def options_as_run(ws: Workspace, alignment: Alignment) -> dict[str, Any]:
+    """The strategy's options as the run used them, for the record: the recipe's, with what the
+    strategy settled itself where the recipe left a choice open (head-perm's `residual`, learned
+    matching's `lr`)."""
+    return {**ws.recipe.strategy.options.model_dump(mode="json"), **alignment.resolved}
+
+
 def align_pair(ws: Workspace, models: MergeRoles[LoadedModel], i: int, name: str, options: Any) -> Alignment:
     """The ``i``-th other model aligned to the reference A with strategy ``name`` (cached)."""
     a, other = models.reference, models.others[i]

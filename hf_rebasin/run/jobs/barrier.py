@@ -17,7 +17,7 @@ from ...strategies import Alignment
 from ..load import Workspace
 from ..result import JobOutput
 from ..roles import MergeRoles
-from ..stages import align_others, check_inputs, curves, job_result, preservation
+from ..stages import align_others, check_inputs, curves, job_result, options_as_run, preservation
 
 __all__ = ["alignment_diagnostics", "findings_of", "run", "save_curves", "save_diagnostics", "title"]
 
@@ -60,10 +60,9 @@ def findings_of(
     universe: dict[str, Any] | None = None,
 ) -> Findings:
     """The record's findings of a barrier, or with the merged scores and weights, of a merge."""
-    strategy = ws.recipe.strategy
     return Findings(
-        strategy=strategy.name,
-        strategy_options={**strategy.options.model_dump(mode="json"), **primary.resolved},
+        strategy=ws.recipe.strategy.name,
+        strategy_options=options_as_run(ws, primary),
         task=ws.task,
         canonical=primary.canonical,
         untied=list(primary.untied),

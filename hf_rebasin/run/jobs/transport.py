@@ -30,7 +30,7 @@ from ..data import BatchSpec, batches
 from ..load import Workspace, weights
 from ..result import JobOutput
 from ..roles import TransportRoles
-from ..stages import check_inputs, job_result, preservation, timed_align, writing
+from ..stages import check_inputs, job_result, options_as_run, preservation, timed_align, writing
 from .barrier import save_diagnostics
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def run(ws: Workspace) -> JobOutput:
     untied = list(alignment.untied) if saved_model else []  # an adapter stores no head
     findings = Findings(
         strategy=ws.recipe.strategy.name,
-        strategy_options={**ws.recipe.strategy.options.model_dump(mode="json"), **alignment.resolved},
+        strategy_options=options_as_run(ws, alignment),
         task=ws.task,
         canonical=canonical,
         untied=untied,
