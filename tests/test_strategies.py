@@ -500,7 +500,7 @@ def test_an_unset_learned_rate_is_chosen_by_what_the_model_reads(kind, data, rat
     a, b = tiny.FACTORIES[kind](0), tiny.FACTORIES[kind](1)
     sd_a, sd_b = a.state_dict(), b.state_dict()
     pair = Pair(graph_for(a.config, sd_a.keys()), sd_a, sd_b, a, b, data())
-    base = {"learned": True, "steps": 4, "eval_every": 2, "patience": 0}
+    base = {"learned": True, "steps": 4, "eval_every": 2, "patience": 0, "iterations": 1}
     unset = align("generalized-orthogonal", pair, base)
     given = align("generalized-orthogonal", pair, {**base, "lr": rate})
     other = align("generalized-orthogonal", pair, {**base, "lr": 0.04 - rate})  # the other kind's rate
