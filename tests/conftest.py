@@ -8,16 +8,24 @@ intra-op thread costs more than it brings, and the suite runs one process per co
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# `datasets` reads its cache folder once, at import: runs of the CLI in this process (`run_main`)
+# cache what they read here, never in the user's ~/.cache
+_DATASETS_CACHE = tempfile.mkdtemp(prefix="hf-rebasin-tests-datasets-")
+os.environ.setdefault("HF_DATASETS_CACHE", _DATASETS_CACHE)
+atexit.register(shutil.rmtree, _DATASETS_CACHE, True)
 
-import pytest
-import torch
+import pytest  # noqa: E402 (after the environment torch and datasets read at import)
+import torch  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:

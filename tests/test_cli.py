@@ -56,14 +56,24 @@ def run_cli(*args: str, code: str | None = None, env: dict[str, str] | None = No
     return finish(start_cli(*args, code=code, env=env))
 
 
-def run_main(*args: str) -> subprocess.CompletedProcess[str]:
+def run_main(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The CLI run in this process: no interpreter start-up (4–5 s for torch and transformers), for
-    error paths that need no signals, environment or isolation."""
+    runs that need no signals or isolation. ``env`` is set for the call only, so it reaches what is
+    read at call time (caches, the debug switch), not what a library read when it was imported."""
     from hf_rebasin.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 

@@ -3,6 +3,9 @@
 Every task gets a merge or barrier run on tiny random models with their own tokenizer or image
 processor; the output folder is checked file by file (model, card, plot, tables, rebasin.json), and broken
 recipes must exit 2 naming the field, without a traceback and without creating the output.
+The CLI runs in this process (`test_cli.run_main`): what it prints and the folder it writes are the
+point here; the process itself (start-up, signals, the terminal) is tested in test_cli.py,
+test_output_safety.py and test_examples.py.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import yaml
 
 import tiny
 from hf_rebasin.data import char_tokenizer, shakespeare_text
-from test_cli import assert_user_error, flat, run_cli
+from test_cli import assert_user_error, flat, run_main
 
 RUN_KEYS = {"recipe", "models", "strategy", "barrier", "curves", "function_preserved", "timings"}
 TIMING_KEYS = {"load", "align", "check", "evaluate", "save"}  # check: the function-preservation check
@@ -115,7 +118,7 @@ def test_causal_lm_canonical_merge_at_weight_one_is_model_a(tmp_path: Path, text
             "output": {"dir": "out/merged"},
         },
     )
-    proc = run_cli(str(recipe), env=env)
+    proc = run_main(str(recipe), env=env)
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out" / "merged"
     names = {p.name for p in out.iterdir()}
@@ -190,7 +193,7 @@ def test_image_classification_merge_of_three_models(tmp_path: Path, env) -> None
             "output": {"dir": "vit-merged"},
         },
     )
-    proc = run_cli("run", str(recipe), "--device", "cpu", env=env)
+    proc = run_main("run", str(recipe), "--device", "cpu", env=env)
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "vit-merged"
     assert {"model.safetensors", "config.json", "preprocessor_config.json", "barrier.png", "barrier.md"} <= {
@@ -232,7 +235,7 @@ def test_masked_lm_barrier_with_alignment_data(tmp_path: Path, text: str, env) -
         },
     )
     output = tmp_path / "elsewhere"
-    proc = run_cli(str(recipe), "--output", str(output), env=env)
+    proc = run_main(str(recipe), "--output", str(output), env=env)
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "bert-barrier").exists()  # --output overrides output.dir
     names = {p.name for p in output.iterdir()}
@@ -277,7 +280,7 @@ def test_sequence_classification_barrier_from_csv(tmp_path: Path, text: str, env
             "output": {"dir": "cls-barrier"},
         },
     )
-    proc = run_cli(str(recipe), env=env)
+    proc = run_main(str(recipe), env=env)
     assert proc.returncode == 0, proc.stderr
     data = _rebasin_json(tmp_path / "cls-barrier")
     _check_curves(data, ["transfusion", "vanilla"], 3)
@@ -306,7 +309,7 @@ def _merge_body(**changes: Any) -> dict[str, Any]:
 def test_dry_run_loads_no_weights_and_writes_nothing(tmp_path: Path, env, gpt2_pair) -> None:
     (tmp_path / "gpt2-b" / "model.safetensors").write_bytes(b"not weights")  # loading would fail
     recipe = _recipe(tmp_path, _merge_body(evaluate=None))
-    proc = run_cli(str(recipe), "--dry-run", env=env)
+    proc = run_main(str(recipe), "--dry-run", env=env)
     assert proc.returncode == 0, proc.stderr
     out = flat(proc.stdout)
     assert "job: merge" in out and "strategy: weight-matching" in out and "no weights were loaded" in out
@@ -314,7 +317,7 @@ def test_dry_run_loads_no_weights_and_writes_nothing(tmp_path: Path, env, gpt2_p
 
 
 def _broken(tmp_path: Path, body: dict[str, Any], capsys: Any, *needles: str, dry_run: bool = False) -> str:
-    """Run a broken recipe through the CLI's entry point (in process: the subprocess case is below)."""
+    """Run a broken recipe through the CLI's entry point."""
     from hf_rebasin.cli import main
 
     recipe = _recipe(tmp_path, body, name="broken.yaml")
@@ -356,7 +359,7 @@ def test_existing_output_folder_is_refused_and_kept(tmp_path: Path, env, gpt2_pa
     out.mkdir()
     (out / "keep.txt").write_text("earlier result")
     recipe = _recipe(tmp_path, _merge_body())
-    proc = run_cli(str(recipe), env=env)
+    proc = run_main(str(recipe), env=env)
     assert_user_error(proc, "already exists", "overwrite")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
@@ -370,7 +373,7 @@ def test_overwrite_replaces_the_folder(tmp_path: Path, capsys: Any, gpt2_pair) -
     (out / "stale.txt").write_text("earlier result")
     (out / "rebasin.json").write_text("{}")  # an earlier hf-rebasin output: the only kind overwrite replaces
     recipe = _recipe(tmp_path, _merge_body(output={"dir": "out", "overwrite": True}))
-    assert main([str(recipe)]) == 0, capsys.readouterr().err  # in process: the subprocess runs are above
+    assert main([str(recipe)]) == 0, capsys.readouterr().err
     names = {p.name for p in out.iterdir()}
     assert "stale.txt" not in names and {"model.safetensors", "rebasin.json", "tokenizer.json"} <= names
     data = _rebasin_json(out)
@@ -503,7 +506,7 @@ def test_learned_matching_writes_its_curve_and_the_card_shows_it(tmp_path: Path,
             "output": {"dir": "learned"},
         },
     )
-    proc = run_cli(str(recipe), env=env)
+    proc = run_main(str(recipe), env=env)
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "learned"
     assert (out / "learned.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -186,14 +186,14 @@ def test_transfusion_in_a_transport_defaults_to_per_sublayer_maps(tmp_path):
     import transformers as T
     import yaml
 
-    from test_cli import run_cli
+    from test_cli import run_main
 
     model, ft = permuted_transport_folders(tmp_path)
     recipe = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}
     recipe |= {"strategy": "transfusion", "output": {"dir": "out"}}
     path = tmp_path / "transport.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
-    proc = run_cli(str(path))
+    proc = run_main(str(path))
     assert proc.returncode == 0, proc.stderr
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
     assert record["strategy"] == "transfusion" and record["strategy_options"]["residual_maps"] == "per-sublayer"

@@ -126,7 +126,7 @@ def test_a_transport_recipe_without_strategy_rotates_one_residual_stream(tmp_pat
     import transformers as T
     import yaml
 
-    from test_cli import run_cli
+    from test_cli import run_main
 
     model = tiny.gpt2(0)
     base = model.state_dict()
@@ -140,7 +140,7 @@ def test_a_transport_recipe_without_strategy_rotates_one_residual_stream(tmp_pat
     recipe = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target", "output": {"dir": "out"}}
     path = tmp_path / "transport.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
-    proc = run_cli(str(path))
+    proc = run_main(str(path))
     assert proc.returncode == 0, proc.stderr
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
     assert record["strategy"] == "generalized-orthogonal"
@@ -160,7 +160,7 @@ def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
     import yaml
 
     from hf_rebasin.data import char_tokenizer, shakespeare_text
-    from test_cli import assert_user_error, flat, run_cli
+    from test_cli import assert_user_error, flat, run_main
 
     text = shakespeare_text(["hamlet"])[:3000].lower()
     tok = char_tokenizer(text)
@@ -184,7 +184,7 @@ def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
     path = tmp_path / "transport.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     env = {"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds")}
-    proc = run_cli(str(path), env=env)
+    proc = run_main(str(path), env=env)
     assert proc.returncode == 0, proc.stderr
     assert "transported B + 1·π(τ)" in flat(proc.stdout) and "naive B + 0.5·τ" in flat(proc.stdout)
     record = json.loads((tmp_path / "moved" / "rebasin.json").read_text(encoding="utf-8"))
@@ -214,7 +214,7 @@ def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
     for key in ("target", "finetuned"):
         bad = dict(recipe, **{key: "./other"}, output={"dir": "bad"})
         path.write_text(yaml.safe_dump(bad, sort_keys=False), encoding="utf-8")
-        assert_user_error(run_cli(str(path), env=env), "shape")
+        assert_user_error(run_main(str(path), env=env), "shape")
         assert not (tmp_path / "bad").exists()
 
 
@@ -268,7 +268,7 @@ def test_transport_recipe_carries_a_new_head_and_refuses_another_architecture(tm
     import transformers as T
     import yaml
 
-    from test_cli import assert_user_error, run_cli
+    from test_cli import assert_user_error, run_main
 
     model = tiny.gpt2(0)
     base = model.state_dict()
@@ -287,7 +287,7 @@ def test_transport_recipe_carries_a_new_head_and_refuses_another_architecture(tm
         path.write_text(yaml.safe_dump(body), encoding="utf-8")
         return str(path)
 
-    proc = run_cli(recipe("ft"))
+    proc = run_main(recipe("ft"))
     assert proc.returncode == 0, proc.stderr
     out = T.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out-ft")).eval()
     assert type(out).__name__ == "GPT2ForSequenceClassification"
@@ -297,4 +297,4 @@ def test_transport_recipe_carries_a_new_head_and_refuses_another_architecture(tm
     record = json.loads((tmp_path / "out-ft" / "rebasin.json").read_text(encoding="utf-8"))
     assert record["transport"]["carried"] == ["score.weight"]
     assert any("score.weight" in n for n in record["notes"])
-    assert_user_error(run_cli(recipe("llama")), "finetuned.model", "architecture of the base")
+    assert_user_error(run_main(recipe("llama")), "finetuned.model", "architecture of the base")

@@ -39,7 +39,7 @@ from hf_rebasin.recipe import (
 from hf_rebasin.run import plan
 from hf_rebasin.universe import UniverseResult, universe_merge
 from hf_rebasin.verify import example_inputs
-from test_cli import flat, run_cli
+from test_cli import flat, run_main
 from test_strategies import _text_data
 
 TOL = 1e-4  # max |Δ logits| of a function-preserving map, float32
@@ -392,7 +392,7 @@ def test_cli_runs_a_three_model_universe_merge(tmp_path: Path) -> None:
     assert any(line.startswith("  universe: from the reference merge") for line in lines)
     assert not (tmp_path / "merged").exists()
 
-    proc = run_cli(str(recipe), env=env)
+    proc = run_main(str(recipe), env=env)
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "merged"
     record = json.loads((out / "rebasin.json").read_text(encoding="utf-8"))
