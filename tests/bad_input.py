@@ -10,14 +10,12 @@ stays a row, so that it cannot come back.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,20 +180,6 @@ class Case:
     max_file_bytes: int | None = None  # a full disk: writes past this size fail (RLIMIT_FSIZE); implies a subprocess
 
 
-@contextlib.contextmanager
-def _environ(values: Mapping[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def offline_env(ws: Workspace) -> dict[str, str]:
     """No network, caches inside the case's folder."""
     return {
@@ -236,17 +220,15 @@ def run_case(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
             preexec_fn=(lambda: _limit_file_size(case.max_file_bytes)) if case.max_file_bytes else None,
         )
         return Outcome(proc.returncode, proc.stdout, proc.stderr)
-    from hf_rebasin.cli import main
+    from test_cli import run_main
 
-    out, err = io.StringIO(), io.StringIO()
     cwd = Path.cwd()
     os.chdir(ws.root)
     try:
-        with _environ(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
+        done = run_main(*argv, env=env)
     finally:
         os.chdir(cwd)
-    return Outcome(code, out.getvalue(), err.getvalue())
+    return Outcome(done.returncode, done.stdout, done.stderr)
 
 
 def assert_outcome(case: Case, result: Outcome) -> None:
