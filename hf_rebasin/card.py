@@ -570,17 +570,23 @@ def _load(record: RunRecord) -> dict[str, str]:
     }
 
 
+def leaves_folder(path: str) -> bool:
+    """Whether ``path`` as written points outside the folder it is relative to (absolute, ``~``, a
+    drive, or through ``..``): published text shows such a path by its own name only, since the
+    whole of it would publish the user's own folder layout."""
+    posix, windows = PurePath(path), PureWindowsPath(path)
+    absolute = posix.is_absolute() or windows.is_absolute() or bool(windows.drive) or path.startswith("~")
+    return absolute or ".." in windows.parts
+
+
 def _shown_dir(value: Any) -> str:
     """The output folder as the card may show it: a relative path inside the recipe's folder as
-    given; an absolute path or one reaching outside (``../``) only by its name, which would
-    otherwise publish the user's own folder layout."""
+    given; an absolute path or one reaching outside (``../``) only by its name."""
     if not value:
         return "path/to/this/folder"
     text = str(value)
-    posix, windows = PurePath(text), PureWindowsPath(text)
-    outside = posix.is_absolute() or windows.is_absolute() or bool(windows.drive) or text.startswith("~")
-    if outside or ".." in windows.parts:
-        return windows.name or "path/to/this/folder"
+    if leaves_folder(text):
+        return PureWindowsPath(text).name or "path/to/this/folder"
     return text
 
 

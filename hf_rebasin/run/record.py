@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 import yaml
 
-from ..card import read_license, render_card
+from ..card import leaves_folder, read_license, render_card
 from ..evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS
 from ..output import write_json, write_text
 from ..recipe import Recipe
@@ -71,14 +71,6 @@ def _relative_paths(data: Any, base: Path, inside: bool = False) -> Any:
     return _relative(data, base) if inside else data
 
 
-def _written_outside(value: str) -> bool:
-    """Whether a path as the recipe wrote it points outside the recipe's folder (absolute, ``~``,
-    a drive, or through ``..``): the echo shows such a path by its own name only."""
-    posix, windows = PurePosixPath(value), PureWindowsPath(value)
-    absolute = posix.is_absolute() or windows.is_absolute() or bool(windows.drive) or value.startswith("~")
-    return absolute or ".." in windows.parts
-
-
 def _private_spans(node: yaml.Node, inside: bool = False) -> Iterator[tuple[int, int, str]]:
     """(start, end, shown) of every scalar under a path key whose path leaves the recipe's folder."""
     if isinstance(node, yaml.MappingNode):
@@ -87,7 +79,7 @@ def _private_spans(node: yaml.Node, inside: bool = False) -> Iterator[tuple[int,
     elif isinstance(node, yaml.SequenceNode):
         for v in node.value:
             yield from _private_spans(v, inside)
-    elif isinstance(node, yaml.ScalarNode) and inside and _written_outside(node.value):
+    elif isinstance(node, yaml.ScalarNode) and inside and leaves_folder(node.value):
         name = PureWindowsPath(node.value).name or "folder"
         yield node.start_mark.index, node.end_mark.index, json.dumps(name)
 
