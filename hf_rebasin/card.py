@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePath, PureWindowsPath
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .jobs import JOBS, CardPart
 from .record import DatasetEntry, Findings, ModelEntry, RunRecord
 from .resources import resource
 
@@ -37,8 +38,14 @@ AUTO_CLASSES = {
     "image-classification": "AutoModelForImageClassification",
 }
 
-# Jobs whose output folder holds a model (the others write a report only).
-_MODEL_JOBS = ("merge", "transport")
+# the part of a job this version does not know (a record written by a newer one): a report
+_UNKNOWN_JOB = CardPart(
+    title=lambda names: "Re-basin run: " + ", ".join(names),
+    intro="This folder was written by a job of hf-rebasin (`{{ job }}`) that this version does not know.",
+    why="",
+    preserved="Aligning a model only re-expresses its weights in another basis; its outputs should not change.",
+    pair="a model and its aligned form",
+)
 
 # Hugging Face user access tokens; a recipe has no field for one, but a card must never carry one.
 _TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
@@ -71,11 +78,12 @@ def card_metadata(record: RunRecord | Mapping[str, Any]) -> ModelCardData:
         hub_models = [m.model for m in record.models[:1] if m.source == "hub"]
     if hub_models:
         fields["base_model"] = hub_models
-        if job == "merge":
-            fields["base_model_relation"] = "merge"
+        relation = _part(job).relation
+        if relation is not None:
+            fields["base_model_relation"] = relation
         elif adapter:
             fields["base_model_relation"] = "adapter"
-    if job in _MODEL_JOBS:
+    if _writes_model(job):
         fields["library_name"] = "peft" if adapter else "transformers"
         pipeline_tag = PIPELINE_TAGS.get(found.task)
         if pipeline_tag:
@@ -124,10 +132,11 @@ def _context(record: RunRecord, recipe_text: str, command: str) -> dict[str, Any
     curves = _curves(found.curves, strategy)
     recipe = _redact(recipe_text.rstrip("\n"))
     cmd = _redact(command.strip())
-    return {
+    part, model = _part(job), _writes_model(job)
+    context = {
         "job": job,
-        "makes_model": job in _MODEL_JOBS,
-        "title": _title(job, inputs),
+        "makes_model": model,
+        "title": part.title([r["short"] for r in inputs] or ["?"]),
         "inputs": inputs,
         "show_weights": found.merge_weights is not None,
         "strategy_name": strategy,
@@ -149,18 +158,40 @@ def _context(record: RunRecord, recipe_text: str, command: str) -> dict[str, Any
         "tradeoff_missing": bool(transport.get("loss")) and not transport.get("support"),
         "adapter": _adapter(found),
         "moved": _moved(transport),
-        "function_preserved": _function_preserved(found.function_preserved, job),
+        "function_preserved": _function_preserved(found.function_preserved, part.pair),
         "notes": list(record.notes),
-        "canonical": found.canonical and job in _MODEL_JOBS,
-        "untied": list(found.untied) if job in _MODEL_JOBS else [],
+        "canonical": found.canonical and model,
+        "canonical_form": found.canonical,  # of the models a job writes in subfolders
+        "untied": list(found.untied) if model else [],
         "command": cmd,
         "command_fence": _fence(cmd),
         "recipe_text": recipe,
         "recipe_fence": _fence(recipe),
         "version": record.hf_rebasin_version or "unknown",
-        "load": _load(record) if job in _MODEL_JOBS else None,
-        "dtype": _dtype(record, job),
+        "load": _load(record) if model else None,
+        "dtype": _dtype(record, model),
+        "job_preserved": part.preserved,
     }
+    context["job_intro"] = _render(part.intro, context)
+    context["job_why"] = _render(part.why, context)
+    return context
+
+
+def _part(job: str) -> CardPart:
+    """The job's part of the card (`jobs.Job.card`)."""
+    return JOBS[job].card if job in JOBS else _UNKNOWN_JOB
+
+
+def _writes_model(job: str) -> bool:
+    """Whether the job's folder holds a model (the others write a report only)."""
+    return job in JOBS and JOBS[job].writes_model
+
+
+def _render(text: str, context: Mapping[str, Any]) -> str:
+    """A job's Jinja text of the card, with the card's context."""
+    import jinja2
+
+    return jinja2.Template(text).render(**context)
 
 
 _DTYPE_SOURCES = {
@@ -171,12 +202,12 @@ _DTYPE_SOURCES = {
 }
 
 
-def _dtype(record: RunRecord, job: str) -> str | None:
+def _dtype(record: RunRecord, model: bool) -> str | None:
     """One sentence on the dtype of the written weights, and that the scores are of those weights
     (rounded to it) while every computation ran in float32; None for old records and reports."""
     entry, found = record.dtype, record.findings
     out = entry.output
-    if job not in _MODEL_JOBS or not out:
+    if not model or not out:
         return None
     what = "The adapter's tensors are" if _adapter(found) is not None else "The weights are"
     why = _DTYPE_SOURCES.get(str(entry.source), "the reference model's dtype")
@@ -442,17 +473,6 @@ def _inputs(record: RunRecord) -> list[dict[str, str]]:
 _TRANSPORT_ROLES = {"target": "target B (new base)", "base": "base A", "finetuned": "fine-tune A + τ"}
 
 
-def _title(job: str, inputs: Sequence[Mapping[str, str]]) -> str:
-    names = [r["short"] for r in inputs] or ["?"]
-    if job == "transport" and len(names) == 3:
-        return f"Transported: {names[2]} moved onto {names[0]}"
-    if job == "barrier":
-        return f"Loss barrier: {' vs '.join(names[:2])}"
-    if job == "merge":
-        return f"Re-basin merge: {' + '.join(names)}"
-    return f"Re-basin {job}: {', '.join(names)}"
-
-
 def _paper(name: str) -> str:
     """The strategy's paper from the registry; a record from a newer version may name an unknown one."""
     from .errors import StrategyOptionError
@@ -539,8 +559,7 @@ def _barrier_reading(
     return f"`{strategy}` {verb} the linear barrier from {base:.3f} to {ours:.3f} nats{change}."
 
 
-def _function_preserved(entry: Mapping[str, Any] | None, job: str) -> str:
-    pair = "A and A in B's basis" if job == "transport" else "B and aligned B"
+def _function_preserved(entry: Mapping[str, Any] | None, pair: str) -> str:
     if not entry:
         return "Function preservation was not recorded for this run."
     diff = entry.get("max_abs_diff")

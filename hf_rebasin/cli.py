@@ -547,10 +547,9 @@ def print_run_summary(console: Console, result: RunResult) -> None:
             f"({escape(result.pushed.url)})",
             soft_wrap=True,
         )
-    what = {"merge": "merged model and report", "transport": "transported model and report"}.get(result.job, "report")
-    if result.job == "transport" and not result.saved_model:
-        what = "transported LoRA adapter (for the target) and report"
-    console.print(f"{what} written to {escape(str(result.output))} ({escape(', '.join(result.files))})", soft_wrap=True)
+    console.print(
+        f"{result.written} written to {escape(str(result.output))} ({escape(', '.join(result.files))})", soft_wrap=True
+    )
 
 
 def _print_transport(console: Console, moved: dict[str, Any]) -> None:

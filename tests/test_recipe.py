@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_rebasin.errors import RebasinUserError
+from hf_rebasin.jobs.describe import describe
 from hf_rebasin.recipe import (
     Recipe,
     RecipeError,
-    describe,
     load_recipe,
     loads_recipe,
     parse_recipe,
@@ -318,7 +318,7 @@ output: {dir: o}
 def test_transport_recipe_defaults_to_generalized_orthogonal_and_lists_its_models(tmp_path: Path) -> None:
     recipe = load_recipe(write(tmp_path, TRANSPORT))
     assert recipe.strategy.name == "generalized-orthogonal" and recipe.strategy.residual_maps == "global"
-    assert recipe.alphas == [1.0, 0.5] and recipe.models is None
+    assert recipe.alphas == [1.0, 0.5] and "models" not in type(recipe).model_fields
     assert [(where, str(ref)) for where, ref in recipe.refs] == [
         ("target.model", "org/b@main"),
         ("base.model", "org/a"),
@@ -342,7 +342,7 @@ def test_transport_recipe_errors_name_the_field(tmp_path: Path) -> None:
     err = problems(MERGE + "alpha: 1.0\ntarget: org/b\n", tmp_path)
     assert sorted(paths(err)) == ["alpha", "target"] and "belongs to job: transport" in str(err)
     err = problems(MERGE.replace("job: merge", "job: distill"), tmp_path)
-    assert paths(err) == ["job"] and "'merge', 'barrier', 'transport'" in str(err)
+    assert paths(err) == ["job"] and "'align', 'barrier', 'merge', 'transport'" in str(err)
 
 
 def test_wrong_version(tmp_path: Path) -> None:
@@ -380,11 +380,18 @@ def test_json_schema_lists_strategies_and_their_options(tmp_path: Path) -> None:
     text = yaml.safe_dump(schema)
     for name in REGISTRY.names:
         assert name in text
+    assert schema["required"] == ["job"] and [v["$ref"] for v in schema["oneOf"]] == [
+        "#/$defs/AlignRecipe",
+        "#/$defs/BarrierRecipe",
+        "#/$defs/MergeRecipe",
+        "#/$defs/TransportRecipe",
+    ]
     head_perm = schema["$defs"]["HeadPermStrategy"]
     residual = head_perm["properties"]["residual"]  # unset (null): chosen from the models' size
     assert [c.get("enum") for c in residual["anyOf"]] == [["identity", "first", "last", "all", "separate"], None]
     assert residual["anyOf"][1] == {"type": "null"} and residual["default"] is None
-    assert schema["properties"]["job"]["enum"] == ["merge", "barrier", "transport"]
+    assert schema["$defs"]["TransportRecipe"]["properties"]["job"]["const"] == "transport"
+    assert "models" not in schema["$defs"]["TransportRecipe"]["properties"]
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.Draft202012Validator.check_schema(schema)
     validator = jsonschema.Draft202012Validator(schema)
@@ -395,6 +402,8 @@ def test_json_schema_lists_strategies_and_their_options(tmp_path: Path) -> None:
     assert not validator.is_valid(bad)
     bad["strategy"] = {"name": "weight-matching", "residual": "first"}  # residual is head-perm's option
     assert not validator.is_valid(bad)
+    assert not validator.is_valid({**yaml.safe_load(TRANSPORT), "models": ["org/a", "org/b"]})  # not a transport's key
+    assert not validator.is_valid({**yaml.safe_load(MERGE), "job": "distill"})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import yaml
 import tiny
 from hf_rebasin.errors import OutputExistsError
 from hf_rebasin.recipe import loads_recipe
+from hf_rebasin.roles import MergeRoles
 from hf_rebasin.run import build_plan, plan
-from hf_rebasin.run.roles import MergeRoles
 
 
 @pytest.fixture

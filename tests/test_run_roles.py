@@ -1,10 +1,10 @@
-"""Named roles (hf_rebasin.run.roles): a transport's target, base and fine-tune are fields, in the
+"""Named roles (hf_rebasin.roles): a transport's target, base and fine-tune are fields, in the
 order of `Recipe.refs`; a merge's reference A comes before B, C, …"""
 
 from __future__ import annotations
 
 from hf_rebasin.recipe import loads_recipe
-from hf_rebasin.run.roles import MergeRoles, TransportRoles, letter, recipe_roles
+from hf_rebasin.roles import MergeRoles, TransportRoles, letter
 
 TRANSPORT = """
 job: transport
@@ -26,7 +26,7 @@ output: {dir: out}
 
 def test_a_transport_names_its_models_by_role() -> None:
     recipe = loads_recipe(TRANSPORT)
-    roles = recipe_roles(recipe)
+    roles = recipe.roles()
     assert isinstance(roles, TransportRoles)
     assert roles.target == ("target.model", recipe.target)
     assert roles.base == ("base.model", recipe.base)
@@ -38,7 +38,7 @@ def test_a_transport_names_its_models_by_role() -> None:
 
 def test_a_merge_has_a_reference_and_others_lettered_from_a() -> None:
     recipe = loads_recipe(MERGE)
-    roles = recipe_roles(recipe)
+    roles = recipe.roles()
     assert isinstance(roles, MergeRoles)
     assert roles.reference[0] == "models.0.model"
     assert [where for where, _ in roles.others] == ["models.1.model", "models.2.model"]

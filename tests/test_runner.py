@@ -389,7 +389,9 @@ def test_schema_prints_the_recipe_json_schema(capsys: Any) -> None:
 
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
-    assert schema["title"].startswith("hf-rebasin recipe") and "strategy" in schema["properties"]
+    assert (
+        schema["title"].startswith("hf-rebasin recipe") and "strategy" in schema["$defs"]["MergeRecipe"]["properties"]
+    )
 
 
 def test_recipe_shorthand_only_takes_recipe_paths() -> None:

@@ -25,12 +25,12 @@ from hf_rebasin.adapters import get_adapter, graph_for
 from hf_rebasin.canonical import canonicalize, is_canonical
 from hf_rebasin.errors import MissingDataError, StrategyOptionError
 from hf_rebasin.evaluate import evaluate_loss
+from hf_rebasin.jobs.describe import describe
 from hf_rebasin.merge import merge_state_dicts
 from hf_rebasin.models import load_model, rebuild
 from hf_rebasin.recipe import (
     RecipeError,
     Universe,
-    describe,
     load_recipe,
     loads_recipe,
     parse_recipe,

@@ -15,11 +15,11 @@ from ..errors import DataError, IncompatibleModelsError, UnsupportedArchitecture
 from ..evaldata import check_files
 from ..evaluate import task_of_class
 from ..lora import adapter_config, is_adapter
-from ..recipe import DataSpec, ModelRef, Recipe
+from ..recipe import DataSpec, FineTuneRef, ModelRef, Recipe
 from ..remote_code import refuse_remote_code
+from ..roles import Roles, TransportRoles
 from ..vocab import load_tokenizer, tokenizer_difference
 from .resolve import PlannedModel
-from .roles import Roles, TransportRoles
 
 __all__ = [
     "check_adapter",
@@ -112,8 +112,13 @@ def check_adapter(recipe: Recipe, models: TransportRoles[PlannedModel]) -> list[
     Returns notes for the run (a mismatch allowed by ``check_base: false``).
     """
     folder = models.finetune.folder
-    ft = recipe.finetuned
-    if folder is None or ft is None or not is_adapter(folder) or (folder / "config.json").is_file():
+    ft = models.finetune.ref
+    if (
+        folder is None
+        or not isinstance(ft, FineTuneRef)
+        or not is_adapter(folder)
+        or (folder / "config.json").is_file()
+    ):
         return []
     config = adapter_config(folder, "finetuned.model")
     named = config.get("base_model_name_or_path")

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..errors import IncompatibleModelsError, RebasinUserError, UnsupportedArchitectureError
 from ..evaluate import Task, task_of
+from ..jobs import get_job
 from ..lora import LoraAdapter, apply_adapter, is_adapter, read_adapter
 from ..models import (
     WRITABLE_DTYPES,
@@ -35,6 +36,7 @@ from ..models import (
 from ..output import check_inputs
 from ..recipe import Recipe
 from ..record import DtypeEntry
+from ..roles import MergeRoles, Roles, TransportRoles
 from ..strategies import AlignmentData
 from ..transport import check_shared
 from .alignment_cache import RunCache
@@ -43,7 +45,6 @@ from .clock import Progress, StageClock, noop
 from .data import BatchSpec, batches, metrics, processor
 from .plan import Plan, memory_estimate, streamed
 from .resolve import PlannedModel, resolve_model, untrained_zoo
-from .roles import MergeRoles, Roles, TransportRoles
 from .score import Scorer
 
 __all__ = ["LOAD_STAGE", "AlignInput", "Workspace", "load_workspace", "weights"]
@@ -300,7 +301,7 @@ def output_dtype(
     inputs = {role: dtype_name(lm.stored_dtype) for role, lm in zip(names, models.all, strict=True)}
     entry = DtypeEntry(inputs)
     own: dict[str, torch.dtype] = {}
-    if recipe.job == "barrier":  # no weights written
+    if not get_job(recipe.job).writes_model:
         return torch.float32, entry, own
     if recipe.output.dtype is not None:
         chosen, source = getattr(torch, recipe.output.dtype), "output.dtype"

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import hub
+from ..jobs import get_job
 from ..output import claim_output, output_folder
 from ..recipe import Recipe
 from .clock import Progress
-from .jobs import JOBS
 from .load import Workspace, load_workspace
 from .plan import Plan, build_plan
 from .record import RunRecord, dataset_entries, model_entries, recipe_record, write_record
@@ -41,7 +41,7 @@ def run_recipe(
         plan.memory.check()
     with claim_output(plan.output, overwrite=recipe.output.overwrite, where=plan.output_field) as recovered:
         ws = load_workspace(plan, device_name=device, progress=progress, check_memory=check_memory)
-        done = JOBS[recipe.job](ws)
+        done = get_job(recipe.job).run(ws)
         result = done.result
         result.files = write_folder(ws, done, command)
         result.pushed, result.push_error = push(plan, ws.progress)

@@ -14,8 +14,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from ..jobs import get_job
+from ..jobs.describe import describe
 from ..output import check_output
-from ..recipe import ModelRef, Recipe, describe
+from ..recipe import ModelRef, Recipe
+from ..roles import Roles, TransportRoles
 from .checks import (
     check_adapter,
     check_data_files,
@@ -28,7 +31,6 @@ from .checks import (
 )
 from .memory import MemoryEstimate, estimate
 from .resolve import PlannedModel, resolve_model
-from .roles import Roles, TransportRoles, recipe_roles
 
 __all__ = ["Plan", "build_plan", "download_line", "memory_estimate", "plan", "streamed", "streams"]
 
@@ -56,16 +58,12 @@ class Plan:
 
     def lines(self) -> list[str]:
         """What ``--dry-run`` prints: the recipe described, resolved commits, and that the checks passed."""
-        lines = describe(self.recipe)
+        lines = describe(self.recipe, self.output if self.output_given else None)
         for m in self.all:
             if m.resolved.commit is not None:
                 lines.append(f"resolved: {m.ref} -> commit {m.resolved.commit}{CACHED if m.resolved.cached else ''}")
         lines.append("downloads:")
         lines.extend(f"  {name}: {download_line(m)}" for name, m in zip(self.models.names, self.all, strict=True))
-        if self.output_given:
-            lines = [
-                f"output: {self.output} (from --output)" if line.startswith("output: ") else line for line in lines
-            ]
         if self.memory is not None:
             lines.extend(self.memory.lines())
         lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
@@ -90,16 +88,11 @@ def download_line(m: PlannedModel) -> str:
 
 def streams(recipe: Recipe) -> bool:
     """Whether the run reads its models tensor by tensor from their files and writes the result
-    the same way (memory: a few tensors or one layer, not the models): a merge or a transport with
-    nothing that needs whole models in memory (no ``evaluate``, ``merge.universe`` or learned
-    matching). head-perm's statistics then run layer by layer. A transport streams only a full
-    fine-tune of its base's class (`streamed` checks the files)."""
-    return (
-        recipe.job in ("merge", "transport")
-        and recipe.evaluate is None
-        and recipe.merge.universe is None
-        and not getattr(recipe.strategy.options, "learned", False)
-    )
+    the same way (memory: a few tensors or one layer, not the models), as the job's rule says
+    (`jobs.Job.streams`: a merge or a transport with nothing that needs whole models in memory).
+    head-perm's statistics then run layer by layer. A transport streams only a full fine-tune of
+    its base's class (`streamed` checks the files)."""
+    return get_job(recipe.job).streams(recipe)
 
 
 def streamed(recipe: Recipe, models: Roles[PlannedModel]) -> bool:
@@ -141,7 +134,7 @@ def build_plan(recipe: Recipe, *, output: Path | None = None) -> Plan:
     """Resolve and check ``recipe`` without loading a weight (typed errors name the recipe field)."""
     target = output_path(recipe, output)
     field = "--output" if output is not None else "`output.dir`"
-    models = recipe_roles(recipe).map(partial(_planned, recipe))
+    models = recipe.roles().map(partial(_planned, recipe))
     remote = frozenset(
         i for i, m in enumerate(models.all) if m.folder is not None and (m.folder / "config.json").is_file()
     )

@@ -21,8 +21,8 @@ from ..evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS
 from ..output import write_json, write_text
 from ..recipe import Recipe
 from ..record import CacheStats, DatasetEntry, DtypeEntry, Findings, ModelEntry, RunRecord
+from ..roles import Roles, TransportRoles
 from .resolve import PlannedModel
-from .roles import Roles, TransportRoles
 
 __all__ = [
     "CacheStats",

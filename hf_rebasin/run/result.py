@@ -23,6 +23,7 @@ class RunResult:
     job: str
     saved_model: bool
     findings: Findings
+    written: str  # what the folder holds, in words ("merged model and report")
     curves: dict[str, Curve] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)

@@ -14,6 +14,7 @@ from ..adapters import get_adapter
 from ..evaluate import Curve, Metric, Task, barrier, lambdas, loss_curve
 from ..models import LoadedModel, rebuilt, running
 from ..record import Findings
+from ..roles import MergeRoles, letter
 from ..strategies import Alignment, Pair, align, get_strategy
 from ..sublayers import is_per_sublayer
 from ..verify import check_preserved, example_inputs, logits_gap, tolerance
@@ -21,7 +22,6 @@ from .alignment_cache import CacheUse
 from .clock import Progress
 from .load import Workspace, weights
 from .result import RunResult
-from .roles import MergeRoles, letter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -221,6 +221,9 @@ def curves(
     return found, barriers
 
 
-def job_result(ws: Workspace, findings: Findings, found: dict[str, Curve], *, saved_model: bool) -> RunResult:
-    """The run's result around a job's findings (the pipeline adds the files and the push)."""
-    return RunResult(ws.output, ws.recipe.job, saved_model, findings, found, ws.timings, ws.notes)
+def job_result(
+    ws: Workspace, findings: Findings, found: dict[str, Curve], *, saved_model: bool, written: str
+) -> RunResult:
+    """The run's result around a job's findings (the pipeline adds the files and the push);
+    ``written`` says what the folder holds ("merged model and report")."""
+    return RunResult(ws.output, ws.recipe.job, saved_model, findings, written, found, ws.timings, ws.notes)

@@ -12,9 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar, Union
 
-from ..recipe import ModelRef, Recipe
-
-__all__ = ["TRANSPORT_ROLES", "MergeRoles", "Roles", "TransportRoles", "letter", "recipe_roles"]
+__all__ = ["TRANSPORT_ROLES", "MergeRoles", "Roles", "TransportRoles", "letter"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -44,6 +42,11 @@ class MergeRoles(Generic[T]):
         """The models' letters: A, B, C, …"""
         return tuple(letter(i) for i in range(len(self.all)))
 
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """How the dry-run plan names each model: ``A (reference)``, B, C, …"""
+        return ("A (reference)", *self.names[1:])
+
     def map(self, f: Callable[[T], U]) -> MergeRoles[U]:
         """The same roles holding ``f`` of each value (references → resolved → loaded models)."""
         return MergeRoles(f(self.reference), tuple(f(x) for x in self.others))
@@ -72,19 +75,14 @@ class TransportRoles(Generic[T]):
         """The model every other is compared with: the target."""
         return self.target
 
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """How the dry-run plan names each model, in the order of ``all``."""
+        return ("target B (reference)", "base A", "fine-tune A + τ")
+
     def map(self, f: Callable[[T], U]) -> TransportRoles[U]:
         """The same roles holding ``f`` of each value, called in the recipe's order."""
         return TransportRoles(f(self.target), f(self.base), f(self.finetune))
 
 
 Roles = Union[MergeRoles[T], TransportRoles[T]]  # noqa: UP007  (a generic alias: `|` cannot be subscripted on 3.10)
-
-
-def recipe_roles(recipe: Recipe) -> Roles[tuple[str, ModelRef]]:
-    """``(recipe field, reference)`` of every model, by role (the field names the model in errors)."""
-    if recipe.job == "transport":
-        target, base, finetune = recipe.target, recipe.base, recipe.finetuned
-        assert target is not None and base is not None and finetune is not None  # the recipe checked
-        return TransportRoles(("target.model", target), ("base.model", base), ("finetuned.model", finetune))
-    models = [(f"models.{i}.model", m) for i, m in enumerate(recipe.models or [])]
-    return MergeRoles(models[0], tuple(models[1:]))

@@ -11,15 +11,23 @@ from torch import Tensor
 from ...export import copy_support_files, save_merged_model
 from ...merge import merge_state_dicts
 from ...models import LoadedModel
+from ...roles import MergeRoles
+from ...run.load import Workspace, weights
+from ...run.result import JobOutput
+from ...run.stages import align_others, check_inputs, curves, job_result, preservation, writing
 from ...strategies import Alignment
 from ...universe import universe_merge
-from ..load import Workspace, weights
-from ..result import JobOutput
-from ..roles import MergeRoles
-from ..stages import align_others, check_inputs, curves, job_result, preservation, writing
-from .barrier import aligned_preservation, findings_of, save_curves
+from ..barrier.run import aligned_preservation, findings_of, save_curves
+from . import MergeRecipe
 
 __all__ = ["run"]
+
+
+def own(ws: Workspace) -> MergeRecipe:
+    """The run's recipe, as this job's own model."""
+    recipe = ws.recipe
+    assert isinstance(recipe, MergeRecipe)  # the pipeline runs a job on its own recipes
+    return recipe
 
 
 def run(ws: Workspace) -> JobOutput:
@@ -31,9 +39,9 @@ def run(ws: Workspace) -> JobOutput:
     aligned = [al.aligned_b() for al in alignments]
     preserved = aligned_preservation(ws, models, alignments, aligned)
     found, barriers = curves(ws, models, primary, aligned[0])
-    mix = ws.recipe.merge.weights(len(models.all))
+    mix = own(ws).merge.weights(len(models.all))
     universe: dict[str, Any] | None = None
-    if ws.recipe.merge.universe is not None:
+    if own(ws).merge.universe is not None:
         merged, universe, preserved = _universe(ws, models, alignments, mix, preserved, bool(primary.untied))
     else:
         merged = merge_state_dicts([primary.sd_a, *aligned], mix)
@@ -47,7 +55,7 @@ def run(ws: Workspace) -> JobOutput:
         _save_model(ws, models.reference, merged, bool(primary.untied), folder)
         save_curves(ws, folder, found, barriers, findings.diagnostics)
 
-    return JobOutput(job_result(ws, findings, found, saved_model=True), save)
+    return JobOutput(job_result(ws, findings, found, saved_model=True, written="merged model and report"), save)
 
 
 def _scores(
@@ -87,7 +95,8 @@ def _universe(
     """``merge.universe``: the universe merge, its ``rebasin.json`` entry (with the score of the
     reference merge it started from, every model aligned to A) and the preservation check widened
     to every model's map into the merge's basis (model A's included)."""
-    recipe, settings = ws.recipe, ws.recipe.merge.universe
+    recipe = own(ws)
+    settings = recipe.merge.universe
     assert settings is not None  # the caller checked
     with ws.clock.stage("align"):
         result = universe_merge(

@@ -13,11 +13,11 @@ from ...models import LoadedModel
 from ...output import write_text
 from ...record import Findings
 from ...report import markdown_table, metric_names, plot_alignment, plot_curves, plot_learning
+from ...roles import MergeRoles
+from ...run.load import Workspace
+from ...run.result import JobOutput
+from ...run.stages import align_others, check_inputs, curves, job_result, options_as_run, preservation
 from ...strategies import Alignment
-from ..load import Workspace
-from ..result import JobOutput
-from ..roles import MergeRoles
-from ..stages import align_others, check_inputs, curves, job_result, options_as_run, preservation
 
 __all__ = ["alignment_diagnostics", "findings_of", "run", "save_curves", "save_diagnostics", "title"]
 
@@ -31,7 +31,7 @@ def run(ws: Workspace) -> JobOutput:
     preserved = aligned_preservation(ws, models, alignments, aligned)
     found, barriers = curves(ws, models, alignments[0], aligned[0])
     findings = findings_of(ws, alignments[0], preserved, found, barriers)
-    result = job_result(ws, findings, found, saved_model=False)
+    result = job_result(ws, findings, found, saved_model=False, written="report")
     return JobOutput(result, lambda folder: save_curves(ws, folder, found, barriers, findings.diagnostics))
 
 

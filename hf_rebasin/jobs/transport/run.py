@@ -22,21 +22,29 @@ from ...models import LoadedModel
 from ...output import write_text
 from ...record import Findings
 from ...report import plot_tradeoff, tradeoff, tradeoff_table
+from ...roles import TransportRoles
+from ...run.data import BatchSpec, batches
+from ...run.load import Workspace, weights
+from ...run.result import JobOutput
+from ...run.stages import check_inputs, job_result, options_as_run, preservation, timed_align, writing
 from ...strategies import Alignment, Pair, align
 from ...sublayers import is_per_sublayer, per_sublayer
 from ...symmetry import SymmetryGraph
 from ...transport import add_task_vector, move_finetune
-from ..data import BatchSpec, batches
-from ..load import Workspace, weights
-from ..result import JobOutput
-from ..roles import TransportRoles
-from ..stages import check_inputs, job_result, options_as_run, preservation, timed_align, writing
-from .barrier import save_diagnostics
+from ..barrier.run import save_diagnostics
+from . import TransportRecipe
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = ["Choice", "choose_alpha", "run"]
+
+
+def own(ws: Workspace) -> TransportRecipe:
+    """The run's recipe, as this job's own model."""
+    recipe = ws.recipe
+    assert isinstance(recipe, TransportRecipe)  # the pipeline runs a job on its own recipes
+    return recipe
 
 
 @dataclass
@@ -93,7 +101,8 @@ def run(ws: Workspace) -> JobOutput:
         transport=record,
         diagnostics=dict(alignment.diagnostics),
     )
-    result = job_result(ws, findings, {}, saved_model=saved_model)
+    written = "transported model and report" if saved_model else "transported LoRA adapter (for the target) and report"
+    result = job_result(ws, findings, {}, saved_model=saved_model, written=written)
     return JobOutput(result, lambda folder: _save(ws, alignment, moved, adapter, record, saved_alpha, folder))
 
 
@@ -177,7 +186,7 @@ def _naive(ws: Workspace, models: TransportRoles[LoadedModel]) -> Moved | None:
 
 def _scores(ws: Workspace, models: TransportRoles[LoadedModel], moved: Moved, naive: Moved | None) -> dict[str, Any]:
     """``rebasin.json``'s ``transport``: the α, and the scores on the task (and support) data."""
-    record: dict[str, Any] = {"alphas": ws.recipe.alphas}
+    record: dict[str, Any] = {"alphas": own(ws).alphas}
     ev = ws.recipe.evaluate
     if ev is not None and ws.eval_batches is not None:
         with ws.clock.stage("evaluate"):
@@ -222,10 +231,10 @@ def _scores_on(
     put("target", scored(moved, 0.0) if moved.carried else ws.score.model(models.target.model, data, ws.task), False)
     put("base", _base_score(ws, models, moved, data), False)
     put("finetuned", finetuned, False)
-    for alpha in ws.recipe.alphas:
+    for alpha in own(ws).alphas:
         put("transported", scored(moved, alpha), True)
     if naive is not None:
-        for alpha in ws.recipe.alphas:
+        for alpha in own(ws).alphas:
             put("naive", scored(naive, alpha), True)
     return out
 
@@ -331,8 +340,8 @@ def choose_alpha(
 def _saved_alpha(ws: Workspace, record: dict[str, Any]) -> float:
     """The α written: the first of the recipe's, or with ``alpha: auto`` the one `choose_alpha` picks
     from the transported trade-off (recorded as ``record["chosen"]``; a fallback is noted too)."""
-    auto = ws.recipe.auto_alpha
-    alphas = ws.recipe.alphas
+    auto = own(ws).auto_alpha
+    alphas = own(ws).alphas
     points = record.get("tradeoff") or {}
     if auto is None:
         return alphas[0]
@@ -387,7 +396,7 @@ def _save(
     """B + α·π(τ) for the saved α (or the moved adapter), then B's files, the alignment's plots
     and, with support data, the trade-off (tradeoff.png, tradeoff.md). Writes only: every finding
     was made before."""
-    recipe = ws.recipe
+    recipe = own(ws)
     if adapter is None:
         save_merged_model(
             moved.template,
@@ -425,7 +434,7 @@ def save_tradeoff(ws: Workspace, record: Mapping[str, Any], alpha: float, folder
     inputs = ws.inputs
     assert isinstance(inputs, TransportRoles)
     ft, b = (Path(m.ref.model).name or m.ref.model for m in (inputs.finetune, inputs.target))
-    auto = ws.recipe.auto_alpha
+    auto = own(ws).auto_alpha
     title = f"{ft} moved onto {b}: task gain against support cost"
     budget = auto.support_budget if auto is not None else None
     plot_tradeoff(points, folder / "tradeoff.png", title=title, saved=alpha, budget=budget)

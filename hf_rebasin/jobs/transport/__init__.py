@@ -1,0 +1,202 @@
+"""job: transport — move a fine-tune's task vector τ = A_ft − A from its old base A onto a new base
+release B: align A to B, then B + α·π(τ) (or, for a LoRA fine-tune, its adapter with the factors
+moved)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ...recipe.sections import (
+    AlignedRecipe,
+    AutoAlpha,
+    FineTuneRef,
+    ModelRef,
+    _alpha_schema,
+    _auto_alpha,
+    _number,
+)
+from ...roles import TransportRoles
+from .. import CardPart, Job
+from ..describe import data_line, describe_auto
+
+__all__ = ["DEFAULT_TRANSPORT_STRATEGY", "JOB", "TransportRecipe"]
+
+# data-free, and on the benchmark zoo's domain fine-tune (benchmarks/README.md) it moves about
+# twice as much of the task vector as any permutation strategy: a rotated residual stream (one map)
+DEFAULT_TRANSPORT_STRATEGY = "generalized-orthogonal"
+
+_WHAT = {
+    "base": "the base the fine-tune was trained from (A)",
+    "finetuned": "the fine-tune of the base (A + τ)",
+    "target": "the new base release (B) to move the task vector to",
+}
+
+
+class TransportRecipe(AlignedRecipe):
+    """A recipe with ``job: transport``."""
+
+    job: Literal["transport"] = Field(
+        "transport", description="move a fine-tune's task vector from its old base onto a new base release"
+    )
+    base: ModelRef = Field(None, validate_default=True, description="the base the fine-tune was trained from (A)")
+    finetuned: FineTuneRef = Field(
+        None,
+        validate_default=True,
+        description="the fine-tune of `base` (A + τ): a full model (its head may differ) or a PEFT LoRA adapter",
+    )
+    target: ModelRef = Field(
+        None, validate_default=True, description="the new base release (B) the task vector moves to"
+    )
+    alpha: float | list[float] | AutoAlpha = Field(
+        1.0,
+        validate_default=True,
+        description="scale α of the task vector (default 1); a list is swept and reported, the first "
+        "saved; `auto` (or {auto: [α, ...], support_budget: nats}) sweeps and saves the α whose task gain is worth "
+        "its support cost (needs `evaluate.support`)",
+        json_schema_extra=_alpha_schema,
+    )
+
+    misplaced: ClassVar[Mapping[str, str]] = {
+        "models": "job: transport names `base`, `finetuned` and `target` instead of `models`",
+        "merge": "job: transport scales the task vector with `alpha`, not `merge.weight`: remove `merge`",
+    }
+    default_strategy: ClassVar[str | None] = DEFAULT_TRANSPORT_STRATEGY
+    residual_maps: ClassVar[str] = "per-sublayer"
+    scores_support: ClassVar[bool] = True
+
+    @field_validator("base", "finetuned", "target", mode="before")
+    @classmethod
+    def _given(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            raise PydanticCustomError(
+                "recipe",
+                "job: transport needs `{field}`: {what}",
+                {"field": info.field_name, "what": _WHAT[str(info.field_name)]},
+            )
+        return value
+
+    @field_validator("alpha", mode="before")
+    @classmethod
+    def _alpha(cls, value: Any) -> Any:
+        if value is None:
+            return 1.0
+        if value == "auto" or isinstance(value, (Mapping, AutoAlpha)):
+            return value if isinstance(value, AutoAlpha) else _auto_alpha(value)
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(_number(v) and abs(v) < 1e6 for v in values):
+            raise PydanticCustomError(
+                "weight",
+                "must be a number (the scale of the task vector, e.g. 1.0), a list of them, or `auto` "
+                "(sweep and save the α whose task gain is worth its support cost)",
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _what_alpha_and_compare_need(self) -> TransportRecipe:
+        ev = self.evaluate
+        if isinstance(self.alpha, AutoAlpha) and (ev is None or ev.support is None):
+            raise PydanticCustomError(
+                "recipe",
+                "`alpha: auto` weighs each α's gain on the task against what it costs B on its support data, so "
+                "it needs `evaluate.data` (the fine-tune's task) and `evaluate.support` (what B should keep, e.g. "
+                "its pretraining text): add {missing}, or give `alpha` as a number or a list",
+                {
+                    "missing": "an `evaluate:` section with both" if ev is None else "`evaluate.support`",
+                    "at": "alpha" if ev is None else "evaluate.support",
+                },
+            )
+        if ev is not None and set(ev.compare) - {"vanilla"}:
+            raise PydanticCustomError(
+                "recipe",
+                "job: transport compares with the naive B + α·τ (`vanilla`) only: `compare: [vanilla]` or `[]`",
+                {"at": "evaluate"},
+            )
+        return self
+
+    def roles(self) -> TransportRoles[tuple[str, ModelRef]]:
+        """The target B (the reference: the old base is aligned to it), the base A, the fine-tune."""
+        return TransportRoles(
+            ("target.model", self.target), ("base.model", self.base), ("finetuned.model", self.finetuned)
+        )
+
+    @property
+    def alphas(self) -> list[float]:
+        """The task-vector scales (the first is the one saved, unless `auto` picks one): the list
+        given, or `auto`'s grid."""
+        if isinstance(self.alpha, AutoAlpha):
+            return [float(a) for a in self.alpha.auto]
+        return [float(a) for a in (self.alpha if isinstance(self.alpha, list) else [self.alpha])]
+
+    @property
+    def auto_alpha(self) -> AutoAlpha | None:
+        """`alpha: auto`'s grid and budget; None when the recipe gives α itself."""
+        return self.alpha if isinstance(self.alpha, AutoAlpha) else None
+
+
+def _describe(recipe: TransportRecipe) -> list[str]:
+    alphas = ", ".join(f"{a:g}" for a in recipe.alphas)
+    auto = recipe.auto_alpha
+    if auto is None:
+        out = [f"transport: θ = B + α·π(A_ft − A), α = {alphas} (the first is saved); π aligns A to B"]
+    else:
+        out = [
+            f"transport: θ = B + α·π(A_ft − A), α chosen automatically from {alphas}; π aligns A to B",
+            f"  saved: {describe_auto(auto.support_budget)}",
+        ]
+    ev = recipe.evaluate
+    if ev is None:
+        return [*out, "evaluate: no"]
+    out += [f"evaluate: {ev.task}, batch size {ev.batch_size}, seed {ev.seed}", f"  data: {data_line(ev.data)}"]
+    if ev.support is not None:
+        out.append(f"  support: {data_line(ev.support)}")
+    naive = ", naive B + α·τ" if "vanilla" in ev.compare else ""
+    out.append(f"  scored: target B, old base A, fine-tune A + τ, transported B + α·π(τ){naive}")
+    if ev.support is not None:
+        out.append("  trade-off: task gain over B against support cost over B, per α (tradeoff.png)")
+    return out
+
+
+def _streams(recipe: TransportRecipe) -> bool:
+    """Tensor by tensor without an evaluation or learned matching (and, checked on the files, for
+    a full fine-tune of its base's class: `run.plan.streamed`)."""
+    return recipe.evaluate is None and not getattr(recipe.strategy.options, "learned", False)
+
+
+def _title(names: Sequence[str]) -> str:
+    if len(names) == 3:
+        return f"Transported: {names[2]} moved onto {names[0]}"
+    return f"Re-basin transport: {', '.join(names)}"
+
+
+JOB = Job(
+    name="transport",
+    summary="move a fine-tune's task vector onto a new base release: a model folder (or a LoRA adapter)",
+    recipe=TransportRecipe,
+    writes_model=True,
+    streams=_streams,
+    describe=_describe,
+    card=CardPart(
+        title=_title,
+        intro="""{% if adapter -%}
+This is a PEFT LoRA adapter for the target base B. It is the adapter of a fine-tune of an older
+base A with its factors moved into B's basis: for each adapted weight, B_lora ↦ T_out·B_lora and
+A_lora ↦ A_lora·T_inᵀ, where the maps T, found by the `{{ strategy_name }}` strategy of
+hf-rebasin, take A onto B across their symmetries. The rank stays {{ adapter.rank }}; the update is
+carried to the new release without its data and without retraining.
+{%- else -%}
+This model is the target base B plus the task vector of a fine-tune of an older base A, moved
+into B's basis: θ = B + α·π(A_ft − A), where π, found by the `{{ strategy_name }}` strategy of
+hf-rebasin, maps A onto B across their symmetries. The fine-tune's update is carried to the new
+release without its data and without retraining.
+{%- endif %}""",
+        why="""Two releases of a base trained separately compute the same kind of function in different bases
+(hidden units or attention heads in another order, a rotated residual stream), so a task vector
+learned on one means something else on the other; aligning the bases first carries it over.""",
+        preserved="Aligning the old base A only re-expresses its weights in B's basis; its outputs should not change.",
+        pair="A and A in B's basis",
+    ),
+)

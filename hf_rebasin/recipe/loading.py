@@ -1,0 +1,226 @@
+"""Reading a recipe: YAML text → the job's recipe model, with every problem at once.
+
+`parse_recipe` reads ``job`` first and validates the rest with that job's own model
+(``hf_rebasin.jobs``); keys that belong to another job are problems of their own. Loading imports no
+torch (tests/test_imports.py keeps it so).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from ..strategies import REGISTRY
+from .problems import Lines, Problem, RecipeError, problem_of
+from .sections import MAX_YAML_VALUES, MAX_ZOO_SEED, AlignedRecipe, StrategySection, StrategySpec
+
+__all__ = ["load_recipe", "loads_recipe", "parse_recipe", "recipe_json_schema", "strategy_spec"]
+
+
+def parse_recipe(data: Mapping[str, Any], source: str, base_dir: Path, *, lines: Lines | None = None) -> AlignedRecipe:
+    """Validate an in-memory recipe with its job's model; relative paths resolve against ``base_dir``.
+
+    ``lines`` maps dotted paths (as tuples of keys) to YAML line numbers, for error messages.
+    """
+    from ..jobs import JOBS  # the jobs' recipe models build on this package's sections
+
+    lines = lines or {}
+    if not isinstance(data, Mapping):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise RecipeError(
+            source, [Problem("", None, f"a recipe is a mapping of keys (job:, models:, ...); this one is {kind}")]
+        )
+    job = data.get("job")
+    if not isinstance(job, str) or job not in JOBS:
+        raise RecipeError(source, [_job_problem(job, lines)])
+    model = JOBS[str(job)].recipe
+    problems = [Problem(key, lines.get((key,)), why) for key, why in model.misplaced.items() if key in data]
+    given = {k: v for k, v in data.items() if k not in model.misplaced}
+    try:
+        recipe = model.model_validate(given, context={"base_dir": Path(base_dir)})
+    except ValidationError as e:
+        problems += [problem_of(err, lines, model) for err in e.errors(include_url=False)]
+    if problems:
+        raise RecipeError(source, problems)
+    recipe._source = source
+    return recipe
+
+
+def _job_problem(job: Any, lines: Lines) -> Problem:
+    """A recipe without ``job``, or with one no job module declares."""
+    from ..jobs import JOBS
+
+    allowed = ", ".join(f"'{name}'" for name in JOBS)
+    if job is None:
+        return Problem("job", None, f"is required but missing (what to do: one of {allowed})")
+    message = f"must be one of {allowed}; given {job!r}"
+    close = difflib.get_close_matches(str(job), list(JOBS), n=1)
+    if close:
+        message += f" (did you mean `{close[0]}`?)"
+    return Problem("job", lines.get(("job",)), message)
+
+
+def strategy_spec(name: str, options: Mapping[str, Any], given: Mapping[str, str] | None = None) -> StrategySpec:
+    """A strategy and its options from the command line (``--strategy``, ``--set``), checked as a
+    recipe's ``strategy:`` section is: a wrong name or option gets the same message (allowed
+    values, "did you mean"), naming the option as it was typed (``given``: key -> ``--set`` item)."""
+    from pydantic import TypeAdapter
+
+    from ..errors import StrategyOptionError
+
+    try:
+        return TypeAdapter(StrategySection).validate_python({**options, "name": name})
+    except ValidationError as e:
+        problems = []
+        for err in e.errors(include_url=False):
+            problem = problem_of({**err, "loc": ("strategy", *err["loc"])}, {}, AlignedRecipe)
+            parts = problem.path.split(".")
+            key = parts[1] if len(parts) > 1 else "name"
+            label = "--strategy" if key == "name" else f"--set {(given or {}).get(key, key)}"
+            problems.append(str(Problem(label, None, problem.message)))
+        raise StrategyOptionError("; ".join(problems)) from None
+
+
+def _line_map(node: yaml.Node, path: tuple[str, ...], lines: dict[tuple[str, ...], int], source: str) -> None:
+    """Record the line of every mapping key and sequence item; refuse duplicate keys."""
+    if len(path) > 32:
+        return
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            name, line = str(key.value), key.start_mark.line + 1
+            if name in seen and isinstance(key, yaml.ScalarNode):
+                where = ".".join((*path, name))
+                raise RecipeError(
+                    source, [Problem(where, line, f"appears twice (first on line {seen[name]}): keep one")]
+                )
+            seen[name] = line
+            here = (*path, name)
+            lines[here] = line
+            _line_map(value, here, lines, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            here = (*path, str(i))
+            lines[here] = item.start_mark.line + 1
+            _line_map(item, here, lines, source)
+
+
+def _expanded_size(node: yaml.Node) -> int:
+    """How many values ``node`` holds with every alias expanded, counted without expanding them.
+
+    An alias is the same node object as its anchor, so sizes are memoised by identity: the count
+    takes time linear in the YAML text however far the aliases would multiply it.
+    """
+    sizes: dict[int, int] = {}
+
+    def size(n: yaml.Node, depth: int) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        if depth > 200:  # a recursive alias (&a [*a]): no recipe has it; count it as too large
+            return MAX_YAML_VALUES + 1
+        sizes[id(n)] = MAX_YAML_VALUES + 1  # in progress: a cycle counts as too large
+        total = 1
+        if isinstance(n, yaml.MappingNode):
+            total += sum(size(k, depth + 1) + size(v, depth + 1) for k, v in n.value)
+        elif isinstance(n, yaml.SequenceNode):
+            total += sum(size(item, depth + 1) for item in n.value)
+        sizes[id(n)] = total = min(total, MAX_YAML_VALUES + 1)
+        return total
+
+    return size(node, 0)
+
+
+def loads_recipe(text: str, source: str = "<string>", base_dir: Path | None = None) -> AlignedRecipe:
+    """Parse and validate recipe YAML text (``load_recipe`` without the file)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None and _expanded_size(node) > MAX_YAML_VALUES:
+            raise RecipeError(
+                source,
+                [
+                    Problem(
+                        "",
+                        None,
+                        f"YAML aliases (*name) expand this recipe to more than {MAX_YAML_VALUES} values, which no "
+                        "recipe needs (an alias bomb?): write the repeated values out, or use fewer aliases",
+                    )
+                ],
+            )
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        what = " ".join(str(s) for s in (getattr(e, "context", None), getattr(e, "problem", None)) if s) or str(e)
+        raise RecipeError(source, [Problem("", line, f"YAML syntax error: {what}")]) from None
+    lines: dict[tuple[str, ...], int] = {}
+    if node is not None:
+        _line_map(node, (), lines, source)
+    recipe = parse_recipe(data, source, base_dir or Path.cwd(), lines=lines)
+    recipe._text = text
+    return recipe
+
+
+def load_recipe(path: str | Path) -> AlignedRecipe:
+    """Read a recipe file; relative paths inside it resolve against the file's folder."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(str(path), [Problem("", None, "the recipe file does not exist")]) from None
+    except IsADirectoryError:
+        raise RecipeError(str(path), [Problem("", None, "is a folder: give the recipe's YAML file")]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(str(path), [Problem("", None, f"cannot be read: {e}")]) from None
+    return loads_recipe(text, str(path), path.resolve().parent)
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """JSON Schema of recipe files, for editors: one schema per job, chosen by ``job``; strategy
+    options are a union tagged by ``name``."""
+    from ..jobs import JOBS
+
+    ref = {
+        "anyOf": [
+            {
+                "type": "string",
+                "description": f"Hub id[@revision], folder or zoo:KIND-seedN (N from 0 to {MAX_ZOO_SEED})",
+            },
+            {"$ref": "#/$defs/ModelRef"},
+        ]
+    }
+    defs: dict[str, Any] = {}
+    variants = []
+    for name in JOBS:
+        job = JOBS[name]
+        schema = job.recipe.model_json_schema(ref_template="#/$defs/{model}")
+        defs.update(schema.pop("$defs", {}))
+        props = schema["properties"]
+        for key, field in job.recipe.model_fields.items():
+            annotation = str(field.annotation)
+            if "ModelRef" not in annotation and "FineTuneRef" not in annotation:
+                continue
+            if "list" in annotation:
+                props[key] = {k: v for k, v in props[key].items() if k not in ("anyOf", "default")}
+                props[key].update(type="array", items=ref, minItems=getattr(job.recipe, "min_models", 1))
+            else:
+                props[key] = {k: v for k, v in props[key].items() if k not in ("anyOf", "default", "$ref")} | ref
+        if "strategy" in props:
+            props["strategy"] = {"anyOf": [{"type": "string", "enum": REGISTRY.names}, props["strategy"]]}
+        props["job"] = {"const": name, "description": job.summary}
+        title = schema["title"]
+        defs[title] = schema
+        variants.append({"$ref": f"#/$defs/{title}"})
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "hf-rebasin recipe (schema v1)",
+        "description": "One schema per job, chosen by `job`.",
+        "type": "object",
+        "required": ["job"],
+        "oneOf": variants,
+        "$defs": dict(sorted(defs.items())),
+    }
