@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import tiny
 from hf_rebasin.data import char_tokenizer
-from test_cli import assert_user_error, flat, run_cli, run_main
+from test_cli import assert_user_error, flat, run_main
 
 
 def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,7 @@ def test_align_writes_both_models_in_one_basis(saved_model, tmp_path):
     for folder in (a, b):
         char_tokenizer(text + str(folder)[-1]).save_pretrained(str(folder))  # each its own file
     out = tmp_path / "aligned"
-    proc = run_cli(
+    proc = run_main(
         "align", str(a), str(b), "--strategy", "generalized-orthogonal", "--set", "iterations=3",
         "--device", "cpu", "--output", str(out),
     )  # fmt: skip
@@ -69,7 +69,7 @@ def test_align_writes_both_models_in_one_basis(saved_model, tmp_path):
 def test_a_permutation_strategy_writes_a_as_it_is(saved_model, tmp_path):
     a, b = saved_model("bert-mlm", seed=0), saved_model("bert-mlm", seed=1)
     out = tmp_path / "aligned"
-    proc = run_cli("align", str(a), str(b), "--strategy", "weight-matching", "--output", str(out))
+    proc = run_main("align", str(a), str(b), "--strategy", "weight-matching", "--output", str(out))
     assert proc.returncode == 0, proc.stderr
     with (
         safe_open(str(a / "model.safetensors"), "pt") as fa,

@@ -25,7 +25,7 @@ from hf_rebasin.recipe import load_recipe
 from hf_rebasin.resources import listing, resource
 from hf_rebasin.run import plan
 from hf_rebasin.strategies import REGISTRY
-from test_cli import ROOT, flat, run_cli
+from test_cli import ROOT, flat, run_cli, run_main
 
 EXAMPLES = sorted((ROOT / "recipes").glob("*.yaml"))
 
@@ -56,7 +56,7 @@ def test_example_parses_and_dry_runs_without_training(path: Path, tmp_path: Path
 
 
 def test_demo_dry_run_from_the_cli(tmp_path: Path) -> None:
-    proc = run_cli("demo", "--dry-run", "--output", str(tmp_path / "demo"), env={"HF_REBASIN_CACHE": str(tmp_path)})
+    proc = run_main("demo", "--dry-run", "--output", str(tmp_path / "demo"), env={"HF_REBASIN_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     out = flat(proc.stdout)
     assert (
@@ -87,7 +87,7 @@ def _stand_in_zoo(cache: Path, seeds: tuple[int, ...] = (0, 1)) -> list[Path]:
 
 def test_zoo_cli_prints_the_cached_folders(tmp_path: Path) -> None:
     folders = _stand_in_zoo(tmp_path)
-    proc = run_cli("zoo", "gpt2", "0", "1", env={"HF_REBASIN_CACHE": str(tmp_path)})
+    proc = run_main("zoo", "gpt2", "0", "1", env={"HF_REBASIN_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(f) for f in folders]
 
@@ -105,7 +105,7 @@ def test_zoo_models_and_builtin_data_run_end_to_end(tmp_path: Path) -> None:
     demo["output"] = {"dir": "merged"}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(demo, sort_keys=False), encoding="utf-8")
-    proc = run_cli(str(path), env={"HF_REBASIN_CACHE": str(tmp_path), "HF_DATASETS_CACHE": str(tmp_path / "ds")})
+    proc = run_main(str(path), env={"HF_REBASIN_CACHE": str(tmp_path), "HF_DATASETS_CACHE": str(tmp_path / "ds")})
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "merged"
     assert {"README.md", "rebasin.json", "barrier.png", "barrier.md", "model.safetensors", "tokenizer.json"} <= {

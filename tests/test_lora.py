@@ -184,11 +184,11 @@ def _recipe(tmp_path: Path, **extra: object) -> Path:
 
 @pytest.mark.parametrize("strategy", ["weight-matching", "generalized-orthogonal"])
 def test_transport_recipe_writes_an_adapter_for_the_target(strategy, tmp_path):
-    from test_cli import flat, run_cli
+    from test_cli import flat, run_main
 
     model, target, finetuned = _transport_folders(tmp_path)
     env = {"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds")}
-    proc = run_cli(str(_recipe(tmp_path, strategy=strategy)), env=env)
+    proc = run_main(str(_recipe(tmp_path, strategy=strategy)), env=env)
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "moved"
     assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").exists()
@@ -215,25 +215,25 @@ def test_transport_recipe_writes_an_adapter_for_the_target(strategy, tmp_path):
 
 
 def test_an_adapter_for_another_base_is_refused_unless_allowed(tmp_path):
-    from test_cli import assert_user_error, run_cli
+    from test_cli import assert_user_error, run_main
 
     _transport_folders(tmp_path)
     config_path = tmp_path / "lora" / "adapter_config.json"
     config = json.loads(config_path.read_text())
     config["base_model_name_or_path"] = "someone/other-base"
     config_path.write_text(json.dumps(config))
-    proc = run_cli(str(_recipe(tmp_path)), "--dry-run")
+    proc = run_main(str(_recipe(tmp_path)), "--dry-run")
     assert_user_error(proc, "finetuned.model", "someone/other-base", "check_base: false")
     allowed = _recipe(tmp_path, finetuned={"model": "./lora", "check_base": False})
     env = {"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds")}
-    proc = run_cli(str(allowed), env=env)
+    proc = run_main(str(allowed), env=env)
     assert proc.returncode == 0, proc.stderr
     record = json.loads((tmp_path / "moved" / "rebasin.json").read_text(encoding="utf-8"))
     assert any("someone/other-base" in n for n in record["notes"])
     # an adapter is a fine-tune, never a model to merge
     merge = tmp_path / "merge.yaml"
     merge.write_text("job: merge\nmodels: [./base, ./lora]\nstrategy: vanilla\noutput: {dir: m}\n", encoding="utf-8")
-    assert_user_error(run_cli(str(merge), "--dry-run"), "models.1.model", "PEFT adapter")
+    assert_user_error(run_main(str(merge), "--dry-run"), "models.1.model", "PEFT adapter")
 
 
 def _stored_with_norms(graph, canonical: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
