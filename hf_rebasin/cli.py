@@ -81,7 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hf-rebasin {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_verify(sub)
+    _add_align(sub)
+    _add_run(sub)
+    _add_demo(sub)
+    _add_zoo(sub)
+    _add_push(sub)
+    _add_schema(sub)
+    return parser
 
+
+def _add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``verify`` command's arguments."""
     verify = sub.add_parser(
         "verify",
         help="apply a random allowed symmetry transform to a model and check its outputs do not change",
@@ -112,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.set_defaults(func=cmd_verify)
 
+
+def _add_align(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``align`` command's arguments."""
     al = sub.add_parser(
         "align",
         help="bring model B into model A's basis with one strategy and report how far apart they are",
@@ -149,18 +163,24 @@ def build_parser() -> argparse.ArgumentParser:
     al.add_argument("--allow-pickle", action="store_true", help="load pytorch_model.bin checkpoints")
     al.set_defaults(func=cmd_align)
 
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``run`` command's arguments."""
     run = sub.add_parser(
         "run",
         help="run a recipe (the same as `hf-rebasin RECIPE.yaml`)",
         description=(
-            "Run a YAML recipe: align the models, merge them (job: merge) and evaluate loss curves "
-            "(evaluate:). `hf-rebasin schema` prints the recipe's JSON Schema."
+            "Run a YAML recipe: the job it names (`job:`) on its models, with its strategy. "
+            "`hf-rebasin schema` prints the recipe's JSON Schema, one per job."
         ),
     )
     run.add_argument("recipe", metavar="RECIPE.yaml", help="the recipe file")
     _run_options(run, "write the result here instead of `output.dir`")
     run.set_defaults(func=cmd_run, command_line=None)
 
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``demo`` command's arguments."""
     demo = sub.add_parser(
         "demo",
         help="run the shipped demo recipe offline: two tiny GPT-2 trained from different seeds, merged",
@@ -174,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(demo, f"result folder (default ./{DEMO_OUTPUT})", output=DEMO_OUTPUT)
     demo.set_defaults(func=cmd_demo)
 
+
+def _add_zoo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``zoo`` command's arguments."""
     zoo = sub.add_parser(
         "zoo",
         help="train (first use) or find the zoo's tiny models and print their folders",
@@ -195,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("seeds", nargs="*", type=int, default=[0, 1], metavar="SEED", help="seeds (default 0 1)")
     zoo.set_defaults(func=cmd_zoo)
 
+
+def _add_push(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``push`` command's arguments."""
     push = sub.add_parser(
         "push",
         help="upload an output folder to the Hub as one commit (e.g. to retry a failed push)",
@@ -210,9 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--message", metavar="TEXT", help="commit message")
     push.set_defaults(func=cmd_push)
 
+
+def _add_schema(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``schema`` command's arguments."""
     schema = sub.add_parser("schema", help="print the JSON Schema of recipe files (for editors)")
     schema.set_defaults(func=cmd_schema)
-    return parser
 
 
 def _run_options(parser: argparse.ArgumentParser, output_help: str, output: str | None = None) -> None:
