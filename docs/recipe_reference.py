@@ -456,4 +456,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))  # document this checkout's hf_rebasin, not another installed one
     sys.exit(main())
