@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from ..strategies import REGISTRY
 from .problems import Lines, Problem, RecipeError, problem_of
-from .sections import MAX_YAML_VALUES, MAX_ZOO_SEED, AlignedRecipe, StrategySection, StrategySpec
+from .sections import MAX_YAML_VALUES, MAX_ZOO_SEED, AlignedRecipe, RecipeBase, StrategySection, StrategySpec
 
 __all__ = ["load_recipe", "loads_recipe", "parse_recipe", "recipe_json_schema", "strategy_spec"]
 
@@ -184,15 +184,11 @@ def recipe_json_schema() -> dict[str, Any]:
     options are a union tagged by ``name``."""
     from ..jobs import JOBS
 
-    ref = {
-        "anyOf": [
-            {
-                "type": "string",
-                "description": f"Hub id[@revision], folder or zoo:KIND-seedN (N from 0 to {MAX_ZOO_SEED})",
-            },
-            {"$ref": "#/$defs/ModelRef"},
-        ]
-    }
+    def ref(model: str) -> dict[str, Any]:
+        """A model field: a string, or the mapping of its own model (``FineTuneRef`` has ``check_base``)."""
+        text = f"Hub id[@revision], folder or zoo:KIND-seedN (N from 0 to {MAX_ZOO_SEED})"
+        return {"anyOf": [{"type": "string", "description": text}, {"$ref": f"#/$defs/{model}"}]}
+
     defs: dict[str, Any] = {}
     variants = []
     for name in JOBS:
@@ -200,18 +196,34 @@ def recipe_json_schema() -> dict[str, Any]:
         schema = job.recipe.model_json_schema(ref_template="#/$defs/{model}")
         defs.update(schema.pop("$defs", {}))
         props = schema["properties"]
+        required = {"job", *schema.get("required", [])}  # the models and an evaluation a job needs, too:
+        if job.recipe.needs_evaluate is not None:  # their defaults (null) only make the error message theirs
+            required.add("evaluate")
         for key, field in job.recipe.model_fields.items():
             annotation = str(field.annotation)
-            if "ModelRef" not in annotation and "FineTuneRef" not in annotation:
+            model = "FineTuneRef" if "FineTuneRef" in annotation else "ModelRef" if "ModelRef" in annotation else None
+            if model is None:
                 continue
+            required.add(key)
             if "list" in annotation:
                 props[key] = {k: v for k, v in props[key].items() if k not in ("anyOf", "default")}
-                props[key].update(type="array", items=ref, minItems=getattr(job.recipe, "min_models", 1))
+                props[key].update(type="array", items=ref(model), minItems=getattr(job.recipe, "min_models", 1))
             else:
-                props[key] = {k: v for k, v in props[key].items() if k not in ("anyOf", "default", "$ref")} | ref
+                props[key] = {k: v for k, v in props[key].items() if k not in ("anyOf", "default", "$ref")} | ref(model)
         if "strategy" in props:
             props["strategy"] = {"anyOf": [{"type": "string", "enum": REGISTRY.names}, props["strategy"]]}
-        props["job"] = {"const": name, "description": job.summary}
+        props["job"] = {"const": name, "type": "string", "description": job.summary}
+        for key in job.recipe.misplaced:  # another job's key: refused with its own message
+            props.pop(key, None)
+        if job.recipe.default_strategy is None:
+            props["strategy"].pop("default", None)
+            required.add("strategy")
+        else:
+            props["strategy"]["default"] = {"name": job.recipe.default_strategy}
+        shared = [*AlignedRecipe.model_fields, *RecipeBase.model_fields]
+        first = ["version", "job", *(k for k in props if k not in shared), "strategy", "data", "evaluate"]
+        schema["properties"] = {k: props[k] for k in dict.fromkeys([*first, *props]) if k in props}
+        schema["required"] = sorted(required)
         title = schema["title"]
         defs[title] = schema
         variants.append({"$ref": f"#/$defs/{title}"})
@@ -222,5 +234,6 @@ def recipe_json_schema() -> dict[str, Any]:
         "type": "object",
         "required": ["job"],
         "oneOf": variants,
+        "discriminator": {"propertyName": "job"},  # an annotation (OpenAPI's): each variant's `job` is a const
         "$defs": dict(sorted(defs.items())),
     }

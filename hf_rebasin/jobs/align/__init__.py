@@ -18,7 +18,7 @@ __all__ = ["JOB", "AlignRecipe", "folder_name"]
 
 
 class AlignRecipe(ModelsRecipe, AlignedRecipe):
-    """A recipe with ``job: align``."""
+    """`job: align`: write every model in the basis of the first (A), for merging with another tool."""
 
     job: Literal["align"] = Field("align", description="write every model in the basis of the first")
 

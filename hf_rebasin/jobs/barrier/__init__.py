@@ -18,7 +18,7 @@ __all__ = ["JOB", "BarrierRecipe"]
 
 
 class BarrierRecipe(ModelsRecipe, AlignedRecipe):
-    """A recipe with ``job: barrier``."""
+    """`job: barrier`: align B to A and measure the loss along the line between them (no weights written)."""
 
     job: Literal["barrier"] = Field("barrier", description="measure the loss barrier between A and B")
     merge: Merge = Field(

@@ -41,7 +41,7 @@ def models_not_roles(job: str) -> dict[str, str]:
 
 
 class MergeRecipe(ModelsRecipe, AlignedRecipe):
-    """A recipe with ``job: merge``."""
+    """`job: merge`: align every model to the first (A) and average them into one model."""
 
     job: Literal["merge"] = Field("merge", description="align the models to the first and average them")
     merge: Merge = Field(

@@ -37,7 +37,7 @@ _WHAT = {
 
 
 class TransportRecipe(AlignedRecipe):
-    """A recipe with ``job: transport``."""
+    """`job: transport`: move a fine-tune's task vector from its old base A onto a new base release B."""
 
     job: Literal["transport"] = Field(
         "transport", description="move a fine-tune's task vector from its old base onto a new base release"
