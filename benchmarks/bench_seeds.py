@@ -8,7 +8,7 @@ strategy and option, median and spread, so one lucky pair does not decide a defa
 The zoo trains the 4 seeds of each kind on first use (about 1 min each). Rows whose options the
 installed hf-rebasin does not know are printed as "n/a", so the same script measures an older
 checkout too (``PYTHONPATH=/path/to/old/checkout python benchmarks/bench_seeds.py``): that is how
-the "before" column of the README's table was taken. Alignment data: training-split batches
+the "before" column of benchmarks/README.md's table was taken. Alignment data: training-split batches
 (``--batches`` of 16 × 64 tokens, or of 64 images); evaluation: the held-out split, 11 λ.
 """
 

@@ -361,7 +361,7 @@ def matrix_table(rows: list[Row]) -> str:
 
 def compact_table(rows: list[Row], controls: list[Control]) -> str:
     """One row per model: the residual class under `orthogonal`, the max |Δ| per class over the
-    seeds, and the weakest negative control (the README's form of the matrix)."""
+    seeds, and the weakest negative control (the form of the matrix in benchmarks/README.md)."""
     by_model: dict[str, dict[str, Row]] = {}
     for r in rows:
         by_model.setdefault(r.model, {})[r.cls] = r
@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="factories of tests/tiny.py to run (default: all)")
     parser.add_argument("--seeds", type=int, default=len(SEEDS), help="seeds per (model, class) (default: 3)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the raw numbers here")
-    parser.add_argument("--compact", action="store_true", help="one row per model (the README's table)")
+    parser.add_argument("--compact", action="store_true", help="one row per model (the table of benchmarks/README.md)")
     args = parser.parse_args(argv)
     names = list(tiny.FACTORIES) if not args.only else args.only
     unknown = [n for n in names if n not in tiny.FACTORIES]

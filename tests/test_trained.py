@@ -28,7 +28,7 @@ def test_alignment_lowers_the_barrier_of_models_trained_from_different_seeds(kin
     vanilla = rows.pop("vanilla")
     assert vanilla["linear"] > 0.05, "the two seeds should not be linearly connected before alignment"
     # On the tiny ViT (weights near their initialisation) data-free matching swings with the descent's
-    # visiting order and with the trained weights, which differ across CPUs: the README's 4 seeds give
+    # visiting order and with the trained weights, which differ across CPUs: benchmarks/README.md's 4 seeds give
     # weight matching 2.07-4.05 against vanilla 3.15, and ViTs trained on an AMD EPYC give 5.20 against
     # 3.04. Matching on activations or on the loss has no such problem; those are asserted there.
     lowered = rows if kind == "gpt2" else {k: rows[k] for k in ("head-perm", "generalized-orthogonal + learned")}
@@ -42,7 +42,7 @@ def test_alignment_lowers_the_barrier_of_models_trained_from_different_seeds(kin
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3", "gemma2", "pythia"])
 def test_alignment_lowers_the_barrier_of_other_causal_lm_families(kind):
-    """Measured (README): linear barriers vanilla 2.54 / 2.31 / 2.08 nats (qwen3 / gemma2 / pythia),
+    """Measured (benchmarks/README.md): linear barriers vanilla 2.54 / 2.31 / 2.08 nats (qwen3 / gemma2 / pythia),
     generalized-orthogonal 1.18 / 1.59 / 1.28, learned on top of it 0.77 / 1.32 / 0.65."""
     rows = {r["strategy"]: r for r in barrier_table(kind)}
     print("\n" + markdown(kind, list(rows.values())))

@@ -37,8 +37,8 @@ class AdapterRegistry:
         if spec is None:
             raise UnsupportedArchitectureError(
                 f"model_type {model_type!r} is not supported; supported: {', '.join(self.model_types)}. "
-                "Adding one is a small declarative file in hf_rebasin/adapters/: see the README's "
-                "'Adding an architecture' (docs/adapters.md in the repository)."
+                "Adding one is a small declarative file in hf_rebasin/adapters/: see "
+                "docs/contributing.md, 'Adding an architecture', and docs/adapters.md in the repository."
             )
         return spec
 

@@ -207,7 +207,7 @@ LEARNED_ONLY = (  # options that only apply with `learned: true`
     "dirichlet",
 )
 # learned matching's peak rate when the recipe sets none, by what the model reads (measured on the
-# benchmark zoo's 3 seed pairs of each kind; the README's "Barriers on the benchmark zoo")
+# benchmark zoo's 3 seed pairs of each kind; benchmarks/README.md, "Barriers on the benchmark zoo")
 LEARNED_LR_TEXT, LEARNED_LR_IMAGES = 0.01, 0.03
 
 
