@@ -13,6 +13,7 @@ recipe example and a test (docs/contributing.md walks through it).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import pkgutil
@@ -84,12 +85,8 @@ def discover(path: Iterable[str], package: str) -> dict[str, Job]:
         declared = job.recipe.model_fields["job"].default
         if declared != job.name:
             raise RuntimeError(f"job {job.name!r}: its recipe model's `job` is {declared!r}")
-        found[job.name] = _with_module(job, module.__name__)
+        found[job.name] = dataclasses.replace(job, module=module.__name__)
     return found
-
-
-def _with_module(job: Job, module: str) -> Job:
-    return Job(**{**{f: getattr(job, f) for f in job.__dataclass_fields__}, "module": module})
 
 
 JOBS: Mapping[str, Job] = discover(__path__, __name__)
