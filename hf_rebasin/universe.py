@@ -222,8 +222,8 @@ def universe_merge(
     if getattr(opts, "learned", False) and n >= 3 and live is not None and data is not None:
         # Theus et al.'s multi-model learned matching: every map refined together, on the loss of
         # merges with Dirichlet weights, starting from the universe's maps
+        from .strategies.engines.learned import refine_many
         from .strategies.generalized_orthogonal import learned_settings
-        from .strategies.learned import refine_many
 
         transforms, more, learned = refine_many(
             live[0],

@@ -7,7 +7,7 @@ exact. Then, for a few rounds: the residual map by Procrustes over every residua
 heads by a LAP on QK-circuit (W_Qᵀ W_K) and OV-circuit (W_O W_V) similarity with orthogonal maps
 inside each head, MLP units by LAP. Post-norm models (BERT) keep a permuted residual.
 Optionally (``learned: true``, needs data) the maps are refined on the loss of the interpolated
-model (see :mod:`hf_rebasin.strategies.learned`), with ``learn_glu_scales`` B's gated-unit scales too.
+model (see :mod:`hf_rebasin.strategies.engines.learned`), with ``learn_glu_scales`` B's gated-unit scales too.
 
 B's gated units are rescaled at most once, in float64, by the product of the scales ``glu: balance``
 gives them (A's scale and sign) and the learned ones; the alignment carries that product
@@ -28,9 +28,9 @@ from ..features import WeightViews
 from ..sublayers import PER_SUBLAYER_NOTE
 from ..symmetry import HeadSpace, Space, Transform
 from .base import Alignment, Pair, Progress, matching_forms, require_data, timed
-from .descent import anchor_init, descend, per_sublayer_descent, space_solver, view_graph
-from .invertible import invertible_inner
-from .learned import LearnedSettings, refine
+from .engines.descent import anchor_init, descend, per_sublayer_descent, space_solver, view_graph
+from .engines.invertible import invertible_inner
+from .engines.learned import LearnedSettings, refine
 from .options import GENERALIZED_ORTHOGONAL as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import LEARNED_ONLY as LEARNED_ONLY  # re-exported, as before
 from .options import GeneralizedOrthogonalOptions, default_learned_lr, parse_sampler
