@@ -11,7 +11,7 @@ from torch import Tensor
 from ...export import copy_support_files, save_merged_model
 from ...merge import merge_state_dicts
 from ...models import LoadedModel
-from ...strategies import Alignment
+from ...strategies import Alignment, get_strategy
 from ...universe import universe_merge
 from ..load import Workspace, weights
 from ..result import JobOutput
@@ -65,9 +65,10 @@ def _scores(
     scores: dict[str, dict[str, Any]] = {}
     with ws.clock.stage("evaluate"):
         scores[name] = ws.score(a.model, merged, untie, ws.eval_batches, ws.task)
-        if "vanilla" in ev.compare and name != "vanilla":
+        naive = [c for c in ev.compare if get_strategy(c).identity]  # the plain average, unless it is ours
+        if naive and not get_strategy(name).identity:
             plain = merge_state_dicts([weights(lm) for lm in models.all], mix)
-            scores["vanilla"] = ws.score(a.model, plain, False, ws.eval_batches, ws.task)
+            scores[naive[0]] = ws.score(a.model, plain, False, ws.eval_batches, ws.task)
     if universe is not None:
         ws.notes.append(
             f"universe: loss {scores[name]['loss']:.4f} nats; the reference merge (every model aligned "
