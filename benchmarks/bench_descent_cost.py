@@ -21,7 +21,7 @@ import torch
 from hf_rebasin.features import WeightViews
 from hf_rebasin.models import load_model, resolve_device
 from hf_rebasin.solvers import solver_clock
-from hf_rebasin.strategies.descent import space_solver
+from hf_rebasin.strategies.engines.descent import space_solver
 from hf_rebasin.symmetry import HeadSpace, Space
 
 

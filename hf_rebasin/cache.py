@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CACHE_FORMAT",
-    "NOT_CACHED",
     "NO_CACHE_ENV",
     "CacheMiss",
     "ModelLike",
@@ -65,7 +64,6 @@ __all__ = [
 
 CACHE_FORMAT = 1  # bump when the entry layout or the key's fields change: old entries become misses
 NO_CACHE_ENV = "HF_REBASIN_NO_CACHE"
-NOT_CACHED = frozenset({"vanilla"})  # the identity costs less to build than to read back
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".index.json")  # weights and shard indexes
 _CHUNK = 8 << 20  # bytes per read while hashing
 _META = "hf_rebasin"  # the safetensors metadata key holding the entry's JSON

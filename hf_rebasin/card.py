@@ -140,6 +140,7 @@ def _context(record: RunRecord, recipe_text: str, command: str) -> dict[str, Any
         "inputs": inputs,
         "show_weights": found.merge_weights is not None,
         "strategy_name": strategy,
+        "aligns_nothing": _identity(strategy),
         "strategy_paper": _paper(strategy),
         "strategy_options": [
             {"name": _cell(str(k)), "value": _cell(_value(v))} for k, v in found.strategy_options.items()
@@ -473,6 +474,21 @@ def _inputs(record: RunRecord) -> list[dict[str, str]]:
 _TRANSPORT_ROLES = {"target": "target B (new base)", "base": "base A", "finetuned": "fine-tune A + τ"}
 
 
+def _identity(name: str) -> bool:
+    """Whether the strategy aligns nothing (its curve is the plain average); False for a name this
+    version does not know (a record from a newer one)."""
+    from .strategies import REGISTRY
+
+    return name in REGISTRY.names and REGISTRY.get(name).identity
+
+
+def _identity_name() -> str:
+    """The registered strategy that aligns nothing, as a recipe names it."""
+    from .strategies import REGISTRY
+
+    return next(name for name in REGISTRY.names if REGISTRY.get(name).identity)
+
+
 def _paper(name: str) -> str:
     """The strategy's paper from the registry; a record from a newer version may name an unknown one."""
     from .errors import StrategyOptionError
@@ -541,13 +557,14 @@ def _barrier_reading(
     ours = _linear(curves, barriers, strategy)
     if ours is None or not math.isfinite(ours):
         return None
-    if strategy == "vanilla":
+    if _identity(strategy):
         return f"The plain average (no alignment) has a linear barrier of {ours:.3f} nats."
-    base = _linear(curves, barriers, "vanilla")
+    plain = next((name for name in curves if _identity(name)), None)
+    base = _linear(curves, barriers, plain) if plain is not None else None
     if base is None or not math.isfinite(base):
         return (
-            f"`{strategy}` leaves a linear barrier of {ours:.3f} nats; add `vanilla` to `evaluate.compare` "
-            "to see the barrier without alignment."
+            f"`{strategy}` leaves a linear barrier of {ours:.3f} nats; add `{_identity_name()}` to "
+            "`evaluate.compare` to see the barrier without alignment."
         )
     if ours == base:
         return f"`{strategy}` leaves the linear barrier unchanged at {ours:.3f} nats."

@@ -161,7 +161,7 @@ def curve_table(curve: Curve) -> str:
 def plot_learning(history: Mapping[str, Any], path: Path) -> Path:
     """Learned matching's held-out midpoint barrier against the data it trained on, saved as a PNG.
 
-    ``history`` is the curve `strategies.learned.refine` records: the hard (projected) maps'
+    ``history`` is the curve `strategies.engines.learned.refine` records: the hard (projected) maps'
     barrier at every score, the soft maps' too when they trained soft, and the mean training loss
     between scores. The best score, the one kept, is marked.
     """

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .merge import merge_state_dicts
 from .names import DEFAULT_ITERATIONS, DEFAULT_TOL
-from .strategies import Alignment, AlignmentData, Options, Pair, Progress, get_strategy
+from .strategies import Alignment, AlignmentData, Options, Pair, Progress, Strategy, UniverseMaps, get_strategy
 from .symmetry import SymmetryGraph
 
 if TYPE_CHECKING:
@@ -121,6 +121,111 @@ def _target_model(template: PreTrainedModel, mean: Mapping[str, Tensor], untie: 
     return model
 
 
+def _check_call(
+    n: int,
+    weights: Sequence[float],
+    models: Sequence[PreTrainedModel] | None,
+    initial: Sequence[Alignment] | None,
+    iterations: int,
+    tol: float,
+) -> None:
+    """Refuse a universe merge whose arguments do not fit together (a programming error: ValueError)."""
+    if n < 2:
+        raise ValueError(f"a universe merge needs at least two models, got {n}")
+    if len(weights) != n:
+        raise ValueError(f"{len(weights)} weights for {n} models: give one weight per model")
+    if models is not None and len(models) != n:
+        raise ValueError(f"{len(models)} models for {n} state dicts: give one live model per state dict")
+    if initial is not None and len(initial) != n - 1:
+        raise ValueError(f"{len(initial)} initial alignments for {n - 1} models after the reference")
+    if iterations < 0 or not tol >= 0:
+        raise ValueError(f"iterations must be ≥ 0 and tol ≥ 0, got {iterations} and {tol}")
+
+
+@dataclass
+class _Aligner:
+    """What stays fixed while a universe merge aligns model after model: the strategy and its
+    options, the models (live ones only where the strategy streams data through them), the data."""
+
+    strategy: Strategy
+    options: Options
+    graph: SymmetryGraph
+    state_dicts: Sequence[Mapping[str, Tensor]]
+    live: list[PreTrainedModel] | None
+    data: AlignmentData | None
+    progress: Progress | None
+
+    def report(self, stage: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(stage, done, total)
+
+    def align(self, i: int, target: Mapping[str, Tensor], target_model: PreTrainedModel | None) -> Alignment:
+        """Model ``i`` aligned to ``target`` (held by ``target_model`` where the strategy needs a live one)."""
+        model_b = self.live[i] if self.live is not None else None
+        pair = Pair(self.graph, target, self.state_dicts[i], target_model, model_b, self.data)
+        return self.strategy.run(pair, self.options, self.progress)
+
+    def reference(self) -> list[Alignment]:
+        """Round 0, the reference merge: every model aligned to model 0."""
+        stage, n = "universe: reference alignment", len(self.state_dicts)
+        template = self.live[0] if self.live is not None else None
+        aligned_to_0: list[Alignment] = []
+        self.report(stage, 0, n - 1)
+        for i in range(1, n):
+            aligned_to_0.append(self.align(i, self.state_dicts[0], template))
+            self.report(stage, i, n - 1)
+        return aligned_to_0
+
+    def round(
+        self,
+        r: int,
+        alignments: list[Alignment],
+        aligned: list[dict[str, Tensor]],
+        weights: Sequence[float],
+        mean: Mapping[str, Tensor],
+        leave_one_out: bool,
+        untie: bool,
+    ) -> int:
+        """Round ``r``: every model realigned to its target, in place; how many kept their previous map."""
+        stage, n = f"universe: round {r}", len(alignments)
+        self.report(stage, 0, n)
+        keep = 0
+        for i in range(n):
+            target = _others(aligned, weights, i) if leave_one_out else mean
+            target_model = _target_model(self.live[0], target, untie) if self.live is not None else None
+            new = self.align(i, target, target_model)
+            candidate = new.aligned_b()
+            # a map that does not bring the model closer to its target is not taken: the spread never grows
+            if _sq_dist(target, candidate) <= _sq_dist(target, aligned[i]):
+                alignments[i], aligned[i] = new, candidate
+            else:
+                alignments[i] = dataclasses.replace(alignments[i], sd_a=new.sd_a)
+                keep += 1
+            self.report(stage, i + 1, n)
+        return keep
+
+
+def _relative_change(before: Mapping[str, Tensor], after: Mapping[str, Tensor]) -> float:
+    norm = _sq_norm(before)
+    return math.sqrt(_sq_dist(before, after) / norm) if norm else 0.0
+
+
+def _closing_notes(alignments: Sequence[Alignment], notes: list[str], change: Sequence[float], tol: float) -> None:
+    """The alignments' notes (each once), then how the rounds ended, appended to ``notes``."""
+    for al in alignments:
+        notes.extend(note for note in al.notes if note not in notes)
+    rounds = len(change)
+    if rounds == 0:
+        notes.append("universe: no rounds (iterations: 0); this is the reference merge")
+    elif change[-1] < tol:
+        notes.append(f"universe: the mean converged after {rounds} round{'s' if rounds != 1 else ''}")
+    else:
+        notes.append(
+            f"universe: stopped after {rounds} round{'s' if rounds != 1 else ''} with the mean still moving "
+            f"({change[-1]:.2g} relative, tolerance {tol:g}); raise `merge.universe.iterations` to go on"
+        )
+
+
 def universe_merge(
     name: str,
     options: Mapping[str, Any] | Options | None,
@@ -144,124 +249,54 @@ def universe_merge(
     of models 1.. to model 0 already computed (the reference merge); they are computed when None.
     Each round aligns every model to the mean of the others (``leave_one_out``) or to the mean of
     all; stops after ``iterations`` rounds or when the mean moves by less than ``tol`` (relative).
+    A strategy with a `universe_refinement` then refines every map together (3+ models, with data).
     """
     strategy = get_strategy(name)
     opts = strategy.parse(options)
     n = len(state_dicts)
-    if n < 2:
-        raise ValueError(f"a universe merge needs at least two models, got {n}")
-    if len(weights) != n:
-        raise ValueError(f"{len(weights)} weights for {n} models: give one weight per model")
-    if models is not None and len(models) != n:
-        raise ValueError(f"{len(models)} models for {n} state dicts: give one live model per state dict")
-    if initial is not None and len(initial) != n - 1:
-        raise ValueError(f"{len(initial)} initial alignments for {n - 1} models after the reference")
-    if iterations < 0 or not tol >= 0:
-        raise ValueError(f"iterations must be ≥ 0 and tol ≥ 0, got {iterations} and {tol}")
+    _check_call(n, weights, models, initial, iterations, tol)
     w = [float(x) for x in weights]
-    live = list(models) if models is not None else None
-    needs_models = bool(strategy.needs_data(opts))
-
-    def pair(target: Mapping[str, Tensor], i: int, target_model: PreTrainedModel | None) -> Pair:
-        model_b = live[i] if live is not None and needs_models else None
-        return Pair(graph, target, state_dicts[i], target_model, model_b, data)
-
-    def report(stage: str, done: int, total: int) -> None:
-        if progress is not None:
-            progress(stage, done, total)
-
-    # round 0: the reference merge, every model aligned to model 0
-    if initial is None:
-        stage = "universe: reference alignment"
-        template = live[0] if live is not None and needs_models else None
-        aligned_to_0: list[Alignment] = []
-        report(stage, 0, n - 1)
-        for i in range(1, n):
-            aligned_to_0.append(strategy.run(pair(state_dicts[0], i, template), opts, progress))
-            report(stage, i, n - 1)
-    else:
-        aligned_to_0 = list(initial)
-    alignments = [_identity_of(aligned_to_0[0]), *aligned_to_0]
+    live = list(models) if models is not None and strategy.needs_data(opts) else None
+    aligner = _Aligner(strategy, opts, graph, state_dicts, live, data, progress)
+    alignments = list(initial) if initial is not None else aligner.reference()
+    alignments = [_identity_of(alignments[0]), *alignments]
     canonical, untied = alignments[0].canonical, list(alignments[0].untied)
     aligned = [al.aligned_b() for al in alignments]
-    mean = merge_state_dicts(aligned, w)
-    reference = mean
+    mean = reference = merge_state_dicts(aligned, w)
     spread = [_spread(mean, aligned, w)]
     change: list[float] = []
     kept: list[int] = []
-    notes: list[str] = []
-    converged = False
-
     for r in range(1, iterations + 1):
-        stage = f"universe: round {r}"
-        report(stage, 0, n)
-        keep = 0
-        for i in range(n):
-            target = _others(aligned, w, i) if leave_one_out else mean
-            target_model = _target_model(live[0], target, bool(untied)) if live is not None and needs_models else None
-            new = strategy.run(pair(target, i, target_model), opts, progress)
-            candidate = new.aligned_b()
-            # a map that does not bring the model closer to its target is not taken: the spread never grows
-            if _sq_dist(target, candidate) <= _sq_dist(target, aligned[i]):
-                alignments[i], aligned[i] = new, candidate
-            else:
-                alignments[i] = dataclasses.replace(alignments[i], sd_a=new.sd_a)
-                keep += 1
-            report(stage, i + 1, n)
+        kept.append(aligner.round(r, alignments, aligned, w, mean, leave_one_out, bool(untied)))
         new_mean = merge_state_dicts(aligned, w)
-        norm = _sq_norm(mean)
-        change.append(math.sqrt(_sq_dist(mean, new_mean) / norm) if norm else 0.0)
-        kept.append(keep)
+        change.append(_relative_change(mean, new_mean))
         mean = new_mean
         spread.append(_spread(mean, aligned, w))
         if change[-1] < tol:
-            converged = True
             break
 
+    notes: list[str] = []
     learned: dict[str, Any] | None = None
-    if getattr(opts, "learned", False) and n >= 3 and live is not None and data is not None:
-        # Theus et al.'s multi-model learned matching: every map refined together, on the loss of
-        # merges with Dirichlet weights, starting from the universe's maps
-        from .strategies.generalized_orthogonal import learned_settings
-        from .strategies.learned import refine_many
+    if strategy.universe_refinement(opts) and n >= 3 and models is not None and data is not None:
+        sds, transforms = [al.sd_b for al in alignments], [al.transform for al in alignments]
+        maps = UniverseMaps(models[0], alignments[0].graph, sds, transforms, w, untied, data)
+        refined = strategy.refine_universe(maps, opts, progress)
+        alignments = [
+            dataclasses.replace(al, transform=t) for al, t in zip(alignments, refined.transforms, strict=True)
+        ]
+        mean = merge_state_dicts([al.aligned_b() for al in alignments], w)
+        notes.extend(f"universe: {note}" for note in refined.notes)
+        learned = refined.history
 
-        transforms, more, learned = refine_many(
-            live[0],
-            alignments[0].graph,
-            [al.sd_b for al in alignments],
-            [al.transform for al in alignments],
-            w,
-            untied,
-            data.batches,
-            learned_settings(opts, data.batches),  # type: ignore[arg-type]  # learned: only generalized-orthogonal has it
-            float(opts.dirichlet),  # type: ignore[attr-defined]
-            progress,
-        )
-        alignments = [dataclasses.replace(al, transform=t) for al, t in zip(alignments, transforms, strict=True)]
-        aligned = [al.aligned_b() for al in alignments]
-        mean = merge_state_dicts(aligned, w)
-        notes.extend(f"universe: {note}" for note in more)
-
-    rounds = len(change)
     alignments = [dataclasses.replace(al, sd_a=mean) for al in alignments]
-    for al in alignments:
-        notes.extend(note for note in al.notes if note not in notes)
-    if rounds == 0:
-        notes.append("universe: no rounds (iterations: 0); this is the reference merge")
-    elif converged:
-        notes.append(f"universe: the mean converged after {rounds} round{'s' if rounds != 1 else ''}")
-    else:
-        notes.append(
-            f"universe: stopped after {rounds} round{'s' if rounds != 1 else ''} with the mean still moving "
-            f"({change[-1]:.2g} relative, tolerance {tol:g}); raise `merge.universe.iterations` to go on"
-        )
+    _closing_notes(alignments, notes, change, tol)
     return UniverseResult(
         merged=mean,
         alignments=alignments,
-        rounds=rounds,
+        rounds=len(change),
         change=change,
         spread=spread,
-        converged=converged,
+        converged=bool(change) and change[-1] < tol,
         reference=reference,
         canonical=canonical,
         untied=untied,

@@ -23,8 +23,8 @@ from hf_rebasin.cli import main
 from hf_rebasin.errors import StrategyOptionError, TransformError
 from hf_rebasin.models import rebuild
 from hf_rebasin.strategies import AlignmentData, Pair, align
-from hf_rebasin.strategies.invertible import invertible_inner
-from hf_rebasin.strategies.learned import LearnedSettings, _Maps
+from hf_rebasin.strategies.engines.invertible import invertible_inner
+from hf_rebasin.strategies.engines.learned import LearnedSettings, _Maps
 from hf_rebasin.sublayers import is_per_sublayer, per_sublayer, stream_of
 from hf_rebasin.symmetry import (
     Binding,

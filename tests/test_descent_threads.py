@@ -12,7 +12,7 @@ import tiny
 from hf_rebasin.adapters import graph_for
 from hf_rebasin.features import neighbours
 from hf_rebasin.strategies import Pair, align
-from hf_rebasin.strategies import descent as D
+from hf_rebasin.strategies.engines import descent as D
 from hf_rebasin.symmetry import HeadMap
 
 CASES = {"gpt2": tiny.gpt2, "llama": tiny.llama, "bert": tiny.bert_mlm}

@@ -93,7 +93,7 @@ def test_the_recipe_imports_no_heavy_library() -> None:
         describe(recipe)
         recipe_json_schema()
         from hf_rebasin.strategies import REGISTRY
-        runners = [f"hf_rebasin.strategies.{{REGISTRY.get(n).module}}" for n in REGISTRY.names]
+        runners = [REGISTRY.get(n).module_path for n in REGISTRY.names]
         print(json.dumps(sorted(m for m in [*{HEAVY!r}, *runners] if m in sys.modules)))
         """
     )

@@ -9,7 +9,7 @@ import torch
 import tiny
 from hf_rebasin.adapters import graph_for
 from hf_rebasin.strategies import AlignmentData, Pair, align
-from hf_rebasin.strategies.learned import _loss
+from hf_rebasin.strategies.engines.learned import _loss
 
 MLM = {"bert": tiny.bert_mlm, "xlm-roberta": tiny.xlm_roberta_mlm}
 

@@ -14,7 +14,7 @@ from hf_rebasin.models import rebuild
 from hf_rebasin.solvers import lap
 from hf_rebasin.strategies import REGISTRY, AlignmentData, Pair, align, get_strategy
 from hf_rebasin.strategies.base import Strategy, StrategyRegistry
-from hf_rebasin.strategies.invertible import invertible_inner
+from hf_rebasin.strategies.engines.invertible import invertible_inner
 from hf_rebasin.strategies.vanilla import VanillaOptions
 from hf_rebasin.symmetry import HeadMap, HeadSpace, random_invertible_head_map
 from hf_rebasin.verify import example_inputs
@@ -392,7 +392,7 @@ def _learned_pair(case: str = "gpt2", n: int = 4):
 
 
 def _refine(options: dict, case: str = "gpt2"):
-    from hf_rebasin.strategies.learned import LearnedSettings, refine
+    from hf_rebasin.strategies.engines.learned import LearnedSettings, refine
 
     a, model_b, cgraph, cref, cb, untied, data = _learned_pair(case)
     settings = LearnedSettings(
@@ -462,7 +462,7 @@ def test_multi_model_learned_matching_with_dirichlet_weights_finds_a_common_head
     """Three copies of one fitted model with their heads in three different orders, every map
     starting at the identity: refined together on merges with Dirichlet(0.1) weights, the three
     end in one basis (the merged weights equal each model's), and the curve is recorded."""
-    from hf_rebasin.strategies.learned import LearnedSettings, refine_many
+    from hf_rebasin.strategies.engines.learned import LearnedSettings, refine_many
 
     a, _model_b, cgraph, cref, cb, untied, data = _learned_pair()
     other = cgraph.identity()

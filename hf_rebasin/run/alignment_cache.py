@@ -51,7 +51,8 @@ class RunCache:
         ``batching`` is how the run cut the alignment data into batches (None: no data): the key
         holds it whole. ``label`` names the pair in notes ("B to A"); ``graph`` is the graph of the
         `Pair` when it is not the reference's."""
-        if not self.stats.enabled or strategy in cache.NOT_CACHED:
+        # a strategy that aligns nothing (the identity) costs less to run than to read back
+        if not self.stats.enabled or get_strategy(strategy).identity:
             return None
         ref_res, ref_lm = reference
         parsed = get_strategy(strategy).parse(options)

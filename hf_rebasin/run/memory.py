@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import RebasinUserError
 from ..recipe import Recipe
-from ..strategies.options import residual_moment_bytes, unset_residual
+from ..strategies import get_strategy
 
 __all__ = ["InsufficientMemoryError", "MemoryEstimate", "ModelFootprint", "available_memory", "estimate", "footprint"]
 
@@ -234,8 +234,9 @@ def estimate(
     known = [fp for _, fp in found if fp is not None]
     if len(known) < len(found):
         return MemoryEstimate(found, streamed, None, avail, "", held=held)
-    matching = recipe.strategy.name != "vanilla"
-    lap = LAP_COPIES * 8 * max(fp.width for fp in known) ** 2 if matching else 0
+    strategy, options = get_strategy(recipe.strategy.name), recipe.strategy.options
+    profile = strategy.memory  # what the strategy holds besides the models
+    lap = LAP_COPIES * 8 * max(fp.width for fp in known) ** 2 if profile.assignment else 0
     if streamed:
         largest = max(fp.largest for fp in known)
         mixed = max(fp.largest_mixed or fp.largest for fp in known)
@@ -245,17 +246,12 @@ def estimate(
         else:
             how = f"{STREAM_COPIES} float32 copies of the largest tensor"
         how += ", the widest assignment problem" if lap else ""
-        if recipe.data is not None and recipe.strategy.name == "head-perm":
+        if recipe.data is not None and profile.statistics is not None:  # activation statistics, layer by layer
             fp = known[0]
             tokens = recipe.data.max_tokens or ASSUMED_TOKENS
             hidden_states = 2 * 4 * tokens * fp.hidden  # A's and B's, kept between layers
             layer = 2 * 4 * fp.params // fp.layers  # one layer of each model, in float32
-            moments = 8 * (fp.width**2 + 2 * fp.hidden**2)  # one layer's cross moments (MLP units, heads)
-            residual = getattr(recipe.strategy.options, "residual", None)
-            if residual is None:  # unset: head-perm settles it from the same sizes
-                residual = unset_residual(fp.layers, fp.hidden, fp.params, streamed=True)
-            if residual != "identity":  # statistics of every reading site at once, whole forward passes
-                moments += residual_moment_bytes(fp.layers, fp.hidden)
+            moments = profile.statistics(options, fp)  # the statistics it holds at once
             peak += hidden_states + layer + moments
             assumed = "" if recipe.data.max_tokens else ", assumed: set data.max_tokens"
             how += f", one layer of each model and the hidden states of {tokens:,} tokens{assumed}"
@@ -263,13 +259,13 @@ def estimate(
     f32 = [4 * fp.params for fp in known]
     copies = sum(f32)  # every model in float32
     copies += 2 * f32[0] + f32[0] // 2  # the result, the model rebuilt to save or score it, and its bf16 cast
-    if matching or recipe.strategy.name == "head-perm":
+    if not strategy.identity:
         copies += sum(f32[1:])  # the other models in the reference's basis
-    if recipe.strategy.name == "generalized-orthogonal":
+    if strategy.canonical:
         copies += sum(f32)  # canonical forms
     if recipe.evaluate is not None:
         copies += 2 * f32[0]  # the model the λ sweep rebuilds, and its interpolated weights
-    learned = bool(getattr(recipe.strategy.options, "learned", False))
+    learned = bool(profile.learned(options))
     if learned:
         copies += LEARNED_COPIES * f32[0]  # B mapped and the interpolation, kept for backward; the model run
     peak = OVERHEAD + copies + lap

@@ -3,7 +3,11 @@
 One explicit registry (no registration by import side effect). Every strategy has the same shape:
 a pydantic options model and registry entry in `options` (torch-free: recipes, the JSON Schema and
 dry runs read them) and a module of its own whose ``run(pair, options, progress) -> Alignment``
-does the work, imported when the strategy runs.
+does the work, imported when the strategy runs. The entry declares the strategy's capabilities
+(`Strategy`: ``identity``, ``canonical``, ``memory``, ``universe_refinement``…): the rest of the
+package asks those, never a strategy's name, so a strategy registered from outside (its module a
+dotted name) is cached, estimated and compared like these. The optimisation machinery several
+strategies share lives in `engines`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .base import Alignment, AlignmentData, Options, Pair, Progress, Strategy, StrategyRegistry
+from .base import (
+    Alignment,
+    AlignmentData,
+    MemoryProfile,
+    Options,
+    Pair,
+    Progress,
+    Refinement,
+    Strategy,
+    StrategyRegistry,
+    UniverseMaps,
+)
 from .options import GENERALIZED_ORTHOGONAL, HEAD_PERM, TRANSFUSION, VANILLA, WEIGHT_MATCHING
 
 REGISTRY = StrategyRegistry()
@@ -39,10 +54,14 @@ __all__ = [
     "REGISTRY",
     "Alignment",
     "AlignmentData",
+    "MemoryProfile",
     "Options",
     "Pair",
     "Progress",
+    "Refinement",
     "Strategy",
+    "StrategyRegistry",
+    "UniverseMaps",
     "align",
     "get_strategy",
 ]

@@ -1,8 +1,11 @@
 """What every strategy takes and returns, and the registry that names them.
 
 A strategy is a function ``run(pair, options, progress) -> Alignment`` plus a pydantic options
-model (``extra="forbid"``: recipes validate against it) and a few facts the runner needs before
-loading anything: whether the options need alignment data, and whether they preserve the function.
+model (``extra="forbid"``: recipes validate against it) and its capabilities: the facts the rest of
+the package asks of a strategy instead of testing its name (whether its options need alignment
+data or preserve the function, whether it aligns anything at all, whether it works on canonical
+forms, what it holds in memory, whether it refines a universe merge). A new strategy declares them
+in its `Strategy` entry and is cached, estimated and compared like the built-in ones.
 
 Torch-free at import: the registry, the options and these types are what a recipe and a dry run
 need, so tensors, solvers and the symmetry graph are only named for type checking here; a
@@ -18,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -100,29 +103,114 @@ class Alignment:
         return self.graph.apply(self.sd_b, self.transform)
 
 
+@dataclass
+class UniverseMaps:
+    """A universe merge after its rounds, as a joint refinement sees it: each model's state dict in
+    the form its map applies to, its map into the shared basis, and the merge's weights."""
+
+    template: PreTrainedModel  # model 0, live: the class and config every merged model is run as
+    graph: SymmetryGraph
+    state_dicts: Sequence[Mapping[str, Tensor]]
+    transforms: Sequence[Transform]
+    weights: Sequence[float]
+    untied: list[str]  # aliases untied by the canonical form
+    data: AlignmentData
+
+
+@dataclass
+class Refinement:
+    """A joint refinement's result: a new map per model, notes for the run, and the curve it drew."""
+
+    transforms: list[Transform]
+    notes: list[str]
+    history: dict[str, Any]
+
+
+class ModelShape(Protocol):
+    """A model's sizes as the memory estimate knows them from its files (`run.memory.ModelFootprint`)."""
+
+    @property
+    def params(self) -> int: ...  # elements of its tensors
+    @property
+    def width(self) -> int: ...  # its widest hidden space (MLP units or residual)
+    @property
+    def hidden(self) -> int: ...  # the residual stream's width
+    @property
+    def layers(self) -> int: ...
+
+
+def _never(_options: Any) -> bool:
+    return False
+
+
+def _always(_options: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What a strategy holds in memory besides the models it is given, in the terms the dry run's
+    estimate (`run.memory.estimate`) adds up, so that a new strategy is estimated from its entry.
+    The defaults are those of a data-free matching strategy (the estimate errs on the high side)."""
+
+    assignment: bool = True
+    """It solves assignment problems: the widest space's cost matrices are held while it runs."""
+    statistics: Callable[[Any, ModelShape], int] | None = None
+    """Bytes of activation statistics it holds at once, by options and model shape (a streamed run
+    adds the hidden states and one layer of each model); None: it reads no activations."""
+    learned: Callable[[Any], bool] = _never
+    """Whether these options run the learned-matching engine: models held whole with gradients, never streamed."""
+
+
 @dataclass(frozen=True)
 class Strategy:
-    """One registered strategy: what reports and recipes need, and the module whose ``run`` does the work.
+    """One registered strategy: what reports and recipes need, its capabilities, and the module
+    whose ``run`` does the work.
 
-    ``module`` is a module of this package (``"head_perm"``) with a function
-    ``run(pair, options, progress) -> Alignment``; it is imported by `Strategy.run`, so naming,
-    validating and describing a strategy never imports torch.
+    ``module`` names a module with a function ``run(pair, options, progress) -> Alignment``: a
+    module of this package (``"head_perm"``), or, dotted, any importable module
+    (``"my_package.my_strategy"``: a strategy registered from outside). It is imported by
+    `Strategy.run`, so naming, validating and describing a strategy never imports torch.
     """
 
     name: str
     paper: str
     options: type[Options]
     module: str
-    needs_data: Callable[[Any], bool] = lambda _o: False
-    exact: Callable[[Any], bool] = lambda _o: True
+    needs_data: Callable[[Any], bool] = _never
+    """Whether these options need alignment data (and both live models): the recipe then needs `data:`."""
+    exact: Callable[[Any], bool] = _always
+    """Whether these options preserve B's function (reports flag experimental ones that do not)."""
     summary: str = ""
+    identity: bool = False
+    """It aligns nothing (the identity map): not worth caching, no matching to estimate, and the
+    naive baseline (plain average, B + α·τ) a run compares the others with."""
+    canonical: bool = False
+    """It works on canonical forms (norm scales folded, a tied head untied), where its maps are
+    exact: every model is held in that form too, and an adapter must be able to follow it."""
+    memory: MemoryProfile = MemoryProfile()
+    """What it holds besides the models (the dry run's memory estimate)."""
+    universe_refinement: Callable[[Any], bool] = _never
+    """Whether, with these options, a universe merge of 3+ models ends with every map refined
+    together: the module's ``refine_universe(maps, options, progress) -> Refinement``."""
+
+    @property
+    def module_path(self) -> str:
+        """The full name of the module holding ``run``: ``module`` itself when dotted, else this package's."""
+        return self.module if "." in self.module else f"{__package__}.{self.module}"
 
     def run(self, pair: Pair, options: Any, progress: Progress | None) -> Alignment:
         """Bring B of ``pair`` into A's basis: ``run`` of this strategy's module (imported now)."""
-        run: Callable[[Pair, Any, Progress | None], Alignment] = importlib.import_module(
-            f"{__package__}.{self.module}"
-        ).run
+        run: Callable[[Pair, Any, Progress | None], Alignment] = importlib.import_module(self.module_path).run
         return run(pair, options, progress)
+
+    def refine_universe(self, maps: UniverseMaps, options: Any, progress: Progress | None) -> Refinement:
+        """Every model's map of a universe merge refined together (where `universe_refinement`
+        says so): ``refine_universe`` of this strategy's module (imported now)."""
+        refine: Callable[[UniverseMaps, Any, Progress | None], Refinement] = importlib.import_module(
+            self.module_path
+        ).refine_universe
+        return refine(maps, options, progress)
 
     def parse(self, options: Mapping[str, Any] | Options | None) -> Options:
         """Options from a mapping (a recipe's ``strategy`` section minus ``name``)."""
@@ -147,10 +235,17 @@ class StrategyRegistry:
         if strategy.name in self._by_name:
             raise ValueError(f"strategy {strategy.name!r} is registered twice")
         # found, not imported: a misspelt module fails here, at import of the registry, not mid-run
-        module = strategy.module if isinstance(strategy.module, str) else ""
-        if not (module.isidentifier() and importlib.util.find_spec(f"{__package__}.{module}") is not None):
-            raise ValueError(f"strategy {strategy.name!r} names no module of {__package__}: {strategy.module!r}")
+        if not _findable(strategy.module):
+            raise ValueError(
+                f"strategy {strategy.name!r} names no module of {__package__} (nor, dotted, an importable "
+                f"module): {strategy.module!r}"
+            )
         self._by_name[strategy.name] = strategy
+
+    def unregister(self, name: str) -> None:
+        """Forget strategy ``name`` (one registered for a while: a test's, a plug-in's)."""
+        self.get(name)
+        del self._by_name[name]
 
     @property
     def names(self) -> list[str]:
@@ -161,6 +256,17 @@ class StrategyRegistry:
         if found is None:
             raise StrategyOptionError(f"unknown strategy {name!r}; choose one of: {', '.join(self.names)}")
         return found
+
+
+def _findable(module: object) -> bool:
+    """Whether ``module`` names a module `Strategy.run` can import: one of this package by its bare
+    name, or a dotted full name (whose parent packages ``find_spec`` imports, not the module)."""
+    if not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
+        return False
+    try:
+        return importlib.util.find_spec(module if "." in module else f"{__package__}.{module}") is not None
+    except (ImportError, ValueError):  # a parent package that is not there, or not a package
+        return False
 
 
 def require_data(pair: Pair, strategy: str, why: str) -> AlignmentData:

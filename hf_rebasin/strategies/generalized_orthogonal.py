@@ -7,7 +7,8 @@ exact. Then, for a few rounds: the residual map by Procrustes over every residua
 heads by a LAP on QK-circuit (W_Qᵀ W_K) and OV-circuit (W_O W_V) similarity with orthogonal maps
 inside each head, MLP units by LAP. Post-norm models (BERT) keep a permuted residual.
 Optionally (``learned: true``, needs data) the maps are refined on the loss of the interpolated
-model (see :mod:`hf_rebasin.strategies.learned`), with ``learn_glu_scales`` B's gated-unit scales too.
+model (see :mod:`hf_rebasin.strategies.engines.learned`), with ``learn_glu_scales`` B's gated-unit scales too;
+in a universe merge of 3+ models, every model's map then again, together (`refine_universe`).
 
 B's gated units are rescaled at most once, in float64, by the product of the scales ``glu: balance``
 gives them (A's scale and sign) and the learned ones; the alignment carries that product
@@ -27,10 +28,10 @@ from ..canonical import canonicalize
 from ..features import WeightViews
 from ..sublayers import PER_SUBLAYER_NOTE
 from ..symmetry import HeadSpace, Space, Transform
-from .base import Alignment, Pair, Progress, matching_forms, require_data, timed
-from .descent import anchor_init, descend, per_sublayer_descent, space_solver, view_graph
-from .invertible import invertible_inner
-from .learned import LearnedSettings, refine
+from .base import Alignment, Pair, Progress, Refinement, UniverseMaps, matching_forms, require_data, timed
+from .engines.descent import anchor_init, descend, per_sublayer_descent, space_solver, view_graph
+from .engines.invertible import invertible_inner
+from .engines.learned import LearnedSettings, refine, refine_many
 from .options import GENERALIZED_ORTHOGONAL as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import LEARNED_ONLY as LEARNED_ONLY  # re-exported, as before
 from .options import GeneralizedOrthogonalOptions, default_learned_lr, parse_sampler
@@ -181,3 +182,21 @@ def learned_settings(options: GeneralizedOrthogonalOptions, batches: Sequence[Ma
         invertible=options.inner == "invertible",
         glu_scales=options.learn_glu_scales,
     )
+
+
+def refine_universe(maps: UniverseMaps, options: GeneralizedOrthogonalOptions, progress: Progress | None) -> Refinement:
+    """Theus et al.'s multi-model learned matching: every map of a universe merge refined together,
+    on the loss of merges with Dirichlet weights, starting from the universe's maps."""
+    transforms, notes, history = refine_many(
+        maps.template,
+        maps.graph,
+        maps.state_dicts,
+        maps.transforms,
+        maps.weights,
+        maps.untied,
+        maps.data.batches,
+        learned_settings(options, maps.data.batches),
+        float(options.dirichlet),
+        progress,
+    )
+    return Refinement(transforms, notes, history)

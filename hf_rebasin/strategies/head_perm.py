@@ -41,7 +41,7 @@ from ..symmetry import (
 )
 from ..tensors import CheckpointSource, is_lazy
 from .base import Alignment, AlignmentData, Pair, Progress, require_data, timed
-from .descent import solve_heads, solve_plain
+from .engines.descent import solve_heads, solve_plain
 from .options import HEAD_PERM as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import Component as Component  # re-exported, as before
 from .options import HeadPermOptions, Heads, unset_residual

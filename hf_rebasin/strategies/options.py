@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .base import Options, Strategy
+from .base import MemoryProfile, ModelShape, Options, Strategy
 
 __all__ = [
     "GENERALIZED_ORTHOGONAL",
@@ -32,6 +32,7 @@ __all__ = [
     "VanillaOptions",
     "WeightMatchingOptions",
     "head_perm_exact",
+    "head_perm_statistics",
     "parse_sampler",
     "residual_maps_exact",
     "residual_moment_bytes",
@@ -52,6 +53,8 @@ VANILLA = Strategy(
     options=VanillaOptions,
     module="vanilla",
     summary="identity transform: interpolate the weights as they are",
+    identity=True,
+    memory=MemoryProfile(assignment=False),
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +181,19 @@ def head_perm_exact(options: HeadPermOptions) -> bool:
     return options.heads != "ignore-heads" and not (options.residual == "separate" and "residual" in options.components)
 
 
+def head_perm_statistics(options: HeadPermOptions, shape: ModelShape) -> int:
+    """Bytes of activation statistics head-perm holds at once: one layer's cross moments (MLP units,
+    heads), and with a `residual` other than ``identity`` (unset: settled from the same sizes as
+    a streamed run settles it) every reading site's residual moments as well."""
+    moments = 8 * (shape.width**2 + 2 * shape.hidden**2)
+    residual = options.residual
+    if residual is None:
+        residual = unset_residual(shape.layers, shape.hidden, shape.params, streamed=True)
+    if residual != "identity":  # statistics of every reading site at once, whole forward passes
+        moments += residual_moment_bytes(shape.layers, shape.hidden)
+    return moments
+
+
 HEAD_PERM = Strategy(
     name="head-perm",
     paper="Verma & Elbayad, Merging Text Transformer Models from Different Initializations (TMLR 2024)",
@@ -186,6 +202,7 @@ HEAD_PERM = Strategy(
     needs_data=lambda _o: True,
     exact=head_perm_exact,
     summary="activation matching: correlation of features on alignment data, heads permuted as units",
+    memory=MemoryProfile(statistics=head_perm_statistics),
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -308,12 +325,20 @@ class GeneralizedOrthogonalOptions(Options):
         return self
 
 
+def learned_matching(options: GeneralizedOrthogonalOptions) -> bool:
+    """Whether generalized-orthogonal's options ask for learned matching (data, whole models, gradients)."""
+    return bool(options.learned)
+
+
 GENERALIZED_ORTHOGONAL = Strategy(
     name="generalized-orthogonal",
     paper="Theus et al., Generalized Linear Mode Connectivity for Transformers (2025)",
     options=GeneralizedOrthogonalOptions,
     module="generalized_orthogonal",
-    needs_data=lambda o: bool(o.learned),
+    needs_data=learned_matching,
     exact=residual_maps_exact,
     summary="data-free: orthogonal residual map (canonical form), heads by QK/OV circuits, units by LAP",
+    canonical=True,
+    memory=MemoryProfile(learned=learned_matching),
+    universe_refinement=learned_matching,  # the module's refine_universe: learned matching across all models
 )

@@ -22,7 +22,7 @@ from ..features import WeightViews
 from ..solvers import lap, lap_batch, singular_values
 from ..symmetry import HeadMap, HeadSpace, SymmetryGraph
 from .base import Alignment, Pair, Progress, matching_forms, timed
-from .descent import anchor_init, descend, finish_permutations, space_solver, view_graph
+from .engines.descent import anchor_init, descend, finish_permutations, space_solver, view_graph
 from .options import TRANSFUSION as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import TransfusionOptions
 

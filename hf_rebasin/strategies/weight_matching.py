@@ -16,7 +16,7 @@ from torch import Tensor
 from ..features import WeightViews
 from ..symmetry import SymmetryGraph, Transform, TransformClass
 from .base import Alignment, Pair, Progress, matching_forms, timed
-from .descent import anchor_init, descend, finish_permutations, space_solver, view_graph
+from .engines.descent import anchor_init, descend, finish_permutations, space_solver, view_graph
 from .options import WEIGHT_MATCHING as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import WeightMatchingOptions
 

@@ -78,8 +78,10 @@ def universe_lines(recipe: MergeRecipe) -> list[str]:
             "  note: with two models there is no third to share a basis with: universe only refines the pairwise "
             "alignment (each model aligned to the other in turn) and re-centres the merge between them"
         )
-    if recipe.strategy.name == "vanilla":
-        out.append("  note: vanilla aligns nothing, so universe rounds leave the plain average as it is")
+    if recipe.strategy.strategy.identity:
+        out.append(
+            f"  note: {recipe.strategy.name} aligns nothing, so universe rounds leave the plain average as it is"
+        )
     return out
 
 
@@ -91,7 +93,7 @@ def _describe(recipe: MergeRecipe) -> list[str]:
 
 def _streams(recipe: MergeRecipe) -> bool:
     """Tensor by tensor unless something needs whole models: an evaluation, a universe merge, learned matching."""
-    learned = getattr(recipe.strategy.options, "learned", False)
+    learned = recipe.strategy.strategy.memory.learned(recipe.strategy.options)
     return recipe.evaluate is None and recipe.merge.universe is None and not learned
 
 
@@ -108,9 +110,9 @@ JOB = Job(
     describe=_describe,
     card=CardPart(
         title=_title,
-        intro="""{% if strategy_name == "vanilla" -%}
+        intro="""{% if aligns_nothing -%}
 This model is a weighted average of the weights of the models below, taken as they are
-(`vanilla`: no alignment). It is the baseline that the re-basin strategies of hf-rebasin are
+(`{{ strategy_name }}`: no alignment). It is the baseline that the re-basin strategies of hf-rebasin are
 measured against.
 {%- else -%}
 This model is a weighted average of the weights of the models below, taken after bringing every

@@ -15,7 +15,7 @@ from ...roles import MergeRoles
 from ...run.load import Workspace, weights
 from ...run.result import JobOutput
 from ...run.stages import align_others, check_inputs, curves, job_result, preservation, writing
-from ...strategies import Alignment
+from ...strategies import Alignment, get_strategy
 from ...universe import universe_merge
 from ..barrier.run import aligned_preservation, findings_of, save_curves
 from . import MergeRecipe
@@ -73,9 +73,10 @@ def _scores(
     scores: dict[str, dict[str, Any]] = {}
     with ws.clock.stage("evaluate"):
         scores[name] = ws.score(a.model, merged, untie, ws.eval_batches, ws.task)
-        if "vanilla" in ev.compare and name != "vanilla":
+        naive = [c for c in ev.compare if get_strategy(c).identity]  # the plain average, unless it is ours
+        if naive and not get_strategy(name).identity:
             plain = merge_state_dicts([weights(lm) for lm in models.all], mix)
-            scores["vanilla"] = ws.score(a.model, plain, False, ws.eval_batches, ws.task)
+            scores[naive[0]] = ws.score(a.model, plain, False, ws.eval_batches, ws.task)
     if universe is not None:
         ws.notes.append(
             f"universe: loss {scores[name]['loss']:.4f} nats; the reference merge (every model aligned "

@@ -20,6 +20,7 @@ from ...recipe.sections import (
     _number,
 )
 from ...roles import TransportRoles
+from ...strategies import get_strategy
 from .. import CardPart, Job
 from ..describe import data_line, describe_auto
 
@@ -109,7 +110,7 @@ class TransportRecipe(AlignedRecipe):
                     "at": "alpha" if ev is None else "evaluate.support",
                 },
             )
-        if ev is not None and set(ev.compare) - {"vanilla"}:
+        if ev is not None and any(not get_strategy(name).identity for name in ev.compare):
             raise PydanticCustomError(
                 "recipe",
                 "job: transport compares with the naive B + α·τ (`vanilla`) only: `compare: [vanilla]` or `[]`",
@@ -153,7 +154,7 @@ def _describe(recipe: TransportRecipe) -> list[str]:
     out += [f"evaluate: {ev.task}, batch size {ev.batch_size}, seed {ev.seed}", f"  data: {data_line(ev.data)}"]
     if ev.support is not None:
         out.append(f"  support: {data_line(ev.support)}")
-    naive = ", naive B + α·τ" if "vanilla" in ev.compare else ""
+    naive = ", naive B + α·τ" if any(get_strategy(name).identity for name in ev.compare) else ""
     out.append(f"  scored: target B, old base A, fine-tune A + τ, transported B + α·π(τ){naive}")
     if ev.support is not None:
         out.append("  trade-off: task gain over B against support cost over B, per α (tradeoff.png)")
@@ -163,7 +164,7 @@ def _describe(recipe: TransportRecipe) -> list[str]:
 def _streams(recipe: TransportRecipe) -> bool:
     """Tensor by tensor without an evaluation or learned matching (and, checked on the files, for
     a full fine-tune of its base's class: `run.plan.streamed`)."""
-    return recipe.evaluate is None and not getattr(recipe.strategy.options, "learned", False)
+    return recipe.evaluate is None and not recipe.strategy.strategy.memory.learned(recipe.strategy.options)
 
 
 def _title(names: Sequence[str]) -> str:

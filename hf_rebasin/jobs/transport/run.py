@@ -27,7 +27,7 @@ from ...run.data import BatchSpec, batches
 from ...run.load import Workspace, weights
 from ...run.result import JobOutput
 from ...run.stages import check_inputs, job_result, options_as_run, preservation, timed_align, writing
-from ...strategies import Alignment, Pair, align
+from ...strategies import Alignment, Pair, align, get_strategy
 from ...sublayers import is_per_sublayer, per_sublayer
 from ...symmetry import SymmetryGraph
 from ...transport import add_task_vector, move_finetune
@@ -111,18 +111,14 @@ def _graph(ws: Workspace, models: TransportRoles[LoadedModel]) -> SymmetryGraph:
     graph = models.target.graph
     if ws.adapter is None:
         return graph
-    name = ws.recipe.strategy.name
-    # generalized-orthogonal works in canonical form: an adapter follows it when its factors can
-    # take the norm scales (see lora.transport_adapter); otherwise permutations only
-    blocker = (
-        canonical_blocker(ws.adapter, graph, weights(models.base))
-        if name == "generalized-orthogonal"
-        else "permutation strategy"
-    )
+    canonical = get_strategy(ws.recipe.strategy.name).canonical
+    # a strategy that works in canonical form (generalized-orthogonal): an adapter follows it when
+    # its factors can take the norm scales (see lora.transport_adapter); otherwise permutations only
+    blocker = canonical_blocker(ws.adapter, graph, weights(models.base)) if canonical else "permutation strategy"
     if blocker is None:
         return graph
     limited, demoted = lora_graph(graph)  # graph.fallbacks names the spaces limited to permutations
-    if demoted and name == "generalized-orthogonal":
+    if demoted and canonical:
         ws.notes.append(f"the adapter cannot follow the canonical form: {blocker}")
     return limited
 
@@ -177,10 +173,11 @@ def _note_carried(ws: Workspace, models: TransportRoles[LoadedModel], moved: Mov
 def _naive(ws: Workspace, models: TransportRoles[LoadedModel]) -> Moved | None:
     """B + α·τ (``compare: [vanilla]``): the transport of an identity alignment."""
     ev = ws.recipe.evaluate
-    if ev is None or "vanilla" not in ev.compare:
+    naive = [c for c in ev.compare if get_strategy(c).identity] if ev is not None else []
+    if not naive:
         return None
     b, a = models.target, models.base
-    plain = align("vanilla", Pair(b.graph, weights(b), weights(a)))
+    plain = align(naive[0], Pair(b.graph, weights(b), weights(a)))
     return move_task_vector(models, plain, b.graph)
 
 

@@ -22,10 +22,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from ..features import WeightViews, neighbours
-from ..features.weights import spaces_of
-from ..solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
-from ..symmetry import (
+from ...features import WeightViews, neighbours
+from ...features.weights import spaces_of
+from ...solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
+from ...symmetry import (
     AxisMap,
     HeadMap,
     HeadSpace,
@@ -36,7 +36,7 @@ from ..symmetry import (
     TransformClass,
     plain_class,
 )
-from .base import Pair, Progress
+from ..base import Pair, Progress
 
 Views = Mapping[str | None, Tensor]
 SpaceSolver = Callable[[str, Views], SpaceMap]
@@ -460,7 +460,7 @@ def per_sublayer_descent(
     over every stream, and one from a forward sweep down the chain (:func:`chain_init`); the better
     matched. ``solver`` builds the strategy's space solver for the split graph; spaces in ``keep``
     keep their ``start`` maps."""
-    from ..sublayers import depth_order, per_sublayer, spread
+    from ...sublayers import depth_order, per_sublayer, spread
 
     split = per_sublayer(graph)
     vgraph = view_graph(split, cls)
@@ -501,7 +501,7 @@ def finish_permutations(
     graph, transform, notes = permutation_streams(matched, transform, options, progress, outer)
     if not balanced:
         return graph, transform, notes, pair.sd_b
-    from .. import glu
+    from ... import glu
 
     return graph, transform, notes, glu.match_scales(graph, pair.sd_a, pair.sd_b, transform)
 
@@ -517,7 +517,7 @@ def permutation_streams(
     sublayer when ``options.residual_maps`` asks for it (head pairings ``outer`` stay fixed)."""
     if options.residual_maps != "per-sublayer":
         return pair.graph, transform, []
-    from ..sublayers import PER_SUBLAYER_NOTE
+    from ...sublayers import PER_SUBLAYER_NOTE
 
     solver = functools.partial(space_solver, cls="permutation", outer=outer)
     graph, transform = per_sublayer_descent(

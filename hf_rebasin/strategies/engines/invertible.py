@@ -25,7 +25,7 @@ import torch
 from scipy.linalg import solve_sylvester
 from torch import Tensor
 
-from ..symmetry import HeadMap, HeadSpace, SymmetryGraph, Transform, inner_matrices, plane_scalings
+from ...symmetry import HeadMap, HeadSpace, SymmetryGraph, Transform, inner_matrices, plane_scalings
 
 
 def head_rows(graph: SymmetryGraph, sd: Mapping[str, Tensor], space: str) -> dict[str, Tensor]:

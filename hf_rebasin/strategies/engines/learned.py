@@ -38,11 +38,11 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from .. import glu
-from ..errors import MissingDataError
-from ..models import rebuild
-from ..solvers import lap, procrustes, sinkhorn, svd
-from ..symmetry import (
+from ... import glu
+from ...errors import MissingDataError
+from ...models import rebuild
+from ...solvers import lap, procrustes, sinkhorn, svd
+from ...symmetry import (
     AxisMap,
     HeadMap,
     HeadSpace,
@@ -53,7 +53,7 @@ from ..symmetry import (
     inner_matrices,
     plane_scalings,
 )
-from .base import Pair, Progress
+from ..base import Pair, Progress
 
 
 @dataclass(frozen=True)
