@@ -137,8 +137,8 @@ def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie:
         folder,
         untie=untie,
         max_shard_size=ws.recipe.output.max_shard_size,
-        dtype=ws.score.dtype,
-        dtypes=ws.score.dtypes,
+        dtype=ws.output_dtype.dtype,
+        dtypes=ws.output_dtype.kept,
         progress=writing(ws.progress),
     )
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained

@@ -404,8 +404,8 @@ def _save(
             folder,
             untie=moved.untie,
             max_shard_size=recipe.output.max_shard_size,
-            dtype=ws.score.dtype,
-            dtypes=ws.score.dtypes,
+            dtype=ws.output_dtype.dtype,
+            dtypes=ws.output_dtype.kept,
             progress=writing(ws.progress),
         )
     else:
@@ -418,7 +418,7 @@ def _save(
             alpha=alpha,
             target=adapter.target,
             whole=adapter.whole,
-            dtype=ws.score.dtype,
+            dtype=ws.output_dtype.dtype,
         )
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained: B's files as they were
     save_diagnostics(folder, alignment.diagnostics)
