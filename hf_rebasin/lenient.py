@@ -1,6 +1,6 @@
 """`Part`: a pydantic model for JSON that one version writes and any version reads back.
 
-The base of every part of ``rebasin.json`` (`record`). A part is built by keyword or,
+The base of every part of ``rebasin.json`` (`record`, `scores`). A part is built by keyword or,
 like the dataclasses the record used to be, positionally in field order, and validated as usual.
 `Part.to_json` is its JSON form (aliases applied; a key named in ``_omit_none`` only when set).
 `Part.from_json` reads one back leniently, whatever version wrote it: a field that is missing,

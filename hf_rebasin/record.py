@@ -5,10 +5,9 @@ Pure data and its JSON form (pydantic models, see `lenient.Part`), torch-free, s
 `RunRecord.from_json` reads a written file back, including records written by older versions or
 cut short: a key that is missing, null or unreadable takes the default that meant (a model
 without ``source`` was a local folder, no ``dtype`` entry means no output dtype was recorded, a
-damaged model entry is model ``?``), and keys this version does not know are ignored.
-
-The job's scores (``curves``, ``merged``, ``transport``, ``universe``, ``function_preserved``)
-stay JSON objects: their keys vary with the job, the metric and the options.
+damaged model entry is model ``?``), and keys this version does not know are ignored, except
+inside the job's score blocks (`scores`), which keep them. ``curves``, ``barrier`` and
+``diagnostics`` stay JSON objects: their keys vary with the strategy and its options.
 """
 
 from __future__ import annotations
@@ -18,14 +17,17 @@ from typing import Any
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    field_validator,
     model_serializer,
     model_validator,
 )
 
 from . import __version__
 from .lenient import Part, reading
+from .scores import Preservation, Score, Transport, Universe
 
 __all__ = ["CacheStats", "DatasetEntry", "DtypeEntry", "Findings", "ModelEntry", "RunRecord"]
 
@@ -93,30 +95,38 @@ class DtypeEntry(Part):
 
 
 class Findings(Part):
-    """What a job found: the job's part of the record (its top-level keys).
+    """What a job found: the job's part of the record (its top-level keys), complete when built.
 
     ``merged`` and ``merge_weights`` belong to merge and barrier records (a barrier's weights are
     null); a transport record has ``transport`` instead and neither of those keys. ``universe`` is
-    written only with ``merge.universe``.
+    written only with ``merge.universe``; ``function_preserved`` is None (``{}``) when not recorded.
     """
+
+    model_config = ConfigDict(frozen=True)
 
     strategy: str = ""
     strategy_options: dict[str, Any] = Field(default_factory=dict)
     task: str = ""
     canonical: bool = False
     untied: list[str] = Field(default_factory=list)
-    function_preserved: dict[str, Any] = Field(default_factory=dict)
+    function_preserved: Preservation | None = None
     barrier: dict[str, dict[str, Any]] = Field(default_factory=dict)
     curves: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    merged: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    merged: dict[str, Score] = Field(default_factory=dict)
     merge_weights: list[float] | None = None
-    universe: dict[str, Any] | None = None  # merge.universe only
-    transport: dict[str, Any] | None = None  # job: transport only
+    universe: Universe | None = None  # merge.universe only
+    transport: Transport | None = None  # job: transport only
     diagnostics: dict[str, Any] = Field(default_factory=dict)  # learned: barrier vs steps
+
+    @field_validator("function_preserved", mode="before")
+    @classmethod
+    def _recorded(cls, value: Any) -> Any:
+        return value or None  # an empty entry: not recorded
 
     @model_serializer(mode="wrap")
     def _omit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out: dict[str, Any] = handler(self)
+        out["function_preserved"] = out["function_preserved"] or {}
         drop = {"merged", "merge_weights"} if self.transport is not None else {"transport"}
         return {k: v for k, v in out.items() if k not in drop and (k != "universe" or v is not None)}
 
