@@ -12,15 +12,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePath, PureWindowsPath
-from typing import Any
+from typing import Any, TypeVar
 
 from huggingface_hub import ModelCard, ModelCardData
 
 from .jobs import JOBS, CardPart
 from .record import DatasetEntry, Findings, ModelEntry, RunRecord
 from .resources import resource
+from .scores import AdapterSummary, Preservation, Score, Scores, Transport, Universe
 
 TAGS = ("merge", "hf-rebasin", "re-basin")
 
@@ -46,6 +47,8 @@ _UNKNOWN_JOB = CardPart(
     preserved="Aligning a model only re-expresses its weights in another basis; its outputs should not change.",
     pair="a model and its aligned form",
 )
+
+V = TypeVar("V")
 
 # Hugging Face user access tokens; a recipe has no field for one, but a card must never carry one.
 _TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
@@ -118,16 +121,16 @@ def _typed(record: RunRecord | Mapping[str, Any]) -> RunRecord:
     return record if isinstance(record, RunRecord) else RunRecord.from_json(record)
 
 
-def _adapter(found: Findings) -> Mapping[str, Any] | None:
+def _adapter(found: Findings) -> AdapterSummary | None:
     """A transported LoRA adapter's entry (rank, modules, ...); None for a full model or a merge."""
-    return (found.transport or {}).get("adapter") or None
+    return found.transport.adapter if found.transport is not None else None
 
 
 def _context(record: RunRecord, recipe_text: str, command: str) -> dict[str, Any]:
     """Everything the template shows, already escaped and formatted (names avoid card_data's keys)."""
     job, found = record.job, record.findings
     strategy = found.strategy or "unknown"
-    transport = found.transport or {}
+    transport = found.transport or Transport()
     inputs = _inputs(record)
     curves = _curves(found.curves, strategy)
     recipe = _redact(recipe_text.rstrip("\n"))
@@ -151,12 +154,12 @@ def _context(record: RunRecord, recipe_text: str, command: str) -> dict[str, Any
         "learned": _learned(found.diagnostics.get("learned")),
         "alignment_reading": _alignment_reading(found.diagnostics.get("alignment")),
         "merged_scores": _merged_scores(found.merged, strategy, found.universe),
-        "transport_rows": _transport_rows(transport),
-        "transport_support": _transport_rows(transport.get("support") or {}, transport),
+        "transport_rows": _transport_rows(transport, transport),
+        "transport_support": _transport_rows(transport.support, transport),
         "chosen": _chosen(transport),
         "tradeoff_table": _tradeoff_table(transport),
         "tradeoff_reading": _tradeoff_reading(transport),
-        "tradeoff_missing": bool(transport.get("loss")) and not transport.get("support"),
+        "tradeoff_missing": _scored(transport) and transport.support is None,
         "adapter": _adapter(found),
         "moved": _moved(transport),
         "function_preserved": _function_preserved(found.function_preserved, part.pair),
@@ -214,93 +217,94 @@ def _dtype(record: RunRecord, model: bool) -> str | None:
     why = _DTYPE_SOURCES.get(str(entry.source), "the reference model's dtype")
     compute = _cell(entry.compute or "float32")
     sentence = f"{what} stored as {_cell(str(out))} ({why}); every computation ran in {compute}"
-    scored = bool(found.merged) or bool((found.transport or {}).get("loss"))
+    scored = bool(found.merged) or (found.transport is not None and _scored(found.transport))
     if scored and out != compute:
         sentence += f", and the scores above are of the weights rounded to {_cell(str(out))}, as stored"
     return sentence + "."
 
 
-def _moved(transport: Mapping[str, Any]) -> list[str]:
+def _scored(scores: Scores | None) -> bool:
+    """Whether a transport was scored on the data (a record without ``evaluate`` has the α only)."""
+    return scores is not None and scores.loss is not None
+
+
+def _moved(transport: Transport) -> list[str]:
     """What a transport carried where, in words (the card's "What moved")."""
     lines = []
-    adapter = transport.get("adapter")
-    if adapter:
-        rank = adapter.get("rank")
+    adapter = transport.adapter
+    if adapter is not None:
         lines.append(
-            f"LoRA factors of {adapter.get('modules')} modules (rank {rank}, lora_alpha {adapter.get('lora_alpha')}), "
+            f"LoRA factors of {adapter.modules} modules (rank {adapter.rank}, lora_alpha {adapter.lora_alpha}), "
             "each factor mapped on the axis it shares with its weight"
             + (
                 "; the residual stream is rotated: a factor that reads a norm takes A's norm scale in and "
                 "1/B's out, a factor that writes the residual is centered"
-                if adapter.get("canonical")
+                if adapter.canonical
                 else ""
             )
         )
-        for name in adapter.get("full_tensors") or []:
+        for name in adapter.full_tensors:
             lines.append(f"`{_cell(str(name))}` (stored whole): target + π(saved − base)")
-        for name in adapter.get("whole_biases") or []:
+        for name in adapter.whole_biases:
             lines.append(
                 f"`{_cell(str(name))}` (stored whole, `bias: lora_only`): B's bias plus the shift the update makes "
                 "through the norm's folded β"
             )
-    for name in transport.get("carried") or []:
+    for name in transport.carried or []:
         lines.append(f"`{_cell(str(name))}` (only in the fine-tune): moved whole into B's basis")
     return lines
 
 
 def _merged_scores(
-    merged: Mapping[str, Any], strategy: str, universe: Mapping[str, Any] | None = None
+    merged: Mapping[str, Score], strategy: str, universe: Universe | None = None
 ) -> list[dict[str, str]]:
     """Rows of the merged-model table: this merge first, then (universe) the merge it started
     from, then the unaligned average if scored."""
     scored = [(f"this model (`{strategy}`)", merged[strategy])] if strategy in merged else []
-    if universe and universe.get("reference"):
-        rounds = universe.get("rounds")
-        scored.append((f"every model aligned to A only (before the {rounds} universe rounds)", universe["reference"]))
+    if universe is not None and universe.reference is not None:
+        before = f"every model aligned to A only (before the {universe.rounds} universe rounds)"
+        scored.append((before, universe.reference))
     scored += [(f"the same weights without alignment (`{k}`)", v) for k, v in merged.items() if k != strategy]
     rows = []
     for name, score in scored:
-        metric = ", ".join(f"{k} {float(v):.4f}" for k, v in (score.get("metric") or {}).items()) or "—"
-        rows.append({"model": _cell(name), "loss": f"{float(score['loss']):.4f}", "metric": _cell(metric)})
+        metric = ", ".join(f"{k} {float(v):.4f}" for k, v in score.metric.items()) or "—"
+        rows.append({"model": _cell(name), "loss": f"{_float(score.loss):.4f}", "metric": _cell(metric)})
     return rows
 
 
-def _saved_index(transport: Mapping[str, Any]) -> int:
+def _saved_index(transport: Transport) -> int:
     """Which α of ``alphas`` the folder holds: the one `alpha: auto` chose, else the first."""
-    alphas = [float(a) for a in transport.get("alphas") or []]
-    chosen = (transport.get("chosen") or {}).get("alpha")
-    return alphas.index(float(chosen)) if chosen is not None and float(chosen) in alphas else 0
+    chosen = transport.chosen.alpha if transport.chosen is not None else None
+    return transport.alphas.index(chosen) if chosen is not None and chosen in transport.alphas else 0
 
 
-def _transport_rows(scores: Mapping[str, Any], outer: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
+def _transport_rows(scores: Scores | None, outer: Transport) -> list[dict[str, str]]:
     """Rows of a transport table: target, old base, fine-tune, then naive and transported per α."""
-    loss, metric = scores.get("loss") or {}, scores.get("metric") or {}
-    if not loss:
+    if scores is None or scores.loss is None:
         return []
-    alphas = (outer or scores).get("alphas") or []
-    saved = _saved_index(outer or scores)
+    loss, metric = scores.loss, scores.metric
+    saved = _saved_index(outer)
 
-    def row(label: str, value: float, extra: Mapping[str, float] | None) -> dict[str, str]:
+    def row(label: str, value: float | None, extra: Mapping[str, Any] | None) -> dict[str, str]:
         shown = ", ".join(f"{k} {float(v):.4f}" for k, v in (extra or {}).items()) or "—"
-        return {"model": _cell(label), "loss": f"{float(value):.4f}", "metric": _cell(shown)}
+        return {"model": _cell(label), "loss": f"{_float(value):.4f}", "metric": _cell(shown)}
 
-    rows = [row("target B", loss["target"], metric.get("target"))]
-    if "base" in loss:  # recorded since the trade-off: what the fine-tune forgot is A_ft against A
-        rows.append(row("old base A", loss["base"], metric.get("base")))
-    rows.append(row("fine-tune A + τ", loss["finetuned"], metric.get("finetuned")))
-    for i, alpha in enumerate(alphas):
-        if "naive" in loss:
-            rows.append(
-                row(f"naive B + {float(alpha):g}·τ (no alignment)", loss["naive"][i], (metric.get("naive") or [{}])[i])
-            )
-        rows.append(
-            row(
-                f"this model: B + {float(alpha):g}·π(τ)" if i == saved else f"B + {float(alpha):g}·π(τ)",
-                loss["transported"][i],
-                (metric.get("transported") or [{}])[i],
-            )
-        )
+    rows = [row("target B", loss.target, metric.target if metric else None)]
+    if loss.base is not None:  # recorded since the trade-off: what the fine-tune forgot is A_ft against A
+        rows.append(row("old base A", loss.base, metric.base if metric else None))
+    rows.append(row("fine-tune A + τ", loss.finetuned, metric.finetuned if metric else None))
+    for i, alpha in enumerate(outer.alphas):
+        if loss.naive is not None:
+            naive = _at(metric.naive if metric else None, i)
+            rows.append(row(f"naive B + {alpha:g}·τ (no alignment)", _at(loss.naive, i), naive))
+        this = f"this model: B + {alpha:g}·π(τ)" if i == saved else f"B + {alpha:g}·π(τ)"
+        rows.append(row(this, _at(loss.transported, i), _at(metric.transported if metric else None, i)))
     return rows
+
+
+def _float(value: float | None) -> float:
+    """A number as the tables show it; one written as null (not finite) is shown as nan."""
+    return math.nan if value is None else float(value)
 
 
 _RULES = {
@@ -311,56 +315,53 @@ _RULES = {
 }
 
 
-def _chosen(transport: Mapping[str, Any]) -> str | None:
+def _chosen(transport: Transport) -> str | None:
     """One sentence on the α `alpha: auto` saved, and why; None when the recipe gave α itself."""
-    chosen = transport.get("chosen")
-    if not chosen:
+    chosen = transport.chosen
+    if chosen is None:
         return None
-    try:
-        alpha, rule = float(chosen["alpha"]), str(chosen.get("rule"))
-        reason = str(chosen.get("reason") or _RULES.get(rule, rule))
-    except (KeyError, TypeError, ValueError):
-        return None
-    grid = ", ".join(f"{float(a):g}" for a in transport.get("alphas") or [])
-    return _cell(f"α = {alpha:g} chosen automatically (`alpha: auto` over {grid}): {reason}.")
+    reason = chosen.reason or _RULES.get(chosen.rule, chosen.rule)
+    grid = ", ".join(f"{a:g}" for a in transport.alphas)
+    return _cell(f"α = {chosen.alpha:g} chosen automatically (`alpha: auto` over {grid}): {reason}.")
 
 
-def _tradeoff_table(transport: Mapping[str, Any]) -> str | None:
+def _tradeoff_table(transport: Transport) -> str | None:
     """The trade-off table of a record that has one (records from before it render as they did)."""
-    if not transport.get("tradeoff"):
+    if transport.tradeoff is None:
         return None
     from .report import tradeoff_table
 
-    alphas = [float(a) for a in transport.get("alphas") or []]
-    saved = alphas[_saved_index(transport)] if alphas else None
+    saved = transport.alphas[_saved_index(transport)] if transport.alphas else None
     try:
-        table = tradeoff_table(transport, saved)
+        table = tradeoff_table(transport.to_json(), saved)
     except (KeyError, TypeError, ValueError, IndexError):  # a damaged record still renders a card
         return None
     return table.rstrip("\n") if table else None
 
 
-def _tradeoff_reading(transport: Mapping[str, Any]) -> str | None:
+def _tradeoff_reading(transport: Transport) -> str | None:
     """One sentence on the fine-tune's own forgetting, beside what the saved model costs B."""
-    points = transport.get("tradeoff") or {}
-    own = points.get("finetuned")
-    if not own:
+    points = transport.tradeoff
+    own = points.finetuned if points is not None else None
+    if points is None or own is None or own.gain is None or own.cost is None:  # not finite: null
         return None
-    try:
-        text = (
-            f"The fine-tune itself, on its own base A, has a task gain of {float(own['gain']):+.4f} nats and a "
-            f"support cost of {float(own['cost']):+.4f} nats: what it forgot, τ carries along."
-        )
-        moved = points.get("transported")
-        if moved:
-            i = _saved_index(transport)
-            text += (
-                f" This model, over B: task gain {float(moved['gain'][i]):+.4f} nats, support cost "
-                f"{float(moved['cost'][i]):+.4f} nats."
-            )
-    except (KeyError, TypeError, ValueError, IndexError):
-        return None
+    text = (
+        f"The fine-tune itself, on its own base A, has a task gain of {own.gain:+.4f} nats and a "
+        f"support cost of {own.cost:+.4f} nats: what it forgot, τ carries along."
+    )
+    moved = points.transported
+    if moved is not None:
+        i = _saved_index(transport)
+        gain, cost = (_at(values, i) for values in (moved.gain, moved.cost))
+        if gain is None or cost is None:  # a damaged record still renders a card
+            return None
+        text += f" This model, over B: task gain {gain:+.4f} nats, support cost {cost:+.4f} nats."
     return text
+
+
+def _at(values: Sequence[V] | None, i: int) -> V | None:
+    """``values[i]``, None past the end (a damaged record still renders a card)."""
+    return values[i] if values is not None and 0 <= i < len(values) else None
 
 
 def _alignment_reading(similarity: Mapping[str, Any] | None) -> str | None:
@@ -576,16 +577,14 @@ def _barrier_reading(
     return f"`{strategy}` {verb} the linear barrier from {base:.3f} to {ours:.3f} nats{change}."
 
 
-def _function_preserved(entry: Mapping[str, Any] | None, pair: str) -> str:
-    if not entry:
+def _function_preserved(entry: Preservation | None, pair: str) -> str:
+    if entry is None:
         return "Function preservation was not recorded for this run."
-    diff = entry.get("max_abs_diff")
-    if diff is None:
-        reason = str(entry.get("reason") or "no reason recorded")
-        return f"max |Δ logits| between {pair} was not measured: {reason}."
-    where = f" (on {entry['inputs']})" if entry.get("inputs") else ""
-    tol = f", within the tolerance {float(entry['tolerance']):.1e}" if entry.get("tolerance") is not None else ""
-    return f"max |Δ logits| between {pair}: {float(diff):.2e}{where}{tol}."
+    if entry.max_abs_diff is None:
+        return f"max |Δ logits| between {pair} was not measured: {entry.reason or 'no reason recorded'}."
+    where = f" (on {entry.inputs})" if entry.inputs else ""
+    tol = f", within the tolerance {entry.tolerance:.1e}" if entry.tolerance is not None else ""
+    return f"max |Δ logits| between {pair}: {entry.max_abs_diff:.2e}{where}{tol}."
 
 
 def _load(record: RunRecord) -> dict[str, str]:

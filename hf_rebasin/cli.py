@@ -27,6 +27,7 @@ from .names import KINDS
 
 if TYPE_CHECKING:
     from .run import RunResult
+    from .scores import Transport
     from .verify import VerifyReport
 
 EXIT_OK = 0
@@ -546,17 +547,18 @@ def print_run_summary(console: Console, result: RunResult) -> None:
             label = f"{c.losses[half]:.4f}" + ("" if c.lambdas[half] == 0.5 else f" (λ={c.lambdas[half]:.2f})")
             table.add_row(escape(name), f"{b['midpoint']:.4f}", f"{b['linear']:.4f}", label)
         console.print(table)
-    if result.transport.get("loss"):
+    if result.transport is not None and result.transport.loss is not None:
         _print_transport(console, result.transport)
     for label, score in result.merged.items():
-        metrics = "".join(f", {k} {v:.4g}" for k, v in score["metric"].items())
+        metrics = "".join(f", {k} {v:.4g}" for k, v in score.metric.items())
         what = "merged model" if label == result.strategy else f"merged without alignment ({label})"
-        console.print(f"{escape(what)}: loss {score['loss']:.4f}{escape(metrics)}")
-    gap = result.function_preserved.get("max_abs_diff")
-    if gap is not None:
-        console.print(f"function preserved: max |Δ logits| of aligned models = {gap:.3g}")
+        console.print(f"{escape(what)}: loss {score.loss:.4f}{escape(metrics)}")
+    preserved = result.function_preserved
+    if preserved is not None and preserved.max_abs_diff is not None:
+        console.print(f"function preserved: max |Δ logits| of aligned models = {preserved.max_abs_diff:.3g}")
     else:
-        console.print(f"function preserved: not checked ({escape(str(result.function_preserved.get('reason')))})")
+        reason = preserved.reason if preserved is not None else None
+        console.print(f"function preserved: not checked ({escape(str(reason))})")
     for note in result.notes:
         console.print(f"note: {escape(note)}", soft_wrap=True)
     if result.canonical:
@@ -580,25 +582,25 @@ def print_run_summary(console: Console, result: RunResult) -> None:
     )
 
 
-def _print_transport(console: Console, moved: dict[str, Any]) -> None:
+def _print_transport(console: Console, moved: Transport) -> None:
     """Loss (and metric) of B, A_ft, B + α·τ and B + α·π(τ) on the task data, and on the support data."""
-    for title, scores in (("task data", moved), ("support data", moved.get("support"))):
-        if not scores:
+    for title, scores in (("task data", moved), ("support data", moved.support)):
+        if scores is None or scores.loss is None or scores.metric is None:
             continue
         table = Table(title=f"transport: loss on the {title} (nats)", title_justify="left")
         table.add_column("model")
         table.add_column("loss", justify="right")
         table.add_column("metric", justify="right")
 
-        loss, metric = scores["loss"], scores["metric"]
-        rows = [("target B", loss["target"], metric["target"])]
-        if "base" in loss:
-            rows.append(("old base A", loss["base"], metric["base"]))
-        rows.append(("fine-tune A + τ", loss["finetuned"], metric["finetuned"]))
-        for i, alpha in enumerate(moved["alphas"]):
-            if "naive" in loss:
-                rows.append((f"naive B + {alpha:g}·τ", loss["naive"][i], metric["naive"][i]))
-            rows.append((f"transported B + {alpha:g}·π(τ)", loss["transported"][i], metric["transported"][i]))
+        loss, metric = scores.loss, scores.metric
+        rows = [("target B", loss.target, metric.target)]
+        if loss.base is not None and metric.base is not None:
+            rows.append(("old base A", loss.base, metric.base))
+        rows.append(("fine-tune A + τ", loss.finetuned, metric.finetuned))
+        for i, alpha in enumerate(moved.alphas):
+            if loss.naive is not None and metric.naive is not None:
+                rows.append((f"naive B + {alpha:g}·τ", loss.naive[i], metric.naive[i]))
+            rows.append((f"transported B + {alpha:g}·π(τ)", loss.transported[i], metric.transported[i]))
         for label, value, extra in rows:
             shown = ", ".join(f"{k} {v:.4g}" for k, v in extra.items())
             table.add_row(escape(label), f"{value:.4f}", escape(shown))
@@ -606,29 +608,27 @@ def _print_transport(console: Console, moved: dict[str, Any]) -> None:
     _print_tradeoff(console, moved)
 
 
-def _print_tradeoff(console: Console, moved: dict[str, Any]) -> None:
+def _print_tradeoff(console: Console, moved: Transport) -> None:
     """Task gain and support cost over B per α (and the fine-tune's own over A), and the α that
     `alpha: auto` saved."""
-    points = moved.get("tradeoff") or {}
-    if points.get("transported"):
+    points = moved.tradeoff
+    if points is not None and points.transported is not None:
         table = Table(title="transport: task gain against support cost (nats over B)", title_justify="left")
         for column in ("model", "α", "task gain", "support cost"):
             table.add_column(column, justify="left" if column == "model" else "right")
-        own = points.get("finetuned")
-        if own:
-            table.add_row("fine-tune A + τ (over A)", "—", f"{own['gain']:+.4f}", f"{own['cost']:+.4f}")
-        for i, alpha in enumerate(points["alphas"]):
-            for key, label in (("naive", "naive B + α·τ"), ("transported", "transported B + α·π(τ)")):
-                if key in points:
-                    gain, cost = points[key]["gain"][i], points[key]["cost"][i]
-                    table.add_row(escape(label), f"{alpha:g}", f"{gain:+.4f}", f"{cost:+.4f}")
+        own = points.finetuned
+        if own is not None:
+            table.add_row("fine-tune A + τ (over A)", "—", f"{own.gain:+.4f}", f"{own.cost:+.4f}")
+        for i, alpha in enumerate(points.alphas):
+            for method, label in ((points.naive, "naive B + α·τ"), (points.transported, "transported B + α·π(τ)")):
+                if method is not None:
+                    table.add_row(escape(label), f"{alpha:g}", f"{method.gain[i]:+.4f}", f"{method.cost[i]:+.4f}")
         console.print(table)
-    chosen = moved.get("chosen")
-    if chosen:
-        rule = str(chosen["rule"])
-        why = "no α qualified, see the note below" if rule == "fallback" else str(chosen["reason"])
+    chosen = moved.chosen
+    if chosen is not None:
+        why = "no α qualified, see the note below" if chosen.rule == "fallback" else chosen.reason
         console.print(
-            f"saved: α = {chosen['alpha']:g}, chosen automatically ({escape(rule)}): {escape(why)}", soft_wrap=True
+            f"saved: α = {chosen.alpha:g}, chosen automatically ({escape(chosen.rule)}): {escape(why)}", soft_wrap=True
         )
 
 

@@ -4,9 +4,14 @@ trip through JSON, old and partial records read back, and the card the same from
 from __future__ import annotations
 
 import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
 
 from hf_rebasin.card import render_card
 from hf_rebasin.record import CacheStats, DatasetEntry, DtypeEntry, Findings, ModelEntry, RunRecord
+from hf_rebasin.scores import Universe
 
 CONTRACT = {"recipe", "models", "strategy", "barrier", "curves", "function_preserved", "timings"}
 
@@ -99,3 +104,64 @@ def test_the_card_is_the_same_from_the_record_and_from_its_json() -> None:
         data = json.loads(json.dumps(record.to_json()))
         card = render_card(record, recipe_text="job: merge", command="hf-rebasin r.yaml")
         assert card == render_card(data, recipe_text="job: merge", command="hf-rebasin r.yaml")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {},
+        {"models": [{}]},
+        {"recipe": {"job": "transport"}, "models": [{"model": 5, "source": None}], "transport": {"alphas": [1]}},
+        {  # damaged: blocks of the wrong shape, a transport's scores without the transported ones
+            "recipe": {"job": "transport"},
+            "function_preserved": [1],
+            "universe": "3 rounds",
+            "merged": {"x": {"loss": "low"}},
+            "transport": {"alphas": "1", "loss": {"target": 1.0}, "chosen": {"rule": "ratio"}, "adapter": 7},
+            "dtype": {"from": 3, "kept": None},
+        },
+    ],
+)
+def test_old_partial_and_damaged_records_still_render_a_card(data: dict[str, Any]) -> None:
+    record = RunRecord.from_json(data)
+    card = render_card(data, recipe_text="job: merge", command="hf-rebasin r.yaml")
+    assert card.startswith("---\n") and card == render_card(
+        record, recipe_text="job: merge", command="hf-rebasin r.yaml"
+    )
+    assert "Function preservation was not recorded for this run." in card
+    if data.get("models") == [{}]:
+        assert record.models == [ModelEntry("?", None, None, "local", None)] and "`?`" in card
+    transport = record.findings.transport
+    if transport is not None:  # what could not be read is none: no chosen α, no adapter, no score rows
+        assert transport.chosen is None and transport.adapter is None and transport.loss is None
+        assert "chosen automatically" not in card and "LoRA" not in card
+
+
+def test_a_damaged_model_entry_reads_as_model_question_mark() -> None:
+    old = RunRecord.from_json({"models": [{"model": ["a", "b"], "revision": 3, "ignored_tensors": "x"}, "junk"]})
+    assert old.models == [ModelEntry("?", "3", None, "local", None), ModelEntry()]  # "junk": an entry of defaults
+    assert "| B | `?` |" in render_card(old, recipe_text="job: merge", command="hf-rebasin r.yaml")
+    assert RunRecord.from_json({"models": "junk", "notes": None, "timings": {"load": "slow"}}).notes == []
+
+
+def test_a_score_block_keeps_keys_this_version_does_not_know() -> None:
+    moved = Findings("vanilla", {}, "causal-lm", False, [], {"max_abs_diff": 0.0}, transport={"alphas": [1.0]})
+    data = json.loads(json.dumps(_record(moved).to_json()))
+    data["transport"]["added_later"] = {"per_layer": [0.5]}
+    data["transport"]["loss"] = {"target": 2.0, "finetuned": 1.0, "transported": [1.5], "forgotten": 0.1}
+    data["function_preserved"]["per_model"] = {"B": 0.0}
+    read = RunRecord.from_json(data)
+    transport = read.findings.transport
+    assert transport is not None and transport.model_extra == {"added_later": {"per_layer": [0.5]}}
+    assert transport.loss is not None and transport.loss.model_extra == {"forgotten": 0.1}
+    assert read.to_json() == data  # written again as read
+    assert "added" not in RunRecord.from_json({**data, "added": 1}).to_json()  # top-level keys are the contract
+
+
+def test_findings_are_complete_when_built() -> None:
+    found = _merge_findings()
+    with pytest.raises(ValidationError):
+        found.universe = Universe(rounds=1)  # type: ignore[misc]
+    assert found.function_preserved is not None
+    with pytest.raises(ValidationError):
+        found.function_preserved.max_abs_diff = 1.0  # type: ignore[misc]

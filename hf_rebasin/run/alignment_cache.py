@@ -32,7 +32,7 @@ class RunCache:
     stats: CacheStats = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stats = CacheStats(cache.enabled(self.recipe.cache))
+        self.stats = CacheStats(enabled=cache.enabled(self.recipe.cache))
 
     def use(
         self,

@@ -47,7 +47,7 @@ from .plan import Plan, memory_estimate, streamed
 from .resolve import PlannedModel, resolve_model, untrained_zoo
 from .score import Scorer
 
-__all__ = ["LOAD_STAGE", "AlignInput", "Workspace", "load_workspace", "weights"]
+__all__ = ["LOAD_STAGE", "AlignInput", "OutputDtype", "Workspace", "load_workspace", "weights"]
 
 LOAD_STAGE = "loading models"
 
@@ -67,6 +67,15 @@ class AlignInput:
     data: AlignmentData
 
 
+@dataclass(frozen=True)
+class OutputDtype:
+    """The dtype the output is written in, and the tensors written in a dtype of their own (a bf16
+    model's float32 norms, kept as stored). float32 and none kept for jobs that write no model."""
+
+    dtype: torch.dtype = torch.float32
+    kept: Mapping[str, torch.dtype] = dataclasses.field(default_factory=dict)
+
+
 @dataclass
 class Workspace:
     """What every job has once its models and data are loaded."""
@@ -81,8 +90,9 @@ class Workspace:
     clock: StageClock
     notes: list[str]
     cache: RunCache
-    score: Scorer  # rounds to the output dtype
-    dtype: DtypeEntry
+    score: Scorer  # rounds to the output dtype before it scores
+    output_dtype: OutputDtype  # what the savers write in
+    dtype: DtypeEntry  # the record's entry
     device: torch.device
     base_dir: Path
     progress: Progress
@@ -144,7 +154,7 @@ def load_workspace(
                 "weights streamed: read from the safetensors files one tensor at a time and written the same way "
                 f"(a {recipe.job} without evaluation needs no model whole in memory){where}"
             )
-        out_dtype, dtype_entry, own_dtypes = output_dtype(recipe, models, adapter, notes)
+        written, dtype_entry = output_dtype(recipe, models, adapter, notes)
         task, align_task = _tasks(recipe, models)
         ev = recipe.evaluate
         proc = processor(inputs.reference.path, task) if (recipe.data is not None or ev is not None) else None
@@ -165,7 +175,8 @@ def load_workspace(
         clock=clock,
         notes=notes,
         cache=run_cache,
-        score=Scorer(out_dtype, metric_list, own_dtypes),
+        score=Scorer(written.dtype, metric_list, written.kept),
+        output_dtype=written,
         dtype=dtype_entry,
         device=dev,
         base_dir=base_dir,
@@ -288,9 +299,9 @@ def _load_finetune(
 
 def output_dtype(
     recipe: Recipe, models: Roles[LoadedModel], adapter: LoraAdapter | None, notes: list[str]
-) -> tuple[torch.dtype, DtypeEntry, dict[str, torch.dtype]]:
-    """The dtype the output is written in, ``rebasin.json``'s ``dtype`` entry, and the tensors
-    written in a dtype of their own.
+) -> tuple[OutputDtype, DtypeEntry]:
+    """The dtype the output is written in with the tensors written in a dtype of their own, and
+    ``rebasin.json``'s ``dtype`` entry.
 
     ``output.dtype`` when set (every floating tensor); else the reference model's stored dtypes
     (merge: A; transport: the target B, or for an adapter the adapter's own), tensor by tensor, so a
@@ -299,10 +310,9 @@ def output_dtype(
     """
     names = models.names
     inputs = {role: dtype_name(lm.stored_dtype) for role, lm in zip(names, models.all, strict=True)}
-    entry = DtypeEntry(inputs)
     own: dict[str, torch.dtype] = {}
     if not get_job(recipe.job).writes_model:
-        return torch.float32, entry, own
+        return OutputDtype(), DtypeEntry(inputs=inputs)
     if recipe.output.dtype is not None:
         chosen, source = getattr(torch, recipe.output.dtype), "output.dtype"
     elif adapter is not None:
@@ -324,16 +334,16 @@ def output_dtype(
             f"{names[0]} is stored in {dtype_name(chosen)}, which hf-rebasin does not write: written as float32"
         )
         chosen = torch.float32
-    entry.output, entry.source = dtype_name(chosen), source
-    entry.kept = {name: dtype_name(dtype) for name, dtype in sorted(own.items())}
+    kept = {name: dtype_name(dtype) for name, dtype in sorted(own.items())}
+    entry = DtypeEntry(inputs=inputs, output=dtype_name(chosen), source=source, kept=kept)
     if own:
-        counts = Counter(entry.kept.values())
+        counts = Counter(kept.values())
         shown = ", ".join(f"{n} tensor{'s' * (n > 1)} in {d}" for d, n in sorted(counts.items()))
         notes.append(
             f"{names[0]} stores its tensors in more than one dtype: written as stored ({shown}, the rest in "
             f"{dtype_name(chosen)}; listed in rebasin.json's dtype.kept); set `output.dtype` to write one dtype"
         )
-    return chosen, entry, own
+    return OutputDtype(chosen, own), entry
 
 
 def _tasks(recipe: Recipe, models: Roles[LoadedModel]) -> tuple[Task, Task]:

@@ -145,7 +145,7 @@ def dataset_entries(recipe: Recipe) -> list[DatasetEntry]:
         local = spec.dataset in LOCAL_BUILDERS or Path(spec.dataset).is_absolute()
         source = "builtin" if spec.dataset in BUILTIN_DATASETS else "local" if local else "hub"
         dataset = _relative(spec.dataset, recipe_dir(recipe))
-        out.append(DatasetEntry(role, dataset, spec.name, spec.split, source))
+        out.append(DatasetEntry(role=role, dataset=dataset, name=spec.name, split=spec.split, source=source))
     return out
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..evaluate import Curve
 from ..record import Findings
+from ..scores import Preservation, Score, Transport, Universe
 
 __all__ = ["JobOutput", "RunResult"]
 
@@ -36,27 +37,27 @@ class RunResult:
         return self.findings.strategy
 
     @property
-    def barriers(self) -> dict[str, dict[str, float]]:
+    def barriers(self) -> dict[str, dict[str, Any]]:
         return self.findings.barrier
 
     @property
-    def merged(self) -> dict[str, dict[str, Any]]:
+    def merged(self) -> dict[str, Score]:
         """Loss / metric of the merged model(s)."""
         return self.findings.merged
 
     @property
-    def function_preserved(self) -> dict[str, Any]:
+    def function_preserved(self) -> Preservation | None:
         return self.findings.function_preserved
 
     @property
-    def transport(self) -> dict[str, Any]:
+    def transport(self) -> Transport | None:
         """job transport: alphas and scores."""
-        return self.findings.transport or {}
+        return self.findings.transport
 
     @property
-    def universe(self) -> dict[str, Any]:
+    def universe(self) -> Universe | None:
         """merge.universe: rounds, change per round, reference."""
-        return self.findings.universe or {}
+        return self.findings.universe
 
     @property
     def canonical(self) -> bool:

@@ -22,9 +22,11 @@ class Scorer:
     rebuilding per α or per comparison would re-initialise every weight first (2.7 s for GPT-2
     small on 2 cores, against 0.04 s to load new weights).
 
-    ``dtype`` is the dtype the output is written in: each state dict is rounded to it (and back to
-    float32, where the scoring runs) first, so a score is that of the weights the user gets, not of
-    the float32 weights before the cast. float32 changes nothing."""
+    ``dtype`` is the dtype the output is written in (``dtypes``: the tensors written in one of
+    their own): each state dict is rounded to it (and back to float32, where the scoring runs)
+    first, so a score is that of the weights the user gets, not of the float32 weights before the
+    cast. float32 changes nothing. The scorer keeps its copy for that rounding only: what is
+    written reads the workspace's `run.load.OutputDtype`."""
 
     def __init__(
         self,
@@ -33,8 +35,8 @@ class Scorer:
         dtypes: Mapping[str, torch.dtype] | None = None,
     ) -> None:
         self._models: dict[tuple[int, bool], PreTrainedModel] = {}
-        self.dtype = dtype
-        self.dtypes = dict(dtypes or {})  # tensors written in a dtype of their own (a bf16 model's float32 norms)
+        self._dtype = dtype
+        self._dtypes = dict(dtypes or {})  # tensors written in a dtype of their own (a bf16 model's float32 norms)
         self.metrics = tuple(metrics)  # `evaluate.metrics`, scored beside the loss
 
     def __call__(
@@ -46,9 +48,9 @@ class Scorer:
         task: Task,
     ) -> dict[str, Any]:
         """Loss and metric of ``sd`` on the evaluation batches (``rebasin.json``'s ``merged``)."""
-        if self.dtype != torch.float32 or any(d != torch.float32 for d in self.dtypes.values()):
+        if self._dtype != torch.float32 or any(d != torch.float32 for d in self._dtypes.values()):
             sd = {
-                k: v.to(self.dtypes.get(k, self.dtype)).to(v.dtype) if v.is_floating_point() else v
+                k: v.to(self._dtypes.get(k, self._dtype)).to(v.dtype) if v.is_floating_point() else v
                 for k, v in sd.items()
             }
         key = (id(template), untie)

@@ -15,6 +15,7 @@ from ..evaluate import Curve, Metric, Task, barrier, lambdas, loss_curve
 from ..models import LoadedModel, rebuilt, running
 from ..record import Findings
 from ..roles import MergeRoles, letter
+from ..scores import Preservation
 from ..strategies import Alignment, Pair, align, get_strategy
 from ..sublayers import is_per_sublayer
 from ..verify import check_preserved, example_inputs, logits_gap, tolerance
@@ -126,26 +127,24 @@ def preservation(
     inputs: Mapping[str, Tensor],
     *,
     real: bool,
-) -> dict[str, Any]:
+) -> Preservation:
     """The ``function_preserved`` entry: worst max |Δ logits| over the aligned models, or why not measured."""
     if any(is_per_sublayer(al.graph) for al in alignments):
-        return {
-            "max_abs_diff": None,
-            "reason": "residual maps per sublayer move the task vector only; no aligned model is built to check",
-        }
+        return Preservation(
+            reason="residual maps per sublayer move the task vector only; no aligned model is built to check"
+        )
     if not all(al.exact for al in alignments):
-        return {
-            "max_abs_diff": None,
-            "reason": f"strategy {strategy!r} with these options does not preserve B's function (experimental)",
-        }
+        return Preservation(
+            reason=f"strategy {strategy!r} with these options does not preserve B's function (experimental)"
+        )
     gaps = [function_gap(lm, al, sd, inputs) for lm, al, sd in zip(others, alignments, aligned, strict=True)]
     for (gap, scale), lm in zip(gaps, others, strict=True):
         check_preserved(gap, scale, f"aligned, {str(lm.path)!r}")
-    return {
-        "max_abs_diff": max(g for g, _ in gaps),
-        "tolerance": max(tolerance(scale) for _, scale in gaps),
-        "inputs": "evaluation or alignment data" if real else "random example inputs",
-    }
+    return Preservation(
+        max_abs_diff=max(g for g, _ in gaps),
+        tolerance=max(tolerance(scale) for _, scale in gaps),
+        inputs="evaluation or alignment data" if real else "random example inputs",
+    )
 
 
 WRITE_STAGE = "writing the model"

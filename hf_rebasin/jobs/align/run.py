@@ -16,6 +16,7 @@ from ...roles import MergeRoles
 from ...run.load import Workspace
 from ...run.result import JobOutput
 from ...run.stages import align_others, job_result, options_as_run
+from ...scores import WrittenGap
 from ...strategies.base import relative_distance
 from ..barrier.run import aligned_preservation, alignment_diagnostics, save_diagnostics
 from . import folder_name, mergekit_method
@@ -46,7 +47,7 @@ def run(ws: Workspace) -> JobOutput:
         task=ws.task,
         canonical=primary.canonical,
         untied=list(primary.untied),
-        function_preserved={**preserved, "written": {k: _gap_entry(g) for k, g in gaps.items()}},
+        function_preserved=preserved.model_copy(update={"written": {k: _gap_entry(g) for k, g in gaps.items()}}),
         diagnostics=diagnostics,
     )
     folders = ", ".join(f"{folder_name(i)}/" for i in range(len(models.all)))
@@ -70,8 +71,8 @@ def _written_gaps(models: MergeRoles[LoadedModel], states: list[dict[str, Tensor
     }
 
 
-def _gap_entry(gap: Gap) -> dict[str, float]:
-    return {"max_abs_diff": gap.max_abs_diff, "tolerance": gap.tolerance}
+def _gap_entry(gap: Gap) -> WrittenGap:
+    return WrittenGap(max_abs_diff=gap.max_abs_diff, tolerance=gap.tolerance)
 
 
 def _save_model(loaded: LoadedModel, state: dict[str, Tensor], untie: bool, folder: Path) -> None:

@@ -17,6 +17,7 @@ from ...roles import MergeRoles
 from ...run.load import Workspace
 from ...run.result import JobOutput
 from ...run.stages import align_others, check_inputs, curves, job_result, options_as_run, preservation
+from ...scores import Preservation, Score, Universe
 from ...strategies import Alignment
 
 __all__ = ["alignment_diagnostics", "findings_of", "run", "save_curves", "save_diagnostics", "title"]
@@ -40,7 +41,7 @@ def aligned_preservation(
     models: MergeRoles[LoadedModel],
     alignments: list[Alignment],
     aligned: list[dict[str, Tensor]],
-) -> dict[str, Any]:
+) -> Preservation:
     """``function_preserved`` of every aligned model, on real inputs when the run has data."""
     real = [ws.eval_batches, ws.align_batches]
     inputs = check_inputs(models.reference, real, ws.device)
@@ -51,15 +52,18 @@ def aligned_preservation(
 def findings_of(
     ws: Workspace,
     primary: Alignment,
-    preserved: dict[str, Any],
+    preserved: Preservation,
     found: dict[str, Curve],
     barriers: dict[str, dict[str, float]],
     *,
-    merged: dict[str, dict[str, Any]] | None = None,
+    merged: dict[str, Score] | None = None,
     merge_weights: list[float] | None = None,
-    universe: dict[str, Any] | None = None,
+    universe: Universe | None = None,
+    learned: dict[str, Any] | None = None,
 ) -> Findings:
-    """The record's findings of a barrier, or with the merged scores and weights, of a merge."""
+    """The record's findings of a barrier, or with the merged scores and weights, of a merge;
+    ``learned``: the curve of the maps merged, when a universe merge refined them (learned matching)."""
+    diagnostics = alignment_diagnostics(ws, primary)
     return Findings(
         strategy=ws.recipe.strategy.name,
         strategy_options=options_as_run(ws, primary),
@@ -72,7 +76,7 @@ def findings_of(
         merged=merged or {},
         merge_weights=merge_weights,
         universe=universe,
-        diagnostics=alignment_diagnostics(ws, primary),
+        diagnostics=diagnostics if learned is None else {**diagnostics, "learned": learned},
     )
 
 

@@ -15,6 +15,7 @@ from ...roles import MergeRoles
 from ...run.load import Workspace, weights
 from ...run.result import JobOutput
 from ...run.stages import align_others, check_inputs, curves, job_result, preservation, writing
+from ...scores import Preservation, Score, Universe
 from ...strategies import Alignment, get_strategy
 from ...universe import universe_merge
 from ..barrier.run import aligned_preservation, findings_of, save_curves
@@ -40,16 +41,16 @@ def run(ws: Workspace) -> JobOutput:
     preserved = aligned_preservation(ws, models, alignments, aligned)
     found, barriers = curves(ws, models, primary, aligned[0])
     mix = own(ws).merge.weights(len(models.all))
-    universe: dict[str, Any] | None = None
+    universe: Universe | None = None
+    learned: dict[str, Any] | None = None  # the universe's Dirichlet refinement: the curve of the maps merged
     if own(ws).merge.universe is not None:
-        merged, universe, preserved = _universe(ws, models, alignments, mix, preserved, bool(primary.untied))
+        merged, universe, learned, preserved = _universe(ws, models, alignments, mix, preserved, bool(primary.untied))
     else:
         merged = merge_state_dicts([primary.sd_a, *aligned], mix)
     scores = _scores(ws, models, merged, mix, bool(primary.untied), universe)
-    learned = universe.pop("learned", None) if universe is not None else None
-    findings = findings_of(ws, primary, preserved, found, barriers, merged=scores, merge_weights=mix, universe=universe)
-    if learned is not None:  # the universe's Dirichlet refinement: the curve of the maps merged
-        findings.diagnostics["learned"] = learned
+    findings = findings_of(
+        ws, primary, preserved, found, barriers, merged=scores, merge_weights=mix, universe=universe, learned=learned
+    )
 
     def save(folder: Path) -> None:
         _save_model(ws, models.reference, merged, bool(primary.untied), folder)
@@ -64,23 +65,23 @@ def _scores(
     merged: dict[str, Tensor],
     mix: list[float],
     untie: bool,
-    universe: dict[str, Any] | None,
-) -> dict[str, dict[str, Any]]:
+    universe: Universe | None,
+) -> dict[str, Score]:
     """Loss and metric of the merged model as written, and of the unaligned average (``compare: [vanilla]``)."""
     ev, name, a = ws.recipe.evaluate, ws.recipe.strategy.name, models.reference
     if ev is None or ws.eval_batches is None:
         return {}
-    scores: dict[str, dict[str, Any]] = {}
+    scores: dict[str, Score] = {}
     with ws.clock.stage("evaluate"):
-        scores[name] = ws.score(a.model, merged, untie, ws.eval_batches, ws.task)
+        scores[name] = Score(**ws.score(a.model, merged, untie, ws.eval_batches, ws.task))
         naive = [c for c in ev.compare if get_strategy(c).identity]  # the plain average, unless it is ours
         if naive and not get_strategy(name).identity:
             plain = merge_state_dicts([weights(lm) for lm in models.all], mix)
-            scores[naive[0]] = ws.score(a.model, plain, False, ws.eval_batches, ws.task)
-    if universe is not None:
+            scores[naive[0]] = Score(**ws.score(a.model, plain, False, ws.eval_batches, ws.task))
+    if universe is not None and universe.reference is not None:
         ws.notes.append(
-            f"universe: loss {scores[name]['loss']:.4f} nats; the reference merge (every model aligned "
-            f"to A only) {universe['reference']['loss']:.4f}"
+            f"universe: loss {scores[name].loss:.4f} nats; the reference merge (every model aligned "
+            f"to A only) {universe.reference.loss:.4f}"
         )
     return scores
 
@@ -90,12 +91,13 @@ def _universe(
     models: MergeRoles[LoadedModel],
     alignments: list[Alignment],
     mix: list[float],
-    preserved: dict[str, Any],
+    preserved: Preservation,
     untie: bool,
-) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Tensor], Universe, dict[str, Any] | None, Preservation]:
     """``merge.universe``: the universe merge, its ``rebasin.json`` entry (with the score of the
-    reference merge it started from, every model aligned to A) and the preservation check widened
-    to every model's map into the merge's basis (model A's included)."""
+    reference merge it started from, every model aligned to A), the curve of its learned matching
+    (None without) and the preservation check widened to every model's map into the merge's basis
+    (model A's included)."""
     recipe = own(ws)
     settings = recipe.merge.universe
     assert settings is not None  # the caller checked
@@ -115,19 +117,18 @@ def _universe(
             progress=ws.progress,
         )
     ws.notes.extend(n for n in result.notes if n not in ws.notes)
-    if preserved.get("max_abs_diff") is not None:
+    if preserved.max_abs_diff is not None:
         aligned = [al.aligned_b() for al in result.alignments]
         inputs = check_inputs(models.reference, [ws.eval_batches, ws.align_batches], ws.device)  # as before
         again = preservation(recipe.strategy.name, models.all, result.alignments, aligned, inputs, real=True)
-        worst = {k: max(preserved[k], again[k]) for k in ("max_abs_diff", "tolerance")}  # same inputs
-        preserved = {**preserved, **worst}
-    record = result.record()
-    if result.learned is not None:
-        record["learned"] = result.learned  # moved to the findings' diagnostics by `run`
+        worst = {k: max(getattr(preserved, k), getattr(again, k)) for k in ("max_abs_diff", "tolerance")}  # same inputs
+        preserved = preserved.model_copy(update=worst)
+    reference: Score | None = None
     if ws.recipe.evaluate is not None and ws.eval_batches is not None:
         with ws.clock.stage("evaluate"):
-            record["reference"] = ws.score(models.reference.model, result.reference, untie, ws.eval_batches, ws.task)
-    return result.merged, record, preserved
+            reference = Score(**ws.score(models.reference.model, result.reference, untie, ws.eval_batches, ws.task))
+    universe = Universe(**result.record(), reference=reference)
+    return result.merged, universe, result.learned, preserved
 
 
 def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie: bool, folder: Path) -> None:
@@ -138,8 +139,8 @@ def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie:
         folder,
         untie=untie,
         max_shard_size=ws.recipe.output.max_shard_size,
-        dtype=ws.score.dtype,
-        dtypes=ws.score.dtypes,
+        dtype=ws.output_dtype.dtype,
+        dtypes=ws.output_dtype.kept,
         progress=writing(ws.progress),
     )
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ from ...run.data import BatchSpec, batches
 from ...run.load import Workspace, weights
 from ...run.result import JobOutput
 from ...run.stages import check_inputs, job_result, options_as_run, preservation, timed_align, writing
+from ...scores import AdapterSummary, Choice, Transport
 from ...strategies import Alignment, Pair, align, get_strategy
 from ...sublayers import is_per_sublayer, per_sublayer
 from ...symmetry import SymmetryGraph
@@ -83,11 +84,15 @@ def run(ws: Workspace) -> JobOutput:
         preserved = preservation(
             ws.recipe.strategy.name, [models.base], [alignment], [alignment.aligned_b()], inputs, real=real
         )
-    record = _scores(ws, models, moved, naive)
-    saved_alpha = _saved_alpha(ws, record)
+    scores = _scores(ws, models, moved, naive)
+    saved_alpha, chosen = _saved_alpha(ws, scores.get("tradeoff"))
     adapter = _move_adapter(ws, models, alignment, graph)
-    if adapter is not None:  # part of the findings: the card reads it (library_name: peft)
-        record["adapter"] = adapter.summary
+    transport = Transport(
+        **scores,
+        carried=sorted(moved.carried) or None,
+        chosen=chosen,
+        adapter=adapter.summary if adapter is not None else None,  # the card reads it (library_name: peft)
+    )
     saved_model = ws.adapter is None
     canonical = alignment.canonical and saved_model
     untied = list(alignment.untied) if saved_model else []  # an adapter stores no head
@@ -98,12 +103,12 @@ def run(ws: Workspace) -> JobOutput:
         canonical=canonical,
         untied=untied,
         function_preserved=preserved,
-        transport=record,
+        transport=transport,
         diagnostics=dict(alignment.diagnostics),
     )
     written = "transported model and report" if saved_model else "transported LoRA adapter (for the target) and report"
     result = job_result(ws, findings, {}, saved_model=saved_model, written=written)
-    return JobOutput(result, lambda folder: _save(ws, alignment, moved, adapter, record, saved_alpha, folder))
+    return JobOutput(result, lambda folder: _save(ws, alignment, moved, adapter, transport, saved_alpha, folder))
 
 
 def _graph(ws: Workspace, models: TransportRoles[LoadedModel]) -> SymmetryGraph:
@@ -182,7 +187,8 @@ def _naive(ws: Workspace, models: TransportRoles[LoadedModel]) -> Moved | None:
 
 
 def _scores(ws: Workspace, models: TransportRoles[LoadedModel], moved: Moved, naive: Moved | None) -> dict[str, Any]:
-    """``rebasin.json``'s ``transport``: the α, and the scores on the task (and support) data."""
+    """``rebasin.json``'s ``transport`` but what the fine-tune carried, the α chosen and the adapter:
+    the α, and the scores on the task (and support) data with their trade-off."""
     record: dict[str, Any] = {"alphas": own(ws).alphas}
     ev = ws.recipe.evaluate
     if ev is not None and ws.eval_batches is not None:
@@ -194,8 +200,6 @@ def _scores(ws: Workspace, models: TransportRoles[LoadedModel], moved: Moved, na
                 support = batches(ev.support, spec, ws.base_dir, ws.processor, config, where="evaluate.support")
                 record["support"] = _scores_on(ws, models, support, moved, naive)
                 record["tradeoff"] = tradeoff(record)
-    if moved.carried:
-        record["carried"] = sorted(moved.carried)
     return record
 
 
@@ -247,24 +251,6 @@ def _base_score(
     return ws.score(moved.template, sd, False, data, ws.task)
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The α `choose_alpha` picks: which, by what rule, its task gain and support cost (nats over B),
-    and why, in words (the card and the run's summary say it)."""
-
-    alpha: float
-    index: int  # in the grid
-    rule: str  # "no-cost", "ratio", "budget" or "fallback"
-    gain: float
-    cost: float
-    reason: str
-    support_budget: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """``rebasin.json``'s ``transport.chosen``."""
-        return asdict(self)
-
-
 def choose_alpha(
     alphas: Sequence[float], gains: Sequence[float], costs: Sequence[float], budget: float | None = None
 ) -> Choice:
@@ -291,7 +277,15 @@ def choose_alpha(
         return min(candidates, key=lambda i: (*(k(i) for k in key), -gains[i], costs[i], alphas[i]))
 
     def choice(i: int, rule: str, reason: str) -> Choice:
-        return Choice(float(alphas[i]), i, rule, float(gains[i]), float(costs[i]), reason, budget)
+        return Choice(
+            alpha=float(alphas[i]),
+            index=i,
+            rule=rule,
+            gain=float(gains[i]),
+            cost=float(costs[i]),
+            reason=reason,
+            support_budget=budget,
+        )
 
     if eligible and budget is not None:
         i = pick(eligible)
@@ -334,22 +328,21 @@ def choose_alpha(
     )
 
 
-def _saved_alpha(ws: Workspace, record: dict[str, Any]) -> float:
+def _saved_alpha(ws: Workspace, points: Mapping[str, Any] | None) -> tuple[float, Choice | None]:
     """The α written: the first of the recipe's, or with ``alpha: auto`` the one `choose_alpha` picks
-    from the transported trade-off (recorded as ``record["chosen"]``; a fallback is noted too)."""
+    from the transported trade-off ``points`` (recorded as ``transport.chosen``; a fallback is noted too)."""
     auto = own(ws).auto_alpha
     alphas = own(ws).alphas
-    points = record.get("tradeoff") or {}
     if auto is None:
-        return alphas[0]
-    if "transported" not in points:  # the recipe asks for support data: only a run without scores lands here
+        return alphas[0], None
+    moved = (points or {}).get("transported")
+    if moved is None:  # the recipe asks for support data: only a run without scores lands here
         ws.notes.append(f"alpha: auto had no support scores to choose from: saved the first α, {alphas[0]:g}")
-        return alphas[0]
-    chosen = choose_alpha(alphas, points["transported"]["gain"], points["transported"]["cost"], auto.support_budget)
-    record["chosen"] = chosen.as_dict()
+        return alphas[0], None
+    chosen = choose_alpha(alphas, moved["gain"], moved["cost"], auto.support_budget)
     if chosen.rule == "fallback":
         ws.notes.append(f"alpha: auto: {chosen.reason}")
-    return chosen.alpha
+    return chosen.alpha, chosen
 
 
 @dataclass(frozen=True)
@@ -359,7 +352,7 @@ class MovedAdapter:
     factors: dict[str, Tensor]
     whole: dict[str, str]  # file key → B's tensor it scales from (see lora.save_adapter)
     target: Mapping[str, Tensor]  # B's weights
-    summary: dict[str, Any]
+    summary: AdapterSummary
 
 
 def _move_adapter(
@@ -373,11 +366,11 @@ def _move_adapter(
     if is_per_sublayer(alignment.graph):  # the adapter's factors follow their own sublayers' maps
         graph = per_sublayer(graph)
     factors, whole = transport_adapter(ws.adapter, graph, alignment.transform, sd_a, sd_b, canonical_graph=canonical)
-    summary = {
+    summary = AdapterSummary(
         **ws.adapter.summary(),
-        "canonical": canonical is not None,  # factors took the norm scales (generalized-orthogonal)
-        "whole_biases": sorted(whole.values()),  # biases that carry a folded β's shift, stored whole
-    }
+        canonical=canonical is not None,  # factors took the norm scales (generalized-orthogonal)
+        whole_biases=sorted(whole.values()),  # biases that carry a folded β's shift, stored whole
+    )
     return MovedAdapter(factors, whole, sd_b, summary)
 
 
@@ -386,7 +379,7 @@ def _save(
     alignment: Alignment,
     moved: Moved,
     adapter: MovedAdapter | None,
-    record: dict[str, Any],
+    transport: Transport,
     alpha: float,
     folder: Path,
 ) -> None:
@@ -401,8 +394,8 @@ def _save(
             folder,
             untie=moved.untie,
             max_shard_size=recipe.output.max_shard_size,
-            dtype=ws.score.dtype,
-            dtypes=ws.score.dtypes,
+            dtype=ws.output_dtype.dtype,
+            dtypes=ws.output_dtype.kept,
             progress=writing(ws.progress),
         )
     else:
@@ -415,19 +408,19 @@ def _save(
             alpha=alpha,
             target=adapter.target,
             whole=adapter.whole,
-            dtype=ws.score.dtype,
+            dtype=ws.output_dtype.dtype,
         )
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained: B's files as they were
     save_diagnostics(folder, alignment.diagnostics)
-    save_tradeoff(ws, record, alpha, folder)
+    save_tradeoff(ws, transport, alpha, folder)
 
 
-def save_tradeoff(ws: Workspace, record: Mapping[str, Any], alpha: float, folder: Path) -> None:
+def save_tradeoff(ws: Workspace, transport: Transport, alpha: float, folder: Path) -> None:
     """tradeoff.png (task gain against support cost per α) and tradeoff.md, when support was scored."""
-    points = record.get("tradeoff")
-    table = tradeoff_table(record, alpha)
-    if not points or table is None:
+    table = tradeoff_table(transport.to_json(), alpha)
+    if transport.tradeoff is None or table is None:
         return
+    points = transport.tradeoff.to_json()
     inputs = ws.inputs
     assert isinstance(inputs, TransportRoles)
     ft, b = (Path(m.ref.model).name or m.ref.model for m in (inputs.finetune, inputs.target))
