@@ -220,7 +220,7 @@ def run_case(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
             preexec_fn=(lambda: _limit_file_size(case.max_file_bytes)) if case.max_file_bytes else None,
         )
         return Outcome(proc.returncode, proc.stdout, proc.stderr)
-    from test_cli import run_main
+    from helpers import run_main
 
     cwd = Path.cwd()
     os.chdir(ws.root)

@@ -14,10 +14,10 @@ import yaml
 from safetensors.torch import load_file
 
 import tiny
+from helpers import flat, run_main
 from hf_rebasin.data import char_tokenizer, shakespeare_text
 from hf_rebasin.jobs.describe import describe
 from hf_rebasin.recipe import RecipeError, loads_recipe
-from test_cli import flat, run_main
 
 
 @pytest.fixture

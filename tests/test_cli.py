@@ -9,13 +9,8 @@ cases call `cli.main` in this process (`run_main`), which saves the 4–5 s inte
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -23,75 +18,7 @@ import torch
 import transformers as T
 
 import tiny
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def start_cli(*args: str, code: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """Start ``python -m hf_rebasin ARGS`` (or ``python -c CODE ARGS``) from the repo root, offline."""
-    environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG"}
-    environ.update(
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        COLUMNS="200",
-    )
-    environ.update(env or {})  # may turn downloads back on (tests against the local Hub)
-    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "hf_rebasin", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
-    """Wait for a started CLI process (killed after 300 s) and collect its output."""
-    try:
-        out, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def run_cli(*args: str, code: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the CLI to completion (see :func:`start_cli`)."""
-    return finish(start_cli(*args, code=code, env=env))
-
-
-def run_main(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """The CLI run in this process: no interpreter start-up (4–5 s for torch and transformers), for
-    runs that need no signals or isolation. ``env`` is set for the call only, so it reaches what is
-    read at call time (caches, the debug switch), not what a library read when it was imported."""
-    from hf_rebasin.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(args))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
-
-
-def flat(text: str) -> str:
-    """Whitespace collapsed, so assertions do not depend on where the console wrapped a line."""
-    return " ".join(text.split())
-
-
-def assert_user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
-    """Exit 2, an ``error:`` message on stderr naming every needle, and no traceback."""
-    err = flat(proc.stderr)
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    assert err.startswith("error:"), proc.stderr
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    for needle in needles:
-        assert needle in err, (needle, proc.stderr)
-    return err
-
+from helpers import assert_user_error, finish, flat, run_cli, run_main, start_cli
 
 # ------------------------------------------------------------------------------------------------
 # the happy path

@@ -13,8 +13,8 @@ import yaml
 from safetensors import safe_open
 
 import tiny
+from helpers import assert_user_error, flat, run_main
 from hf_rebasin.data import char_tokenizer
-from test_cli import assert_user_error, flat, run_main
 
 
 def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:

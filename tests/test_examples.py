@@ -19,13 +19,13 @@ import transformers as T
 import yaml
 from huggingface_hub import ModelCard
 
+from helpers import ROOT, flat, run_cli, run_main
 from hf_rebasin import data, train
 from hf_rebasin.jobs import JOBS
 from hf_rebasin.recipe import load_recipe
 from hf_rebasin.resources import listing, resource
 from hf_rebasin.run import plan
 from hf_rebasin.strategies import REGISTRY
-from test_cli import ROOT, flat, run_cli, run_main
 
 EXAMPLES = sorted((ROOT / "recipes").glob("*.yaml"))
 

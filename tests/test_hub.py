@@ -17,9 +17,9 @@ import torch
 import yaml
 
 import tiny
+from helpers import assert_user_error, flat, run_cli
 from hf_rebasin.data import char_tokenizer, shakespeare_text
 from hub_server import ALICE_TOKEN, HubServer, client_env, run_client
-from test_cli import assert_user_error, flat, run_cli
 
 TEXT = shakespeare_text(["hamlet"])[:2000].lower()
 

@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
 import tiny
+from helpers import assert_user_error, flat, run_cli
 from hf_rebasin.data import char_tokenizer, shakespeare_text
 from hub_server import ALICE_TOKEN, HubServer, client_env, run_client
-from test_cli import assert_user_error, flat, run_cli
 
 TEXT = shakespeare_text(["hamlet"])[:2000].lower()
 CARD = "---\nlicense: mit\n---\n# A tiny model\n"

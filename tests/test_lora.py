@@ -184,7 +184,7 @@ def _recipe(tmp_path: Path, **extra: object) -> Path:
 
 @pytest.mark.parametrize("strategy", ["weight-matching", "generalized-orthogonal"])
 def test_transport_recipe_writes_an_adapter_for_the_target(strategy, tmp_path):
-    from test_cli import flat, run_main
+    from helpers import flat, run_main
 
     model, target, finetuned = _transport_folders(tmp_path)
     env = {"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds")}
@@ -215,7 +215,7 @@ def test_transport_recipe_writes_an_adapter_for_the_target(strategy, tmp_path):
 
 
 def test_an_adapter_for_another_base_is_refused_unless_allowed(tmp_path):
-    from test_cli import assert_user_error, run_main
+    from helpers import assert_user_error, run_main
 
     _transport_folders(tmp_path)
     config_path = tmp_path / "lora" / "adapter_config.json"

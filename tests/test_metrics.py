@@ -14,8 +14,8 @@ import transformers as T
 import yaml
 from PIL import Image
 
+from helpers import assert_user_error, run_cli
 from hf_rebasin import data, train
-from test_cli import assert_user_error, run_cli
 
 METRIC = Path(__file__).resolve().parent.parent / "recipes" / "metrics" / "f1.py"  # shipped with the recipes
 

@@ -13,12 +13,12 @@ import pytest
 import yaml
 
 import tiny
+from helpers import run_main
 from hf_rebasin.card import render_card
 from hf_rebasin.data import char_tokenizer, shakespeare_text
 from hf_rebasin.record import RunRecord
 from hf_rebasin.run.record import shown_recipe_text
 from hf_rebasin.scores import Preservation, Transport, Universe
-from test_cli import run_main
 
 EVALUATE = {
     "task": "causal-lm",

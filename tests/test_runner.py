@@ -21,8 +21,8 @@ import transformers as T
 import yaml
 
 import tiny
+from helpers import assert_user_error, flat, run_main
 from hf_rebasin.data import char_tokenizer, shakespeare_text
-from test_cli import assert_user_error, flat, run_main
 
 RUN_KEYS = {"recipe", "models", "strategy", "barrier", "curves", "function_preserved", "timings"}
 TIMING_KEYS = {"load", "align", "check", "evaluate", "save"}  # check: the function-preservation check

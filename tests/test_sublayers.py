@@ -186,7 +186,7 @@ def test_transfusion_in_a_transport_defaults_to_per_sublayer_maps(tmp_path):
     import transformers as T
     import yaml
 
-    from test_cli import run_main
+    from helpers import run_main
 
     model, ft = permuted_transport_folders(tmp_path)
     recipe = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 import tiny
+from helpers import flat, run_cli
 from hf_rebasin.data import char_tokenizer
 from hub_server import ALICE_TOKEN, HubServer, client_env, run_client
-from test_cli import flat, run_cli
 
 TEXT = "to be, or not to be, that is the question\n" * 4
 CHAT = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

@@ -21,9 +21,9 @@ import torch
 import transformers as T
 import yaml
 
+from helpers import run_cli
 from hf_rebasin import data, train
 from hf_rebasin.run.data import MAX_BLOCK
-from test_cli import run_cli
 
 TOLERANCE = 0.005  # relative
 

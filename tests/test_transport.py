@@ -126,7 +126,7 @@ def test_a_transport_recipe_without_strategy_rotates_one_residual_stream(tmp_pat
     import transformers as T
     import yaml
 
-    from test_cli import run_main
+    from helpers import run_main
 
     model = tiny.gpt2(0)
     base = model.state_dict()
@@ -159,8 +159,8 @@ def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
     import transformers as T
     import yaml
 
+    from helpers import assert_user_error, flat, run_main
     from hf_rebasin.data import char_tokenizer, shakespeare_text
-    from test_cli import assert_user_error, flat, run_main
 
     text = shakespeare_text(["hamlet"])[:3000].lower()
     tok = char_tokenizer(text)
@@ -268,7 +268,7 @@ def test_transport_recipe_carries_a_new_head_and_refuses_another_architecture(tm
     import transformers as T
     import yaml
 
-    from test_cli import assert_user_error, run_main
+    from helpers import assert_user_error, run_main
 
     model = tiny.gpt2(0)
     base = model.state_dict()

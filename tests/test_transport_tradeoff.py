@@ -105,7 +105,7 @@ def _recipe(tmp_path: Path, **extra: Any) -> dict[str, Any]:
 
 
 def test_alpha_auto_without_support_data_is_refused_naming_the_field(tmp_path: Path) -> None:
-    from test_cli import assert_user_error, run_main
+    from helpers import assert_user_error, run_main
 
     body = _recipe(tmp_path)
     del body["evaluate"]["support"]
@@ -222,7 +222,7 @@ def _png(path: Path) -> None:
 def test_alpha_auto_saves_the_chosen_alpha_and_shows_the_tradeoff(tmp_path: Path, monkeypatch) -> None:
     import transformers as T
 
-    from test_cli import flat, run_main
+    from helpers import flat, run_main
 
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
@@ -293,8 +293,8 @@ def test_alpha_auto_saves_the_chosen_alpha_and_shows_the_tradeoff(tmp_path: Path
 
 def test_alpha_auto_moves_a_lora_adapter_by_the_chosen_alpha(tmp_path: Path, monkeypatch) -> None:
     peft = pytest.importorskip("peft")
+    from helpers import run_main
     from hf_rebasin.lora import apply_adapter, read_adapter
-    from test_cli import run_main
     from test_lora import TARGETS, _adapter, _ids, _logits
 
     for key, value in ENV.items():

@@ -19,6 +19,7 @@ import transformers as T
 import yaml
 
 import tiny
+from helpers import flat, run_main
 from hf_rebasin import data as builtin_data
 from hf_rebasin import train
 from hf_rebasin.adapters import get_adapter, graph_for
@@ -39,7 +40,6 @@ from hf_rebasin.recipe import (
 from hf_rebasin.run import plan
 from hf_rebasin.universe import UniverseResult, universe_merge
 from hf_rebasin.verify import example_inputs
-from test_cli import flat, run_main
 from test_strategies import _text_data
 
 TOL = 1e-4  # max |Δ logits| of a function-preserving map, float32
@@ -239,6 +239,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return [train.train_tiny_gpt2(seed, root / f"seed{seed}", cfg) for seed in range(3)]
 
 
+@pytest.mark.slow  # trains its models: with the other trained-model tests
 def test_universe_of_three_trained_models_beats_their_plain_average(trained: list[Path]) -> None:
     loaded = [load_model(f) for f in trained]
     sds = [lm.model.state_dict() for lm in loaded]
@@ -265,6 +266,7 @@ def test_universe_of_three_trained_models_beats_their_plain_average(trained: lis
     print("\n" + "\n".join(rows))
 
 
+@pytest.mark.slow  # trains its models: with the other trained-model tests
 def test_leave_one_out_escapes_the_pull_of_the_full_mean(trained: list[Path]) -> None:
     """Aligned to the mean of all, a model's own share pulls weight matching back to the map it has:
     the first round changes almost nothing (0 or a few units: 0.023 against 0.30 with transformers

@@ -20,13 +20,13 @@ import torch.nn.functional as F
 import transformers as T
 import yaml
 
+from helpers import ROOT
 from hf_rebasin import data, evaluate, train, zoo
 from hf_rebasin.adapters import get_adapter
 from hf_rebasin.errors import UnsupportedArchitectureError
 from hf_rebasin.names import Task
 from hf_rebasin.recipe import ZOO_PATTERN, load_recipe
 from hf_rebasin.run import run_recipe
-from test_cli import ROOT
 
 # kind -> (model_type, class, task)
 KINDS: dict[str, tuple[str, type, Task]] = {
