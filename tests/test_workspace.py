@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 import tiny
 from hf_rebasin.data import char_tokenizer, shakespeare_text
-from hf_rebasin.jobs import get_job
 from hf_rebasin.recipe import load_recipe
 from hf_rebasin.roles import MergeRoles
 from hf_rebasin.run.load import Workspace, load_workspace
+from hf_rebasin.run.pipeline import run_job
 from hf_rebasin.run.plan import build_plan
 from hf_rebasin.run.stages import align_others
 
@@ -89,7 +89,7 @@ def test_a_stage_on_the_workspace_aligns_b_without_changing_what_it_computes(wor
 
 
 def test_a_job_run_on_the_workspace_scores_the_ends_as_transformers_does(workspace: Workspace, tmp_path: Path) -> None:
-    done = get_job("barrier").run(workspace)
+    done = run_job(workspace)
     curve = done.result.findings.curves["weight-matching"]
     assert curve["lambdas"] == [0.0, 0.5, 1.0]
     a, b = (_stock(Path(m.path)) for m in workspace.inputs.all)

@@ -5,7 +5,8 @@
   it may stream, its lines of the dry-run plan and its part of the model card. Torch-free, so
   validating a recipe and printing the plan or the schema never load torch.
 - ``jobs/<job>/run.py`` runs it: ``run(ws) -> JobOutput`` on a loaded `run.load.Workspace`;
-  imported when the job runs, as a strategy's module is.
+  imported when the job runs (`run.pipeline.run_job`), as a strategy's module is, so that what a
+  job is stays apart from the run that loads models.
 
 A folder with an ``__init__.py`` that defines ``JOB`` is a job: adding one touches its folder, a
 recipe example and a test (docs/contributing.md walks through it).
@@ -19,13 +20,9 @@ import importlib.util
 import pkgutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..recipe.sections import AlignedRecipe
-
-if TYPE_CHECKING:
-    from ..run.load import Workspace
-    from ..run.result import JobOutput
 
 __all__ = ["JOBS", "CardPart", "Job", "discover", "get_job"]
 
@@ -60,11 +57,6 @@ class Job:
     streams: Callable[[Any], bool] = lambda _recipe: False
     describe: Callable[[Any], list[str]] = lambda _recipe: []  # the job's own lines of the dry-run plan
     module: str = field(default="", compare=False)  # set by the registry: ``hf_rebasin.jobs.<name>``
-
-    def run(self, ws: Workspace) -> JobOutput:
-        """Run the job on a loaded workspace: ``run`` of its ``run`` module (imported now)."""
-        runner: Callable[[Workspace], JobOutput] = importlib.import_module(f"{self.module}.run").run
-        return runner(ws)
 
 
 def discover(path: Iterable[str], package: str) -> dict[str, Job]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from .plan import Plan, build_plan
 from .record import RunRecord, dataset_entries, model_entries, recipe_record, write_record
 from .result import JobOutput, RunResult
 
-__all__ = ["run_recipe"]
+__all__ = ["run_job", "run_recipe"]
 
 
 def run_recipe(
@@ -41,12 +43,18 @@ def run_recipe(
         plan.memory.check()
     with claim_output(plan.output, overwrite=recipe.output.overwrite, where=plan.output_field) as recovered:
         ws = load_workspace(plan, device_name=device, progress=progress, check_memory=check_memory)
-        done = get_job(recipe.job).run(ws)
+        done = run_job(ws)
         result = done.result
         result.files = write_folder(ws, done, command)
         result.pushed, result.push_error = push(plan, ws.progress)
     result.notes = [*recovered, *result.notes]
     return result
+
+
+def run_job(ws: Workspace) -> JobOutput:
+    """The recipe's job on the loaded workspace: ``run`` of its folder's ``run`` module, imported now."""
+    runner: Callable[[Workspace], JobOutput] = importlib.import_module(f"{get_job(ws.recipe.job).module}.run").run
+    return runner(ws)
 
 
 def write_folder(ws: Workspace, done: JobOutput, command: str | None) -> list[str]:
