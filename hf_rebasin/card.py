@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .jobs import JOBS, CardPart
+from .recipe.jobs import JOBS, CardPart
 from .record import DatasetEntry, Findings, ModelEntry, RunRecord
 from .resources import resource
 from .scores import AdapterSummary, Preservation, Score, Scores, Transport, Universe

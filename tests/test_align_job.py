@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 import tiny
 from helpers import flat, run_main
 from hf_rebasin.data import char_tokenizer, shakespeare_text
-from hf_rebasin.jobs.describe import describe
 from hf_rebasin.recipe import RecipeError, loads_recipe
+from hf_rebasin.recipe.describe import describe
 
 
 @pytest.fixture

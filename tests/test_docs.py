@@ -19,8 +19,8 @@ from types import ModuleType
 import pytest
 import yaml
 
-from hf_rebasin.jobs import JOBS
 from hf_rebasin.recipe import loads_recipe, recipe_json_schema
+from hf_rebasin.recipe.jobs import JOBS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -21,8 +21,8 @@ from huggingface_hub import ModelCard
 
 from helpers import ROOT, flat, run_cli, run_main
 from hf_rebasin import data, train
-from hf_rebasin.jobs import JOBS
 from hf_rebasin.recipe import load_recipe
+from hf_rebasin.recipe.jobs import JOBS
 from hf_rebasin.resources import listing, resource
 from hf_rebasin.run import plan
 from hf_rebasin.strategies import REGISTRY
@@ -164,7 +164,7 @@ def test_wheel_ships_the_recipes_and_the_card_template(tmp_path: Path) -> None:
     assert {f"hf_rebasin/recipes/{p.name}" for p in EXAMPLES} <= names
     assert "hf_rebasin/recipes/metrics/f1.py" in names  # the metric script barrier-vanilla.yaml names
     assert "hf_rebasin/strategies/generalized_orthogonal.py" in names and "hf_rebasin/adapters/gpt2.py" in names
-    assert {"hf_rebasin/run/pipeline.py", "hf_rebasin/jobs/merge/run.py", "hf_rebasin/features/weights.py"} <= names
+    assert {"hf_rebasin/run/pipeline.py", "hf_rebasin/run/jobs/merge.py", "hf_rebasin/features/weights.py"} <= names
     # every package folder ships: a folder missing from pyproject's `packages` is named here
     package = ROOT / "hf_rebasin"
     folders = {

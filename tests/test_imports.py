@@ -80,7 +80,7 @@ def test_the_recipe_imports_no_heavy_library() -> None:
     code = textwrap.dedent(
         f"""
         import json, sys
-        from hf_rebasin.jobs.describe import describe
+        from hf_rebasin.recipe.describe import describe
         from hf_rebasin.recipe import loads_recipe, recipe_json_schema
         recipe = loads_recipe('''
         job: merge

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_rebasin.errors import RebasinUserError
-from hf_rebasin.jobs.describe import describe
 from hf_rebasin.recipe import (
     Recipe,
     RecipeError,
@@ -21,6 +20,7 @@ from hf_rebasin.recipe import (
     parse_recipe,
     recipe_json_schema,
 )
+from hf_rebasin.recipe.describe import describe
 from hf_rebasin.strategies import REGISTRY
 from hf_rebasin.strategies.generalized_orthogonal import GeneralizedOrthogonalOptions
 from hf_rebasin.strategies.head_perm import HeadPermOptions

@@ -1,5 +1,6 @@
-"""The jobs (hf_rebasin.jobs): each folder declares one job and is found without a table; a folder
-that does not declare itself properly is refused at import, naming what is wrong."""
+"""The jobs (hf_rebasin.recipe.jobs): each module there declares one job, found without a table,
+with its runner in hf_rebasin.run.jobs; a module that does not declare itself properly is refused
+at import, naming what is wrong."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from pathlib import Path
 
 import pytest
 
-import hf_rebasin.jobs as jobs
-from hf_rebasin.jobs import JOBS, Job, discover, get_job
+import hf_rebasin.recipe.jobs as jobs
+import hf_rebasin.run.jobs as runners
 from hf_rebasin.recipe import AlignedRecipe, loads_recipe
+from hf_rebasin.recipe.jobs import JOBS, Job, discover, get_job
 
 GOOD = """
 from typing import Literal
 
-from hf_rebasin.jobs import CardPart, Job
 from hf_rebasin.recipe import ModelsRecipe, AlignedRecipe
+from hf_rebasin.recipe.jobs import CardPart, Job
 
 
 class R(ModelsRecipe, AlignedRecipe):
@@ -36,14 +38,18 @@ JOB = Job(
 """
 
 
-def test_every_job_folder_declares_its_job_and_its_recipe_model() -> None:
-    folders = sorted(p.name for p in Path(jobs.__file__).parent.iterdir() if (p / "__init__.py").is_file())
-    assert list(JOBS) == folders
+def _names(package: object) -> list[str]:
+    folder = Path(package.__file__).parent  # type: ignore[attr-defined]
+    return sorted(p.stem for p in folder.glob("*.py") if not p.name.startswith("_"))
+
+
+def test_every_job_module_declares_its_job_and_has_a_runner() -> None:
+    assert list(JOBS) == _names(jobs) == _names(runners)
     for name, job in JOBS.items():
-        assert isinstance(job, Job) and job.name == name and job.module == f"hf_rebasin.jobs.{name}"
+        assert isinstance(job, Job) and job.name == name and job.runner == f"hf_rebasin.run.jobs.{name}"
         assert issubclass(job.recipe, AlignedRecipe)
         assert job.recipe.model_fields["job"].default == name
-        assert callable(importlib.import_module(f"{job.module}.run").run)
+        assert callable(importlib.import_module(job.runner).run)
 
 
 def test_a_recipe_is_validated_by_its_jobs_model() -> None:
@@ -56,42 +62,41 @@ def test_a_recipe_is_validated_by_its_jobs_model() -> None:
 
 @pytest.fixture
 def package(tmp_path: Path) -> Iterator[Path]:
-    """An empty package ``testjobs`` on sys.path, dropped from sys.modules afterwards."""
-    root = tmp_path / "testjobs"
-    root.mkdir()
-    (root / "__init__.py").write_text("", encoding="utf-8")
+    """Two empty packages on sys.path, ``testjobs`` (declarations) and ``testruns`` (runners),
+    dropped from sys.modules afterwards."""
+    for name in ("testjobs", "testruns"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("", encoding="utf-8")
     sys.path.insert(0, str(tmp_path))
-    yield root
+    yield tmp_path
     sys.path.remove(str(tmp_path))
-    for name in [m for m in sys.modules if m == "testjobs" or m.startswith("testjobs.")]:
+    for name in [m for m in sys.modules if m.split(".")[0] in ("testjobs", "testruns")]:
         del sys.modules[name]
 
 
-def _folder(root: Path, name: str, declaration: str, *, run: bool = True) -> None:
-    folder = root / name
-    folder.mkdir()
-    (folder / "__init__.py").write_text(textwrap.dedent(declaration), encoding="utf-8")
+def _job(root: Path, name: str, declaration: str, *, run: bool = True) -> None:
+    (root / "testjobs" / f"{name}.py").write_text(textwrap.dedent(declaration), encoding="utf-8")
     if run:
-        (folder / "run.py").write_text("def run(ws):\n    raise NotImplementedError\n", encoding="utf-8")
+        (root / "testruns" / f"{name}.py").write_text("def run(ws):\n    raise NotImplementedError\n", encoding="utf-8")
 
 
-def test_a_job_folder_is_found_without_a_table(package: Path) -> None:
-    _folder(package, "sweep", GOOD.format(name="sweep", declared="sweep"))
-    found = discover([str(package)], "testjobs")
-    assert list(found) == ["sweep"] and found["sweep"].module == "testjobs.sweep"
+def test_a_job_module_is_found_without_a_table(package: Path) -> None:
+    _job(package, "sweep", GOOD.format(name="sweep", declared="sweep"))
+    found = discover([str(package / "testjobs")], "testjobs", runners="testruns", runner_dir=package / "testruns")
+    assert list(found) == ["sweep"] and found["sweep"].runner == "testruns.sweep"
 
 
 @pytest.mark.parametrize(
     ("declaration", "run", "message"),
     [
         ("X = 1\n", True, r"testjobs\.sweep declares no JOB"),
-        (GOOD.format(name="sweep", declared="other"), True, r"declares job 'other': a job's folder is named after it"),
-        (GOOD.format(name="sweep", declared="sweep"), False, r"job 'sweep' has no run module \(testjobs\.sweep\.run\)"),
+        (GOOD.format(name="sweep", declared="other"), True, r"declares job 'other': a job's module is named after it"),
+        (GOOD.format(name="sweep", declared="sweep"), False, r"job 'sweep' has no run module \(testruns\.sweep\)"),
         (GOOD.format(name="merge", declared="sweep"), True, r"job 'sweep': its recipe model's `job` is 'merge'"),
     ],
     ids=["no-declaration", "misnamed", "no-run-module", "recipe-of-another-job"],
 )
-def test_a_folder_that_is_not_a_proper_job_is_refused(package: Path, declaration: str, run: bool, message: str) -> None:
-    _folder(package, "sweep", declaration, run=run)
+def test_a_module_that_is_not_a_proper_job_is_refused(package: Path, declaration: str, run: bool, message: str) -> None:
+    _job(package, "sweep", declaration, run=run)
     with pytest.raises(RuntimeError, match=message):
-        discover([str(package)], "testjobs")
+        discover([str(package / "testjobs")], "testjobs", runners="testruns", runner_dir=package / "testruns")

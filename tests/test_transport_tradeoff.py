@@ -20,10 +20,10 @@ import yaml
 
 import tiny
 from hf_rebasin.adapters import graph_for
-from hf_rebasin.jobs.describe import describe
-from hf_rebasin.jobs.transport.run import choose_alpha
 from hf_rebasin.models import rebuild
 from hf_rebasin.recipe import AUTO_ALPHAS, load_recipe
+from hf_rebasin.recipe.describe import describe
+from hf_rebasin.run.jobs.transport import choose_alpha
 from hf_rebasin.transport import add_task_vector
 
 TASK_PLAY, SUPPORT_PLAY = "the-merry-wives-of-windsor", "hamlet"

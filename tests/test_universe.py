@@ -26,7 +26,6 @@ from hf_rebasin.adapters import get_adapter, graph_for
 from hf_rebasin.canonical import canonicalize, is_canonical
 from hf_rebasin.errors import MissingDataError, StrategyOptionError
 from hf_rebasin.evaluate import evaluate_loss
-from hf_rebasin.jobs.describe import describe
 from hf_rebasin.merge import merge_state_dicts
 from hf_rebasin.models import load_model, rebuild
 from hf_rebasin.recipe import (
@@ -37,6 +36,7 @@ from hf_rebasin.recipe import (
     parse_recipe,
     recipe_json_schema,
 )
+from hf_rebasin.recipe.describe import describe
 from hf_rebasin.run import plan
 from hf_rebasin.universe import UniverseResult, universe_merge
 from hf_rebasin.verify import example_inputs

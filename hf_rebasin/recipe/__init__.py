@@ -4,7 +4,7 @@
   output, the strategy section made from the strategy registry) and the bases of the jobs'
   recipe models (`RecipeBase`, `AlignedRecipe`);
 - `problems`: `RecipeError` and how a pydantic error becomes a message (path, line, what is allowed);
-- `loading`: YAML → the recipe model of its ``job`` (declared in ``hf_rebasin.jobs``), and the JSON
+- `loading`: YAML → the recipe model of its ``job`` (declared in `jobs`), and the JSON
   Schema of every job's recipe.
 
 Importing this package imports no torch (nor transformers, datasets, scipy): validating a recipe
@@ -35,7 +35,7 @@ from .sections import (
     Universe,
 )
 
-# the recipe every run takes: each job's model is one (`hf_rebasin.jobs`)
+# the recipe every run takes: each job's model is one (`jobs`)
 Recipe = AlignedRecipe
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Reading a recipe: YAML text → the job's recipe model, with every problem at once.
 
 `parse_recipe` reads ``job`` first and validates the rest with that job's own model
-(``hf_rebasin.jobs``); keys that belong to another job are problems of their own. Loading imports no
+(``hf_rebasin.recipe.jobs``); keys that belong to another job are problems of their own. Loading imports no
 torch (tests/test_imports.py keeps it so).
 """
 
@@ -16,6 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from ..strategies import REGISTRY
+from .jobs import JOBS
 from .problems import Lines, Problem, RecipeError, problem_of
 from .sections import MAX_YAML_VALUES, MAX_ZOO_SEED, AlignedRecipe, RecipeBase, StrategySection, StrategySpec
 
@@ -27,8 +28,6 @@ def parse_recipe(data: Mapping[str, Any], source: str, base_dir: Path, *, lines:
 
     ``lines`` maps dotted paths (as tuples of keys) to YAML line numbers, for error messages.
     """
-    from ..jobs import JOBS  # the jobs' recipe models build on this package's sections
-
     lines = lines or {}
     if not isinstance(data, Mapping):
         kind = "empty" if data is None else f"a {type(data).__name__}"
@@ -53,8 +52,6 @@ def parse_recipe(data: Mapping[str, Any], source: str, base_dir: Path, *, lines:
 
 def _job_problem(job: Any, lines: Lines) -> Problem:
     """A recipe without ``job``, or with one no job module declares."""
-    from ..jobs import JOBS
-
     allowed = ", ".join(f"'{name}'" for name in JOBS)
     if job is None:
         return Problem("job", None, f"is required but missing (what to do: one of {allowed})")
@@ -182,7 +179,6 @@ def load_recipe(path: str | Path) -> AlignedRecipe:
 def recipe_json_schema() -> dict[str, Any]:
     """JSON Schema of recipe files, for editors: one schema per job, chosen by ``job``; strategy
     options are a union tagged by ``name``."""
-    from ..jobs import JOBS
 
     def ref(model: str) -> dict[str, Any]:
         """A model field: a string, or the mapping of its own model (``FineTuneRef`` has ``check_base``)."""

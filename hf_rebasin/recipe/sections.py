@@ -1,6 +1,6 @@
 """The sections of a recipe every job shares, and the base of every job's recipe model.
 
-Each job declares its own recipe model (``hf_rebasin.jobs.<job>``) from these parts: `RecipeBase`
+Each job declares its own recipe model (``hf_rebasin.recipe.jobs.<job>``) from these parts: `RecipeBase`
 (the keys of every recipe: job, output, safety switches, device, cache) and `AlignedRecipe` (a
 strategy, alignment data, an evaluation). Importing this module imports no torch (nor transformers,
 datasets, scipy): names, defaults and strategy options come from torch-free modules, so validating
@@ -653,7 +653,7 @@ def _needs_data_message(spec: StrategySpec, at: str | None = None) -> PydanticCu
 
 
 class RecipeBase(_Section):
-    """What every recipe holds, whatever its job. Each job's model (``hf_rebasin.jobs.<job>``)
+    """What every recipe holds, whatever its job. Each job's model (``hf_rebasin.recipe.jobs.<job>``)
     narrows ``job`` to its name and adds its own keys."""
 
     version: Literal[1] = Field(1, description="schema version")

@@ -20,7 +20,6 @@ from torch import Tensor
 
 from ..errors import IncompatibleModelsError, RebasinUserError, UnsupportedArchitectureError
 from ..evaluate import Task, task_of
-from ..jobs import get_job
 from ..lora import LoraAdapter, apply_adapter, is_adapter, read_adapter
 from ..models import (
     WRITABLE_DTYPES,
@@ -35,6 +34,7 @@ from ..models import (
 )
 from ..output import check_inputs
 from ..recipe import Recipe
+from ..recipe.jobs import get_job
 from ..record import DtypeEntry
 from ..roles import MergeRoles, Roles, TransportRoles
 from ..strategies import AlignmentData

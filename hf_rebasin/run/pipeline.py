@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import hub
-from ..jobs import get_job
 from ..output import claim_output, output_folder
 from ..recipe import Recipe
+from ..recipe.jobs import get_job
 from .clock import Progress
 from .load import Workspace, load_workspace
 from .plan import Plan, build_plan
@@ -53,7 +53,7 @@ def run_recipe(
 
 def run_job(ws: Workspace) -> JobOutput:
     """The recipe's job on the loaded workspace: ``run`` of its folder's ``run`` module, imported now."""
-    runner: Callable[[Workspace], JobOutput] = importlib.import_module(f"{get_job(ws.recipe.job).module}.run").run
+    runner: Callable[[Workspace], JobOutput] = importlib.import_module(get_job(ws.recipe.job).runner).run
     return runner(ws)
 
 

@@ -14,10 +14,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..jobs import get_job
-from ..jobs.describe import describe
 from ..output import check_output
 from ..recipe import ModelRef, Recipe
+from ..recipe.describe import describe
+from ..recipe.jobs import get_job
 from ..roles import Roles, TransportRoles
 from .checks import (
     check_adapter,

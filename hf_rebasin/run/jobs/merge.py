@@ -11,15 +11,15 @@ from torch import Tensor
 from ...export import copy_support_files, save_merged_model
 from ...merge import merge_state_dicts
 from ...models import LoadedModel
+from ...recipe.jobs.merge import MergeRecipe
 from ...roles import MergeRoles
-from ...run.load import Workspace, weights
-from ...run.result import JobOutput
-from ...run.stages import align_others, check_inputs, curves, job_result, preservation, writing
 from ...scores import Preservation, Score, Universe
 from ...strategies import Alignment, get_strategy
 from ...universe import universe_merge
-from ..barrier.run import aligned_preservation, findings_of, save_curves
-from . import MergeRecipe
+from ..load import Workspace, weights
+from ..result import JobOutput
+from ..stages import align_others, check_inputs, curves, job_result, preservation, writing
+from .barrier import aligned_preservation, findings_of, save_curves
 
 __all__ = ["run"]
 

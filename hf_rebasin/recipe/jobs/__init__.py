@@ -1,28 +1,27 @@
-"""The jobs a recipe can name. Each job is one folder here, and nothing else names it:
+"""The jobs a recipe can name. A job is two modules, one per layer, and nothing else names it:
 
-- ``jobs/<job>/__init__.py`` declares the job (`Job`): its recipe model (the keys of a recipe with
+- ``recipe/jobs/<job>.py`` declares it (`Job`): its recipe model (the keys of a recipe with
   ``job: <job>``), its summary, whether it writes a model (dtype rules, the card's metadata), when
   it may stream, its lines of the dry-run plan and its part of the model card. Torch-free, so
   validating a recipe and printing the plan or the schema never load torch.
-- ``jobs/<job>/run.py`` runs it: ``run(ws) -> JobOutput`` on a loaded `run.load.Workspace`;
-  imported when the job runs (`run.pipeline.run_job`), as a strategy's module is, so that what a
-  job is stays apart from the run that loads models.
+- ``run/jobs/<job>.py`` runs it: ``run(ws) -> JobOutput`` on a loaded `run.load.Workspace`;
+  imported by name when the job runs (`run.pipeline.run_job`), as a strategy's module is.
 
-A folder with an ``__init__.py`` that defines ``JOB`` is a job: adding one touches its folder, a
-recipe example and a test (docs/contributing.md walks through it).
+A module here that defines ``JOB`` is a job, found without a table: adding one touches these two
+modules, a recipe example and a test (docs/contributing.md walks through it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import pkgutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from ..recipe.sections import AlignedRecipe
+from ..sections import AlignedRecipe
 
 __all__ = ["JOBS", "CardPart", "Job", "discover", "get_job"]
 
@@ -56,32 +55,38 @@ class Job:
     # whether the run may read its models tensor by tensor and write the result the same way
     streams: Callable[[Any], bool] = lambda _recipe: False
     describe: Callable[[Any], list[str]] = lambda _recipe: []  # the job's own lines of the dry-run plan
-    module: str = field(default="", compare=False)  # set by the registry: ``hf_rebasin.jobs.<name>``
+    runner: str = field(default="", compare=False)  # set by the registry: the module whose ``run(ws)`` runs it
 
 
-def discover(path: Iterable[str], package: str) -> dict[str, Job]:
-    """Every job folder of the package ``package`` (found at ``path``), by name, sorted: the
-    schema and the docs list them so. A folder that is not a proper job is refused, naming why."""
+def discover(path: Iterable[str], package: str, runners: str, runner_dir: Path) -> dict[str, Job]:
+    """Every job module of the package ``package`` (found at ``path``), by name, sorted: the
+    schema and the docs list them so. Each must define ``JOB``, named after its module, with a
+    recipe model of that job, and have a runner module ``<runners>.<name>``, a file of
+    ``runner_dir`` (looked for, not imported: that would load torch); anything else is refused at
+    import, naming why."""
     found: dict[str, Job] = {}
     for info in sorted(pkgutil.iter_modules(list(path)), key=lambda m: m.name):
-        if not info.ispkg:
+        if info.ispkg or info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{package}.{info.name}")
         job = getattr(module, "JOB", None)
         if not isinstance(job, Job):
-            raise RuntimeError(f"{module.__name__} declares no JOB (a `hf_rebasin.jobs.Job`)")
+            raise RuntimeError(f"{module.__name__} declares no JOB (a `hf_rebasin.recipe.jobs.Job`)")
         if job.name != info.name:
-            raise RuntimeError(f"{module.__name__} declares job {job.name!r}: a job's folder is named after it")
-        if importlib.util.find_spec(f"{module.__name__}.run") is None:
-            raise RuntimeError(f"job {job.name!r} has no run module ({module.__name__}.run)")
+            raise RuntimeError(f"{module.__name__} declares job {job.name!r}: a job's module is named after it")
+        runner = f"{runners}.{job.name}"
+        if not (runner_dir / f"{job.name}.py").is_file():
+            raise RuntimeError(f"job {job.name!r} has no run module ({runner})")
         declared = job.recipe.model_fields["job"].default
         if declared != job.name:
             raise RuntimeError(f"job {job.name!r}: its recipe model's `job` is {declared!r}")
-        found[job.name] = dataclasses.replace(job, module=module.__name__)
+        found[job.name] = dataclasses.replace(job, runner=runner)
     return found
 
 
-JOBS: Mapping[str, Job] = discover(__path__, __name__)
+JOBS: Mapping[str, Job] = discover(
+    __path__, __name__, runners="hf_rebasin.run.jobs", runner_dir=Path(__file__).resolve().parents[2] / "run" / "jobs"
+)
 
 
 def get_job(name: str) -> Job:

@@ -9,15 +9,15 @@ from pathlib import Path
 from ..datafiles import check_files
 from ..errors import DataError
 from ..names import BUILTIN_DATASETS
-from ..recipe.sections import AlignedRecipe, DataSpec, Evaluate, yamlish
 from ..zoo import is_trained, zoo_folder
+from .sections import AlignedRecipe, DataSpec, Evaluate, yamlish
 
 __all__ = ["curve_lines", "data_line", "describe", "describe_auto"]
 
 
 def describe(recipe: AlignedRecipe, output: Path | None = None) -> list[str]:
     """The plan of ``recipe``, one line each; ``output`` is ``--output`` when given (nothing is loaded)."""
-    from . import get_job
+    from .jobs import get_job  # the jobs' modules import this one
 
     roles = recipe.roles()
     out = [f"recipe: {recipe.source}", f"job: {recipe.job}", "models:"]

@@ -10,7 +10,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ...recipe.sections import (
+from ...roles import TransportRoles
+from ...strategies import get_strategy
+from ..describe import data_line, describe_auto
+from ..sections import (
     AlignedRecipe,
     AutoAlpha,
     FineTuneRef,
@@ -19,10 +22,7 @@ from ...recipe.sections import (
     _auto_alpha,
     _number,
 )
-from ...roles import TransportRoles
-from ...strategies import get_strategy
-from .. import CardPart, Job
-from ..describe import data_line, describe_auto
+from . import CardPart, Job
 
 __all__ = ["DEFAULT_TRANSPORT_STRATEGY", "JOB", "TransportRecipe"]
 

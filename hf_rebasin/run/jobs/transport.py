@@ -20,20 +20,20 @@ from ...export import copy_support_files, save_merged_model
 from ...lora import canonical_blocker, lora_graph, save_adapter, transport_adapter
 from ...models import LoadedModel
 from ...output import write_text
+from ...recipe.jobs.transport import TransportRecipe
 from ...record import Findings
 from ...report import plot_tradeoff, tradeoff, tradeoff_table
 from ...roles import TransportRoles
-from ...run.data import BatchSpec, batches
-from ...run.load import Workspace, weights
-from ...run.result import JobOutput
-from ...run.stages import check_inputs, job_result, options_as_run, preservation, timed_align, writing
 from ...scores import AdapterSummary, Choice, Transport
 from ...strategies import Alignment, Pair, align, get_strategy
 from ...sublayers import is_per_sublayer, per_sublayer
 from ...symmetry import SymmetryGraph
 from ...transport import add_task_vector, move_finetune
-from ..barrier.run import save_diagnostics
-from . import TransportRecipe
+from ..data import BatchSpec, batches
+from ..load import Workspace, weights
+from ..result import JobOutput
+from ..stages import check_inputs, job_result, options_as_run, preservation, timed_align, writing
+from .barrier import save_diagnostics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -11,15 +11,15 @@ from ...basis import Gap, check_gaps, function_gap, mergekit_config, written_dty
 from ...export import copy_support_files, save_merged_model
 from ...models import LoadedModel, dtype_name
 from ...output import write_text
+from ...recipe.jobs.align import folder_name, mergekit_method
 from ...record import Findings
 from ...roles import MergeRoles
-from ...run.load import Workspace
-from ...run.result import JobOutput
-from ...run.stages import align_others, job_result, options_as_run
 from ...scores import WrittenGap
 from ...strategies.base import relative_distance
-from ..barrier.run import aligned_preservation, alignment_diagnostics, save_diagnostics
-from . import folder_name, mergekit_method
+from ..load import Workspace
+from ..result import JobOutput
+from ..stages import align_others, job_result, options_as_run
+from .barrier import aligned_preservation, alignment_diagnostics, save_diagnostics
 
 __all__ = ["run"]
 

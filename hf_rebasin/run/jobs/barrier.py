@@ -14,11 +14,11 @@ from ...output import write_text
 from ...record import Findings
 from ...report import markdown_table, metric_names, plot_alignment, plot_curves, plot_learning
 from ...roles import MergeRoles
-from ...run.load import Workspace
-from ...run.result import JobOutput
-from ...run.stages import align_others, check_inputs, curves, job_result, options_as_run, preservation
 from ...scores import Preservation, Score, Universe
 from ...strategies import Alignment
+from ..load import Workspace
+from ..result import JobOutput
+from ..stages import align_others, check_inputs, curves, job_result, options_as_run, preservation
 
 __all__ = ["alignment_diagnostics", "findings_of", "run", "save_curves", "save_diagnostics", "title"]
 

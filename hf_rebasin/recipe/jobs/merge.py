@@ -9,9 +9,9 @@ from typing import ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from ...recipe.sections import DEFAULT_WEIGHT, AlignedRecipe, Merge, ModelsRecipe
-from .. import CardPart, Job
 from ..describe import curve_lines
+from ..sections import DEFAULT_WEIGHT, AlignedRecipe, Merge, ModelsRecipe
+from . import CardPart, Job
 
 __all__ = [
     "ALIGNED_WHY",

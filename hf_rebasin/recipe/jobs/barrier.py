@@ -9,10 +9,10 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from ...recipe.sections import DEFAULT_WEIGHT, AlignedRecipe, Merge, ModelsRecipe
-from .. import CardPart, Job
 from ..describe import curve_lines
-from ..merge import ALIGNED_WHY, PRESERVED_PAIR, PRESERVED_SENTENCE, models_not_roles
+from ..sections import DEFAULT_WEIGHT, AlignedRecipe, Merge, ModelsRecipe
+from . import CardPart, Job
+from .merge import ALIGNED_WHY, PRESERVED_PAIR, PRESERVED_SENTENCE, models_not_roles
 
 __all__ = ["JOB", "BarrierRecipe"]
 

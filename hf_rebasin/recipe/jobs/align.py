@@ -10,9 +10,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from ...recipe.sections import AlignedRecipe, ModelsRecipe
-from .. import CardPart, Job
-from ..merge import PRESERVED_PAIR, PRESERVED_SENTENCE, models_not_roles
+from ..sections import AlignedRecipe, ModelsRecipe
+from . import CardPart, Job
+from .merge import PRESERVED_PAIR, PRESERVED_SENTENCE, models_not_roles
 
 __all__ = ["JOB", "AlignRecipe", "folder_name"]
 
