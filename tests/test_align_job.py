@@ -1,4 +1,4 @@
-"""job: align (hf_rebasin/jobs/align): every model written in A's basis as a stock model folder,
+"""job: align (hf_rebasin/recipe/jobs/align.py, hf_rebasin/run/jobs/align.py): every model written in A's basis as a stock model folder,
 checked with stock transformers (not hf-rebasin's loader): each folder computes what its input
 computed, and B's folder is B moved towards A (its weights closer to A's than B's were)."""
 
