@@ -21,6 +21,7 @@ from hf_rebasin.recipe import (
     recipe_json_schema,
 )
 from hf_rebasin.recipe.describe import describe
+from hf_rebasin.recipe.jobs import JOBS
 from hf_rebasin.strategies import REGISTRY
 from hf_rebasin.strategies.generalized_orthogonal import GeneralizedOrthogonalOptions
 from hf_rebasin.strategies.head_perm import HeadPermOptions
@@ -342,7 +343,8 @@ def test_transport_recipe_errors_name_the_field(tmp_path: Path) -> None:
     err = problems(MERGE + "alpha: 1.0\ntarget: org/b\n", tmp_path)
     assert sorted(paths(err)) == ["alpha", "target"] and "belongs to job: transport" in str(err)
     err = problems(MERGE.replace("job: merge", "job: distill"), tmp_path)
-    assert paths(err) == ["job"] and "'align', 'barrier', 'merge', 'transport'" in str(err)
+    assert paths(err) == ["job"] and ", ".join(f"'{job}'" for job in JOBS) in str(err)  # every job, by name
+    assert {"merge", "barrier", "transport"} <= set(JOBS)
 
 
 def test_wrong_version(tmp_path: Path) -> None:
@@ -381,10 +383,7 @@ def test_json_schema_lists_strategies_and_their_options(tmp_path: Path) -> None:
     for name in REGISTRY.names:
         assert name in text
     assert schema["required"] == ["job"] and [v["$ref"] for v in schema["oneOf"]] == [
-        "#/$defs/AlignRecipe",
-        "#/$defs/BarrierRecipe",
-        "#/$defs/MergeRecipe",
-        "#/$defs/TransportRecipe",
+        f"#/$defs/{job.recipe.__name__}" for job in JOBS.values()
     ]
     head_perm = schema["$defs"]["HeadPermStrategy"]
     residual = head_perm["properties"]["residual"]  # unset (null): chosen from the models' size
