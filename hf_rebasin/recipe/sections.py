@@ -518,6 +518,12 @@ class Evaluate(_Section):
             )
         return self
 
+    @property
+    def plain(self) -> list[str]:
+        """The strategies of ``compare`` that align nothing: the naive comparison (the plain
+        average, B + α·τ), by the strategy's capability rather than its name."""
+        return [name for name in self.compare if get_strategy(name).identity]
+
     def metric_specs(self) -> list[MetricSpec]:
         """``metrics`` with every plain name turned into ``{name, kwargs: {}}``."""
         return [MetricSpec(name=m, kwargs={}) if isinstance(m, str) else m for m in self.metrics]
@@ -612,9 +618,14 @@ class StrategySpec(BaseModel):
         """True when these options need alignment data (the recipe then needs `data:`)."""
         return bool(self.strategy.needs_data(self.options))
 
+    @property
+    def runs_learned_matching(self) -> bool:
+        """True when these options run learned matching: whole models with gradients, never streamed."""
+        return bool(self.strategy.memory.learned(self.options))
+
 
 def _section_model(strategy: Strategy) -> type[StrategySpec]:
-    clash = {"name", "strategy", "options", "needs_data"} & set(strategy.options.model_fields)
+    clash = {"name", "strategy", "options", "needs_data", "runs_learned_matching"} & set(strategy.options.model_fields)
     if clash:
         raise RuntimeError(f"strategy {strategy.name!r} has options named {sorted(clash)}: reserved in recipes")
     title = "".join(part.title() for part in strategy.name.split("-")) + "Strategy"

@@ -93,8 +93,7 @@ def _describe(recipe: MergeRecipe) -> list[str]:
 
 def _streams(recipe: MergeRecipe) -> bool:
     """Tensor by tensor unless something needs whole models: an evaluation, a universe merge, learned matching."""
-    learned = recipe.strategy.strategy.memory.learned(recipe.strategy.options)
-    return recipe.evaluate is None and recipe.merge.universe is None and not learned
+    return recipe.evaluate is None and recipe.merge.universe is None and not recipe.strategy.runs_learned_matching
 
 
 def _title(names: Sequence[str]) -> str:

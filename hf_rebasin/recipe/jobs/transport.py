@@ -11,7 +11,6 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ...roles import TransportRoles
-from ...strategies import get_strategy
 from ..describe import data_line, describe_auto
 from ..sections import (
     AlignedRecipe,
@@ -110,7 +109,7 @@ class TransportRecipe(AlignedRecipe):
                     "at": "alpha" if ev is None else "evaluate.support",
                 },
             )
-        if ev is not None and any(not get_strategy(name).identity for name in ev.compare):
+        if ev is not None and ev.plain != ev.compare:
             raise PydanticCustomError(
                 "recipe",
                 "job: transport compares with the naive B + α·τ (`vanilla`) only: `compare: [vanilla]` or `[]`",
@@ -154,7 +153,7 @@ def _describe(recipe: TransportRecipe) -> list[str]:
     out += [f"evaluate: {ev.task}, batch size {ev.batch_size}, seed {ev.seed}", f"  data: {data_line(ev.data)}"]
     if ev.support is not None:
         out.append(f"  support: {data_line(ev.support)}")
-    naive = ", naive B + α·τ" if any(get_strategy(name).identity for name in ev.compare) else ""
+    naive = ", naive B + α·τ" if ev.plain else ""
     out.append(f"  scored: target B, old base A, fine-tune A + τ, transported B + α·π(τ){naive}")
     if ev.support is not None:
         out.append("  trade-off: task gain over B against support cost over B, per α (tradeoff.png)")
@@ -164,7 +163,7 @@ def _describe(recipe: TransportRecipe) -> list[str]:
 def _streams(recipe: TransportRecipe) -> bool:
     """Tensor by tensor without an evaluation or learned matching (and, checked on the files, for
     a full fine-tune of its base's class: `run.plan.streamed`)."""
-    return recipe.evaluate is None and not recipe.strategy.strategy.memory.learned(recipe.strategy.options)
+    return recipe.evaluate is None and not recipe.strategy.runs_learned_matching
 
 
 def _title(names: Sequence[str]) -> str:

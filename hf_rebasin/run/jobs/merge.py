@@ -74,7 +74,7 @@ def _scores(
     scores: dict[str, Score] = {}
     with ws.clock.stage("evaluate"):
         scores[name] = Score(**ws.score(a.model, merged, untie, ws.eval_batches, ws.task))
-        naive = [c for c in ev.compare if get_strategy(c).identity]  # the plain average, unless it is ours
+        naive = ev.plain  # the plain average, unless it is ours
         if naive and not get_strategy(name).identity:
             plain = merge_state_dicts([weights(lm) for lm in models.all], mix)
             scores[naive[0]] = Score(**ws.score(a.model, plain, False, ws.eval_batches, ws.task))

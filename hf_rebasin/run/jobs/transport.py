@@ -178,7 +178,7 @@ def _note_carried(ws: Workspace, models: TransportRoles[LoadedModel], moved: Mov
 def _naive(ws: Workspace, models: TransportRoles[LoadedModel]) -> Moved | None:
     """B + α·τ (``compare: [vanilla]``): the transport of an identity alignment."""
     ev = ws.recipe.evaluate
-    naive = [c for c in ev.compare if get_strategy(c).identity] if ev is not None else []
+    naive = ev.plain if ev is not None else []
     if not naive:
         return None
     b, a = models.target, models.base
