@@ -37,7 +37,7 @@ from . import __version__
 from .datafiles import check_files, has_glob
 from .names import BUILTIN_DATASETS, LOCAL_BUILDERS
 from .resources import cache_root
-from .symmetry import AxisMap, HeadMap, HeadSpace, Space, SymmetryGraph, Transform
+from .symmetry import AxisMap, ExpertMap, ExpertSpace, HeadMap, HeadSpace, Space, SymmetryGraph, Transform
 
 if TYPE_CHECKING:
     from .strategies import Alignment, Options, Pair
@@ -314,6 +314,8 @@ def _encode(transform: Transform) -> tuple[dict[str, Tensor], dict[str, Any]]:
         if isinstance(m, HeadMap):
             names = {k: put(getattr(m, k)) for k in ("kv_perm", "q_perm", "qk", "vo")}
             spaces[space] = {"kind": "head", **names, "invertible": m.invertible}
+        elif isinstance(m, ExpertMap):
+            spaces[space] = {"kind": "experts", **{k: put(getattr(m, k)) for k in ("perm", "inner", "shift")}}
         else:
             spaces[space] = {"kind": "axis", "size": m.size, "index": put(m.index), "blocks": put(m.blocks)}
     return tensors, spaces
@@ -365,6 +367,23 @@ def save_alignment(key: str, alignment: Alignment, pair: Pair, *, root: Path | N
     return path
 
 
+def _expert_map(
+    name: str, space: ExpertSpace, entry: Mapping[str, Any], get: Callable[[Any], Tensor | None]
+) -> ExpertMap:
+    """An expert map read back from an entry, checked against the expert space it is for."""
+    if entry.get("kind") != "experts":
+        raise CacheMiss(f"space {name!r} needs an expert map")
+    E, f = space.num_experts, space.units
+    perm, inner, shift = (get(entry.get(k)) for k in ("perm", "inner", "shift"))
+    if perm is None or inner is None or not (perm.shape == (E,) and _long_perm(perm, E)):
+        raise CacheMiss(f"expert permutation of {name!r} does not fit {E} experts")
+    if not (inner.shape == (E, f) and _long_perm(inner, f)):
+        raise CacheMiss(f"unit permutations of {name!r} do not fit {E} experts of {f} units")
+    if shift is not None and not (shift.dim() == 1 and shift.is_floating_point() and bool(shift.isfinite().all())):
+        raise CacheMiss(f"router shift of {name!r} is not a finite vector")
+    return ExpertMap(perm, inner, shift)
+
+
 def _long_perm(t: Tensor, n: int) -> bool:
     """``t`` is ``[..., n]`` int64 and every last-axis row is a permutation of 0..n-1."""
     return (
@@ -407,6 +426,9 @@ def _decode(graph: SymmetryGraph, spaces: Mapping[str, Any], tensors: Mapping[st
                 if not ok:
                     raise CacheMiss(f"inner map of {name!r} does not fit {g} heads of size {dh}")
             out[name] = HeadMap(kv, q, qk, vo, invertible=bool(entry.get("invertible", False)))
+            continue
+        if isinstance(space, ExpertSpace):
+            out[name] = _expert_map(name, space, entry, get)
             continue
         assert isinstance(space, Space)
         index, blocks = get(entry.get("index")), get(entry.get("blocks"))

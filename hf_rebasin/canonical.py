@@ -204,8 +204,9 @@ def canonical_steps(graph: SymmetryGraph, names: Mapping[str, object]) -> Canoni
     return CanonicalSteps(steps, dataclasses.replace(graph, ties=ties), untied)
 
 
-def _apply(step: Step, t: Tensor, raw: Mapping[str, Tensor]) -> Tensor:
-    """``t`` after ``step``; γ, β and a reader come from ``raw`` (the state as stored)."""
+def _apply(step: Step, t: Tensor, raw: Mapping[str, Tensor], graph: SymmetryGraph) -> Tensor:
+    """``t`` after ``step`` (``t`` as its binding's axes describe it); γ, β and a reader come from
+    ``raw`` (the state as stored)."""
     norm = step.norm
     if step.kind == "center":
         t64 = t.to(torch.float64)
@@ -231,7 +232,7 @@ def _apply(step: Step, t: Tensor, raw: Mapping[str, Tensor]) -> Tensor:
     beta = raw[norm.bias].to(torch.float64)
     if step.kind == "shift":
         assert step.reader is not None
-        w = raw[step.reader]
+        w = graph.logical(step.reader, raw[step.reader])
         if step.start is not None:
             assert step.size is not None
             w = w.narrow(step.axis, step.start, step.size)
@@ -277,10 +278,13 @@ def _scaled(t: Tensor, scale: Tensor, axis: int) -> Tensor:
 
 def canonical_tensor(form: CanonicalSteps, name: str, raw: Mapping[str, Tensor]) -> Tensor:
     """Tensor ``name`` of ``raw`` in canonical form (``raw[name]`` itself when no step changes it)."""
-    t = raw[name]
-    for step in form.steps.get(name, ()):
-        t = _apply(step, t, raw)
-    return t
+    steps = form.steps.get(name, ())
+    if not steps:
+        return raw[name]
+    t = form.graph.logical(name, raw[name])
+    for step in steps:
+        t = _apply(step, t, raw, form.graph)
+    return form.graph.stored(name, t)
 
 
 def _canonical_rows(form: CanonicalSteps, name: str, raw: LazyState) -> RowReader | None:
@@ -288,14 +292,17 @@ def _canonical_rows(form: CanonicalSteps, name: str, raw: LazyState) -> RowReade
     acts within a row (a reader scaled or a writer centered along a later axis: an embedding)."""
     read = raw.rows(name)
     steps = form.steps.get(name, ())
+    binding = form.graph.bindings.get(name)
     if read is None or any(step.kind not in ("scale", "center") or step.axis == 0 for step in steps):
+        return None
+    if binding is not None and binding.view is not None:
         return None
     reader = read
 
     def rows(start: int, stop: int) -> Tensor:
         t = reader(start, stop)
         for step in steps:
-            t = _apply(step, t, raw)
+            t = _apply(step, t, raw, form.graph)
         return t
 
     return rows

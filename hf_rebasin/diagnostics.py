@@ -24,7 +24,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .symmetry import AxisMap, AxisRef, Fused, HeadMap, HeadSpace, Space, SpaceMap, SymmetryGraph, split_ref
+from .symmetry import (
+    AxisMap,
+    AxisRef,
+    ExpertMap,
+    ExpertSpace,
+    Fused,
+    HeadMap,
+    HeadSpace,
+    Space,
+    SpaceMap,
+    SymmetryGraph,
+    split_ref,
+)
 from .tensors import dtype_of, give_back_freed, row_blocks, shape_of
 
 __all__ = ["feature_similarity", "matched_correlation"]
@@ -135,8 +147,12 @@ def feature_similarity(
     for name, sp in graph.spaces.items():
         if name not in before:
             continue
-        features = sp.num_heads * sp.head_dim if isinstance(sp, HeadSpace) else sp.size
-        kind = "heads" if isinstance(sp, HeadSpace) else sp.kind
+        if isinstance(sp, HeadSpace):
+            features, kind = sp.num_heads * sp.head_dim, "heads"
+        elif isinstance(sp, ExpertSpace):
+            features, kind = sp.num_experts * sp.units, sp.kind
+        else:
+            features, kind = sp.size, sp.kind
         spaces.append({"space": name, "kind": kind, "features": features, "before": before[name], "after": after[name]})
     return {"measure": "weight cosine of matched features", "spaces": spaces}
 
@@ -156,18 +172,26 @@ def matched_correlation(
     for key, c in corr.items():
         space, role = split_ref(key)
         m = transform.get(space)
-        if isinstance(m, HeadMap):
+        if isinstance(m, HeadMap | ExpertMap):
             sp = graph.spaces.get(space)
-            if not isinstance(sp, HeadSpace) or role is None:
+            if not isinstance(sp, HeadSpace | ExpertSpace) or role is None:
                 continue
-            m = m.expand(sp, role)
+            m = m.expand(sp, role)  # type: ignore[arg-type]  # a head map with its head space, experts with theirs
         if m is None or not m.is_permutation:
             continue
         rows = torch.arange(c.shape[0])
         before.setdefault(space, []).append(c.diagonal().double())
         after.setdefault(space, []).append(c[rows, rows if m.index is None else m.index].double())
         base = graph.spaces.get(space.partition("@")[0])
-        kinds[space] = "heads" if role is not None else base.kind if isinstance(base, Space) else "residual"
+        kinds[space] = (
+            "experts"
+            if isinstance(base, ExpertSpace)
+            else "heads"
+            if role is not None
+            else base.kind
+            if isinstance(base, Space)
+            else "residual"
+        )
     return [
         {
             "space": space,

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .errors import AdapterError, TransformError
-from .symmetry import AxisMap, Fused, Glu, SpaceMap, SymmetryGraph
+from .symmetry import Fused, Glu, SpaceMap, SymmetryGraph
 from .tensors import LazyState, RowReader
 
 __all__ = [
@@ -102,7 +102,7 @@ def _glu_scales(graph: SymmetryGraph, glu: Glu, state: Mapping[str, Tensor]) -> 
 
     def get(name: str) -> Tensor:
         if name not in read:
-            read[name] = state[name]
+            read[name] = graph.logical(name, state[name])
         return read[name]
 
     gate, up, down = (get(t) for t, _ in (glu.gate, glu.up, glu.down))
@@ -232,7 +232,10 @@ def apply_unit_scales(
     def one(name: str) -> Tensor:
         source = graph.ties.get(name)
         key = source if source is not None and source in edits and source in state else name
-        return _edited(state[key], edits.get(key, []), scales)
+        todo = edits.get(key, [])
+        if not any(e.space in scales for e in todo):
+            return state[key]
+        return graph.stored(key, _edited(graph.logical(key, state[key]), todo, scales))
 
     def rows(name: str) -> RowReader | None:  # a tensor no gated MLP edits, as its rows come
         assert isinstance(state, LazyState)
@@ -291,11 +294,11 @@ def matched_unit_scales(
     the product once, and a cache can store them instead of recomputing them."""
     relative: dict[str, Tensor] = {}
     for glu in graph.glus:
-        m = transform.get(glu.space)
-        if m is not None and not (isinstance(m, AxisMap) and m.is_permutation):
+        m = graph.axis_map(transform, glu.space)
+        if m is not None and not m.is_permutation:
             continue
         s_a, s_b = _glu_scales(graph, glu, sd_a), _glu_scales(graph, glu, sd_b)
-        index = m.index if isinstance(m, AxisMap) and m.index is not None else torch.arange(len(s_b))
+        index = m.index if m is not None and m.index is not None else torch.arange(len(s_b))
         r = torch.ones_like(s_b)
         r[index] = s_b[index] / s_a  # slot i holds B's unit index[i]: balanced, then A's scaling undone
         # The canonical sign (up·gate ≥ 0) is arbitrary where up·gate ≈ 0, so near-equal models can
@@ -326,8 +329,9 @@ def _agreement(
     total = torch.zeros(graph.ref_size(glu.space), dtype=torch.float64)
     for tensor, occurrence in (glu.up, glu.down):
         span = _span(graph, tensor, glu.space, occurrence)
-        a = sd_a[tensor].narrow(span.axis, span.start, span.size).to(torch.float64)
-        b = graph.map_tensor(tensor, sd_b[tensor], transform).narrow(span.axis, span.start, span.size)
+        a = graph.logical(tensor, sd_a[tensor]).narrow(span.axis, span.start, span.size).to(torch.float64)
+        b = graph.logical(tensor, graph.map_tensor(tensor, sd_b[tensor], transform))
+        b = b.narrow(span.axis, span.start, span.size)
         other = tuple(d for d in range(a.dim()) if d != span.axis)
         total += (a * b.to(torch.float64)).sum(dim=other)
     return total
@@ -345,7 +349,7 @@ def log_scaled(
     for name, todo in edits.items():
         if name not in state:
             continue
-        t = state[name]
+        t = graph.logical(name, state[name])
         for e in todo:
             if e.space not in log_scales:
                 continue
@@ -361,7 +365,7 @@ def log_scaled(
             shape = [1] * t.dim()
             shape[e.span.axis] = axis
             t = t * factor.reshape(shape)
-        out[name] = t
+        out[name] = graph.stored(name, t)
     for alias, source in graph.ties.items():  # a tied copy of a scaled tensor is scaled with it
         if alias in out and source in edits and source in state:
             out[alias] = out[source]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from .errors import AdapterError
-from .symmetry import AxisRef, Binding, Fused, Space, Sublayer, SymmetryGraph, Transform, split_ref
+from .symmetry import AxisRef, Fused, Space, Sublayer, SymmetryGraph, Transform, split_ref
 
 __all__ = ["PER_SUBLAYER_NOTE", "depth_order", "is_per_sublayer", "is_stream", "per_sublayer", "spread", "stream_of"]
 
@@ -28,7 +28,9 @@ SEP = "#"  # res#3: stream 3 (head-perm's per-site spaces are res@k)
 
 
 def _under(tensor: str, prefixes: tuple[str, ...]) -> bool:
-    return any(tensor.startswith(p + ".") for p in prefixes)
+    """Whether ``tensor`` belongs to one of the modules ``prefixes`` (or is one of them: a MoE
+    layer's stacked expert tensors are parameters of one module, told apart by name)."""
+    return any(tensor == p or tensor.startswith(p + ".") for p in prefixes)
 
 
 def _residuals(graph: SymmetryGraph) -> list[str]:
@@ -101,7 +103,7 @@ def per_sublayer(graph: SymmetryGraph) -> SymmetryGraph:
             b = bindings.get(tensor)
             if b is not None:  # a whole axis, or its copies in a fused axis (DINOv2's [CLS, mean] head)
                 axes = tuple(_renamed(a, res, f"{res}{SEP}{stream}") for a in b.axes)
-                bindings[tensor] = Binding(b.name, axes, b.norm_scale)
+                bindings[tensor] = dataclasses.replace(b, axes=axes)
         norms = [dataclasses.replace(n, space=f"{res}{SEP}{streams[n.weight]}") if n.space == res else n for n in norms]
     return dataclasses.replace(graph, spaces=spaces, bindings=bindings, norms=norms)
 

@@ -106,7 +106,34 @@ class HeadSpace:
         return heads * self.head_dim
 
 
-AnySpace = Space | HeadSpace
+Router = Literal["softmax", "sigmoid"]
+EXPERT_ROLES = ("experts", "units")
+
+
+@dataclass(frozen=True)
+class ExpertSpace:
+    """The experts of one mixture-of-experts layer: ``num_experts`` gated MLPs of ``units`` units.
+
+    Experts may be put in any order, each moving as a unit with its row of the router; inside an
+    expert its units permute as in a dense gated MLP (and scale: :mod:`hf_rebasin.glu`). Units
+    never move between experts (each expert's output is weighted by its own routing weight). Roles:
+    ``experts`` (``num_experts`` features: the router's rows) and ``units`` (``num_experts *
+    units``: expert e's unit u at ``e * units + u``). ``router`` says how routing weights are made:
+    a softmax over experts is blind to a vector added to every router row (the router's gauge,
+    centred away before matching); a sigmoid is not.
+    """
+
+    name: str
+    num_experts: int
+    units: int
+    router: Router = "softmax"
+    kind: str = "experts"
+
+    def role_size(self, role: str) -> int:
+        return self.num_experts if role == "experts" else self.num_experts * self.units
+
+
+AnySpace = Space | HeadSpace | ExpertSpace
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,7 +265,34 @@ class HeadMap:
         return True
 
 
-SpaceMap = AxisMap | HeadMap
+@dataclass(frozen=True)
+class ExpertMap:
+    """A transform of an :class:`ExpertSpace`, indexed by the *new* position: ``perm[e]`` is the old
+    expert that goes to slot e (with its router row), ``inner[e, i]`` the unit of that old expert
+    that goes to unit slot i of slot e. Always a permutation: an expert's units feed an elementwise
+    activation, which no other map commutes with. ``shift`` (``[d]``, in the mapped basis): a vector
+    added to every router row after the map, the softmax router's gauge (no sigmoid router has one)."""
+
+    perm: Tensor
+    inner: Tensor
+    shift: Tensor | None = None
+
+    def expand(self, space: ExpertSpace, role: str) -> AxisMap:
+        if role == "experts":
+            return AxisMap(space.num_experts, index=self.perm)
+        index = (self.perm[:, None] * space.units + self.inner).reshape(-1)
+        return AxisMap(space.num_experts * space.units, index=index)
+
+    def is_identity(self) -> bool:
+        e, f = self.inner.shape
+        if self.shift is not None and bool(self.shift.any()):
+            return False
+        return torch.equal(self.perm.cpu(), torch.arange(e)) and torch.equal(
+            self.inner.cpu(), torch.arange(f).expand(e, f)
+        )
+
+
+SpaceMap = AxisMap | HeadMap | ExpertMap
 Transform = dict[str, SpaceMap]
 
 
@@ -266,16 +320,42 @@ AxisRef = str | Fused | None
 
 
 @dataclass(frozen=True)
+class View:
+    """How a stored tensor reads as the tensor its binding's axes describe: reshaped to ``split``,
+    its axes put in ``order``, reshaped to ``shape``. Transformers 5 stores a MoE layer's experts as
+    3-D tensors (``gate_up_proj`` ``[E, 2f, d]``, ``down_proj`` ``[E, d, f]``); read as matrices
+    (``[gate units | up units, d]``, ``[d, units]``) their unit axis is the expert space's, and every
+    map, slice and statistic works on them as on a dense MLP's. Concrete sizes, no config."""
+
+    stored: tuple[int, ...]
+    split: tuple[int, ...]
+    order: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def read(self, t: Tensor) -> Tensor:
+        return t.reshape(self.split).permute(self.order).reshape(self.shape)
+
+    def write(self, t: Tensor) -> Tensor:
+        """The inverse of :meth:`read`: a tensor of the binding's shape, stored as the model stores it."""
+        permuted = tuple(self.split[i] for i in self.order)
+        inverse = tuple(sorted(range(len(self.order)), key=lambda i: self.order[i]))
+        return t.reshape(permuted).permute(inverse).reshape(self.stored).contiguous()
+
+
+@dataclass(frozen=True)
 class Binding:
     """One tensor: per axis the space (``"res"``, ``"h.0.attn:q"``) or ``None``.
 
     ``norm_scale`` marks a norm's γ: it is a diagonal, not a vector, so it permutes but cannot be
-    rotated; orthogonal maps need it folded away first (:mod:`hf_rebasin.canonical`).
+    rotated; orthogonal maps need it folded away first (:mod:`hf_rebasin.canonical`). ``view``: the
+    axes describe the tensor as :class:`View` reads it, not as stored (read it with
+    :meth:`SymmetryGraph.logical`).
     """
 
     name: str
     axes: tuple[AxisRef, ...]
     norm_scale: bool = False
+    view: View | None = None
 
 
 @dataclass(frozen=True)
@@ -349,7 +429,22 @@ class SymmetryGraph:
             if role not in ROLES:
                 raise AdapterError(f"head space {name!r} needs a role q/k/v/o, got {ref!r}")
             return space.role_size(role)
+        if isinstance(space, ExpertSpace):
+            if role not in EXPERT_ROLES:
+                raise AdapterError(f"expert space {name!r} needs a role experts/units, got {ref!r}")
+            return space.role_size(role)
         return space.size
+
+    def logical(self, tensor: str, t: Tensor) -> Tensor:
+        """``t`` (the value of ``tensor`` as stored) as its binding's axes describe it: itself,
+        unless the binding has a :class:`View` (a MoE layer's 3-D expert tensors)."""
+        b = self.bindings.get(tensor)
+        return b.view.read(t) if b is not None and b.view is not None else t
+
+    def stored(self, tensor: str, t: Tensor) -> Tensor:
+        """The inverse of :meth:`logical`: ``t`` as the model stores ``tensor``."""
+        b = self.bindings.get(tensor)
+        return b.view.write(t) if b is not None and b.view is not None else t
 
     def axis_size(self, ref: AxisRef) -> int | None:
         if ref is None:
@@ -371,7 +466,8 @@ class SymmetryGraph:
     def part(self, tensor: str, t: Tensor, axis: int, offset: int, size: int) -> Tensor:
         """Features ``[offset, offset + size)`` of axis ``axis`` of ``t`` (the value of ``tensor``),
         counted as :meth:`users` counts them: a ``narrow``, or the gathered rows of a part of an
-        interleaved fused axis."""
+        interleaved fused axis. ``t`` is read through the binding's view, if it has one."""
+        t = self.logical(tensor, t)
         g = self.groups(self.bindings[tensor].axes[axis])
         if g == 1:
             return t.narrow(axis, offset, size)
@@ -395,6 +491,20 @@ class SymmetryGraph:
                     offset += self.ref_size(part)
         return out
 
+    def routers(self, space: str) -> list[str]:
+        """The router weights ``[E, d]`` of expert space ``space``: the 2-D tensors one row per expert."""
+        return [
+            t
+            for t, axis, role, _ in self.users(space)
+            if role == "experts" and axis == 0 and len(self.bindings[t].axes) == 2
+        ]
+
+    def router_width(self, space: str) -> int | None:
+        """The width of the rows of ``space``'s router (what a shift adds to), if it has one."""
+        for tensor in self.routers(space):
+            return self.axis_size(self.bindings[tensor].axes[1])
+        return None
+
     def check(self, state_dict: Mapping[str, Tensor], source: str = "checkpoint") -> None:
         """Every tensor is described and has the shape its spaces imply."""
         known = set(self.bindings) | set(self.invariant) | set(self.ties)
@@ -408,6 +518,13 @@ class SymmetryGraph:
             if name not in state_dict:
                 raise CheckpointError(f"{source}: tensor {name!r} is missing")
             t = state_dict[name]
+            if b.view is not None:
+                if tuple(t.shape) != b.view.stored:
+                    raise CheckpointError(
+                        f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {b.view.stored} "
+                        "according to its config.json"
+                    )
+                t = torch.empty(b.view.shape, device="meta")
             if t.dim() != len(b.axes):
                 raise CheckpointError(
                     f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {len(b.axes)} axes"
@@ -432,6 +549,10 @@ class SymmetryGraph:
             space = self.spaces[name]
             assert isinstance(space, HeadSpace) and role is not None
             return m.expand(space, role)
+        if isinstance(m, ExpertMap):
+            space = self.spaces[name]
+            assert isinstance(space, ExpertSpace) and role is not None
+            return m.expand(space, role)
         return m
 
     def map_tensor(
@@ -453,6 +574,26 @@ class SymmetryGraph:
             return cache[ref]
 
         b = self.bindings[name]
+        if b.view is not None:
+            mapped = self._map_axes(b, b.view.read(t), get, skip_axis)
+            return b.view.write(mapped)
+        return self._shifted(b, self._map_axes(b, t, get, skip_axis), transform, skip_axis)
+
+    def _shifted(self, b: Binding, t: Tensor, transform: Mapping[str, SpaceMap], skip_axis: int | None) -> Tensor:
+        """A router ``[E, d]`` with its expert map's shift added to every row (none while its expert
+        axis is left out: a weight view of the experts compares rows as they are)."""
+        if len(b.axes) != 2 or (skip_axis is not None and skip_axis == 0):
+            return t
+        ref = b.axes[0]
+        if not isinstance(ref, str) or split_ref(ref)[1] != "experts":
+            return t
+        m = transform.get(split_ref(ref)[0])
+        if not isinstance(m, ExpertMap) or m.shift is None:
+            return t
+        work = torch.promote_types(t.dtype, torch.float32)
+        return (t.to(work) + m.shift.to(device=t.device, dtype=work)[None, :]).to(t.dtype)
+
+    def _map_axes(self, b: Binding, t: Tensor, get: Callable[[str], AxisMap | None], skip_axis: int | None) -> Tensor:
         for axis, ref in enumerate(b.axes):
             if ref is None or axis == skip_axis:
                 continue
@@ -552,7 +693,7 @@ class SymmetryGraph:
         read = state.rows(key)
         if read is None or key not in self.bindings:
             return read
-        if self.bindings[key].axes[0] is not None:
+        if self.bindings[key].axes[0] is not None or self.bindings[key].view is not None:
             return None
         reader = read
         return lambda start, stop: self.map_tensor(key, reader(start, stop), transform, cache=cache)
@@ -562,12 +703,13 @@ class SymmetryGraph:
             space = self.spaces.get(name)
             if space is None:
                 raise TransformError(f"transform names space {name!r}, which {self.family!r} models do not have")
-            if isinstance(space, HeadSpace) != isinstance(m, HeadMap):
-                raise TransformError(
-                    f"space {name!r} needs a {'HeadMap' if isinstance(space, HeadSpace) else 'AxisMap'}"
-                )
+            need = HeadMap if isinstance(space, HeadSpace) else ExpertMap if isinstance(space, ExpertSpace) else AxisMap
+            if not isinstance(m, need):
+                raise TransformError(f"space {name!r} needs a {need.__name__}")
             if isinstance(space, HeadSpace) and isinstance(m, HeadMap):
                 _check_inner(name, space, m)
+            if isinstance(space, ExpertSpace) and isinstance(m, ExpertMap):
+                _check_experts(name, space, m)
             if isinstance(space, Space) and isinstance(m, AxisMap) and not m.is_permutation:
                 if m.is_signed_permutation and space.allows_signs:
                     continue  # exact whatever the norm scales: they only permute
@@ -600,7 +742,9 @@ class SymmetryGraph:
     def identity(self) -> Transform:
         out: Transform = {}
         for name, space in self.spaces.items():
-            if isinstance(space, HeadSpace):
+            if isinstance(space, ExpertSpace):
+                out[name] = identity_experts(space)
+            elif isinstance(space, HeadSpace):
                 g, r, dh = space.num_kv_heads, space.group_size, space.head_dim
                 inner = torch.arange(dh).expand(g, dh).clone()
                 out[name] = HeadMap(torch.arange(g), torch.arange(r).expand(g, r).clone(), inner, inner.clone())
@@ -612,7 +756,9 @@ class SymmetryGraph:
         """The class each space gets when ``requested`` is asked for (after fallbacks)."""
         out = {}
         for name, space in self.spaces.items():
-            if isinstance(space, HeadSpace):
+            if isinstance(space, ExpertSpace):
+                out[name] = "expert-permutation + unit permutations"
+            elif isinstance(space, HeadSpace):
                 if space.qk == "fixed":
                     inner = " + inner rotations (V/O only: Q/K fixed)" if requested == "orthogonal" else ""
                     out[name] = "head-permutation" + (inner or " (V/O inner only: Q/K fixed)")
@@ -653,6 +799,10 @@ class SymmetryGraph:
             if isinstance(space, HeadSpace):
                 out[name] = random_head_map(space, cls, g)
                 continue
+            if isinstance(space, ExpertSpace):
+                width = self.router_width(name) if space.router == "softmax" else None
+                out[name] = random_expert_map(space, g, width)
+                continue
             got = plain_class(space, cls, strict=True)
             if got == "orthogonal":
                 out[name] = AxisMap(space.size, blocks=random_orthogonal(space.size, g, fix_ones=space.centered)[None])
@@ -675,6 +825,45 @@ def plain_class(space: Space, requested: TransformClass, *, strict: bool = False
     if requested == "signed-permutation" and space.allows_signs:
         return "signed-permutation"
     return "permutation"
+
+
+def _is_permutation(index: Tensor, n: int) -> bool:
+    return index.dtype == torch.long and index.shape == (n,) and torch.equal(index.sort().values.cpu(), torch.arange(n))
+
+
+def _check_experts(name: str, space: ExpertSpace, m: ExpertMap) -> None:
+    """An expert map moves whole experts and permutes units inside each: anything else (units
+    crossing experts, a rotation of units) changes the model; so does a router shift under a
+    sigmoid router."""
+    E, f = space.num_experts, space.units
+    if m.shift is not None and space.router != "softmax" and bool(m.shift.any()):
+        raise TransformError(
+            f"expert space {name!r} has a {space.router} router: a vector added to its rows changes the "
+            "routing weights (only a softmax over experts is blind to it)"
+        )
+    if m.shift is not None and not bool(torch.isfinite(m.shift).all()):
+        raise TransformError(f"expert space {name!r}: the router shift is not finite")
+    if not _is_permutation(m.perm, E):
+        raise TransformError(f"expert space {name!r}: the expert map must be a permutation of {E} experts")
+    if m.inner.shape != (E, f) or not all(_is_permutation(row, f) for row in m.inner):
+        raise TransformError(
+            f"expert space {name!r}: the unit maps must be one permutation of {f} units per expert "
+            "(units never leave their expert, and an expert's activation commutes with nothing else)"
+        )
+
+
+def identity_experts(space: ExpertSpace) -> ExpertMap:
+    return ExpertMap(
+        torch.arange(space.num_experts), torch.arange(space.units).expand(space.num_experts, space.units).clone()
+    )
+
+
+def random_expert_map(space: ExpertSpace, g: torch.Generator, shift: int | None = None) -> ExpertMap:
+    """Random experts and units; with ``shift`` (the router's width) a random router shift too."""
+    perm = torch.randperm(space.num_experts, generator=g)
+    inner = torch.stack([torch.randperm(space.units, generator=g) for _ in range(space.num_experts)])
+    vector = torch.randn(shift, generator=g, dtype=torch.float64) if shift else None
+    return ExpertMap(perm, inner, vector)
 
 
 def _check_inner(name: str, space: HeadSpace, m: HeadMap) -> None:

@@ -20,11 +20,15 @@ from hf_rebasin.tensors import LazyState
 from hf_rebasin.verify import TOLERANCE, example_inputs, outputs_of
 
 BROKEN = 1e-3
-GLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "phi3", "modernbert")
+GLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "phi3", "modernbert", "mixtral")
 GLU_CASES = sorted(c for c in tiny.FACTORIES if c.startswith(GLU_FAMILIES))
 STREAM_CASES = [c for c in ("llama-tied-bias", "qwen3-tied", "gemma", "phi3", "modernbert-bias") if c in tiny.FACTORIES]
 # a gated MLP's gate weight, by its name in each family (independent of the adapters)
 GATED = re.compile(r"layers\.(\d+)\.mlp\.(gate_proj|gate_up_proj|Wi)\.weight$")
+# a MoE layer's experts (transformers 5: [E, 2f, d], each expert's gate rows then its up rows) and
+# Qwen2-MoE's shared expert
+EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
+SHARED = re.compile(r"layers\.(\d+)\.mlp\.shared_expert\.gate_proj\.weight$")
 
 _MODELS: dict[str, torch.nn.Module] = {}
 
@@ -80,6 +84,39 @@ def mlp_parts(sd: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.Tensor,
         else:  # ModernBERT: input, gate = Wi(x).chunk(2); Wo(act(input) * gate)
             act_in, lin = w.chunk(2, 0)
             out[m.group(1)] = ("fused", act_in, lin, sd[prefix + "Wo.weight"].double())
+    for name, w in sd.items():
+        m = SHARED.search(name)
+        if m is not None:
+            prefix = name[: -len("gate_proj.weight")]
+            out[f"{m.group(1)}.shared"] = (
+                "split",
+                w.double(),
+                sd[prefix + "up_proj.weight"].double(),
+                sd[prefix + "down_proj.weight"].double(),
+            )
+        m = EXPERTS.search(name)
+        if m is None:
+            continue
+        down = sd[name[: -len("gate_up_proj")] + "down_proj"].double()  # [E, d, f]
+        for e in range(w.shape[0]):  # expert e: down[e] @ (act(x·gate[e]ᵀ) * (x·up[e]ᵀ))
+            gate, up = w[e].double().chunk(2, 0)
+            out[f"{m.group(1)}.expert{e}"] = ("experts", gate, up, down[e])
+    return out
+
+
+def unit_layers(sd: dict[str, torch.Tensor], config: object) -> dict[str, int]:
+    """Every gated MLP of a state dict, by name, with its units (read from the config, not the graph)."""
+    out = {}
+    for name in sd:
+        if m := GATED.search(name):
+            out[f"{m.group(1)}.dense"] = config.intermediate_size
+        elif m := EXPERTS.search(name):
+            experts = getattr(config, "num_local_experts", None) or config.num_experts
+            out[f"{m.group(1)}.experts"] = experts * (
+                getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            )
+        elif m := SHARED.search(name):
+            out[f"{m.group(1)}.shared"] = config.shared_expert_intermediate_size
     return out
 
 
@@ -92,10 +129,9 @@ def test_gated_mlp_is_declared(case):
     model = model_of(case)
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    layers = {m.group(1) for k in sd if (m := GATED.search(k))}
+    layers = unit_layers(sd, model.config)
     assert len(graph.glus) == len(layers), [g.space for g in graph.glus]
-    for unit in graph.glus:
-        assert graph.ref_size(unit.space) == model.config.intermediate_size
+    assert sorted(graph.ref_size(unit.space) for unit in graph.glus) == sorted(layers.values())
     if layers:
         assert case in GLU_CASES
 

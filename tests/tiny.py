@@ -527,6 +527,45 @@ def olmo2(seed: int = 0) -> torch.nn.Module:
     return _llama_like(T.Olmo2ForCausalLM, T.Olmo2Config, seed, tied=False, eos_token_id=None, pad_token_id=None)
 
 
+# ---- mixture of experts: 4 experts, top 2; routers and experts random like every other weight ----
+
+
+def mixtral(seed: int = 0) -> torch.nn.Module:
+    return _llama_like(
+        T.MixtralForCausalLM, T.MixtralConfig, seed, tied=False, num_local_experts=4, num_experts_per_tok=2
+    )
+
+
+def qwen2_moe(seed: int = 0) -> torch.nn.Module:
+    """A shared expert beside the routed ones, q/k/v biases, and layer 1 dense (``mlp_only_layers``)."""
+    return _llama_like(
+        T.Qwen2MoeForCausalLM,
+        T.Qwen2MoeConfig,
+        seed,
+        tied=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        mlp_only_layers=[1],
+    )
+
+
+def qwen3_moe(seed: int = 0) -> torch.nn.Module:
+    """q_norm / k_norm, top-k renormalised, an explicit head_dim."""
+    return _llama_like(
+        T.Qwen3MoeForCausalLM,
+        T.Qwen3MoeConfig,
+        seed,
+        tied=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        head_dim=8,
+        norm_topk_prob=True,
+    )
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bert-mlm": bert_mlm,
     "bert-cls": bert_cls,
@@ -568,4 +607,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "gemma2": gemma2,
     "gemma3-text": gemma3_text,
     "olmo2": olmo2,
+    "mixtral": mixtral,
+    "qwen2-moe": qwen2_moe,
+    "qwen3-moe": qwen3_moe,
 }

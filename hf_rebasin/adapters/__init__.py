@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import UnsupportedArchitectureError
 from ..symmetry import SymmetryGraph
-from . import bert, clip, dinov2, distilbert, gemma, gpt2, gpt_neox, llama, modernbert, olmo2, phi3, siglip, vit
+from . import bert, clip, dinov2, distilbert, gemma, gpt2, gpt_neox, llama, modernbert, moe, olmo2, phi3, siglip, vit
 from .base import ArchitectureSpec
 
 
@@ -62,6 +62,9 @@ for _spec in (
     gemma.GEMMA2,
     gemma.GEMMA3,
     olmo2.SPEC,
+    moe.SPEC,
+    moe.QWEN2_MOE,
+    moe.QWEN3_MOE,
 ):
     REGISTRY.register(_spec)
 

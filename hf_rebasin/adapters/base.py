@@ -19,17 +19,22 @@ import torch
 
 from ..canonical import WriterScale
 from ..symmetry import (
+    AnySpace,
     AxisRef,
     Binding,
+    ExpertSpace,
     Fused,
     Glu,
     HeadSpace,
     Norm,
     QKMode,
+    Router,
     Space,
     Sublayer,
     SymmetryGraph,
     TransformClass,
+    View,
+    split_ref,
 )
 
 _VAR = re.compile(r"\{(\w+)\}")
@@ -62,6 +67,42 @@ class HeadsT:
     reason: str = ""
     # dims key of the features per head that rotate (partial rotary: fewer than head_dim fixes Q/K)
     rotary_dim: str | None = None
+
+
+@dataclass(frozen=True)
+class ExpertsT:
+    """Template of an :class:`ExpertSpace` (a mixture-of-experts layer); sizes name keys of the dims."""
+
+    name: str
+    experts: str = "experts"
+    units: str = "expert_ff"
+    router: Router = "softmax"
+
+
+Dims = Mapping[str, int]
+
+
+def stacked_readers(experts: str, units: str, d: str, parts: int = 2) -> Callable[[Dims], View]:
+    """The view of a 3-D expert tensor that reads the stream, ``[E, parts·f, d]`` (transformers 5's
+    ``gate_up_proj``: each expert's gate rows then its up rows), as ``[parts·E·f, d]``: all gate
+    units (expert by expert), then all up units."""
+
+    def view(dims: Dims) -> View:
+        E, f, n = dims[experts], dims[units], dims[d]
+        return View((E, parts * f, n), (E, parts, f, n), (1, 0, 2, 3), (parts * E * f, n))
+
+    return view
+
+
+def stacked_writer(experts: str, units: str, d: str) -> Callable[[Dims], View]:
+    """The view of a 3-D expert tensor that writes the stream, ``[E, d, f]`` (``down_proj``), as
+    ``[d, E·f]``."""
+
+    def view(dims: Dims) -> View:
+        E, f, n = dims[experts], dims[units], dims[d]
+        return View((E, n, f), (E, n, f), (1, 0, 2), (n, E * f))
+
+    return view
 
 
 @dataclass(frozen=True)
@@ -124,7 +165,7 @@ class ArchitectureSpec:
     base_prefix: str
     dims: Callable[[Any], dict[str, int]]
     loops: Mapping[str, str]
-    spaces: tuple[SpaceT | HeadsT, ...]
+    spaces: tuple[SpaceT | HeadsT | ExpertsT, ...]
     tensors: Mapping[str, tuple[AxisRef, ...]]
     norms: tuple[NormT, ...] = ()
     ties: Mapping[str, str] = field(default_factory=dict)
@@ -148,6 +189,8 @@ class ArchitectureSpec:
     configured: Callable[[Any], Mapping[str, Any]] | None = None
     # gated MLPs: their units' free scaling (up row × s, down column ÷ s)
     glus: tuple[GluT, ...] = ()
+    # tensor template -> how the stored tensor reads as its axes describe it (3-D expert tensors)
+    views: Mapping[str, Callable[[Dims], View]] = field(default_factory=dict)
 
     def graph(self, config: Any, keys: Collection[str]) -> SymmetryGraph:
         """The symmetry graph of a concrete model (its config and state-dict keys)."""
@@ -184,12 +227,14 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
     base = spec.base_prefix if any(k.startswith(spec.base_prefix) for k in keys) else ""
     env0 = {"base": base}
 
-    spaces: dict[str, Space | HeadSpace] = {}
+    spaces: dict[str, AnySpace] = {}
     for st in spec.spaces:
         for env in _expansions([st.name], spec.loops, dims):
             name = _fmt(st.name, env)
             if isinstance(st, HeadsT):
                 spaces[name] = _head_space(st, name, dims)
+            elif isinstance(st, ExpertsT):
+                spaces[name] = ExpertSpace(name, dims[st.experts], dims[st.units], st.router)
             else:
                 spaces[name] = Space(name, dims[st.size], st.max_class, st.centered, st.kind, st.reason)
 
@@ -203,7 +248,8 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
             env = {**env0, **env}
             name = _fmt(tmpl, env)
             if name in keys:
-                bindings[name] = Binding(name, tuple(_fmt_ref(r, env) for r in axes))
+                view = spec.views[tmpl](dims) if tmpl in spec.views else None
+                bindings[name] = Binding(name, tuple(_fmt_ref(r, env) for r in axes), view=view)
 
     norms: list[Norm] = []
     for nt in spec.norms:
@@ -280,7 +326,7 @@ def _glus(
             env = {**env0, **env}
             space = _fmt(gt.space, env)
             gate, up, down = [(_fmt(t, env), k) for t, k in parts]
-            if space in graph.spaces and all(t in graph.bindings for t, _ in (gate, up, down)):
+            if split_ref(space)[0] in graph.spaces and all(t in graph.bindings for t, _ in (gate, up, down)):
                 out.append(Glu(space, gate, up, down))
     return tuple(out)
 

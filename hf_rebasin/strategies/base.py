@@ -202,7 +202,16 @@ class Strategy:
     def run(self, pair: Pair, options: Any, progress: Progress | None) -> Alignment:
         """Bring B of ``pair`` into A's basis: ``run`` of this strategy's module (imported now)."""
         run: Callable[[Pair, Any, Progress | None], Alignment] = importlib.import_module(self.module_path).run
-        return run(pair, options, progress)
+        alignment = run(pair, options, progress)
+        if self.identity:
+            return alignment
+        from ..experts import expert_spaces, fit_router_shifts
+
+        if expert_spaces(alignment.graph):  # B's softmax routers in A's gauge, exactly
+            alignment.transform = fit_router_shifts(
+                alignment.graph, alignment.sd_a, alignment.sd_b, alignment.transform
+            )
+        return alignment
 
     def refine_universe(self, maps: UniverseMaps, options: Any, progress: Progress | None) -> Refinement:
         """Every model's map of a universe merge refined together (where `universe_refinement`
@@ -299,8 +308,12 @@ def timed() -> Iterator[dict[str, float]]:
 def matching_forms(
     pair: Pair, sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], options: Any
 ) -> tuple[Mapping[str, Tensor], Mapping[str, Tensor], bool]:
-    """The forms weight-based matching compares: both models' gated MLPs balanced (unit scales and
-    signs made canonical) when ``options.glu`` asks for it and the graph has any; and whether they were."""
+    """The forms weight-based matching compares: both models' softmax routers centred (their gauge,
+    :mod:`hf_rebasin.experts`), and their gated MLPs balanced (unit scales and signs made canonical)
+    when ``options.glu`` asks for it and the graph has any; and whether they were balanced."""
+    from ..experts import center_routers
+
+    sd_a, sd_b = center_routers(pair.graph, sd_a), center_routers(pair.graph, sd_b)
     if getattr(options, "glu", "keep") != "balance" or not pair.graph.glus:
         return sd_a, sd_b, False
     from .. import glu

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..diagnostics import matched_correlation
 from ..errors import StrategyOptionError
+from ..experts import solve_experts
 from ..features import ActivationStats, activation_stats
 from ..features.lockstep import LockstepPlan, lockstep_plan, lockstep_stats
 from ..offload import offloaded
@@ -30,6 +31,7 @@ from ..solvers import lap
 from ..symmetry import (
     AxisMap,
     Binding,
+    ExpertSpace,
     Fused,
     HeadMap,
     HeadSpace,
@@ -211,6 +213,12 @@ def _solve(
                 transform[name] = AxisMap(roles["o"].shape[0], index=lap(roles["o"])[0])
             else:
                 transform[name] = _solve_attention(sp, roles, options.heads, options.qk)
+        elif isinstance(sp, ExpertSpace):  # experts by their units' and router rows' correlations
+            views: dict[str | None, Tensor] = {
+                role: corr[f"{name}:{role}"] for role in ("experts", "units") if f"{name}:{role}" in corr
+            }
+            if views:
+                transform[name] = solve_experts(sp, views)
         elif name in corr:  # MLP units, pooler, and the residual unless `separate` (keyed per site)
             transform[name] = solve_plain(sp, corr[name], "permutation")
     return flat

@@ -88,7 +88,7 @@ def run(pair: Pair, options: TransfusionOptions, progress: Progress | None) -> A
             stage="transfusion",
             views=views,
         )
-        matched = dataclasses.replace(pair, sd_a=ma, sd_b=mb) if balanced else pair
+        matched = dataclasses.replace(pair, sd_a=ma, sd_b=mb)
         graph, transform, notes, sd_b = finish_permutations(  # head pairings stay
             pair, matched, balanced, transform, options, progress, outer
         )

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
+from ..experts import center_routers, expert_spaces, fit_router_shifts
 from ..features import WeightViews
 from ..symmetry import SymmetryGraph, Transform, TransformClass
 from .base import Alignment, Pair, Progress, matching_forms, timed
@@ -33,22 +34,24 @@ def weight_matching(
     progress: Progress | None = None,
 ) -> Transform:
     """The transform of B's spaces that best matches A's weights (B's state dict must be in the
-    same form as A's: both canonical when ``transform_class`` is orthogonal)."""
+    same form as A's: both canonical when ``transform_class`` is orthogonal). Softmax routers are
+    compared centred, and B's gets A's mean row back (:mod:`hf_rebasin.experts`)."""
+    ca, cb = center_routers(graph, sd_a), center_routers(graph, sd_b)
     vgraph = view_graph(graph, transform_class)
-    views = WeightViews(vgraph, sd_a, sd_b)
+    views = WeightViews(vgraph, ca, cb)
     solve = space_solver(graph, transform_class)
     start = init if init is not None else anchor_init(views, graph.identity(), solve)
     transform, _ = descend(
-        vgraph, sd_a, sd_b, solve, init=start, max_iter=max_iter, seed=seed, progress=progress, views=views
+        vgraph, ca, cb, solve, init=start, max_iter=max_iter, seed=seed, progress=progress, views=views
     )
-    return transform
+    return fit_router_shifts(graph, sd_a, sd_b, transform) if expert_spaces(graph) else transform
 
 
 def run(pair: Pair, options: WeightMatchingOptions, progress: Progress | None) -> Alignment:
     with timed() as timings:
         ma, mb, balanced = matching_forms(pair, pair.sd_a, pair.sd_b, options)
         transform = weight_matching(pair.graph, ma, mb, max_iter=options.max_iter, seed=options.seed, progress=progress)
-        matched = dataclasses.replace(pair, sd_a=ma, sd_b=mb) if balanced else pair
+        matched = dataclasses.replace(pair, sd_a=ma, sd_b=mb)
         graph, transform, notes, sd_b = finish_permutations(pair, matched, balanced, transform, options, progress)
     return Alignment(
         "weight-matching",

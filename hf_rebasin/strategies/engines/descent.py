@@ -22,11 +22,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from ...experts import solve_experts
 from ...features import WeightViews, neighbours
 from ...features.weights import spaces_of
 from ...solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
 from ...symmetry import (
     AxisMap,
+    ExpertMap,
+    ExpertSpace,
     HeadMap,
     HeadSpace,
     Space,
@@ -53,6 +56,9 @@ def map_value(graph: SymmetryGraph, space: str, m: SpaceMap, views: Views) -> fl
     sp = graph.spaces[space]
     if isinstance(m, HeadMap):
         assert isinstance(sp, HeadSpace)
+        return sum(_axis_value(m.expand(sp, role), v) for role, v in views.items() if role is not None)
+    if isinstance(m, ExpertMap):
+        assert isinstance(sp, ExpertSpace)
         return sum(_axis_value(m.expand(sp, role), v) for role, v in views.items() if role is not None)
     return _axis_value(m, views[None])
 
@@ -392,10 +398,13 @@ def space_solver(
     ranking: Ranking = "inner",
     outer: Mapping[str, tuple[Tensor, Tensor]] | None = None,
 ) -> SpaceSolver:
-    """The per-space solver of a strategy: heads by :func:`solve_heads`, others by :func:`solve_plain`."""
+    """The per-space solver of a strategy: heads by :func:`solve_heads`, experts by
+    :func:`~hf_rebasin.experts.solve_experts`, others by :func:`solve_plain`."""
 
     def solve(name: str, views: Views) -> SpaceMap:
         sp = graph.spaces[name]
+        if isinstance(sp, ExpertSpace):
+            return solve_experts(sp, views)
         if isinstance(sp, HeadSpace):
             fixed = outer.get(name) if outer is not None else None
             return solve_heads(sp, views, cls, ranking=ranking, outer=fixed)
