@@ -77,15 +77,17 @@ def solve_experts(space: ExpertSpace, views: Mapping[str | None, Tensor]) -> Exp
     router rows; a LAP on those values pairs the experts, then each pair keeps its unit matching."""
     E, f = space.num_experts, space.units
     units = views.get("units")
-    blocks = (
-        units.to(torch.float64).reshape(E, f, E, f).permute(0, 2, 1, 3)
-        if units is not None
-        else torch.zeros(E, E, f, f, dtype=torch.float64)
-    )
+    cost = torch.zeros(E, E, dtype=torch.float64)
+    if units is not None:  # block by block: a copy of one f×f block at a time, never of the whole view
+        blocks = units.reshape(E, f, E, f)
+        for a in range(E):
+            for b in range(E):
+                cost[a, b] = inner_values(blocks[a, :, b, :], "perm")
     router = views.get("experts")
-    cost = inner_values(blocks, "perm")
     if router is not None:
-        cost = cost + router.to(device=cost.device, dtype=torch.float64)
+        cost = cost + router.detach().to("cpu", torch.float64)
     perm, _ = lap(cost)
-    inner = best_inners(blocks[torch.arange(E), perm], "perm")
+    if units is None:
+        return ExpertMap(perm, torch.arange(f).expand(E, f).clone())
+    inner = torch.stack([best_inners(blocks[a, :, int(perm[a]), :][None], "perm")[0] for a in range(E)])
     return ExpertMap(perm, inner)

@@ -7,13 +7,21 @@ The 3-D expert tensors are read as matrices through a view, checked here against
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import re
+import struct
+from pathlib import Path
 
 import pytest
 import torch
+import transformers as T
+import yaml
 
 import tiny
 from hf_rebasin.adapters import REGISTRY, graph_for
 from hf_rebasin.canonical import canonicalize
+from hf_rebasin.cli import main
 from hf_rebasin.errors import TransformError
 from hf_rebasin.experts import center_routers, fit_router_shifts
 from hf_rebasin.glu import balance
@@ -208,3 +216,58 @@ def test_centring_and_refitting_the_routers_is_exact_and_gives_back_a_mean_row(c
     for name in _experts(graph):
         for r in graph.routers(name):
             torch.testing.assert_close(back[r], sd[r], atol=1e-6, rtol=0)
+
+
+def _sparse_mixtral(folder: Path) -> None:
+    """A Mixtral-8x7B-shape checkpoint as its files' headers state it (transformers' default
+    MixtralConfig, per-expert tensors as save_pretrained writes them), the data left sparse: what the
+    dry run reads, without 87 GiB on disk."""
+    folder.mkdir(parents=True)
+    c = T.MixtralConfig()
+    c.save_pretrained(str(folder))
+    d, f, E, V = c.hidden_size, c.intermediate_size, c.num_local_experts, c.vocab_size
+    kv = c.num_key_value_heads * (d // c.num_attention_heads)
+    shapes: dict[str, list[int]] = {
+        "model.embed_tokens.weight": [V, d],
+        "lm_head.weight": [V, d],
+        "model.norm.weight": [d],
+    }
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + f"self_attn.{x}_proj.weight": [d if x in "qo" else kv, d] for x in "qkvo"}
+        shapes |= {p + "input_layernorm.weight": [d], p + "post_attention_layernorm.weight": [d]}
+        shapes[p + "block_sparse_moe.gate.weight"] = [E, d]
+        for j in range(E):
+            q = p + f"block_sparse_moe.experts.{j}."
+            shapes |= {q + "w1.weight": [f, d], q + "w3.weight": [f, d], q + "w2.weight": [d, f]}
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + 2 * math.prod(shape)]}
+        offset += 2 * math.prod(shape)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(folder / "model.safetensors", "wb") as h:
+        h.write(struct.pack("<Q", len(raw)) + raw)
+        h.truncate(8 + len(raw) + offset)
+
+
+def test_a_mixtral_8x7b_plan_states_its_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Streamed weight matching of two Mixtral-8x7B: each stacked [8, 28672, 4096] expert tensor is
+    held in float32 copies, and one layer's 8 × 14336 expert units are paired from a (E·f)² float64
+    view (98 GiB): the dry run says so, and refuses to start on this machine."""
+    for name in ("a", "b"):
+        _sparse_mixtral(tmp_path / name)
+    recipe = tmp_path / "r.yaml"
+    body = {"job": "merge", "models": [str(tmp_path / "a"), str(tmp_path / "b")], "strategy": "weight-matching"}
+    recipe.write_text(yaml.safe_dump({**body, "output": {"dir": str(tmp_path / "out")}}), encoding="utf-8")
+    assert main([str(recipe), "--dry-run"]) == 2
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "46,702.8M parameters" in text
+    peak = float(re.search(r"estimated peak ([\d.]+) GiB", text).group(1))
+    view = 8 * (8 * 14336) ** 2 / 2**30  # the units' view, float64
+    blocks = 3 * 8 * 14336**2 / 2**30  # one expert pair's f×f block being solved
+    stacked = 6 * 4 * 8 * 2 * 14336 * 4096 / 2**30  # float32 copies of one stacked expert tensor
+    assert view + blocks + stacked < peak < view + blocks + stacked + 1.5  # and the interpreter
+    assert "the 8×14336 expert units of one layer paired (98.0 GiB float64 view)" in text
+    assert "stopped before loading anything" in text

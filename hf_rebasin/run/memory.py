@@ -58,6 +58,7 @@ class ModelFootprint:
     hidden: int = 0  # the residual stream's width
     layers: int = 1  # its layer count
     largest_mixed: int = 0  # elements of its largest tensor other than vocabulary rows (streamed whole); 0: unknown
+    experts: tuple[int, int] = (0, 0)  # a mixture of experts: (experts per layer, units per expert); (0, 0): dense
 
 
 def _shards(folder: Path) -> list[Path]:
@@ -81,6 +82,36 @@ def _width(config: object) -> int:
         found.append(4 * config["n_embd"])  # GPT-2's MLP default
     found += [_width(v) for v in config.values() if isinstance(v, dict)]
     return max(found, default=0)
+
+
+def _experts(config: object) -> tuple[int, int]:
+    """(experts per layer, units per expert) of a mixture-of-experts config (Mixtral
+    ``num_local_experts`` × ``intermediate_size``, Qwen ``num_experts`` × ``moe_intermediate_size``)."""
+    if not isinstance(config, dict):
+        return (0, 0)
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    units = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    if isinstance(experts, int) and isinstance(units, int) and experts > 1:
+        return (experts, units)
+    return (0, 0)
+
+
+def assignment_bytes(fp: ModelFootprint) -> int:
+    """The assignment problem of a model's widest space: ``LAP_COPIES`` float64 copies of its n×n
+    cost; for a mixture of experts at least the (E·f)² view of one layer's expert units (paired
+    block by block, each f×f block copied alone)."""
+    dense = LAP_COPIES * 8 * fp.width**2
+    experts, units = fp.experts
+    return max(dense, 8 * (experts * units) ** 2 + LAP_COPIES * 8 * units**2) if experts else dense
+
+
+def _assignment_words(known: list[ModelFootprint]) -> str:
+    """What the assignment term of the estimate is, for the dry run's line."""
+    fp = max(known, key=assignment_bytes)
+    experts, units = fp.experts
+    if experts and assignment_bytes(fp) > LAP_COPIES * 8 * fp.width**2:
+        return f", the {experts}×{units} expert units of one layer paired ({_gib(8 * (experts * units) ** 2)} float64 view)"
+    return ", the widest assignment problem"
 
 
 def footprint(folder: Path) -> ModelFootprint | None:
@@ -120,7 +151,11 @@ def footprint(folder: Path) -> ModelFootprint | None:
     layers = next((config[k] for k in ("num_hidden_layers", "n_layer") if isinstance(config.get(k), int)), 1)
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     mixed = max((n for first, n in firsts if first != vocab), default=0)
-    return ModelFootprint(params, nbytes, dtype, largest, _width(config), hidden, max(1, layers), mixed)
+    experts = _experts(config)
+    if experts[0]:  # transformers stacks a layer's experts: [E, 2f, d] is read, mapped and written whole
+        stacked = experts[0] * 2 * experts[1] * hidden
+        largest, mixed = max(largest, stacked), max(mixed, stacked)
+    return ModelFootprint(params, nbytes, dtype, largest, _width(config), hidden, max(1, layers), mixed, experts)
 
 
 def available_memory() -> int | None:
@@ -236,7 +271,7 @@ def estimate(
         return MemoryEstimate(found, streamed, None, avail, "", held=held)
     strategy, options = get_strategy(recipe.strategy.name), recipe.strategy.options
     profile = strategy.memory  # what the strategy holds besides the models
-    lap = LAP_COPIES * 8 * max(fp.width for fp in known) ** 2 if profile.assignment else 0
+    lap = max(assignment_bytes(fp) for fp in known) if profile.assignment else 0
     if streamed:
         largest = max(fp.largest for fp in known)
         mixed = max(fp.largest_mixed or fp.largest for fp in known)
@@ -245,7 +280,7 @@ def estimate(
             how = f"{FORWARD_COPIES} float32 copies of the embedding, {STREAM_COPIES} of the largest other tensor"
         else:
             how = f"{STREAM_COPIES} float32 copies of the largest tensor"
-        how += ", the widest assignment problem" if lap else ""
+        how += _assignment_words(known) if lap else ""
         if recipe.data is not None and profile.statistics is not None:  # activation statistics, layer by layer
             fp = known[0]
             tokens = recipe.data.max_tokens or ASSUMED_TOKENS
@@ -270,7 +305,7 @@ def estimate(
         copies += LEARNED_COPIES * f32[0]  # B mapped and the interpolation, kept for backward; the model run
     peak = OVERHEAD + copies + lap
     factor = copies / max(f32[0], 1)
-    how = f"{factor:.1f}× the reference model in float32" + (", the widest assignment problem" if lap else "")
+    how = f"{factor:.1f}× the reference model in float32" + (_assignment_words(known) if lap else "")
     limit = None
     if learned and avail is not None:  # the largest model (reference-sized) learned matching fits here
         limit = max(0, int((avail + held - OVERHEAD - lap) / (4 * factor)))
