@@ -107,6 +107,7 @@ Kind = Literal[
     "modernbert",
     "dinov2",
     "siglip",
+    "mixtral",
     # the benchmark zoo: models that behave more like released ones, to choose defaults on
     "bench-gpt2",
     "bench-gpt2-ft",

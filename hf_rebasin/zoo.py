@@ -445,6 +445,21 @@ DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
     # the mean of all tokens after post_layernorm; the zoo ViT's sizes, on the vision config. The
     # text config is minimal: the classifier builds no text weight.
     "siglip": ImageTrainConfig(family="siglip"),
+    # Mixtral: a mixture of experts in every layer, 4 experts of 48 units (192 in all, about the
+    # dense kinds' 176), top 2 renormalised; the router's load-balancing loss (coefficient 0.01)
+    # is trained with, so that every expert is used (held-out losses are scored on logits alone).
+    "mixtral": CausalLMTrainConfig(
+        family="mixtral",
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=48,
+        options=(
+            ("num_local_experts", 4),
+            ("num_experts_per_tok", 2),
+            ("output_router_logits", True),
+            ("router_aux_loss_coef", 0.01),
+        ),
+    ),
     # the benchmark zoo (see `SubwordLMTrainConfig`): GPT-2, its fine-tune on the King James Bible,
     # a ModernBERT masked LM, and a ViT of the same size (4 layers, width 128) trained longer on the digits
     "bench-gpt2": SubwordLMTrainConfig(),
