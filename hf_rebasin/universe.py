@@ -30,12 +30,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
+from .experts import fit_router_shifts, softmax_routers
 from .merge import merge_state_dicts
 from .names import DEFAULT_ITERATIONS, DEFAULT_TOL
 from .strategies import Alignment, AlignmentData, Options, Pair, Progress, Strategy, UniverseMaps, get_strategy
-from .symmetry import SymmetryGraph
+from .symmetry import ExpertMap, SymmetryGraph, Transform
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -205,6 +207,33 @@ class _Aligner:
         return keep
 
 
+def shared_router_gauge(
+    graph: SymmetryGraph,
+    state_dicts: Sequence[Mapping[str, Tensor]],
+    transforms: Sequence[Transform],
+    weights: Sequence[float],
+) -> list[Transform]:
+    """The transforms with every softmax router's shift refitted so that all models' mapped routers
+    have one mean row: the weighted mean of their mapped mean rows before any shift. A softmax
+    ignores the mean row (the router's gauge), so each model computes what it did; averaging then
+    adds like to like. The pairwise alignments fit each shift to the target's gauge; a refinement
+    that changes the residual maps afterwards (learned matching across models) needs this again."""
+    routers = softmax_routers(graph)
+    if not routers:
+        return list(transforms)
+    total = sum(weights) or 1.0
+    anchor: dict[str, Tensor] = {}
+    for router, space in routers.items():
+        rows = []
+        for sd, t in zip(state_dicts, transforms, strict=True):
+            m = t.get(space)
+            plain = {**t, space: dataclasses.replace(m, shift=None)} if isinstance(m, ExpertMap) else t
+            rows.append(graph.map_tensor(router, sd[router], plain).double().mean(0))
+        mean = torch.stack([w * r for w, r in zip(weights, rows, strict=True)]).sum(0) / total
+        anchor[router] = mean[None]
+    return [fit_router_shifts(graph, anchor, sd, t) for sd, t in zip(state_dicts, transforms, strict=True)]
+
+
 def _relative_change(before: Mapping[str, Tensor], after: Mapping[str, Tensor]) -> float:
     norm = _sq_norm(before)
     return math.sqrt(_sq_dist(before, after) / norm) if norm else 0.0
@@ -281,9 +310,8 @@ def universe_merge(
         sds, transforms = [al.sd_b for al in alignments], [al.transform for al in alignments]
         maps = UniverseMaps(models[0], alignments[0].graph, sds, transforms, w, untied, data)
         refined = strategy.refine_universe(maps, opts, progress)
-        alignments = [
-            dataclasses.replace(al, transform=t) for al, t in zip(alignments, refined.transforms, strict=True)
-        ]
+        gauged = shared_router_gauge(alignments[0].graph, sds, refined.transforms, w)
+        alignments = [dataclasses.replace(al, transform=t) for al, t in zip(alignments, gauged, strict=True)]
         mean = merge_state_dicts([al.aligned_b() for al in alignments], w)
         notes.extend(f"universe: {note}" for note in refined.notes)
         learned = refined.history

@@ -3,7 +3,10 @@
 A :class:`Collector` is a small state machine over one collection (see :class:`Phase`): per batch A
 runs first and its hooks queue A's (masked, float32) features per key; B's hooks then pair each with
 B's features into float64 :class:`~.moments.CrossMoments` and free A's copy. Nothing holds n×d
-activations beyond one batch of A's. The first forward of A also shows the structure that only a
+activations beyond one batch of A's. Mixture-of-experts layers have no linear module per expert:
+their sites (:class:`~.sites.ExpertSite`) hook the router (its probabilities) and the experts module
+(its inputs, from which every expert's units are computed), into router-weighted
+:class:`~.moments.ExpertMoments`. The first forward of A also shows the structure that only a
 run reveals: the hooked modules' firing order and the residual readers' groups (one per input
 tensor). Hooks come off and the models' train/eval modes come back when the collector's ``with``
 block ends, error or not.
@@ -23,8 +26,17 @@ from torch import Tensor
 
 from ..errors import IncompatibleModelsError
 from ..symmetry import SymmetryGraph, split_ref
-from .moments import CrossMoments, all_reduce_sum, distributed
-from .sites import Site, activation_sites, bound_linears, candidate_sites, is_residual, wanted_spaces
+from .moments import CrossMoments, ExpertMoments, all_reduce_sum, distributed
+from .sites import (
+    ExpertSite,
+    Site,
+    activation_sites,
+    bound_linears,
+    candidate_sites,
+    expert_sites,
+    is_residual,
+    wanted_spaces,
+)
 
 ResidualMode = Literal["none", "first", "last", "all", "separate"]
 RESIDUAL_MODES: tuple[ResidualMode, ...] = ("none", "first", "last", "all", "separate")
@@ -35,14 +47,16 @@ Side = Literal["a", "b", "ab"]
 class ActivationStats:
     """Cross moments of A's and B's features per site key, and the structure seen in the forward.
 
-    ``residual_groups``: residual readers in forward order, one group per input tensor (q/k/v of
+    ``moments``: per key, :class:`~.moments.CrossMoments`; an expert space's ``"<space>:units"``
+    key holds :class:`~.moments.ExpertMoments` (``"<space>:experts"``: the routing probabilities'
+    plain moments). ``residual_groups``: residual readers in forward order, one group per input tensor (q/k/v of
     a layer read one tensor), over every residual space; ``residual_spaces[g]`` names the space of
     group g (CLIP has two), and ``"<space>@j"`` keys count that space's groups only.
     ``module_order``: every hooked module in firing order. ``tokens``: tokens counted after
     masking, over all processes. ``seconds``: wall time of the collection.
     """
 
-    moments: dict[str, CrossMoments]
+    moments: dict[str, CrossMoments | ExpertMoments]
     residual_groups: list[list[str]]
     module_order: list[str]
     tokens: int
@@ -64,7 +78,8 @@ class HookPlan:
     chosen non-residual sites. ``residual``: module -> its residual input site. ``wanted``: the
     spaces whose residual keys are kept. ``final``: module -> the output site of a kept residual
     space's final state (``graph.last_hidden``: the stream as the encoder leaves it, at every
-    position), hooked for the ``last`` and ``all`` modes.
+    position), hooked for the ``last`` and ``all`` modes. ``experts``: the wanted expert spaces'
+    sites (their router and experts modules get hooks of their own).
     """
 
     modules: tuple[str, ...]
@@ -72,6 +87,8 @@ class HookPlan:
     residual: Mapping[str, Site]
     wanted: frozenset[str]
     final: Mapping[str, Site] = field(default_factory=dict)
+    experts: tuple[ExpertSite, ...] = ()
+    graph: SymmetryGraph | None = field(default=None, compare=False, repr=False)  # reads the expert views
 
     @classmethod
     def of(cls, graph: SymmetryGraph, model: torch.nn.Module, spaces: Collection[str] | None) -> HookPlan:
@@ -95,6 +112,8 @@ class HookPlan:
             residual=residual,
             wanted=frozenset(wanted),
             final=final,
+            experts=tuple(expert_sites(graph, model, [n for n in graph.spaces if n in wanted])),
+            graph=graph,
         )
 
 
@@ -151,11 +170,25 @@ class _Batch:
             t = t[..., offset : offset + size]
         mask = self.mask
         if mask is not None and tuple(t.shape[:-1]) == tuple(mask.shape):
-            if t.device not in self.mask_on:
-                self.mask_on[t.device] = mask.to(t.device)
-            return t[self.mask_on[t.device]].to(torch.float32)
+            return t[self._mask(t.device)].to(torch.float32)
         flat = t.reshape(-1, size)
+        rows = self.rows(flat)
+        if rows is not None:  # [batch·seq, d]: a MoE block flattens the stream before its router
+            return flat[rows].to(torch.float32)
         return flat.to(torch.float32, copy=True) if copy else flat
+
+    def _mask(self, device: torch.device) -> Tensor:
+        assert self.mask is not None
+        if device not in self.mask_on:
+            self.mask_on[device] = self.mask.to(device)
+        return self.mask_on[device]
+
+    def rows(self, t: Tensor) -> Tensor | None:
+        """The kept rows of a flattened ``[batch·seq, …]`` tensor; None when nothing is masked or
+        the rows are not the batch's positions."""
+        if self.mask is None or t.dim() < 1 or t.shape[0] != self.mask.numel() or self.mask.dim() < 2:
+            return None
+        return self._mask(t.device).reshape(-1)
 
 
 @dataclass
@@ -187,6 +220,63 @@ class _Pairing:
     def result(self) -> CrossMoments:
         """The moments; zeros (on the default device) for a key that never saw a token."""
         return self.moments if self.moments is not None else CrossMoments.zeros(self.size, self.size)
+
+
+@dataclass
+class _ExpertPairing:
+    """One MoE layer's unit accumulator: A's (units, routing weights) waiting for B's."""
+
+    site: ExpertSite
+    waiting: deque[tuple[Tensor, Tensor]] = field(default_factory=deque)
+    moments: ExpertMoments | None = None
+
+    def take(self) -> tuple[Tensor, Tensor]:
+        if not self.waiting:
+            raise IncompatibleModelsError(
+                f"model B ran {self.site.experts!r} more often than model A: the two models must share "
+                "one architecture and configuration"
+            )
+        return self.waiting.popleft()
+
+    def add(self, a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> None:
+        if self.moments is None:
+            self.moments = ExpertMoments.zeros(self.site.num_experts, self.site.units, device=a[0].device)
+        self.moments.update(a[0], a[1], b[0], b[1])
+
+    def result(self) -> ExpertMoments:
+        if self.moments is not None:
+            return self.moments
+        return ExpertMoments.zeros(self.site.num_experts, self.site.units)
+
+
+_EXPERT_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def expert_units(
+    graph: SymmetryGraph, site: ExpertSite, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Tensor, Tensor]:
+    """From the experts module's inputs: every expert's units ``act(gate_e x) * (up_e x)`` for
+    every token ``[n, E·f]`` (expert e's unit u at ``e·f + u``, float32), and the dense routing
+    weights ``[n, E]`` (each token's top-k weights, zero elsewhere). All experts run on all
+    tokens (E / k times the layer's own expert compute); the weights say which count."""
+    given = dict(zip(_EXPERT_ARGS, args, strict=False))
+    given.update({k: kwargs[k] for k in _EXPERT_ARGS if k in kwargs})
+    x, index, weights = given["hidden_states"], given["top_k_index"], given["top_k_weights"]
+    x = x.reshape(-1, x.shape[-1])
+    stored = getattr(module, site.gate_up.rsplit(".", 1)[1])
+    w = graph.logical(site.gate_up, stored).to(x.dtype)  # [gate units | up units, d]
+    n = site.num_experts * site.units
+    act: Any = getattr(module, "act_fn", torch.nn.functional.silu)
+    units = (act(x @ w[:n].T) * (x @ w[n:].T)).to(torch.float32)
+    routing = torch.zeros(x.shape[0], site.num_experts, dtype=torch.float32, device=x.device)
+    routing.scatter_(1, index.reshape(x.shape[0], -1).long(), weights.reshape(x.shape[0], -1).to(torch.float32))
+    return units, routing
+
+
+def router_probabilities(site: ExpertSite, out: Any) -> Tensor:
+    """The routing probabilities ``[n, E]`` (float32) from the router module's logits."""
+    logits = _tensor(out).reshape(-1, site.num_experts).to(torch.float32)
+    return torch.softmax(logits, dim=-1) if site.softmax else torch.sigmoid(logits)
 
 
 @dataclass
@@ -285,6 +375,9 @@ class Collector:
         self._pairs: dict[str, _Pairing] = {
             s.key: _Pairing(s.key, s.size) for sites in plan.plain.values() for s in sites
         }
+        for e in plan.experts:
+            self._pairs[f"{e.space}:experts"] = _Pairing(f"{e.space}:experts", e.num_experts)
+        self._experts: dict[str, _ExpertPairing] = {f"{e.space}:units": _ExpertPairing(e) for e in plan.experts}
         self._structure = _Structure()
         self._discovery: _Discovery | None = _Discovery()  # None once the structure is known
         self._final: Mapping[str, Site] = plan.final if residual in ("last", "all") else {}
@@ -333,6 +426,9 @@ class Collector:
                 continue
             self._register(self.model_a, module, "a")
             self._register(self.model_b, module, "b")
+        for site in self.plan.experts:
+            for model, side in ((self.model_a, "ab"),) if self.same else ((self.model_a, "a"), (self.model_b, "b")):
+                self._register_experts(model, site, side)  # type: ignore[arg-type]
         self._move(Phase.READY)
 
     def _register(self, model: torch.nn.Module, module: str, side: Side) -> None:
@@ -341,6 +437,53 @@ class Collector:
             self._fire(module, side, x, out)
 
         self._handles.append(model.get_submodule(module).register_forward_hook(hook, with_kwargs=True))
+
+    def _register_experts(self, model: torch.nn.Module, site: ExpertSite, side: Side) -> None:
+        """A hook on the router (its probabilities) and a pre-hook on the experts module (its
+        inputs: run before the experts, so that the weights are there even when they are loaded
+        per module for the forward and dropped after it)."""
+        graph = self.plan.graph
+        assert graph is not None
+
+        def router(_mod: torch.nn.Module, _args: tuple[Any, ...], out: Any) -> None:
+            if self._expert_phase(site.router, side):
+                self._on_expert(f"{site.space}:experts", site.router, router_probabilities(site, out), None)
+
+        def experts(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._expert_phase(site.experts, side):
+                units, routing = expert_units(graph, site, mod, args, kwargs)
+                self._on_expert(f"{site.space}:units", site.experts, units, routing)
+
+        self._handles.append(model.get_submodule(site.router).register_forward_hook(router))
+        self._handles.append(model.get_submodule(site.experts).register_forward_pre_hook(experts, with_kwargs=True))
+
+    def _expert_phase(self, module: str, side: Side) -> bool:
+        """Whether an expert hook keeps anything now (not while probing); refuses a hook out of turn."""
+        if self._phase not in _FIRES[side]:
+            raise CollectorStateError(f"{module!r} ran while the collector was {self._phase.value!r}")
+        return self._phase is not Phase.PROBE
+
+    def _on_expert(self, key: str, module: str, t: Tensor, routing: Tensor | None) -> None:
+        """Queue A's features of an expert key, or pair B's with them (both at once for A = B)."""
+        batch = self._batch
+        assert batch is not None
+        rows = batch.rows(t)
+        if rows is not None:
+            t = t[rows]
+            routing = routing[rows] if routing is not None else None
+        phase = self._phase
+        if routing is None:
+            pairing = self._pairs[key]
+            if phase is not Phase.FORWARD_B:
+                pairing.waiting.append(t.clone())
+            if phase is not Phase.FORWARD_A:
+                pairing.add(pairing.take(module), t)
+            return
+        experts = self._experts[key]
+        if phase is not Phase.FORWARD_B:
+            experts.waiting.append((t, routing))
+        if phase is not Phase.FORWARD_A:
+            experts.add(experts.take(), (t, routing))
 
     def close(self) -> None:
         """Remove every hook, drop queued features, restore the train/eval modes (idempotent)."""
@@ -351,6 +494,8 @@ class Collector:
         self._handles = []
         for p in self._pairs.values():
             p.waiting.clear()
+        for e in self._experts.values():
+            e.waiting.clear()
         self._discovery = None
         self._batch = None
         if self._modes is not None:
@@ -383,6 +528,7 @@ class Collector:
         phase, batch = self._phase, self._batch
         if phase in (Phase.FORWARD_B, Phase.FORWARD_AB):  # a mismatch leaves the batch open: ABORTED
             left = sorted(p.key for p in self._pairs.values() if p.waiting)
+            left += sorted(k for k, e in self._experts.items() if e.waiting)
             if left:
                 raise IncompatibleModelsError(
                     f"model A produced features for {left} that model B never did: the two models must share "
@@ -516,8 +662,10 @@ class Collector:
         if self._phase is not Phase.CLOSED:
             raise CollectorStateError(f"results are read after a clean close; the collector is {self._phase.value!r}")
         st = self._structure
+        moments: dict[str, CrossMoments | ExpertMoments] = {key: p.result() for key, p in self._pairs.items()}
+        moments.update({key: e.result() for key, e in self._experts.items()})
         return ActivationStats(
-            moments={key: p.result() for key, p in self._pairs.items()},
+            moments=moments,
             residual_groups=[list(g.modules) for g in st.groups],
             module_order=list(st.order),
             tokens=self._tokens,
@@ -530,7 +678,7 @@ class Collector:
 # --------------------------------------------------------------------------------------------
 
 
-def _within_sites(moments: dict[str, CrossMoments]) -> None:
+def _within_sites(moments: dict[str, CrossMoments | ExpertMoments]) -> None:
     """``residual: all``: each space's per-site keys (``res@0``, ``res@1``, …) become one key whose
     moments are centred at every site's own mean (the average of the sites' covariances, as Verma
     & Elbayad's code computes it) rather than pooled under one mean across sites."""
@@ -540,7 +688,8 @@ def _within_sites(moments: dict[str, CrossMoments]) -> None:
         if at and index.isdigit():
             sites.setdefault(space, []).append(key)
     for space, keys in sites.items():
-        moments[space] = CrossMoments.within([moments.pop(k) for k in keys])
+        parts = [moments.pop(k) for k in keys]
+        moments[space] = CrossMoments.within([p for p in parts if isinstance(p, CrossMoments)])
 
 
 def process_grid() -> tuple[int, int]:

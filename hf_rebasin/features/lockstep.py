@@ -74,7 +74,13 @@ def lockstep_plan(graph: SymmetryGraph, model: nn.Module, spaces: Collection[str
     name, n = stack
     prefix = f"{name}."
     by_layer: dict[int, list[str]] = {}
-    for module, sites in HookPlan.of(graph, model, spaces).plain.items():
+    hooks = HookPlan.of(graph, model, spaces)
+    for expert in hooks.experts:  # a MoE layer's experts and router sit inside one layer
+        head = expert.experts[len(prefix) :].split(".", 1)[0] if expert.experts.startswith(prefix) else ""
+        if not head.isdigit():
+            return f"the experts of {expert.space!r} are outside its layers (at {expert.experts!r})"
+        by_layer.setdefault(int(head), []).append(expert.space)
+    for module, sites in hooks.plain.items():
         head = module[len(prefix) :].split(".", 1)[0] if module.startswith(prefix) else ""
         if not head.isdigit():
             return f"features of {sites[0].key!r} are read outside its layers (at {module!r})"

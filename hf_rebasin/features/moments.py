@@ -148,3 +148,87 @@ def all_reduce_sum(t: Tensor) -> Tensor:
         work = t.cpu() if device.type != "cpu" else t.clone()
     dist.all_reduce(work, op=dist.ReduceOp.SUM)
     return work.to(device)
+
+
+@dataclass
+class ExpertMoments:
+    """Router-weighted cross moments of two models' expert units, for every pair (A's expert a,
+    B's expert b) at once (float64 sums, like :class:`CrossMoments`).
+
+    A token t counts towards the pair with weight ``w = r_A(t, a) · r_B(t, b)``: its routing weight
+    to expert a in A times its routing weight to expert b in B (the top-k weights the experts'
+    outputs are multiplied by; zero for an expert the token is not routed to). So a pair's
+    statistics are those of the tokens both experts actually process, each counted as much as both
+    outputs matter, and an expert's units are never judged on tokens it never sees (on those its
+    activations exist but are discarded by the model). For the right pairing (B's expert b is A's
+    expert a, moved) the weight is ``r²`` and the units' correlation is exactly 1.
+
+    Sums over tokens, with ``f`` units per expert and ``x``, ``y`` A's and B's units: ``count``
+    ``[E, E]`` = Σ w; ``sum_a`` ``[E·f, E]`` = Σ w x (A unit, B expert); ``sum_b`` ``[E, E·f]``;
+    ``sq_a``, ``sq_b`` the same with x², y²; ``cross`` ``[E·f, E·f]`` = Σ w x yᵀ. Every sum is one
+    matrix product of the batch's weighted features; memory O((E·f)²), as the unit view itself.
+    """
+
+    units: int
+    count: Tensor
+    sum_a: Tensor
+    sum_b: Tensor
+    sq_a: Tensor
+    sq_b: Tensor
+    cross: Tensor
+
+    @classmethod
+    def zeros(cls, experts: int, units: int, device: torch.device | str | None = None) -> ExpertMoments:
+        def z(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=torch.float64, device=device)
+
+        n = experts * units
+        return cls(units, z(experts, experts), z(n, experts), z(experts, n), z(n, experts), z(experts, n), z(n, n))
+
+    def _fields(self) -> tuple[Tensor, ...]:
+        return (self.count, self.sum_a, self.sum_b, self.sq_a, self.sq_b, self.cross)
+
+    def update(self, x: Tensor, ra: Tensor, y: Tensor, rb: Tensor) -> None:
+        """Add ``n`` tokens: units ``x``, ``y`` ``[n, E·f]`` and routing weights ``ra``, ``rb``
+        ``[n, E]`` of A and B (row k of each is the same token)."""
+        if x.shape[0] == 0:
+            return
+        device, f = self.cross.device, self.units
+        x, y, ra, rb = (t.to(device=device, dtype=torch.float64) for t in (x, y, ra, rb))
+        xw = x * ra.repeat_interleave(f, dim=1)
+        yw = y * rb.repeat_interleave(f, dim=1)
+        self.count += ra.T @ rb
+        self.sum_a += xw.T @ rb
+        self.sum_b += ra.T @ yw
+        self.sq_a += (xw * x).T @ rb
+        self.sq_b += ra.T @ (yw * y)
+        self.cross += xw.T @ yw
+
+    def correlation(self, eps: float = 1e-8) -> Tensor:
+        """Weighted Pearson correlation ``[E·f, E·f]``: block (a, b) correlates A's expert a units
+        with B's expert b units over the tokens both see; a pair no token reached, or a unit
+        constant on those tokens, correlates 0."""
+        f = self.units
+        w = self.count.repeat_interleave(f, 0).repeat_interleave(f, 1)
+        seen = w > 0
+        n = w.clamp_min(1e-300)
+        mean_a = self.sum_a.repeat_interleave(f, 1) / n
+        mean_b = self.sum_b.repeat_interleave(f, 0) / n
+        var_a = (self.sq_a.repeat_interleave(f, 1) / n - mean_a * mean_a).clamp_min(0.0)
+        var_b = (self.sq_b.repeat_interleave(f, 0) / n - mean_b * mean_b).clamp_min(0.0)
+        live = seen & (var_a > eps * mean_a * mean_a) & (var_b > eps * mean_b * mean_b) & (var_a > 0) & (var_b > 0)
+        cov = self.cross / n - mean_a * mean_b
+        std = torch.where(live, (var_a * var_b).sqrt(), torch.ones_like(var_a))
+        corr = (cov / std).clamp(-1.0, 1.0)
+        return torch.where(live, corr, torch.zeros_like(corr))
+
+    def all_reduce(self) -> None:
+        """Sum the moments over all processes (accelerate / torch.distributed); a no-op in one."""
+        if not distributed():
+            return
+        fields = self._fields()
+        buf = all_reduce_sum(torch.cat([t.reshape(-1) for t in fields]))
+        offset = 0
+        for t in fields:
+            t.copy_(buf[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

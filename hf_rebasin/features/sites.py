@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..symmetry import Fused, Space, SymmetryGraph, split_ref
+from ..symmetry import ExpertSpace, Fused, Space, SymmetryGraph, split_ref
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,17 @@ def _linear_axes(module: torch.nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def _routers(graph: SymmetryGraph) -> set[str]:
+    """Every router weight ``[E, d]`` of the graph's expert spaces."""
+    return {r for n, s in graph.spaces.items() if isinstance(s, ExpertSpace) for r in graph.routers(n)}
+
+
 def bound_linears(graph: SymmetryGraph, model: torch.nn.Module) -> dict[str, tuple[Any, Any]]:
     """Every Linear / Conv1D module with a bound weight: name -> (input ref, output ref), in the
-    model's registration order."""
+    model's registration order. A MoE router (its own module class, ``[E, d]`` like a Linear) is
+    one too: it reads the residual stream as a dense MLP's projections do."""
     rank = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    routers = _routers(graph)
     found: dict[str, tuple[Any, Any]] = {}
     for name, binding in graph.bindings.items():
         if not name.endswith(".weight") or len(binding.axes) != 2:
@@ -56,7 +63,7 @@ def bound_linears(graph: SymmetryGraph, model: torch.nn.Module) -> dict[str, tup
         module_name = name[: -len(".weight")]
         if module_name not in rank:
             continue
-        axes = _linear_axes(model.get_submodule(module_name))
+        axes = (1, 0) if name in routers else _linear_axes(model.get_submodule(module_name))
         if axes is not None:
             found[module_name] = (binding.axes[axes[0]], binding.axes[axes[1]])
     return dict(sorted(found.items(), key=lambda kv: rank[kv[0]]))
@@ -81,7 +88,9 @@ def wanted_spaces(graph: SymmetryGraph, spaces: Collection[str] | None) -> set[s
 
 def candidate_sites(graph: SymmetryGraph, model: torch.nn.Module, wanted: set[str]) -> list[Site]:
     """All sites of the wanted spaces, in module order: every input site, and output sites of
-    non-residual spaces (a residual writer's output is only part of the stream)."""
+    non-residual spaces (a residual writer's output is only part of the stream). Expert spaces
+    have no such site (their features are computed per expert: :func:`expert_sites`)."""
+    wanted = {n for n in wanted if not isinstance(graph.spaces.get(n), ExpertSpace)}
     sites: list[Site] = []
     for module, (in_ref, out_ref) in bound_linears(graph, model).items():
         if isinstance(in_ref, str) and split_ref(in_ref)[0] in wanted:
@@ -123,3 +132,49 @@ def activation_sites(graph: SymmetryGraph, model: torch.nn.Module, spaces: Colle
             del chosen[key]
     keep = set(chosen.values()) | set(residual)
     return [s for s in candidates if s in keep]
+
+
+@dataclass(frozen=True)
+class ExpertSite:
+    """Where one MoE layer's expert features are computed.
+
+    ``experts``: the module holding the stacked expert weights; a pre-hook reads its inputs (the
+    stream as the experts see it, each token's top-k expert indices and routing weights) and
+    computes every expert's units ``act(gate_e x) * (up_e x)`` from ``gate_up`` (the tensor name of
+    ``[E, 2f, d]``, read through the graph's view as ``[gate units | up units, d]``). ``router``:
+    the router module, whose first output is the logits ``[n, E]``; ``softmax`` (else sigmoid)
+    turns them into routing probabilities.
+    """
+
+    space: str
+    experts: str
+    router: str
+    gate_up: str
+    num_experts: int
+    units: int
+    softmax: bool = True
+
+
+def expert_sites(graph: SymmetryGraph, model: torch.nn.Module, wanted: Collection[str]) -> list[ExpertSite]:
+    """One site per wanted expert space whose experts and router are modules of ``model``."""
+    modules = {name for name, _ in model.named_modules()}
+    sites: list[ExpertSite] = []
+    for name in wanted:
+        space = graph.spaces.get(name)
+        if not isinstance(space, ExpertSpace):
+            continue
+        units = f"{name}:units"
+        gate_up = [
+            t
+            for t, b in graph.bindings.items()
+            if b.view is not None and isinstance(b.axes[0], Fused) and b.axes[0].parts == (units, units)
+        ]
+        routers = [r for r in graph.routers(name) if r.endswith(".weight")]
+        if len(gate_up) != 1 or not routers:
+            continue
+        experts, router = gate_up[0].rsplit(".", 1)[0], routers[0][: -len(".weight")]
+        if experts in modules and router in modules:
+            sites.append(
+                ExpertSite(name, experts, router, gate_up[0], space.num_experts, space.units, space.router == "softmax")
+            )
+    return sites

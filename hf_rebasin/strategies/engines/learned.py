@@ -22,6 +22,11 @@ Part of the alignment data is held out. Every ``eval_every`` steps the hard maps
 (the midpoint barrier); the best maps are kept, and training stops after ``patience`` scores without
 a better one. The data-free start is such a score too, so the result is never worse than it on
 the held-out batches. The scores form the curve the run draws (barrier against steps).
+
+Mixture-of-experts layers are not learned: a relaxed two-level permutation (experts with their
+router rows, units inside each expert) is left for later. Each expert space keeps the map it starts
+from (the data-free two-level assignment, with its router shift) while every other space is
+learned around it, and the run says so in its notes.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from ...models import rebuild
 from ...solvers import lap, procrustes, sinkhorn, svd
 from ...symmetry import (
     AxisMap,
+    ExpertMap,
     HeadMap,
     HeadSpace,
     Space,
@@ -144,6 +150,7 @@ class _Maps(torch.nn.Module):
         self.scores = torch.nn.ParameterDict()
         self.signs: dict[str, Tensor] = {}  # signed permutations: the sign of each old feature
         self.heads: dict[str, HeadMap] = {}
+        self.fixed: dict[str, SpaceMap] = {}  # maps kept as they start (expert spaces)
         self.keys: dict[str, str] = {}
         # log-scales of B's gated units (in B's unit order: applied before the maps), by unit space
         self.log_scales = torch.nn.ParameterDict()
@@ -156,7 +163,9 @@ class _Maps(torch.nn.Module):
             key = f"s{i}"
             self.keys[name] = key
             sp = graph.spaces[name]
-            if isinstance(m, HeadMap):
+            if isinstance(m, ExpertMap):  # no relaxation of the two-level permutation: kept as it starts
+                self.fixed[name] = m
+            elif isinstance(m, HeadMap):
                 assert isinstance(sp, HeadSpace)
                 self.heads[name] = m
                 if self.invertible:
@@ -200,7 +209,9 @@ class _Maps(torch.nn.Module):
         soft = self.soft if soft is None else soft
         out: dict[str, SpaceMap] = {}
         for name, key in self.keys.items():
-            if name in self.heads:
+            if name in self.fixed:
+                out[name] = self.fixed[name]
+            elif name in self.heads:
                 m = self.heads[name]
                 qk, vo = self._inner(name, key)
                 if key + "_heads" in self.scores:
@@ -289,7 +300,9 @@ class _Maps(torch.nn.Module):
         self.project()
         out: Transform = {}
         for name, key in self.keys.items():
-            if name in self.heads:
+            if name in self.fixed:
+                out[name] = self.fixed[name]
+            elif name in self.heads:
                 m = self.heads[name]
                 kv = lap(self.scores[key + "_heads"])[0] if key + "_heads" in self.scores else m.kv_perm
                 qk, vo = (x.detach().double().clone() if x.is_floating_point() else x for x in self._inner(name, key))
@@ -585,6 +598,18 @@ def _optimise(
     return best_ts, best_logs, notes, history
 
 
+def _fixed_note(maps: Sequence[_Maps | None]) -> list[str]:
+    """The note on expert spaces kept at their starting maps, if any."""
+    fixed = sorted({name for m in maps if m is not None for name in m.fixed})
+    if not fixed:
+        return []
+    return [
+        f"learned matching kept the experts of {len(fixed)} mixture-of-experts layer(s) ({', '.join(fixed)}) at "
+        "their data-free two-level assignment (experts with their router rows, units inside each, the router's "
+        "shift) and learned the other spaces around them: soft permutations of experts are not implemented"
+    ]
+
+
 def _frozen_model(template: Any, sd: Mapping[str, Tensor], untied: list[str]) -> Any:
     model = rebuild(template, dict(sd), untie=bool(untied)).train(False)
     for p in model.parameters():
@@ -606,7 +631,10 @@ def refine(
     assert pair.data is not None and pair.model_a is not None
     maps = _Maps(graph, transform, settings)
     if not list(maps.parameters()):
-        return LearnedResult(transform, ["learned matching: no map here can be learned; kept the data-free solution"])
+        return LearnedResult(
+            transform,
+            ["learned matching: no map here can be learned; kept the data-free solution", *_fixed_note([maps])],
+        )
     low, high = settings.sampler
 
     def sample(rng: random.Random) -> list[float]:
@@ -624,6 +652,7 @@ def refine(
         "midpoint barrier",
     )
     kept, logs, notes, history = _optimise(run, pair.data.batches, settings, progress)
+    notes += _fixed_note([maps])
     result = kept[1]
     assert result is not None
     scales = {space: t.exp() for space, t in (logs[1] or {}).items()}  # float64, applied once by the caller
@@ -676,4 +705,4 @@ def refine_many(
     )
     kept, _logs, notes, history = _optimise(run, data, settings, progress)
     history["models"] = n
-    return [t for t in kept if t is not None], notes + skipped, history
+    return [t for t in kept if t is not None], notes + _fixed_note(maps) + skipped, history
