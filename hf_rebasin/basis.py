@@ -92,7 +92,13 @@ def write_pair(
             cpu = {k: v.detach().cpu() for k, v in state.items()}
             dtype = written_dtype(loaded)
             save_merged_model(
-                loaded.model.cpu(), cpu, tmp / sub, untie=untie, dtype=dtype, dtypes=loaded.own_dtypes(dtype)
+                loaded.model.cpu(),
+                cpu,
+                tmp / sub,
+                untie=untie,
+                dtype=dtype,
+                dtypes=loaded.own_dtypes(dtype),
+                expert_layout=loaded.expert_layout,
             )
             copy_support_files(loaded.path, tmp / sub)
         write_json(tmp / "alignment.json", record)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .layout import support_files
-from .models import output_config, rebuild
+from .models import expert_pieces, output_config, rebuild
 from .names import DEFAULT_SHARD_SIZE
 from .offload import empty_model
 from .output import write_text
@@ -25,7 +25,7 @@ from .tensors import LazyState, row_blocks, write_safetensors
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["copy_support_files", "save_merged_model", "save_streamed"]
+__all__ = ["FUSED", "copy_support_files", "save_merged_model", "save_streamed"]
 
 
 def copy_support_files(source: Path, dest: Path) -> list[str]:
@@ -42,6 +42,34 @@ def copy_support_files(source: Path, dest: Path) -> list[str]:
     return copied
 
 
+FUSED = "fused"  # an input whose experts are stored as the model's 3-D tensors (`LoadedModel.expert_layout`)
+
+
+def _origins(model: PreTrainedModel, meta: Mapping[str, Tensor], saved: Mapping[str, Tensor]) -> dict[str, _Origin]:
+    """For each tensor ``save_pretrained`` writes (``saved``, reverted from the meta tensors of
+    ``meta``): the model tensor it comes from, and None when it is that tensor, else the part and
+    expert of it that it is: transformers cuts a 3-D expert tensor into one tensor per expert and
+    projection, which its loading stacks again (`models.expert_pieces`, that loading followed)."""
+    name_of = {id(t): n for n, t in meta.items()}
+    pieces = expert_pieces(model, [k for k, t in saved.items() if id(t) not in name_of])
+    out: dict[str, _Origin] = {}
+    for key, t in saved.items():
+        if id(t) in name_of:
+            out[key] = (name_of[id(t)], None)
+        elif key in pieces and pieces[key][0] in meta:
+            name, part, parts, expert = pieces[key]
+            out[key] = (name, (part, parts, expert))
+        else:
+            raise NotImplementedError(
+                f"transformers saves {key!r} computed from the model's tensors in a way hf-rebasin does not "
+                "follow while streaming; write this model without streaming"
+            )
+    return out
+
+
+_Origin = tuple[str, tuple[int, int, int] | None]  # model tensor, (part, parts, expert) of it or None: all of it
+
+
 def save_merged_model(
     template: PreTrainedModel,
     state_dict: Mapping[str, Tensor],
@@ -52,6 +80,7 @@ def save_merged_model(
     dtype: torch.dtype | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    expert_layout: str | None = None,
 ) -> None:
     """``state_dict`` saved as a standard folder of ``template``'s class and config (safetensors).
 
@@ -61,8 +90,11 @@ def save_merged_model(
     input should not come out twice its size); config.json's ``dtype`` then says so, and
     ``from_pretrained`` loads it in that dtype. None writes the tensors as they are. ``dtypes``:
     floating tensors written in a dtype of their own (a checkpoint's float32 norms beside bf16
-    matrices keep theirs), by model name. A `LazyState`
-    is written tensor by tensor (`save_streamed`), with ``progress(tensors written, total)``.
+    matrices keep theirs), by model name. ``expert_layout``: how a mixture of experts' experts are
+    written: ``fused`` as the model holds them (``mlp.experts.gate_up_proj`` [E, 2f, d]), else one
+    tensor per expert and projection as ``save_pretrained`` writes them (the layout of the input,
+    `LoadedModel.expert_layout`). A `LazyState` is written tensor by tensor (`save_streamed`),
+    with ``progress(tensors written, total)``.
     """
     if isinstance(state_dict, LazyState):
         save_streamed(
@@ -74,6 +106,7 @@ def save_merged_model(
             dtype=dtype,
             dtypes=dtypes,
             progress=progress,
+            expert_layout=expert_layout,
         )
         return
     model = rebuild(template, dict(state_dict), untie=untie)  # rebuilt on the CPU
@@ -83,7 +116,9 @@ def save_merged_model(
         if target is not None and tensor.is_floating_point() and id(tensor) not in cast:
             tensor.data = tensor.data.to(target)
             cast.add(id(tensor))
-    model.save_pretrained(str(dest), max_shard_size=max_shard_size)  # safetensors, sharded past the size
+    model.save_pretrained(  # safetensors, sharded past the size
+        str(dest), max_shard_size=max_shard_size, save_original_format=expert_layout != FUSED
+    )
 
 
 def save_streamed(
@@ -96,11 +131,15 @@ def save_streamed(
     dtype: torch.dtype | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    expert_layout: str | None = None,
 ) -> None:
     """The folder `save_pretrained` would write for ``state`` in ``template``'s class, with each
     tensor computed from ``state`` just before it is written: the same names (tied copies left
     out, renamed as transformers saves them), shards, index, config and generation config, while
-    memory holds one tensor at a time."""
+    memory holds one tensor at a time. A mixture of experts' 3-D expert tensors are written one
+    tensor per expert and projection, as `save_pretrained` writes them, each 3-D tensor computed
+    once for all of its experts (the one tensor then held); or as they are with ``expert_layout``
+    ``fused`` (`save_merged_model`)."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -119,9 +158,28 @@ def save_streamed(
 
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})  # stored once, under the name it is tied to
     meta = {n: torch.empty(t.shape, dtype=written(n), device="meta") for n, t in model.state_dict().items()}
-    name_of = {id(t): n for n, t in meta.items()}
-    saved = revert_weight_conversion(model, {n: t for n, t in meta.items() if n not in tied})
+    kept = {n: t for n, t in meta.items() if n not in tied}
+    saved = kept if expert_layout == FUSED else revert_weight_conversion(model, kept)
+    origin = _origins(model, meta, saved)
+    first: dict[str, int] = {}  # the tensors cut from one model tensor, one after the other: each computed once
+    for n in saved:
+        first.setdefault(origin[n][0], len(first))
+    saved = dict(sorted(saved.items(), key=lambda kv: first[origin[kv[0]][0]]))
     split = split_torch_state_dict_into_shards(saved, max_shard_size=max_shard_size)
+    held: dict[str, Tensor] = {}  # the model tensor the last written piece was cut from
+
+    def produce(saved_name: str) -> Tensor | Iterator[Tensor]:
+        name, view = origin[saved_name]
+        if view is None:
+            held.clear()
+            return rows_of(name)
+        if name not in held:
+            held.clear()
+            held[name] = state[name].contiguous()
+        part, parts, expert = view
+        rows = held[name].shape[1] // parts
+        return held[name][expert, part * rows : (part + 1) * rows]
+
     count, total = 0, len(saved)
 
     def tick(_name: str) -> None:
@@ -132,7 +190,8 @@ def save_streamed(
 
     for file, names in split.filename_to_tensors.items():
         entries = [(n, tuple(saved[n].shape), saved[n].dtype) for n in names]
-        write_safetensors(Path(dest) / file, entries, lambda n: rows_of(name_of[id(saved[n])]), done=tick)
+        write_safetensors(Path(dest) / file, entries, produce, done=tick)
+    held.clear()
     if split.is_sharded:
         index = {
             "metadata": {"total_parameters": sum(p.numel() for n, p in model.named_parameters() if n not in tied)}

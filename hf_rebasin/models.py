@@ -10,6 +10,7 @@ import copy
 import json
 import logging
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from .errors import (
 from .layout import PICKLE, PICKLE_INDEX, SAFETENSORS, SAFETENSORS_INDEX, index_shards
 from .names import DEVICE_PATTERN
 from .symmetry import SymmetryGraph
-from .tensors import DTYPES, CheckpointSource, LazyState, checkpoint_entries, shape_of
+from .tensors import DTYPES, CheckpointSource, LazyState, StackedKeys, checkpoint_entries, shape_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -49,6 +50,8 @@ class LoadedModel:
     the files that stock ``from_pretrained`` drops on load (legacy buffers), with the reason. A *streamed*
     model has a ``source`` (its tensors read from disk when used) and a ``model`` whose parameters
     are on the meta device: its class, config and shapes, for `offload.offloaded` forward passes.
+    ``expert_layout``: how its files store a mixture of experts' expert tensors (``per-expert`` or
+    ``fused``, `_Checkpoint.expert_layout`), the layout an output written from it keeps.
     """
 
     model: PreTrainedModel
@@ -58,6 +61,7 @@ class LoadedModel:
     source: CheckpointSource | None = None
     ignored: dict[str, str] = field(default_factory=dict)  # checkpoint key -> why loading drops it
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # model name -> dtype on disk (floating)
+    expert_layout: str | None = None  # a mixture of experts' files: "per-expert" or "fused" (None: no experts)
 
     def own_dtypes(self, main: torch.dtype) -> dict[str, torch.dtype]:
         """The tensors stored in a dtype other than ``main`` (that hf-rebasin writes), to write them as stored."""
@@ -268,6 +272,19 @@ class _Checkpoint:
     files: dict[str, str]  # tensor -> file name
     dtypes: dict[str, torch.dtype | None] = field(default_factory=dict)  # tensor -> stored dtype (None: unknown)
     dropped: set[str] = field(default_factory=set)  # model names of the tensors stock loading drops
+    stacks: dict[str, StackedKeys] = field(default_factory=dict)  # model name -> its experts' keys, stored apart
+    fused: set[str] = field(default_factory=set)  # model names of expert tensors stored stacked
+
+    @property
+    def expert_layout(self) -> str | None:
+        """How the experts of a mixture-of-experts model are stored: ``per-expert`` (one tensor per
+        expert and projection, as ``save_pretrained`` writes), ``fused`` (the model's 3-D tensors),
+        None for a model without experts."""
+        return "per-expert" if self.stacks else "fused" if self.fused else None
+
+    def keys_of(self, names: Mapping[str, str]) -> list[str]:
+        """The checkpoint keys holding the model tensors of ``names`` (every expert of a stacked one)."""
+        return [k for name, key in names.items() for k in (self.stacks[name].keys if name in self.stacks else [key])]
 
     def floating(self, names: Mapping[str, str]) -> dict[str, torch.dtype]:
         """Model name -> stored dtype of each floating tensor that loading keeps."""
@@ -353,6 +370,55 @@ def _skeleton(cls: type[PreTrainedModel], config: Any) -> PreTrainedModel:
         raise ConfigError(f"config.json does not describe a buildable {cls.__name__}: {e}") from None
 
 
+def expert_pieces(model: PreTrainedModel, keys: Iterable[str]) -> dict[str, tuple[str, int, int, int]]:
+    """The checkpoint ``keys`` that hold one expert's part of a 3-D expert tensor of ``model``
+    (``save_pretrained`` writes them so, loading stacks them): key -> (model tensor, part, parts,
+    expert)."""
+    renamer = _Renamer(model)
+    expected = dict.fromkeys(model.state_dict())
+    found = {key: renamer.stacked(key, expected) for key in keys}
+    return {key: (p.name, p.part, p.parts, p.expert) for key, p in found.items() if p is not None}
+
+
+def _stacks_experts(converter: Any) -> bool:
+    """Whether a transformers ``WeightConverter`` stacks tensors stored one per expert into one
+    3-D tensor, as every MoE of transformers 5 loads: ``MergeModulelist(dim=0)`` over the experts,
+    then (with two parts, gate and up) ``Concatenate(dim=1)``; the layouts `StackedKeys` reads."""
+    try:
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+    except ImportError:  # pragma: no cover
+        return False
+    ops = list(getattr(converter, "operations", []))
+    patterns = list(getattr(converter, "source_patterns", []))
+    if len(getattr(converter, "target_patterns", [])) != 1 or not patterns or not all("*" in p for p in patterns):
+        return False
+    if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
+        return False
+    if len(ops) == 1:
+        return len(patterns) == 1
+    return len(ops) == 2 and type(ops[1]) is Concatenate and ops[1].dim == 1
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One checkpoint tensor of an expert stored alone: part ``part`` (of ``parts``) of expert
+    ``expert`` of model tensor ``name``; ``span``: where the expert number is in ``key``."""
+
+    name: str
+    part: int
+    parts: int
+    expert: int
+    key: str
+    pattern: str
+    span: tuple[int, int] | None
+
+    def sibling(self, expert: int) -> str:
+        """The key expert ``expert``'s same part has (as stored)."""
+        if self.span is None:
+            return f"{self.pattern.replace('*', str(expert))} (of {self.name})"
+        return f"{self.key[: self.span[0]]}{expert}{self.key[self.span[1] :]}"
+
+
 class _Renamer:
     """Checkpoint tensor names as the model names them: transformers 5 renames legacy names while
     loading (ViT `encoder.layer.N.attention.attention.query` -> `layers.N.attention.q_proj`) and adds
@@ -363,6 +429,8 @@ class _Renamer:
         self.prefix: str | None = getattr(skeleton, "base_model_prefix", None) or None
         self.renamings: list[Any] = []
         self.converters: list[Any] = []
+        # source pattern of a converter that stacks experts -> (its part, its number of parts, expert number regex)
+        self.stacking: dict[str, tuple[int, int, re.Pattern[str]]] = {}
         try:
             from transformers.conversion_mapping import get_model_conversion_mapping
             from transformers.core_model_loading import WeightConverter, WeightRenaming
@@ -370,6 +438,10 @@ class _Renamer:
             for t in get_model_conversion_mapping(skeleton):
                 if isinstance(t, WeightConverter):
                     self.converters.append(t)
+                    if _stacks_experts(t):
+                        for part, pattern in enumerate(t.source_patterns):
+                            expert = re.compile(re.escape(pattern.lstrip("^")).replace(r"\*", r"(\d+)"))
+                            self.stacking[pattern] = (part, len(t.source_patterns), expert)
                 elif isinstance(t, WeightRenaming):
                     self.renamings.append(t)
         except ImportError:  # pragma: no cover - another transformers layout: names as stored
@@ -385,15 +457,39 @@ class _Renamer:
 
     def converts(self, keys: Iterable[str]) -> bool:
         """Whether transformers converts (not only renames) any of the checkpoint ``keys`` while
-        loading: DINOv2's converter splits a legacy ``mlp.weights_in`` into gate and up, but a
-        checkpoint with today's names loads as stored."""
+        loading in a way not followed here: DINOv2's converter splits a legacy ``mlp.weights_in``
+        into gate and up, but a checkpoint with today's names loads as stored. Experts stored one
+        by one, which transformers stacks (`stacked`), are followed."""
         if not self.converters:
             return False
         try:
             from transformers.core_model_loading import rename_source_key
         except ImportError:  # pragma: no cover
             return True
-        return any(rename_source_key(k, self.renamings, self.converters, self.prefix)[1] is not None for k in keys)
+        for k in keys:
+            pattern = rename_source_key(k, self.renamings, self.converters, self.prefix)[1]
+            if pattern is not None and pattern not in self.stacking:
+                return True
+        return False
+
+    def stacked(self, key: str, expected: dict[str, Any] | None = None) -> _Piece | None:
+        """Where checkpoint ``key`` goes when transformers stacks experts stored one by one
+        (Mixtral's ``experts.3.w1.weight``, Qwen-MoE's ``experts.3.gate_proj.weight``): the model
+        tensor, the part of each expert it is, and the expert; None for any other key."""
+        if not self.stacking:
+            return None
+        from transformers.core_model_loading import apply_renamings, rename_source_key
+
+        name, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, expected)
+        if pattern is None or pattern not in self.stacking:
+            return None
+        part, parts, expert = self.stacking[pattern]
+        found = expert.search(apply_renamings(key, self.renamings)) or expert.search(key)
+        if found is None:  # pragma: no cover - the converter matched, so its pattern does
+            return None
+        own = expert.search(key)  # the expert number in the key as stored, to name a sibling key
+        span = own.span(1) if own is not None else None
+        return _Piece(str(name), part, parts, int(found.group(1)), key, pattern, span)
 
 
 # GPT-2's `attn.masked_bias`: the constant -1e4 that transformers 2.x-4.x GPT-2 classes stored in
@@ -504,7 +600,12 @@ def _check_checkpoint(
     renamer = _Renamer(skeleton)
     names: dict[str, str] = {}
     unknown: dict[str, str] = {}  # model name -> checkpoint key
+    pieces: dict[str, list[_Piece]] = {}  # model name -> its experts' tensors stored one by one
     for key in checkpoint.shapes:
+        piece = renamer.stacked(key, expected)
+        if piece is not None and piece.name in expected:
+            pieces.setdefault(piece.name, []).append(piece)
+            continue
         name = renamer(key, expected)
         if name in expected:
             names[name] = key
@@ -520,6 +621,16 @@ def _check_checkpoint(
             )
     ignored = {unknown[name]: why for name, why in dropped.items()}
     checkpoint.dropped = set(dropped)
+    checkpoint.fused = {n for n in names if _stack_target(renamer, n)}
+    for name, found in pieces.items():
+        if name in names:
+            raise CheckpointError(
+                f"{str(folder)!r}: {checkpoint.files[names[name]]} holds {names[name]!r}, the experts of {name!r} "
+                f"stacked, and {checkpoint.files[found[0].key]} holds them one by one as well ({found[0].key!r}); "
+                "a checkpoint stores each tensor once"
+            )
+        checkpoint.stacks[name] = _check_experts(folder, cls, checkpoint, name, expected[name], found)
+        names[name] = checkpoint.stacks[name].parts[0][0]
     for name, key in names.items():
         dtype = checkpoint.dtypes.get(key)
         if meta[name].is_floating_point() and dtype is not None and not dtype.is_floating_point:
@@ -535,12 +646,78 @@ def _check_checkpoint(
                 continue
             raise CheckpointError(f"{str(folder)!r}: tensor {name!r} (shape {want}) is missing from the checkpoint")
         got = checkpoint.shapes[stored]
+        if name in checkpoint.stacks:
+            continue  # each expert checked by _check_experts
         if got != want:
             raise CheckpointError(
                 f"{str(folder)!r}: tensor {stored!r} has shape {got} in the checkpoint, but config.json "
                 f"implies {want}; the config and the weights come from different models"
             )
     return names, ignored
+
+
+def _stack_target(renamer: _Renamer, name: str) -> bool:
+    """Whether model tensor ``name`` is one transformers stacks from experts stored one by one
+    (``mlp.experts.gate_up_proj``): a checkpoint holding it under this name stores them fused."""
+    for converter in renamer.converters:
+        if any(p in renamer.stacking for p in converter.source_patterns):
+            target = str(converter.target_patterns[0]).lstrip("^")
+            if name.endswith(target) or f"{target}." in f"{name}.":
+                return True
+    return False
+
+
+def _check_experts(
+    folder: Path,
+    cls: type[PreTrainedModel],
+    checkpoint: _Checkpoint,
+    name: str,
+    want: tuple[int, ...],
+    found: list[_Piece],
+) -> StackedKeys:
+    """The tensors of a model tensor stored one per expert: every expert config.json implies, each
+    part with its shape and a floating dtype, and no other; the keys to stack, by part and expert."""
+    experts = want[0] if want else 0
+    parts = found[0].parts
+    rows = want[1] // parts if len(want) > 1 else 0
+    shape = (rows, *want[2:])
+    where = f"{str(folder)!r}"
+    keys: dict[tuple[int, int], _Piece] = {}
+    for piece in sorted(found, key=lambda p: (p.part, p.expert)):
+        file = checkpoint.files[piece.key]
+        if piece.expert >= experts:
+            raise CheckpointError(
+                f"{where}: {file} holds tensor {piece.key!r} of expert {piece.expert}, but config.json implies "
+                f"{experts} experts for {name!r} (shape {want}); the config and the weights come from different models"
+            )
+        got = checkpoint.shapes[piece.key]
+        if got != shape:
+            raise CheckpointError(
+                f"{where}: tensor {piece.key!r} in {file} has shape {got}, but config.json implies {shape} for "
+                f"each expert's part of {name!r} (shape {want}); the config and the weights come from different models"
+            )
+        dtype = checkpoint.dtypes.get(piece.key)
+        if dtype is not None and not dtype.is_floating_point:
+            raise CheckpointError(
+                f"{where}: tensor {piece.key!r} in {file} is stored as {dtype_name(dtype)}, where a {cls.__name__} "
+                "has floating weights: integer (quantized or packed) weights cannot be permuted, rotated or "
+                "averaged. Use the model's unquantized release (float32, float16 or bfloat16 weights)"
+            )
+        keys[(piece.part, piece.expert)] = piece
+    by_part = {p.part: p for p in found}
+    for part in range(parts):
+        held = sorted(e for p, e in keys if p == part)
+        for expert in range(experts):
+            if (part, expert) in keys:
+                continue
+            sibling = by_part.get(part) or found[0]
+            missing = sibling.sibling(expert) if sibling.part == part else f"part {part} of expert {expert}"
+            raise CheckpointError(
+                f"{where}: tensor {missing!r} (expert {expert} of the {experts} that config.json implies for "
+                f"{name!r}) is missing from the checkpoint, which holds {len(held)} experts of it; the config and "
+                "the weights come from different models, or a shard is missing"
+            )
+    return StackedKeys(tuple(tuple(keys[(part, e)].key for e in range(experts)) for part in range(parts)))
 
 
 def is_finite(t: Tensor) -> bool:
@@ -586,7 +763,8 @@ def load_model(
     ``trust_remote_code`` accepts a folder whose files name their own code (the code is never run:
     the stock class of the model_type is used). ``stream`` loads no weight: the model reads its
     tensors from its safetensors files when they are used (see `LoadedModel`), onto ``device``; a
-    pickle checkpoint, or one that transformers converts while loading, is loaded whole instead.
+    pickle checkpoint, or one that transformers converts while loading (other than by stacking
+    experts stored one by one), is loaded whole instead.
     """
     from .remote_code import refuse_remote_code
 
@@ -635,8 +813,16 @@ def load_model(
     state_dict = model.state_dict()
     graph = spec.graph(model.config, state_dict.keys())
     graph.check(state_dict, source=str(folder))
-    stored = checkpoint.stored_dtype(names.values()) or _config_dtype(folder) or torch.float32
-    return LoadedModel(model, graph, folder, stored, ignored=ignored, stored_dtypes=checkpoint.floating(names))
+    stored = checkpoint.stored_dtype(checkpoint.keys_of(names)) or _config_dtype(folder) or torch.float32
+    return LoadedModel(
+        model,
+        graph,
+        folder,
+        stored,
+        ignored=ignored,
+        stored_dtypes=checkpoint.floating(names),
+        expert_layout=checkpoint.expert_layout,
+    )
 
 
 def _streamed(
@@ -648,7 +834,8 @@ def _streamed(
     device: torch.device | None,
 ) -> LoadedModel | None:
     """The model as a tensor source over its files and a meta-device module; None when
-    transformers would convert tensors while loading (only renaming is followed here)."""
+    transformers would convert tensors while loading (renaming and the stacking of experts stored
+    one by one are followed here)."""
     from .offload import empty_model
 
     model = empty_model(cls, config)
@@ -659,12 +846,28 @@ def _streamed(
     meta = model.state_dict()
     order = list(meta)
     aliases = {alias: source for alias, source in tied.items() if alias in order and alias not in names}
-    source = CheckpointSource(folder, checkpoint_entries(files), names, aliases=aliases, order=order, device=device)
+    source = CheckpointSource(
+        folder,
+        checkpoint_entries(files),
+        {n: k for n, k in names.items() if n not in checkpoint.stacks},
+        aliases=aliases,
+        order=order,
+        device=device,
+        stacks=checkpoint.stacks,
+    )
     spec = get_adapter(getattr(config, "model_type", None))
     graph = spec.graph(model.config, order)
     graph.check(meta, source=str(folder))  # shapes only: the parameters are on meta
-    stored = checkpoint.stored_dtype(names.values()) or _config_dtype(folder) or torch.float32
-    return LoadedModel(model, graph, folder, stored, source=source, stored_dtypes=checkpoint.floating(names))
+    stored = checkpoint.stored_dtype(checkpoint.keys_of(names)) or _config_dtype(folder) or torch.float32
+    return LoadedModel(
+        model,
+        graph,
+        folder,
+        stored,
+        source=source,
+        stored_dtypes=checkpoint.floating(names),
+        expert_layout=checkpoint.expert_layout,
+    )
 
 
 def output_config(template: PreTrainedModel, untie: bool) -> Any:

@@ -15,6 +15,7 @@ header of names, dtypes, shapes and byte ranges, then the bytes. Torch only: no 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import json
 import math
@@ -35,6 +36,7 @@ __all__ = [
     "LazyState",
     "RowReader",
     "SafetensorsEntry",
+    "StackedKeys",
     "dtype_of",
     "give_back_freed",
     "is_lazy",
@@ -282,14 +284,31 @@ def _read_entry(entry: SafetensorsEntry) -> Tensor:
     return torch.frombuffer(buf, dtype=entry.dtype).reshape(entry.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedKeys:
+    """A model tensor that transformers assembles while loading from one checkpoint tensor per
+    expert: ``parts[p][j]`` is the key of part ``p`` of expert ``j`` (a legacy Mixtral's ``w1`` and
+    ``w3``, gate and up). Expert ``j`` of the model's ``[E, rows, ...]`` tensor is its parts
+    concatenated along their first axis, in order (transformers' ``MergeModulelist`` over the
+    experts, then ``Concatenate`` of the parts)."""
+
+    parts: tuple[tuple[str, ...], ...]
+
+    @property
+    def keys(self) -> list[str]:
+        return [key for part in self.parts for key in part]
+
+
 class CheckpointSource(LazyState):
     """A model's tensors by the names its module uses, read from its safetensors files on demand.
 
     Floating tensors come as float32 (what every computation here runs in, like a model loaded
     with ``dtype=float32``); ``stored_dtypes`` keeps what the files hold. ``names`` maps a model
     name to the checkpoint key holding it (transformers may rename keys when it loads); ``aliases``
-    maps a tied name to the name that holds the data (a tied LM head is stored once). Tensors are
-    read on the CPU and handed over on ``device`` (a CUDA device: every step after the read runs there).
+    maps a tied name to the name that holds the data (a tied LM head is stored once); ``stacks``
+    the model tensors stored one expert at a time (`StackedKeys`), assembled when read, one stacked
+    tensor in memory. Tensors are read on the CPU and handed over on ``device`` (a CUDA device:
+    every step after the read runs there).
     """
 
     def __init__(
@@ -301,29 +320,63 @@ class CheckpointSource(LazyState):
         aliases: Mapping[str, str] | None = None,
         order: Sequence[str] | None = None,
         device: torch.device | None = None,
+        stacks: Mapping[str, StackedKeys] | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.device = device or torch.device("cpu")  # where tensors go once read: the run's device
         aliases = dict(aliases or {})
+        stacks = dict(stacks or {})
         self._where: dict[str, SafetensorsEntry] = {}
+        self._stacks: dict[str, list[list[SafetensorsEntry]]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        self.stored_dtypes: dict[str, torch.dtype] = {}
         for name in order if order is not None else list(names) + list(aliases):
+            stack = stacks.get(name) or stacks.get(aliases.get(name, ""))
+            if stack is not None:
+                parts = [[entries[key] for key in part] for part in stack.parts]
+                first = parts[0][0]
+                self._stacks[name] = parts
+                shapes[name] = (len(parts[0]), sum(p[0].shape[0] for p in parts), *first.shape[1:])
+                self.stored_dtypes[name] = first.dtype
+                continue
             key = names.get(name) or names[aliases[name]]
             self._where[name] = entries[key]
-        self.stored_dtypes = {n: e.dtype for n, e in self._where.items()}
+            shapes[name] = self._where[name].shape
+            self.stored_dtypes[name] = self._where[name].dtype
         dtypes = {n: WORK_DTYPE if d.is_floating_point else d for n, d in self.stored_dtypes.items()}
-        super().__init__(
-            {n: e.shape for n, e in self._where.items()}, dtypes, self._load, aliases=aliases, rows=self._row_reader
-        )
+        super().__init__(shapes, dtypes, self._load, aliases=aliases, rows=self._row_reader)
 
     def _load(self, name: str) -> Tensor:
+        if name in self._stacks:
+            return self._experts(name, 0, self._shapes[name][0], work=True)
         return self._work(self.stored(name))
 
     def _work(self, t: Tensor) -> Tensor:
         t = t.to(self.device)
         return t.to(WORK_DTYPE) if t.is_floating_point() else t
 
+    def _experts(self, name: str, start: int, stop: int, *, work: bool) -> Tensor:
+        """Experts ``[start, stop)`` of a stacked tensor, filled part by part from their entries
+        (float32 on the run's device when ``work``, else as stored): one expert's part is read at
+        a time, into the one tensor returned."""
+        parts = self._stacks[name]
+        stored = parts[0][0].dtype
+        dtype = WORK_DTYPE if work and stored.is_floating_point else stored
+        out = torch.empty((stop - start, *self._shapes[name][1:]), dtype=dtype)
+        for j in range(start, stop):
+            row = 0
+            for part in parts:
+                piece = _read_entry(part[j])
+                out[j - start, row : row + piece.shape[0]] = piece
+                row += piece.shape[0]
+                del piece
+        return out.to(self.device) if work else out
+
     def _row_reader(self, name: str) -> RowReader:
-        """Rows of a stored tensor: their bytes are contiguous in the file, read alone."""
+        """Rows of a stored tensor: their bytes are contiguous in the file, read alone (the experts
+        of a stacked tensor: theirs)."""
+        if name in self._stacks:
+            return lambda start, stop: self._experts(name, start, stop, work=True)
         entry = self._where[name]
         row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
 
@@ -341,15 +394,21 @@ class CheckpointSource(LazyState):
 
     def stored(self, name: str) -> Tensor:
         """Tensor ``name`` as the file stores it (bf16 stays bf16): for checks that need no float32."""
+        if name in self._stacks:
+            return self._experts(name, 0, self._shapes[name][0], work=False)
         return _read_entry(self._where[name])
 
     def file_of(self, name: str) -> Path:
+        """The file holding tensor ``name`` (a stacked tensor: its first expert's)."""
+        if name in self._stacks:
+            return self._stacks[name][0][0].file
         return self._where[name].file
 
     @property
     def nbytes(self) -> int:
         """Bytes of the stored tensors (each stored tensor once)."""
-        seen = {(e.file, e.offset): e.nbytes for e in self._where.values()}
+        entries = [*self._where.values(), *(e for parts in self._stacks.values() for p in parts for e in p)]
+        seen = {(e.file, e.offset): e.nbytes for e in entries}
         return sum(seen.values())
 
 

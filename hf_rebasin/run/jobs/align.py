@@ -79,7 +79,15 @@ def _save_model(loaded: LoadedModel, state: dict[str, Tensor], untie: bool, fold
     """One model folder in its input's stored dtype, with the input's tokenizer and support files."""
     dtype = written_dtype(loaded)
     cpu = {k: v.detach().cpu() for k, v in state.items()}
-    save_merged_model(loaded.model.cpu(), cpu, folder, untie=untie, dtype=dtype, dtypes=loaded.own_dtypes(dtype))
+    save_merged_model(
+        loaded.model.cpu(),
+        cpu,
+        folder,
+        untie=untie,
+        dtype=dtype,
+        dtypes=loaded.own_dtypes(dtype),
+        expert_layout=loaded.expert_layout,
+    )
     copy_support_files(loaded.path, folder)
 
 

@@ -142,5 +142,6 @@ def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie:
         dtype=ws.output_dtype.dtype,
         dtypes=ws.output_dtype.kept,
         progress=writing(ws.progress),
+        expert_layout=a.expert_layout,
     )
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained

@@ -58,6 +58,7 @@ class Moved:
     names: Sequence[str]  # the output model's tensors, in order (the fine-tune's when its head is new)
     template: PreTrainedModel  # the class and config to build
     untie: bool
+    expert_layout: str | None = None  # how the template's input stores its experts (`LoadedModel.expert_layout`)
 
     def theta(self, alpha: float) -> Mapping[str, Tensor]:
         """The weights of ``B + α·τ`` (with the fine-tune's own tensors when its head is new)."""
@@ -163,6 +164,7 @@ def move_task_vector(models: TransportRoles[LoadedModel], alignment: Alignment, 
         list(sd_ft) if new_head else list(alignment.sd_a),
         a_ft.model if new_head else b.model,
         bool(alignment.untied) and not new_head,
+        (a_ft if new_head else b).expert_layout,
     )
 
 
@@ -397,6 +399,7 @@ def _save(
             dtype=ws.output_dtype.dtype,
             dtypes=ws.output_dtype.kept,
             progress=writing(ws.progress),
+            expert_layout=moved.expert_layout,
         )
     else:
         assert ws.adapter is not None  # what `adapter` was moved from
