@@ -28,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # benchmarks.bench_moe, wher
 
 from bench_barriers import barrier_table, markdown
 
-from hf_rebasin.experts import center_routers, fit_router_shifts
+from hf_rebasin import glu
 from hf_rebasin.features import WeightViews
 from hf_rebasin.solvers import best_inners
 from hf_rebasin.strategies import REGISTRY, Alignment, Pair, Progress
+from hf_rebasin.strategies.base import matching_forms
 from hf_rebasin.strategies.engines.descent import anchor_init, descend, space_solver, view_graph
 from hf_rebasin.strategies.options import WEIGHT_MATCHING, WeightMatchingOptions
 from hf_rebasin.symmetry import ExpertMap, ExpertSpace, SpaceMap
@@ -49,7 +50,7 @@ def units_in_place(space: ExpertSpace, views: Mapping[str | None, Tensor]) -> Ex
 
 
 def run(pair: Pair, options: WeightMatchingOptions, progress: Progress | None) -> Alignment:
-    """Weight matching with every expert space solved in place."""
+    """Weight matching (its `glu` option included) with every expert space solved in place."""
     graph = pair.graph
     plain = space_solver(graph, "permutation")
 
@@ -57,18 +58,19 @@ def run(pair: Pair, options: WeightMatchingOptions, progress: Progress | None) -
         sp = graph.spaces[name]
         return units_in_place(sp, views) if isinstance(sp, ExpertSpace) else plain(name, views)
 
-    ca, cb = center_routers(graph, pair.sd_a), center_routers(graph, pair.sd_b)
+    ma, mb, balanced = matching_forms(pair, pair.sd_a, pair.sd_b, options)  # routers centred, units balanced
     vgraph = view_graph(graph, "permutation")
-    views = WeightViews(vgraph, ca, cb)
+    views = WeightViews(vgraph, ma, mb)
     start = anchor_init(views, graph.identity(), solve)
-    transform, _ = descend(vgraph, ca, cb, solve, init=start, max_iter=options.max_iter, seed=options.seed, views=views)
-    transform = fit_router_shifts(graph, pair.sd_a, pair.sd_b, transform)
-    return Alignment(IN_PLACE, graph, pair.sd_a, pair.sd_b, transform)
+    transform, _ = descend(vgraph, ma, mb, solve, init=start, max_iter=options.max_iter, seed=options.seed, views=views)
+    sd_b = glu.match_scales(graph, pair.sd_a, pair.sd_b, transform) if balanced else pair.sd_b
+    return Alignment(IN_PLACE, graph, pair.sd_a, sd_b, transform, glu_matched=balanced)
 
 
 STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("vanilla", "vanilla", {}),
     ("experts in place (units, heads, residual matched)", IN_PLACE, {}),
+    ("experts in place, glu: balance", IN_PLACE, {"glu": "balance"}),
     ("weight-matching", "weight-matching", {}),
     ("weight-matching, glu: balance", "weight-matching", {"glu": "balance"}),
     ("transfusion", "transfusion", {}),
@@ -107,6 +109,7 @@ def usage(folder: Path) -> list[list[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs=2, default=(0, 1))
+    parser.add_argument("--pairs", nargs="*", default=[], help="seed pairs as A:B (e.g. 0:1 2:3): the median table")
     parser.add_argument("--usage", action="store_true")
     parser.add_argument("--skip", nargs="*", default=[], help="strategy names left out")
     args = parser.parse_args()
