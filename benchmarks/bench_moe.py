@@ -114,9 +114,12 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="strategy names left out")
     args = parser.parse_args()
     REGISTRY.register(dataclasses.replace(WEIGHT_MATCHING, name=IN_PLACE, module="benchmarks.bench_moe"))
-    rows = barrier_table(
-        "mixtral", tuple(args.seeds), points=21, strategies=[s for s in STRATEGIES if s[1] not in args.skip]
-    )
+    strategies = [s for s in STRATEGIES if s[1] not in args.skip]
+    if args.pairs:
+        pairs = [(int(a), int(b)) for a, b in (p.split(":") for p in args.pairs)]
+        print(pair_table("mixtral", pairs, strategies, tokens=None))
+        return
+    rows = barrier_table("mixtral", tuple(args.seeds), points=21, strategies=strategies)
     print(markdown("mixtral", rows))
     if args.usage:
         from hf_rebasin.train import cached_model

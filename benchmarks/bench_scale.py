@@ -10,6 +10,8 @@
     python benchmarks/bench_scale.py --shape small --strategies vanilla weight-matching --compare-in-memory
     python benchmarks/bench_scale.py --shape tinyllama --job transport --strategies weight-matching  # twice: cache hit
     python benchmarks/bench_scale.py --shape tinyllama --strategies head-perm --tokens 32768 --block-size 512
+    python benchmarks/bench_scale.py --shape mixtral-small --strategies vanilla weight-matching --compare-in-memory
+    python benchmarks/bench_scale.py --shape mixtral-2b --layout hub --strategies vanilla
 
 ``make``: two models (seeds 0 and 1) of the shape are written under ``--root`` as stock
 transformers folders in bfloat16 (``config.json`` and safetensors files laid out as ``--layout``
@@ -212,6 +214,31 @@ SHAPES: dict[str, tuple[type[T.PreTrainedConfig], type[T.PreTrainedModel], dict[
         ),
     ),
 }
+# Mixtral's layout at sizes this machine holds (Mixtral-8x7B: d 4096, 8 experts of 14336 units, 32
+# layers, 46.7B parameters): 8 experts, top 2, every expert stored apart as the Hub checkpoints
+# store them (`block_sparse_moe.experts.{j}.w1/w2/w3`, see `planned_entries`)
+MOE_SHAPES = {
+    # ≈0.34B parameters, ≈0.68 GB in bf16: one layer's 8 × 1408 expert units pair in a 1.0 GB view
+    "mixtral-small": dict(hidden_size=1024, intermediate_size=1408, num_hidden_layers=4),
+    # ≈2.4B parameters, ≈4.8 GB in bf16: 8 × 5632 units, a 16 GB view (a vanilla merge streams it)
+    "mixtral-2b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8),
+}
+for _name, _sizes in MOE_SHAPES.items():
+    SHAPES[_name] = (
+        T.MixtralConfig,
+        T.MixtralForCausalLM,
+        dict(
+            **_sizes,
+            num_attention_heads=_sizes["hidden_size"] // 128,
+            num_key_value_heads=max(1, _sizes["hidden_size"] // 512),
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+        ),
+    )
+
 # Shapes whose Hub checkpoint stores a tied LM head anyway, as a copy of the tensor it is tied to
 # (`save_pretrained` of transformers 5 drops it: `remove_tied_weights_from_state_dict`)
 STORES_TIED_HEAD = {"qwen3-0.6b"}
@@ -246,7 +273,24 @@ def planned_entries(shape: str) -> list[Entry]:
     _, model_cls, _ = SHAPES[shape]
     model = empty_model(model_cls, config_of(shape))
     skip = set() if shape in STORES_TIED_HEAD else set(model.all_tied_weights_keys)
-    return [(name, tuple(t.shape), torch.bfloat16) for name, t in model.state_dict().items() if name not in skip]
+    out = [(name, tuple(t.shape), torch.bfloat16) for name, t in model.state_dict().items() if name not in skip]
+    return [piece for entry in out for piece in per_expert(entry)] if shape in MOE_SHAPES else out
+
+
+def per_expert(entry: Entry) -> list[Entry]:
+    """A Mixtral tensor as its Hub checkpoint stores it: the router under ``block_sparse_moe``, each
+    expert's gate (w1), up (w3) and down (w2) apart (transformers 5 stacks them when it loads)."""
+    name, shape, dtype = entry
+    if name.endswith("mlp.gate.weight"):
+        return [(name.replace("mlp.gate", "block_sparse_moe.gate"), shape, dtype)]
+    prefix = name.rsplit("mlp.experts.", 1)[0] + "block_sparse_moe.experts"
+    if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2f, d]
+        E, two_f, d = shape
+        return [(f"{prefix}.{j}.{w}.weight", (two_f // 2, d), dtype) for j in range(E) for w in ("w1", "w3")]
+    if name.endswith("mlp.experts.down_proj"):  # [E, d, f]
+        E, d, f = shape
+        return [(f"{prefix}.{j}.w2.weight", (d, f), dtype) for j in range(E)]
+    return [entry]
 
 
 def shards(entries: list[Entry], limit: int = SHARD_BYTES) -> list[list[Entry]]:
@@ -395,7 +439,7 @@ def check_small(folder: Path, shape: str) -> None:
     worst = 0.0
     for name, _, _ in entries:
         want = produce(name).to(torch.bfloat16)
-        worst = max(worst, (loaded[name].to(torch.bfloat16).float() - want.float()).abs().max().item())
+        worst = max(worst, (stored_as(loaded, name).to(torch.bfloat16).float() - want.float()).abs().max().item())
     with torch.no_grad():
         logits = model(torch.arange(16).unsqueeze(0)).logits
     with safe_open(str(safetensors_files(folder)[0]), framework="pt") as f:
@@ -407,6 +451,19 @@ def check_small(folder: Path, shape: str) -> None:
     )
     if worst != 0.0 or read_dtype != torch.bfloat16 or not torch.isfinite(logits).all():
         raise SystemExit(f"check failed for {folder}")
+
+
+def stored_as(loaded: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Tensor ``name`` of the files as the loaded model holds it: a Mixtral expert's w1/w3/w2 are a
+    slice of its stacked ``gate_up_proj`` (gate rows, then up rows) or ``down_proj``."""
+    m = re.match(r"(.*)block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$", name)
+    if m is None:
+        return loaded[name.replace("block_sparse_moe.gate", "mlp.gate")]
+    prefix, j, w = m.group(1) + "mlp.experts.", int(m.group(2)), m.group(3)
+    if w == "w2":
+        return loaded[prefix + "down_proj"][j]
+    gate, up = loaded[prefix + "gate_up_proj"][j].chunk(2, 0)
+    return gate if w == "w1" else up
 
 
 def check_dtypes(folder: Path) -> None:
@@ -421,7 +478,7 @@ def make(shape: str, layout: str, root: Path) -> list[Path]:
     for seed, folder in zip(SEEDS, folders, strict=True):
         make_model(shape, layout, folder, seed)
         check_dtypes(folder)
-    if shape == "small":
+    if shape in ("small", "mixtral-small"):
         check_small(folders[0], shape)
     return folders
 
