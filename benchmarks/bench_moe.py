@@ -26,7 +26,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).parent))  # bench_barriers
 sys.path.insert(0, str(Path(__file__).parents[1]))  # benchmarks.bench_moe, where the strategy's run is
 
-from bench_barriers import barrier_table, markdown
+from bench_barriers import barrier_table, markdown, pair_table
 
 from hf_rebasin import glu
 from hf_rebasin.features import WeightViews
