@@ -1,4 +1,4 @@
-"""The zoo's causal LMs of other families (kinds qwen3, gemma2, pythia, gemma3, olmo2, phi3, gemma): one config class,
+"""The zoo's causal LMs of other families (kinds qwen3, gemma2, pythia, gemma3, olmo2, phi3, gemma, mixtral): one config class,
 `CausalLMTrainConfig`, built through ``AutoConfig.for_model`` and trained like the zoo GPT-2.
 
 Fast: the default configs are only built (never trained); training runs on a tiny variant of each,
@@ -32,6 +32,7 @@ KINDS = {
     "olmo2": ("olmo2", T.Olmo2ForCausalLM, 2, False),
     "phi3": ("phi3", T.Phi3ForCausalLM, 2, False),
     "gemma": ("gemma", T.GemmaForCausalLM, 2, True),
+    "mixtral": ("mixtral", T.MixtralForCausalLM, 2, True),
 }
 PLAYS = ("macbeth",)
 
@@ -99,6 +100,9 @@ def test_the_default_config_builds_a_model_like_the_zoo_gpt2(kind: str) -> None:
         assert c.layer_types == ["sliding_attention", "full_attention"] and c.sliding_window == 32
     if kind == "phi3":
         assert c.rope_parameters["partial_rotary_factor"] == 0.5
+    if kind == "mixtral":  # 4 experts of 48 units (192 in all), top 2, trained with the load-balancing loss
+        assert (c.num_local_experts, c.intermediate_size, c.num_experts_per_tok) == (4, 48, 2)
+        assert c.output_router_logits and c.router_aux_loss_coef == 0.01
     if kind == "gemma":
         assert c.hidden_act == "gelu_pytorch_tanh" and cfg.lr == 3e-3  # GeGLU; Gemma-2's rate
     if kind == "gemma2":
@@ -156,7 +160,16 @@ def _stand_in(kind: str, cache: Path) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["merge-qwen3", "merge-pythia", "barrier-gemma2", "merge-olmo2", "barrier-gemma3", "merge-phi3", "merge-gemma"],
+    [
+        "merge-qwen3",
+        "merge-pythia",
+        "barrier-gemma2",
+        "merge-olmo2",
+        "barrier-gemma3",
+        "merge-phi3",
+        "merge-gemma",
+        "barrier-mixtral",
+    ],
 )
 def test_the_recipe_of_a_new_kind_runs_end_to_end_on_stand_ins(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
