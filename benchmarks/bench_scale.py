@@ -218,7 +218,7 @@ SHAPES: dict[str, tuple[type[T.PreTrainedConfig], type[T.PreTrainedModel], dict[
 # layers, 46.7B parameters): 8 experts, top 2, every expert stored apart as the Hub checkpoints
 # store them (`block_sparse_moe.experts.{j}.w1/w2/w3`, see `planned_entries`)
 MOE_SHAPES = {
-    # ≈0.34B parameters, ≈0.68 GB in bf16: one layer's 8 × 1408 expert units pair in a 1.0 GB view
+    # ≈0.21B parameters, 0.43 GB in bf16: one layer's 8 × 1408 expert units pair in a 1.0 GB view
     "mixtral-small": dict(hidden_size=1024, intermediate_size=1408, num_hidden_layers=4),
     # ≈2.4B parameters, ≈4.8 GB in bf16: 8 × 5632 units, a 16 GB view (a vanilla merge streams it)
     "mixtral-2b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8),

@@ -54,7 +54,7 @@ class ModelFootprint:
     nbytes: int  # bytes of its tensors on disk
     dtype: str  # the floating dtype holding most values
     largest: int  # elements of its largest tensor
-    width: int  # its widest hidden space (MLP units or residual): the size of an assignment problem
+    width: int  # its widest hidden space (MLP units, a MoE layer's expert units, or residual)
     hidden: int = 0  # the residual stream's width
     layers: int = 1  # its layer count
     largest_mixed: int = 0  # elements of its largest tensor other than vocabulary rows (streamed whole); 0: unknown
@@ -100,16 +100,17 @@ def assignment_bytes(fp: ModelFootprint) -> int:
     """The assignment problem of a model's widest space: ``LAP_COPIES`` float64 copies of its n×n
     cost; for a mixture of experts at least the (E·f)² view of one layer's expert units (paired
     block by block, each f×f block copied alone)."""
-    dense = LAP_COPIES * 8 * fp.width**2
     experts, units = fp.experts
-    return max(dense, 8 * (experts * units) ** 2 + LAP_COPIES * 8 * units**2) if experts else dense
+    if not experts:
+        return LAP_COPIES * 8 * fp.width**2
+    return 8 * (experts * units) ** 2 + LAP_COPIES * 8 * max(units, fp.hidden) ** 2
 
 
 def _assignment_words(known: list[ModelFootprint]) -> str:
     """What the assignment term of the estimate is, for the dry run's line."""
     fp = max(known, key=assignment_bytes)
     experts, units = fp.experts
-    if experts and assignment_bytes(fp) > LAP_COPIES * 8 * fp.width**2:
+    if experts:
         return f", the {experts}×{units} expert units of one layer paired ({_gib(8 * (experts * units) ** 2)} float64 view)"
     return ", the widest assignment problem"
 
@@ -155,7 +156,8 @@ def footprint(folder: Path) -> ModelFootprint | None:
     if experts[0]:  # transformers stacks a layer's experts: [E, 2f, d] is read, mapped and written whole
         stacked = experts[0] * 2 * experts[1] * hidden
         largest, mixed = max(largest, stacked), max(mixed, stacked)
-    return ModelFootprint(params, nbytes, dtype, largest, _width(config), hidden, max(1, layers), mixed, experts)
+    width = max(_width(config), experts[0] * experts[1])  # a layer's expert units: one space
+    return ModelFootprint(params, nbytes, dtype, largest, width, hidden, max(1, layers), mixed, experts)
 
 
 def available_memory() -> int | None:
