@@ -76,6 +76,11 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("transfusion", "transfusion", {}),
     ("generalized-orthogonal", "generalized-orthogonal", {}),
     ("head-perm", "head-perm", {"residual": "all"}),
+    (
+        "generalized-orthogonal, learned (experts kept)",
+        "generalized-orthogonal",
+        {"learned": True, "steps": 150, "lr": 0.01},
+    ),
 ]
 
 

@@ -757,7 +757,8 @@ class SymmetryGraph:
         out = {}
         for name, space in self.spaces.items():
             if isinstance(space, ExpertSpace):
-                out[name] = "expert-permutation + unit permutations"
+                shift = " + router shift" if space.router == "softmax" else ""
+                out[name] = f"expert-permutation (with router rows) + unit permutations{shift}"
             elif isinstance(space, HeadSpace):
                 if space.qk == "fixed":
                     inner = " + inner rotations (V/O only: Q/K fixed)" if requested == "orthogonal" else ""
