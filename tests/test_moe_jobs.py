@@ -128,3 +128,29 @@ def test_align_writes_each_mixtral_in_the_first_ones_basis(tmp_path: Path) -> No
     moved_b = _stock(tmp_path / "out" / "b").state_dict()
     name = "model.layers.0.mlp.experts.gate_up_proj"
     assert (moved_b[name] - a[name]).norm() < (b[name] - a[name]).norm()  # closer to A once aligned
+
+
+@pytest.mark.parametrize("residual", ["identity", "all"])
+def test_head_perm_on_streamed_mixtrals_writes_what_it_writes_in_memory(
+    residual: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Router-weighted expert statistics collected layer by layer from streamed models (``identity``)
+    or in whole forward passes of them (``all``) give the merge the in-memory run gives."""
+    from hf_rebasin.run import load as run_load
+
+    for seed in (0, 1):
+        _save(tiny.mixtral(seed), tmp_path / f"m{seed}")
+    data = {"dataset": "shakespeare", "name": "hamlet", "split": "train", "max_tokens": 600}
+    outputs = {}
+    for stream in (False, True):
+        name = "streamed" if stream else "memory"
+        body = {"job": "merge", "models": ["./m0", "./m1"], "strategy": {"name": "head-perm", "residual": residual}}
+        body |= {"data": data, "output": {"dir": name}}
+        monkeypatch.setattr(run_load, "streamed", lambda _recipe, _models, s=stream: s)
+        proc = run_main(str(_recipe(tmp_path, body)))
+        assert proc.returncode == 0, proc.stderr
+        outputs[name] = _stock(tmp_path / name).state_dict()
+    assert all(float((outputs["memory"][k] - outputs["streamed"][k]).abs().max()) <= 1e-5 for k in outputs["memory"])
+    record = json.loads((tmp_path / "streamed" / "rebasin.json").read_text(encoding="utf-8"))
+    assert record["function_preserved"]["max_abs_diff"] < 1e-4
+    assert any("weights streamed" in note for note in record["notes"])  # it really streamed
