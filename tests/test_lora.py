@@ -21,6 +21,10 @@ peft = pytest.importorskip("peft")
 TARGETS = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],  # Conv1D, fused q|k|v output
     "llama-gqa": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"],
+    # a mixture of experts: attention, and Qwen2-MoE's shared expert and dense layer (PEFT's LoRA
+    # targets Linear modules; a layer's experts are 3-D parameters of one module)
+    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen2-moe": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 
 
@@ -50,7 +54,7 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("case", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("case", ["gpt2", "llama-gqa", "mixtral", "qwen2-moe"])
 def test_transported_adapter_is_the_transformed_finetune(case, tmp_path):
     """B = T(A): the moved adapter on B computes what the adapter computes on A, for a transform
     the strategy recovers (permutations) and for a given one with rotated heads."""
