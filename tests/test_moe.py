@@ -72,6 +72,28 @@ def test_every_sparse_layer_has_an_expert_space_and_dense_layers_stay_dense(case
         assert graph.spaces["layers.0.shared"].size == c.shared_expert_intermediate_size
 
 
+def test_decoder_sparse_step_keeps_the_other_layers_dense():
+    """Qwen2-MoE with ``decoder_sparse_step: 2``: layer 0 is a dense MLP, layer 1 a MoE layer; a
+    random transform of every space keeps the logits."""
+    model = tiny._llama_like(
+        T.Qwen2MoeForCausalLM,
+        T.Qwen2MoeConfig,
+        0,
+        tied=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        decoder_sparse_step=2,
+    ).eval()
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    assert "layers.0.mlp" in graph.spaces and "layers.0.moe" not in graph.spaces
+    assert isinstance(graph.spaces["layers.1.moe"], ExpertSpace) and "layers.1.mlp" not in graph.spaces
+    moved = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(2)))
+    assert _relative_gap(model, moved) <= RELATIVE
+
+
 @pytest.mark.parametrize("case", FAMILIES)
 def test_the_views_read_the_stacked_experts_as_transformers_splits_them(case):
     """Unit u of expert e: gate row e·f + u, up row E·f + e·f + u, down column e·f + u (transformers:
