@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # benchmarks.bench_moe, wher
 from bench_barriers import barrier_table, markdown, pair_table
 
 from hf_rebasin import glu
+from hf_rebasin.experts import unit_blocks
 from hf_rebasin.features import WeightViews
 from hf_rebasin.solvers import best_inners
 from hf_rebasin.strategies import REGISTRY, Alignment, Pair, Progress
@@ -44,8 +45,8 @@ def units_in_place(space: ExpertSpace, views: Mapping[str | None, Tensor]) -> Ex
     """Expert e of B stays expert e; only its units are matched to A's expert e's (the dense view
     of a MoE layer: what matching that ignores the experts can do without breaking the model)."""
     E, f = space.num_experts, space.units
-    units = views["units"].reshape(E, f, E, f)
-    inner = torch.stack([best_inners(units[e, :, e, :][None], "perm")[0] for e in range(E)])
+    block = unit_blocks(views["units"], E, f)
+    inner = torch.stack([best_inners(block(e, e)[None], "perm")[0] for e in range(E)])
     return ExpertMap(torch.arange(E), inner)
 
 

@@ -13,16 +13,32 @@ Pure tensor code: no transformers.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
+from .features.weights import ExpertBlocks
 from .solvers import best_inners, inner_values, lap
 from .symmetry import ExpertMap, ExpertSpace, SymmetryGraph, Transform
 from .tensors import LazyState
 
-__all__ = ["center_routers", "expert_spaces", "fit_router_shifts", "softmax_routers", "solve_experts"]
+__all__ = [
+    "center_routers",
+    "expert_spaces",
+    "fit_router_shifts",
+    "softmax_routers",
+    "solve_experts",
+    "unit_blocks",
+]
+
+
+def unit_blocks(units: Tensor | ExpertBlocks, E: int, f: int) -> Callable[[int, int], Tensor]:
+    """Block (a, b) of an expert space's unit view, whether kept as factors or dense (head-perm's)."""
+    if isinstance(units, ExpertBlocks):
+        return units.block
+    grid = units.reshape(E, f, E, f)
+    return lambda a, b: grid[a, :, b, :]
 
 
 def expert_spaces(graph: SymmetryGraph) -> dict[str, ExpertSpace]:
@@ -71,23 +87,24 @@ def fit_router_shifts(
     return out
 
 
-def solve_experts(space: ExpertSpace, views: Mapping[str | None, Tensor]) -> ExpertMap:
+def solve_experts(space: ExpertSpace, views: Mapping[str | None, Tensor | ExpertBlocks]) -> ExpertMap:
     """Two-level assignment: the value of pairing A's expert a with B's expert b is the best
     matching of their units (a LAP on their block of the unit view) plus the correlation of their
     router rows; a LAP on those values pairs the experts, then each pair keeps its unit matching."""
     E, f = space.num_experts, space.units
     units = views.get("units")
     cost = torch.zeros(E, E, dtype=torch.float64)
-    if units is not None:  # block by block: a copy of one f×f block at a time, never of the whole view
-        blocks = units.reshape(E, f, E, f)
+    block = unit_blocks(units, E, f) if units is not None else None
+    if block is not None:  # block by block: one f×f block at a time, never the whole view
         for a in range(E):
             for b in range(E):
-                cost[a, b] = inner_values(blocks[a, :, b, :], "perm")
+                cost[a, b] = inner_values(block(a, b), "perm")
     router = views.get("experts")
     if router is not None:
+        assert isinstance(router, Tensor)
         cost = cost + router.detach().to("cpu", torch.float64)
     perm, _ = lap(cost)
-    if units is None:
+    if block is None:
         return ExpertMap(perm, torch.arange(f).expand(E, f).clone())
-    inner = torch.stack([best_inners(blocks[a, :, int(perm[a]), :][None], "perm")[0] for a in range(E)])
+    inner = torch.stack([best_inners(block(a, int(perm[a]))[None], "perm")[0] for a in range(E)])
     return ExpertMap(perm, inner)

@@ -98,12 +98,13 @@ def _experts(config: object) -> tuple[int, int]:
 
 def assignment_bytes(fp: ModelFootprint) -> int:
     """The assignment problem of a model's widest space: ``LAP_COPIES`` float64 copies of its n×n
-    cost; for a mixture of experts at least the (E·f)² view of one layer's expert units (paired
-    block by block, each f×f block copied alone)."""
+    cost. A mixture of experts pairs one layer's expert units block by block from their factors
+    (A's and B's stacked expert tensors, the copies a streamed step holds anyway): one f×f block at
+    a time, or the residual stream's d×d where that is wider."""
     experts, units = fp.experts
     if not experts:
         return LAP_COPIES * 8 * fp.width**2
-    return 8 * (experts * units) ** 2 + LAP_COPIES * 8 * max(units, fp.hidden) ** 2
+    return LAP_COPIES * 8 * max(units, fp.hidden) ** 2
 
 
 def _assignment_words(known: list[ModelFootprint]) -> str:
@@ -111,7 +112,7 @@ def _assignment_words(known: list[ModelFootprint]) -> str:
     fp = max(known, key=assignment_bytes)
     experts, units = fp.experts
     if experts:
-        return f", the {experts}×{units} expert units of one layer paired ({_gib(8 * (experts * units) ** 2)} float64 view)"
+        return f", the {experts}×{units} expert units of one layer paired one {units}×{units} block at a time"
     return ", the widest assignment problem"
 
 

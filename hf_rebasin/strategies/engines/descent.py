@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ...experts import solve_experts
 from ...features import WeightViews, neighbours
-from ...features.weights import spaces_of
+from ...features.weights import ExpertBlocks, spaces_of
 from ...solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
 from ...symmetry import (
     AxisMap,
@@ -41,7 +41,7 @@ from ...symmetry import (
 )
 from ..base import Pair, Progress
 
-Views = Mapping[str | None, Tensor]
+Views = Mapping[str | None, Tensor | ExpertBlocks]  # an expert space's units: blocks on demand
 SpaceSolver = Callable[[str, Views], SpaceMap]
 Ranking = Literal["inner", "circuit"]
 
@@ -51,16 +51,26 @@ Ranking = Literal["inner", "circuit"]
 # --------------------------------------------------------------------------------------------
 
 
+def dense(v: Tensor | ExpertBlocks) -> Tensor:
+    """A view as a matrix: every view but an expert space's units (`ExpertBlocks`) is one."""
+    assert isinstance(v, Tensor), "an expert space's unit view has no dense form here"
+    return v
+
+
 def map_value(graph: SymmetryGraph, space: str, m: SpaceMap, views: Views) -> float:
     """``Σ T[i, j] M[i, j]`` over the roles of a space: the objective restricted to that space."""
     sp = graph.spaces[space]
     if isinstance(m, HeadMap):
         assert isinstance(sp, HeadSpace)
-        return sum(_axis_value(m.expand(sp, role), v) for role, v in views.items() if role is not None)
+        return sum(_axis_value(m.expand(sp, role), dense(v)) for role, v in views.items() if role is not None)
     if isinstance(m, ExpertMap):
         assert isinstance(sp, ExpertSpace)
-        return sum(_axis_value(m.expand(sp, role), v) for role, v in views.items() if role is not None)
-    return _axis_value(m, views[None])
+        return sum(
+            v.value(m) if isinstance(v, ExpertBlocks) else _axis_value(m.expand(sp, role), dense(v))
+            for role, v in views.items()
+            if role is not None
+        )
+    return _axis_value(m, dense(views[None]))
 
 
 def _axis_value(m: AxisMap, v: Tensor) -> float:
@@ -110,7 +120,7 @@ class HeadPairs:
             v = views.get(role)
             if v is None:
                 return torch.zeros(heads * dh, heads * dh, dtype=torch.float64)
-            return v.to(torch.float64)
+            return dense(v).to(torch.float64)
 
         q = get("q", G * r).reshape(G, r, dh, G, r, dh).permute(0, 3, 1, 4, 2, 5)
         o = get("o", G * r).reshape(G, r, dh, G, r, dh).permute(0, 3, 1, 4, 2, 5)
@@ -408,7 +418,7 @@ def space_solver(
         if isinstance(sp, HeadSpace):
             fixed = outer.get(name) if outer is not None else None
             return solve_heads(sp, views, cls, ranking=ranking, outer=fixed)
-        return solve_plain(sp, views[None], cls)
+        return solve_plain(sp, dense(views[None]), cls)
 
     return solve
 
