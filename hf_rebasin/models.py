@@ -813,15 +813,27 @@ def load_model(
     state_dict = model.state_dict()
     graph = spec.graph(model.config, state_dict.keys())
     graph.check(state_dict, source=str(folder))
+    return _loaded(model, graph, folder, checkpoint, names, ignored=ignored)
+
+
+def _loaded(
+    model: PreTrainedModel,
+    graph: SymmetryGraph,
+    folder: Path,
+    checkpoint: _Checkpoint,
+    names: Mapping[str, str],
+    **extra: Any,
+) -> LoadedModel:
+    """The `LoadedModel` of a checked checkpoint: the dtypes and the expert layout its files store."""
     stored = checkpoint.stored_dtype(checkpoint.keys_of(names)) or _config_dtype(folder) or torch.float32
     return LoadedModel(
         model,
         graph,
         folder,
         stored,
-        ignored=ignored,
         stored_dtypes=checkpoint.floating(names),
         expert_layout=checkpoint.expert_layout,
+        **extra,
     )
 
 
@@ -858,16 +870,7 @@ def _streamed(
     spec = get_adapter(getattr(config, "model_type", None))
     graph = spec.graph(model.config, order)
     graph.check(meta, source=str(folder))  # shapes only: the parameters are on meta
-    stored = checkpoint.stored_dtype(checkpoint.keys_of(names)) or _config_dtype(folder) or torch.float32
-    return LoadedModel(
-        model,
-        graph,
-        folder,
-        stored,
-        source=source,
-        stored_dtypes=checkpoint.floating(names),
-        expert_layout=checkpoint.expert_layout,
-    )
+    return _loaded(model, graph, folder, checkpoint, names, source=source)
 
 
 def output_config(template: PreTrainedModel, untie: bool) -> Any:

@@ -22,8 +22,8 @@ from typing import Any
 
 from ..symmetry import Fused
 from .base import ArchitectureSpec, ExpertsT, GluT, HeadsT, NormT, SpaceT, SublayerT, stacked_readers, stacked_writer
+from .llama import QWEN3, llama_dims
 from .llama import SPEC as LLAMA
-from .llama import llama_dims
 
 ATTN = "layers.{i}.attn"
 MLP = "layers.{i}.mlp"  # a dense layer's units
@@ -112,17 +112,8 @@ QWEN2_MOE = dataclasses.replace(
     norms=(SPEC.norms[0], NormT(f"{L}.post_attention_layernorm", "res", _MLP_READERS, bias=False), SPEC.norms[2]),
     sublayers=(
         LLAMA.sublayers[0],
-        SublayerT(
-            (
-                f"{L}.post_attention_layernorm",
-                f"{L}.mlp.gate",
-                GATE_UP,
-                f"{L}.mlp.shared_expert.gate_proj",
-                f"{L}.mlp.shared_expert.up_proj",
-                f"{L}.mlp.shared_expert_gate",
-                f"{L}.mlp.gate_proj",
-                f"{L}.mlp.up_proj",
-            ),
+        SublayerT(  # what reads the norm's output, as modules (the stacked experts: their tensor)
+            (f"{L}.post_attention_layernorm", *(r.removesuffix(".weight") for r in _MLP_READERS)),
             (DOWN, f"{L}.mlp.shared_expert.down_proj", f"{L}.mlp.down_proj"),
         ),
     ),
@@ -144,8 +135,8 @@ QWEN3_MOE = dataclasses.replace(
     family="qwen3_moe",
     model_types=("qwen3_moe",),
     spaces=(
-        SpaceT("res", "d", "orthogonal", kind="residual"),
-        HeadsT(ATTN, kv_heads="kv_heads", rotary=True, qk="fixed", reason="q_norm/k_norm scale each feature of a head"),
+        SPEC.spaces[0],
+        QWEN3.spaces[1],  # Qwen3's heads: Q/K inner maps fixed by q_norm / k_norm
         ExpertsT(MOE),
         SpaceT(MLP, "ff", kind="mlp"),
     ),

@@ -120,14 +120,7 @@ class CrossMoments:
 
     def all_reduce(self) -> None:
         """Sum the moments over all processes (accelerate / torch.distributed); a no-op in one."""
-        if not distributed():
-            return
-        fields = self._fields()
-        buf = all_reduce_sum(torch.cat([f.reshape(-1) for f in fields]))
-        offset = 0
-        for f in fields:
-            f.copy_(buf[offset : offset + f.numel()].view_as(f))
-            offset += f.numel()
+        all_reduce_fields(self._fields())
 
 
 def distributed() -> bool:
@@ -135,6 +128,18 @@ def distributed() -> bool:
     import torch.distributed as dist
 
     return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def all_reduce_fields(fields: tuple[Tensor, ...]) -> None:
+    """Sum every tensor of ``fields`` over all processes, in place, in one collective (a no-op in one
+    process)."""
+    if not distributed():
+        return
+    buf = all_reduce_sum(torch.cat([t.reshape(-1) for t in fields]))
+    offset = 0
+    for t in fields:
+        t.copy_(buf[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def all_reduce_sum(t: Tensor) -> Tensor:
@@ -224,11 +229,4 @@ class ExpertMoments:
 
     def all_reduce(self) -> None:
         """Sum the moments over all processes (accelerate / torch.distributed); a no-op in one."""
-        if not distributed():
-            return
-        fields = self._fields()
-        buf = all_reduce_sum(torch.cat([t.reshape(-1) for t in fields]))
-        offset = 0
-        for t in fields:
-            t.copy_(buf[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        all_reduce_fields(self._fields())
