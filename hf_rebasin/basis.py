@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import __version__
 from .adapters import get_adapter
+from .embed import Embedding
 from .export import copy_support_files, save_merged_model
 from .hub import is_path
 from .models import WRITABLE_DTYPES, LoadedModel, dtype_name, rebuilt
@@ -150,4 +151,62 @@ tool. With mergekit, in this folder (`mergekit.yaml` is a SLERP at the midpoint)
 ```
 mergekit-yaml mergekit.yaml merged/
 ```
+"""
+
+
+def write_embedded(
+    folder: Path,
+    given: tuple[str, str],
+    loaded: LoadedModel,
+    wide: PreTrainedModel,
+    embedding: Embedding,
+    *,
+    inputs: Iterable[tuple[str, Path]],
+) -> Gap:
+    """Write ``wide`` (``loaded`` embedded into a wider shape) to ``folder`` as a model folder with
+    the narrow model's tokenizer files, ``embedding.json`` and a README saying what was padded; its
+    logits are checked against the narrow model's first (nothing is written when they differ).
+    ``given``: the narrow model and the wide one as named on the command line."""
+    spec = get_adapter(loaded.model.config.model_type)
+    device = next(loaded.model.parameters()).device
+    examples = example_inputs(spec, loaded.model.config, torch.Generator().manual_seed(0))
+    gap = Gap(*logits_gap(loaded.model, wide, {k: v.to(device) for k, v in examples.items()}))
+    check_preserved(gap.max_abs_diff, gap.scale, "the embedded model")
+    dtype = written_dtype(loaded)
+    record = {
+        "hf_rebasin_version": __version__,
+        "model": given[0],
+        "like": given[1],
+        "dtype": dtype_name(dtype),
+        **embedding.as_dict(),
+        "function_preserved": {"max_abs_diff": gap.max_abs_diff, "tolerance": gap.tolerance},
+    }
+    with output_folder(Path(folder), overwrite=False, inputs=inputs, where="--output") as tmp:
+        state = {k: v.detach().cpu() for k, v in wide.state_dict().items()}
+        save_merged_model(
+            wide.cpu(), state, tmp, untie=False, dtype=dtype, dtypes=loaded.own_dtypes(dtype), expert_layout=None
+        )
+        copy_support_files(loaded.path, tmp)
+        write_json(tmp / "embedding.json", record)
+        write_text(tmp / "README.md", embedded_readme(record, embedding))
+    return gap
+
+
+def embedded_readme(record: Mapping[str, Any], embedding: Embedding) -> str:
+    """The card of an embedded model: what grew and why it computes what the narrow one did."""
+    lines = "\n".join(f"- {line}" for line in embedding.describe())
+    gap = record["function_preserved"]
+    return f"""# {_short(record["model"])} in the shape of {_short(record["like"])}
+
+Written by `hf-rebasin embed` (hf-rebasin {record["hf_rebasin_version"]}): the same function as
+{_short(record["model"])}, stored in a wider shape. Every added residual feature, MLP unit and
+attention head has zero weights, so nothing reads it and it adds nothing; each norm on the wider
+residual stream has its scale multiplied by √(d/d′) (and its ε by d/d′), so it normalises as before.
+
+{lines}
+
+max |Δ logits| against the original on fixed example inputs: {gap["max_abs_diff"]:.2e}
+(tolerance {gap["tolerance"]:.0e}). Stored as {record["dtype"]}. It loads with the stock `transformers`
+class and can be merged, tensor by tensor, with models of the wide shape (`hf-rebasin` does this
+itself when a recipe names models of different widths).
 """

@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
-from .errors import PickleRefusedError, RebasinUserError
+from .errors import IncompatibleModelsError, PickleRefusedError, RebasinUserError
 from .names import KINDS
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_verify(sub)
     _add_align(sub)
+    _add_embed(sub)
     _add_run(sub)
     _add_demo(sub)
     _add_zoo(sub)
@@ -163,6 +164,34 @@ def _add_align(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     al.add_argument("--device", metavar="DEVICE", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
     al.add_argument("--allow-pickle", action="store_true", help="load pytorch_model.bin checkpoints")
     al.set_defaults(func=cmd_align)
+
+
+def _add_embed(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``embed`` command's arguments."""
+    em = sub.add_parser(
+        "embed",
+        help="write a model into the wider shape of another model of its family, computing the same function",
+        description=(
+            "Write MODEL into the shape of WIDE (same family, depth and vocabulary; hidden size, MLP units and "
+            "attention heads at least as large): zeros where WIDE is wider, norms rescaled, a card saying what was "
+            "padded. The result loads with the stock class and computes MODEL's logits (checked before writing). "
+            "Recipes do this themselves for models of different widths."
+        ),
+    )
+    em.add_argument(
+        "model", metavar="MODEL", help="the narrower model: a local folder, a Hub id[@revision] or zoo:KIND-seedN"
+    )
+    em.add_argument(
+        "--like",
+        required=True,
+        metavar="WIDE",
+        help="a model of the wide shape (only its config.json is read): a folder, a Hub id or zoo:KIND-seedN",
+    )
+    em.add_argument(
+        "--output", required=True, metavar="DIR", help="where to write the embedded model (refused if it exists)"
+    )
+    em.add_argument("--allow-pickle", action="store_true", help="load pytorch_model.bin checkpoints")
+    em.set_defaults(func=cmd_embed)
 
 
 def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -421,6 +450,7 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     from .models import check_compatible, load_model, resolve_device, to_device
     from .output import check_output
     from .recipe import strategy_spec
+    from .run.widths import to_widest
     from .strategies import Pair
     from .strategies.base import relative_distance
 
@@ -438,7 +468,10 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     if args.output and folders != named:  # a download: its folder is an input too
         check_output(Path(args.output), False, inputs=inputs, where="--output")
     a, b = (load_model(folders[k], allow_pickle=args.allow_pickle) for k in ("A", "B"))
+    (a, b), embedded = to_widest([a, b], [f"MODEL_{k} {v!r}" for k, v in named.items()])
     check_compatible(a, b)
+    for done in embedded:
+        console.print(f"note: {escape(done.note([f'MODEL_{k}' for k in named]))}", soft_wrap=True)
     for loaded in (a, b):
         to_device(loaded.model, device)
     pair = Pair(a.graph, a.model.state_dict(), b.model.state_dict(), a.model, b.model)
@@ -489,6 +522,43 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
             "alignment.json and README.md say how they were made; mergekit.yaml merges them with mergekit",
             soft_wrap=True,
         )
+    return EXIT_OK
+
+
+def cmd_embed(args: argparse.Namespace, console: Console) -> int:
+    """``hf-rebasin embed``: MODEL written into WIDE's shape, checked, with a card."""
+    from pathlib import Path
+
+    _quiet_libraries()
+    from transformers import AutoConfig
+
+    from .basis import write_embedded
+    from .embed import embed_model
+    from .models import load_model
+    from .output import check_output
+
+    named = {"MODEL": args.model, "--like": args.like}
+    check_output(Path(args.output), False, inputs=[(k, Path(v)) for k, v in named.items()], where="--output")
+    folders = {k: _model_folder(v, args.allow_pickle, where=k) for k, v in named.items()}
+    inputs = [(k, Path(v)) for k, v in folders.items()]
+    loaded = load_model(folders["MODEL"], allow_pickle=args.allow_pickle)
+    try:
+        like = AutoConfig.from_pretrained(folders["--like"])
+    except (OSError, ValueError) as e:
+        raise RebasinUserError(f"--like: {args.like!r} has no readable config.json ({e})") from None
+    with console.status("embedding…"):
+        wide, embedding = embed_model(loaded.model, like)
+        if not embedding.grown:
+            raise IncompatibleModelsError(
+                f"--like: {args.like!r} has the same widths as {args.model!r}: there is nothing to embed"
+            )
+        gap = write_embedded(Path(args.output), (args.model, args.like), loaded, wide, embedding, inputs=inputs)
+    for line in embedding.describe():
+        console.print(f"- {escape(line)}", soft_wrap=True)
+    console.print(f"max |Δ logits| against {escape(args.model)}: {gap.max_abs_diff:.2e} (≤ {gap.tolerance:.0e})")
+    console.print(
+        f"written to {escape(args.output)} (README.md and embedding.json say what was padded)", soft_wrap=True
+    )
     return EXIT_OK
 
 

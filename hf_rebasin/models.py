@@ -52,6 +52,7 @@ class LoadedModel:
     are on the meta device: its class, config and shapes, for `offload.offloaded` forward passes.
     ``expert_layout``: how its files store a mixture of experts' expert tensors (``per-expert`` or
     ``fused``, `_Checkpoint.expert_layout`), the layout an output written from it keeps.
+    ``embedded``: set when the run wrote it into a wider model's shape (models of different widths).
     """
 
     model: PreTrainedModel
@@ -62,6 +63,7 @@ class LoadedModel:
     ignored: dict[str, str] = field(default_factory=dict)  # checkpoint key -> why loading drops it
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # model name -> dtype on disk (floating)
     expert_layout: str | None = None  # a mixture of experts' files: "per-expert" or "fused" (None: no experts)
+    embedded: str | None = None  # written into a wider model's shape for this run: what grew (`run.widths`)
 
     def own_dtypes(self, main: torch.dtype) -> dict[str, torch.dtype]:
         """The tensors stored in a dtype other than ``main`` (that hf-rebasin writes), to write them as stored."""

@@ -45,7 +45,7 @@ class _Entry(Part):
 class ModelEntry(_Entry):
     """One input model: reference, revision asked for, commit found, where it came from."""
 
-    _omit_none = frozenset({"role", "license", "label"})
+    _omit_none = frozenset({"role", "license", "label", "embedded"})
 
     model: str = "?"  # a damaged record still renders a card
     revision: str | None = None
@@ -57,6 +57,8 @@ class ModelEntry(_Entry):
     # tensors of its files that stock loading drops (legacy buffers) -> why
     ignored_tensors: dict[str, str] = Field(default_factory=dict)
     label: str | None = None  # the recipe's name for it, shown instead of ``model`` when given
+    # models of different widths: how this one was written into the widest one's shape (absent: as it is)
+    embedded: str | None = None
 
     @property
     def shown(self) -> str:

@@ -46,6 +46,7 @@ from .data import BatchSpec, batches, metrics, processor
 from .plan import Plan, memory_estimate, streamed
 from .resolve import PlannedModel, resolve_model, untrained_zoo
 from .score import Scorer
+from .widths import to_widest, widths
 
 __all__ = ["LOAD_STAGE", "AlignInput", "OutputDtype", "Workspace", "load_workspace", "weights"]
 
@@ -144,6 +145,7 @@ def load_workspace(
         notes.extend(
             ignored_note(str(m.ref), lm.ignored) for m, lm in zip(inputs.all, models.all, strict=True) if lm.ignored
         )
+        notes.extend(lm.embedded for lm in models.all if lm.embedded)
         sources = [lm.source for lm in models.all if lm.source is not None]
         if sources:
             on = sources[0].device
@@ -257,20 +259,43 @@ def _load_models(
         report(LOAD_STAGE, len(done), total)
         return lm
 
-    def compatible(m: PlannedModel, reference: LoadedModel) -> LoadedModel:
-        lm = _load(m.path, recipe, m.where, stream=stream, device=on)
-        check_compatible(reference, lm)
-        return lm
+    def loaded(m: PlannedModel) -> LoadedModel:
+        return _load(m.path, recipe, m.where, stream=stream, device=on)
 
     report(LOAD_STAGE, 0, total)
-    reference = placed(lambda: _load(inputs.reference.path, recipe, inputs.reference.where, stream=stream, device=on))
+    reference = placed(lambda: loaded(inputs.reference))
     if isinstance(inputs, MergeRoles):
-        others = [placed(partial(compatible, m, reference)) for m in inputs.others]
-        return MergeRoles(reference, tuple(others)), None
-    base = placed(partial(compatible, inputs.base, reference))
+        others = [placed(partial(loaded, m)) for m in inputs.others]
+        every, _ = to_widest([reference, *others], [f"{m.ref.label or m.ref.model} (`{m.where}`)" for m in inputs.all])
+        for lm in every[1:]:
+            check_compatible(every[0], lm)
+        return MergeRoles(every[0], tuple(every[1:])), None
+    base = placed(partial(loaded, inputs.base))
     finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe, stream=stream, device=on)
     placed(lambda: finetune)
+    where = [f"{m.ref.label or m.ref.model} (`{m.where}`)" for m in (inputs.reference, inputs.base, inputs.finetune)]
+    if transport_widths(reference, base, where):
+        (reference, base, finetune), _ = to_widest([reference, base, finetune], where, into=0)
+    check_compatible(reference, base)
     return TransportRoles(reference, base, finetune), adapter
+
+
+def transport_widths(target: LoadedModel, base: LoadedModel, where: list[str]) -> bool:
+    """Whether the base (and its fine-tune) must be embedded into the target's shape; a target
+    narrower than the base is refused: a wide task vector has no exact image in a narrower model."""
+    found = widths(target.model.config.to_dict()), widths(base.model.config.to_dict())
+    if found[0] == found[1]:
+        return False
+    narrower = {k: (found[1][k], v) for k, v in found[0].items() if isinstance(v, int) and v < found[1].get(k, v)}
+    if narrower:
+        what = ", ".join(f"{k} {a} → {b}" for k, (a, b) in narrower.items())
+        raise IncompatibleModelsError(
+            f"{where[0]} is narrower than the base {where[1]} ({what}): a task vector learned on a wider base has no "
+            "exact image in a narrower model (it would need a projection that loses part of it). Transport onto a "
+            "target at least as wide as the base in every width; a narrower base's fine-tune is embedded into a "
+            "wider target exactly"
+        )
+    return True
 
 
 def _load_finetune(

@@ -65,7 +65,9 @@ def write_folder(ws: Workspace, done: JobOutput, command: str | None) -> list[st
             done.save(tmp)
         record = RunRecord(
             recipe=recipe_record(ws.recipe, ws.output),
-            models=model_entries(ws.recipe, ws.inputs, [lm.ignored for lm in ws.models.all]),
+            models=model_entries(
+                ws.recipe, ws.inputs, [lm.ignored for lm in ws.models.all], [lm.embedded for lm in ws.models.all]
+            ),
             datasets=dataset_entries(ws.recipe),
             findings=done.result.findings,
             notes=ws.notes,

@@ -100,6 +100,10 @@ def streamed(recipe: Recipe, models: Roles[PlannedModel]) -> bool:
     (config.json says so: an adapter, or a fine-tune with a head of its own, is loaded whole)."""
     if not streams(recipe):
         return False
+    from .widths import differ_in_width
+
+    if differ_in_width([_folder(m) for m in models.all]):  # the narrower ones are embedded in memory
+        return False
     if not isinstance(models, TransportRoles):
         return True
 
@@ -111,6 +115,13 @@ def streamed(recipe: Recipe, models: Roles[PlannedModel]) -> bool:
 
     found = architectures(models.finetune)
     return found is not None and found == architectures(models.base)
+
+
+def _folder(m: PlannedModel) -> Path | None:
+    try:
+        return m.path
+    except RuntimeError:  # not downloaded yet
+        return None
 
 
 def memory_estimate(recipe: Recipe, models: Roles[PlannedModel]) -> MemoryEstimate:

@@ -107,13 +107,18 @@ def recipe_record(recipe: Recipe, output: Path) -> dict[str, Any]:
 
 
 def model_entries(
-    recipe: Recipe, models: Roles[PlannedModel], ignored: Sequence[Mapping[str, str]] = ()
+    recipe: Recipe,
+    models: Roles[PlannedModel],
+    ignored: Sequence[Mapping[str, str]] = (),
+    embedded: Sequence[str | None] = (),
 ) -> list[ModelEntry]:
-    """The input models in the recipe's order, with their roles in a transport and the tensors
-    loading dropped from each (``ignored``, in the same order)."""
+    """The input models in the recipe's order, with their roles in a transport, the tensors
+    loading dropped from each (``ignored``, in the same order) and how each was embedded into a
+    wider model's shape (``embedded``)."""
     base = recipe_dir(recipe)
     roles = models.names if isinstance(models, TransportRoles) else (None,) * len(models.all)
     dropped = [*ignored, *[{}] * (len(models.all) - len(ignored))]
+    grown = [*embedded, *[None] * (len(models.all) - len(embedded))]
     return [
         ModelEntry(
             model=_relative(m.ref.model, base),
@@ -125,8 +130,9 @@ def model_entries(
             license=read_license(m.folder) if m.folder is not None else None,
             ignored_tensors=dict(dropped_here),
             label=m.ref.label,
+            embedded=grown_here,
         )
-        for m, role, dropped_here in zip(models.all, roles, dropped, strict=True)
+        for m, role, dropped_here, grown_here in zip(models.all, roles, dropped, grown, strict=True)
     ]
 
 

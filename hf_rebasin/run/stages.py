@@ -11,12 +11,14 @@ import torch
 from torch import Tensor
 
 from ..adapters import get_adapter
+from ..errors import RebasinUserError
 from ..evaluate import Curve, Metric, Task, barrier, lambdas, loss_curve
 from ..models import LoadedModel, rebuilt, running
 from ..record import Findings
 from ..roles import MergeRoles, letter
 from ..scores import Preservation
 from ..strategies import Alignment, Pair, align, get_strategy
+from ..strategies.options import sampler_for
 from ..sublayers import is_per_sublayer
 from ..verify import check_preserved, example_inputs, logits_gap, tolerance
 from .alignment_cache import CacheUse
@@ -75,6 +77,7 @@ def align_pair(ws: Workspace, models: MergeRoles[LoadedModel], i: int, name: str
     inputs = ws.inputs
     assert isinstance(inputs, MergeRoles)
     pair = Pair(a.graph, weights(a), weights(other), a.model, other.model, ws.data)
+    options = learned_sampler(ws, options, a, other)
     cached = ws.cache.use(
         (inputs.reference.resolved, a),
         inputs.others[i].resolved,
@@ -84,6 +87,21 @@ def align_pair(ws: Workspace, models: MergeRoles[LoadedModel], i: int, name: str
         batching=ws.align.spec if ws.align is not None else None,
     )
     return timed_align(ws, name, options, pair, cache=cached)
+
+
+def learned_sampler(ws: Workspace, options: Any, a: LoadedModel, b: LoadedModel) -> Any:
+    """``options`` with learned matching's λ sampler for this pair: toward the wider model when
+    one of them was embedded into the other's shape (said in a note)."""
+    if not getattr(options, "learned", False):
+        return options
+    wide = "b" if a.embedded else "a" if b.embedded else None
+    try:
+        text, note = sampler_for(options.sampler, wide, explicit="sampler" in options.model_fields_set)
+    except ValueError as e:
+        raise RebasinUserError(f"`strategy.sampler`: {e}") from None
+    if note is not None and note not in ws.notes:
+        ws.notes.append(note)
+    return options.model_copy(update={"sampler": text})
 
 
 def align_others(ws: Workspace, models: MergeRoles[LoadedModel]) -> list[Alignment]:

@@ -23,6 +23,7 @@ __all__ = [
     "TRANSFUSION",
     "VANILLA",
     "WEIGHT_MATCHING",
+    "WIDE_SAMPLER",
     "Component",
     "GeneralizedOrthogonalOptions",
     "HeadPermOptions",
@@ -36,6 +37,7 @@ __all__ = [
     "parse_sampler",
     "residual_maps_exact",
     "residual_moment_bytes",
+    "sampler_for",
     "unset_residual",
 ]
 
@@ -233,25 +235,55 @@ def default_learned_lr(images: bool) -> float:
     return LEARNED_LR_IMAGES if images else LEARNED_LR_TEXT
 
 
-_SAMPLER = re.compile(r"\s*(uniform|fixed)\s*\(\s*([0-9.eE+-]+)\s*(?:,\s*([0-9.eE+-]+)\s*)?\)\s*")
+_SAMPLER = re.compile(r"\s*(uniform|fixed|wide)\s*\(\s*([0-9.eE+-]+)\s*(?:,\s*([0-9.eE+-]+)\s*)?\)\s*")
+# learned matching of models of different widths: the wide model's weight, drawn per step (the
+# merged model has the wide shape; the narrow one's added features are zeros, so λ near the narrow
+# end is a model with its capacity partly unused)
+WIDE_SAMPLER = "wide(0.5, 0.9)"
 
 
 def parse_sampler(text: str) -> tuple[float, float]:
-    """``uniform(a, b)`` or ``fixed(x)`` as the range ``(a, b)`` λ is drawn from (``(x, x)`` when fixed)."""
+    """``uniform(a, b)`` or ``fixed(x)`` as the range ``(a, b)`` λ (A's weight) is drawn from
+    (``(x, x)`` when fixed); ``wide(a, b)`` as the range of the wider model's weight (`sampler_for`)."""
     m = _SAMPLER.fullmatch(text)
     if m is None:
-        raise ValueError(f"expected `uniform(a, b)` or `fixed(x)`, got {text!r}")
+        raise ValueError(f"expected `uniform(a, b)`, `fixed(x)` or `wide(a, b)`, got {text!r}")
     kind, first, second = m.groups()
+    if kind == "wide" and second is None:
+        raise ValueError(f"`wide` takes two numbers (the wider model's weight is drawn from that range), got {text!r}")
     try:
         low = float(first)
         high = float(second) if second is not None else low
     except ValueError:
         raise ValueError(f"expected numbers in {text!r}") from None
-    if (kind == "fixed") != (second is None):
+    if (kind == "fixed") != (second is None) and kind != "wide":
         raise ValueError(f"`uniform` takes two numbers and `fixed` one, got {text!r}")
     if not 0.0 <= low <= high <= 1.0:
         raise ValueError(f"λ is a weight in [0, 1] and the range must not be empty, got {text!r}")
     return low, high
+
+
+def sampler_for(text: str, wide: str | None, explicit: bool) -> tuple[str, str | None]:
+    """The sampler learned matching runs with (A's weight), and a note when it is not the recipe's
+    text. ``wide``: which model of the pair was the wider one (``"a"``, ``"b"``; None: one width).
+    Models of different widths take `WIDE_SAMPLER` unless the recipe set a sampler; ``wide(a, b)``
+    becomes the range of A's weight."""
+    if wide is not None and not explicit:
+        text = WIDE_SAMPLER
+    m = _SAMPLER.fullmatch(text)
+    if m is None or m.group(1) != "wide":
+        return text, None
+    if wide is None:
+        raise ValueError(f"sampler {text!r} biases λ toward the wider model, but both models have one width")
+    low, high = parse_sampler(text)
+    if wide == "b":
+        low, high = 1.0 - high, 1.0 - low
+    resolved = f"uniform({low:g}, {high:g})"
+    why = "the sampler for models of different widths" if not explicit else "the recipe's sampler"
+    side = "A" if wide == "a" else "B"
+    return resolved, (
+        f"learned matching: λ drawn toward the wider model ({side}): {text} ({why}), i.e. A's weight {resolved}"
+    )
 
 
 class GeneralizedOrthogonalOptions(Options):
@@ -284,7 +316,11 @@ class GeneralizedOrthogonalOptions(Options):
     )
     sinkhorn: bool = Field(False, description="learned: soft (Sinkhorn) permutations, projected once at the end")
     temperature: float = Field(0.05, gt=0, description="learned + sinkhorn: temperature of the soft permutations")
-    sampler: str = Field("uniform(0.4, 0.6)", description="learned: λ per step, `uniform(a, b)` or `fixed(x)`")
+    sampler: str = Field(
+        "uniform(0.4, 0.6)",
+        description="learned: λ (A's weight) per step, `uniform(a, b)` or `fixed(x)`; `wide(a, b)` draws the wider "
+        f"model's weight from [a, b] for models of different widths (their default: `{WIDE_SAMPLER}`)",
+    )
     learn_heads: bool = Field(True, description="learned: learn which head of B goes to which head of A too")
     learn_glu_scales: bool = Field(
         False,

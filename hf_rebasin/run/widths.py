@@ -1,0 +1,148 @@
+"""Models of one family but different widths in one run: the narrower ones are written into the
+widest one's shape (`embed.embed_model`) before anything aligns them, so every strategy, merge,
+barrier and transport works on models of one shape and the result has the wide shape.
+
+The embedded models take the wide model's config as it is (its norm ε, not ε·d/d′: one config is
+written), so where a residual stream grows they compute their function up to O(ε / rms²); that
+gap is measured on fixed example inputs and said in a note.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..adapters import get_adapter, graph_for
+from ..embed import SUB_CONFIGS, WIDTH_FIELDS, Embedding, embed_model
+from ..errors import IncompatibleModelsError
+from ..models import LoadedModel, rebuild, to_device
+from ..verify import example_inputs, logits_gap
+
+__all__ = ["Embedded", "config_widths", "differ_in_width", "to_widest"]
+
+
+def config_widths(folder: Path | None) -> dict[str, Any] | None:
+    """The widths config.json sets (hidden size, units, heads; also in text / vision configs), or
+    None when there is no readable config.json (an adapter, a model not downloaded yet)."""
+    if folder is None:
+        return None
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RuntimeError):
+        return None
+    return widths(config) if isinstance(config, dict) else None
+
+
+def widths(config: dict[str, Any]) -> dict[str, Any]:
+    """The width fields of a config (as a dict), text / vision configs' prefixed by their name."""
+    out = {k: config[k] for k in WIDTH_FIELDS if k in config}
+    for sub in SUB_CONFIGS:
+        if isinstance(config.get(sub), dict):
+            out.update({f"{sub}.{k}": config[sub][k] for k in WIDTH_FIELDS if k in config[sub]})
+    return out
+
+
+def differ_in_width(folders: Sequence[Path | None]) -> bool:
+    """Whether the config.json files of ``folders`` set different widths (unknown ones: no)."""
+    widths = [w for w in map(config_widths, folders) if w is not None]
+    return any(w != widths[0] for w in widths[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class Embedded:
+    """One model written into the widest shape: what grew, and the largest change of its logits on
+    fixed example inputs under the wide config's ε (None: a model without logits)."""
+
+    index: int
+    into: int  # the index of the model whose shape it took
+    embedding: Embedding
+    gap: float | None
+    scale: float | None
+
+    def note(self, names: Sequence[str]) -> str:
+        """What the card and rebasin.json say about it."""
+        grown = "; ".join(f"{k}: {a} → {b}" for k, (a, b) in self.embedding.grown.items())
+        text = f"{names[self.index]} embedded into the shape of {names[self.into]} (zeros where it is wider): {grown}"
+        if self.embedding.canonical:
+            text += "; written in canonical form first (LayerNorm γ/β folded, writers centred)"
+        if self.embedding.untied:
+            text += f"; stored apart: {', '.join(self.embedding.untied)}"
+        if self.gap is not None:
+            text += (
+                f"; with the wide config's norm ε its logits move by at most {self.gap:.2g} "
+                f"(max |logits| {self.scale:.3g}) on example inputs"
+            )
+        return text
+
+
+def _numel(lm: LoadedModel) -> int:
+    return sum(int(t.numel()) for t in lm.model.state_dict().values())
+
+
+def _gap(narrow: Any, wide: Any) -> tuple[float | None, float | None]:
+    """max |Δ logits| of the narrow model and its embedding on `verify`'s example inputs."""
+    spec = get_adapter(narrow.config.model_type)
+    if not any(v is None for v in spec.outputs.values()):
+        return None, None
+    inputs = example_inputs(spec, narrow.config, torch.Generator().manual_seed(0))
+    device = next(narrow.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    with torch.no_grad():
+        return logits_gap(narrow, wide, inputs)
+
+
+def to_widest(
+    models: Sequence[LoadedModel], names: Sequence[str], into: int | None = None
+) -> tuple[list[LoadedModel], list[Embedded]]:
+    """``models`` (one family, loaded in memory) in one shape: that of model ``into`` (None: the
+    largest). Models of its widths are returned as they are; the others are embedded into it. When
+    an embedding had to store a tied tensor apart (a LayerNorm stream in canonical form), every
+    model stores it apart.
+
+    A model wider than the widest one in some width (more heads but a narrower stream) cannot be
+    embedded: refused, naming both."""
+    found = [widths(lm.model.config.to_dict()) for lm in models]
+    if all(w == found[0] for w in found[1:]):
+        return list(models), []
+    widest = into if into is not None else max(range(len(models)), key=lambda i: _numel(models[i]))
+    like = models[widest].model.config
+    out: list[LoadedModel] = []
+    embedded: list[Embedded] = []
+    for i, lm in enumerate(models):
+        if found[i] == found[widest]:
+            out.append(lm)
+            continue
+        if lm.source is not None:  # the loader keeps runs of different widths in memory
+            raise AssertionError(f"{names[i]} is streamed: it cannot be embedded")
+        try:
+            wide, embedding = embed_model(lm.model, like, exact_eps=False)
+        except IncompatibleModelsError as e:
+            raise IncompatibleModelsError(
+                f"{names[i]} has other widths than {names[widest]} (the largest model) and cannot be written into its "
+                f"shape: {e}"
+            ) from None
+        to_device(wide, next(lm.model.parameters()).device)
+        gap, scale = _gap(lm.model, wide)
+        done = Embedded(i, widest, embedding, gap, scale)
+        embedded.append(done)
+        graph = graph_for(wide.config, wide.state_dict().keys())
+        out.append(dataclasses.replace(lm, model=wide, graph=graph, embedded=done.note(names)))
+    untied = {name for e in embedded for name in e.embedding.untied}
+    if untied:
+        out = [_untie(lm, untied) for lm in out]
+    return out, embedded
+
+
+def _untie(lm: LoadedModel, names: set[str]) -> LoadedModel:
+    """``lm`` with its tied tensors ``names`` stored apart (already apart: as it is)."""
+    tied = set(dict(getattr(lm.model, "all_tied_weights_keys", None) or {}))
+    if not tied & names:
+        return lm
+    model = rebuild(lm.model, dict(lm.model.state_dict()), untie=True)
+    to_device(model, next(lm.model.parameters()).device)
+    return dataclasses.replace(lm, model=model, graph=graph_for(model.config, model.state_dict().keys()))
