@@ -21,7 +21,7 @@ from ..adapters import get_adapter, graph_for
 from ..embed import SUB_CONFIGS, WIDTH_FIELDS, Embedding, embed_model
 from ..errors import IncompatibleModelsError
 from ..models import LoadedModel, rebuild, to_device
-from ..verify import example_inputs, logits_gap
+from ..verify import check_preserved, example_inputs, logits_gap
 
 __all__ = ["Embedded", "config_widths", "differ_in_width", "to_widest"]
 
@@ -128,6 +128,8 @@ def to_widest(
             ) from None
         to_device(wide, next(lm.model.parameters()).device)
         gap, scale = _gap(lm.model, wide)
+        if gap is not None and scale is not None:  # a family fact the embedding missed is a bug, not a result
+            check_preserved(gap, scale, f"{names[i]} embedded into the shape of {names[widest]}")
         done = Embedded(i, widest, embedding, gap, scale)
         embedded.append(done)
         graph = graph_for(wide.config, wide.state_dict().keys())

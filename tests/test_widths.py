@@ -1,0 +1,272 @@
+"""Runs on models of one family but different widths, checked against stock transformers: the
+narrower model is embedded into the wider shape, the alignment recovers a planted map across the
+padding, the barrier's ends are the models' own losses, the merged model loads with the stock class
+in the wide shape, a narrow base's fine-tune is transported onto a wider target, and what cannot be
+embedded exits 2 with its reason."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as T
+import yaml
+
+import tiny
+from helpers import run_main
+from hf_rebasin.adapters import graph_for
+from hf_rebasin.canonical import canonicalize
+from hf_rebasin.data import char_tokenizer, shakespeare_text
+from hf_rebasin.embed import embed_model
+from hf_rebasin.recipe import load_recipe
+from hf_rebasin.run.load import load_workspace
+from hf_rebasin.run.pipeline import run_job
+from hf_rebasin.run.plan import build_plan
+
+WIDE = {  # hidden 32 → 48, heads 4 → 6 (head_dim 8 kept; Llama: KV groups 2 → 3), units grown
+    "gpt2": dict(n_embd=48, n_head=6),
+    "llama-gqa": dict(hidden_size=48, intermediate_size=64, num_attention_heads=6, num_key_value_heads=3, head_dim=8),
+}
+EVALUATE = {"task": "causal-lm", "data": {"dataset": "shakespeare", "name": "hamlet", "split": "test"}}
+EVALUATE |= {"max_tokens": 400}
+DATA = {"dataset": "shakespeare", "name": "hamlet", "split": "train", "max_tokens": 2000, "block_size": 32}
+
+
+def _save(model: torch.nn.Module, folder: Path) -> Path:
+    tok = char_tokenizer(shakespeare_text(["hamlet"])[:3000].lower())
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+def _stock(folder: Path) -> T.PreTrainedModel:
+    return T.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+
+
+def _logits(model: T.PreTrainedModel) -> torch.Tensor:
+    ids = torch.arange(40).reshape(2, 20) % model.config.vocab_size
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _recipe(root: Path, body: dict[str, Any]) -> Path:
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**body, "device": "cpu", "cache": False}, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def _like(model: T.PreTrainedModel, case: str) -> Any:
+    config = copy.deepcopy(model.config)
+    for k, v in WIDE[case].items():
+        setattr(config, k, v)
+    return config
+
+
+def _planted(case: str, cls: str = "permutation", seed: int = 5) -> tuple[T.PreTrainedModel, T.PreTrainedModel]:
+    """A narrow tiny model and a wide one that is its exact embedding moved by a random map of ``cls``."""
+    narrow = tiny.FACTORIES[case](0).eval()
+    embedded, _ = embed_model(narrow, _like(narrow, case))
+    sd = embedded.state_dict()
+    graph = graph_for(embedded.config, sd.keys())
+    if cls == "orthogonal":  # a rotation is exact once every norm's scale is folded into its readers
+        sd, graph, untied = canonicalize(graph, sd)
+        assert not untied
+    wide = type(embedded)(embedded.config).eval()
+    wide.load_state_dict(graph.apply(sd, graph.random_transform(cls, torch.Generator().manual_seed(seed))))
+    return narrow, wide
+
+
+def _plain_loss(model: T.PreTrainedModel, batches: list[dict[str, torch.Tensor]]) -> float:
+    total = count = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total += float(model(**batch).loss) * n
+            count += n
+    return total / count
+
+
+def test_a_barrier_across_widths_scores_its_ends_as_transformers_does(tmp_path: Path) -> None:
+    narrow = tiny.gpt2(0)
+    torch.manual_seed(1)
+    wide = T.GPT2LMHeadModel(_like(tiny.gpt2(1), "gpt2")).eval()
+    _save(narrow, tmp_path / "n")
+    _save(wide, tmp_path / "w")
+    body = {"job": "barrier", "models": ["./n", "./w"], "strategy": "weight-matching", "output": {"dir": "out"}}
+    body["evaluate"] = {**EVALUATE, "points": 3, "compare": ["vanilla"]}
+    ws = load_workspace(build_plan(load_recipe(_recipe(tmp_path, body))))
+    assert ws.models.reference.embedded and "res (residual features): 32 → 48" in ws.models.reference.embedded
+    assert ws.models.others[0].embedded is None
+    done = run_job(ws)
+    assert ws.eval_batches is not None
+    a, b = _plain_loss(_stock(tmp_path / "n"), ws.eval_batches), _plain_loss(_stock(tmp_path / "w"), ws.eval_batches)
+    for name in ("weight-matching", "vanilla"):
+        curve = done.result.findings.curves[name]["loss"]
+        assert curve[-1] == pytest.approx(a, rel=1e-4)  # λ = 1: the narrow model, embedded (the wide config's ε)
+        assert curve[0] == pytest.approx(b, rel=1e-5)  # λ = 0: the wide model
+    assert any("embedded into the shape of" in n for n in ws.notes)
+
+
+@pytest.mark.parametrize("case", sorted(WIDE))
+@pytest.mark.parametrize("narrow_first", [True, False])
+def test_weight_matching_recovers_a_map_planted_in_the_wider_shape(
+    case: str, narrow_first: bool, tmp_path: Path
+) -> None:
+    """B = the narrow model's exact embedding, its heads, units and stream permuted: aligned across
+    the padding, the midpoint of the two is that embedding, so the merged model (wide shape, stock
+    class) computes the narrow model's logits, whichever of the two is the reference."""
+    narrow, wide = _planted(case)
+    _save(narrow, tmp_path / "n")
+    _save(wide, tmp_path / "w")
+    models = ["./n", "./w"] if narrow_first else ["./w", "./n"]
+    body = {"job": "merge", "models": models, "strategy": "weight-matching", "output": {"dir": "out"}}
+    proc = run_main(str(_recipe(tmp_path, body)))
+    assert proc.returncode == 0, proc.stderr
+    merged = _stock(tmp_path / "out")
+    assert merged.config.hidden_size == 48 and merged.config.num_attention_heads == 6
+    assert (_logits(merged) - _logits(narrow)).abs().max() <= 1e-4
+    record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
+    grown = [m.get("embedded") for m in record["models"]]
+    assert (grown[0] is not None, grown[1] is not None) == (narrow_first, not narrow_first)
+    assert "embedded into the shape of" in (tmp_path / "out" / "README.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "cls"),
+    [
+        ("transfusion", "permutation"),
+        ({"name": "generalized-orthogonal"}, "orthogonal"),
+        ({"name": "head-perm", "residual": "all"}, "permutation"),
+    ],
+)
+def test_every_strategy_recovers_a_map_across_widths(strategy: Any, cls: str, tmp_path: Path) -> None:
+    """The same with the other strategies; the residual stream of B rotated for generalized-orthogonal
+    (the padding is free coordinates of the rotation), and head-perm's statistics on real text, where
+    the narrow model's added units and heads have zero variance."""
+    narrow, wide = _planted("llama-gqa", cls)
+    _save(narrow, tmp_path / "n")
+    _save(wide, tmp_path / "w")
+    body = {"job": "merge", "models": ["./n", "./w"], "strategy": strategy, "output": {"dir": "out"}}
+    if isinstance(strategy, dict) and strategy["name"] == "head-perm":
+        body["data"] = DATA
+    proc = run_main(str(_recipe(tmp_path, body)))
+    assert proc.returncode == 0, proc.stderr
+    assert (_logits(_stock(tmp_path / "out")) - _logits(narrow)).abs().max() <= 1e-4
+
+
+def test_a_universe_of_three_widths_has_the_widest_shape(tmp_path: Path) -> None:
+    for seed, (d, heads) in enumerate(((32, 4), (40, 5), (48, 6))):
+        config = copy.deepcopy(tiny.gpt2(0).config)
+        config.n_embd, config.n_head = d, heads
+        torch.manual_seed(seed)
+        _save(T.GPT2LMHeadModel(config), tmp_path / f"m{seed}")
+    body = {"job": "merge", "models": ["./m0", "./m1", "./m2"], "strategy": "weight-matching"}
+    body |= {"merge": {"universe": True}, "output": {"dir": "out"}}
+    proc = run_main(str(_recipe(tmp_path, body)))
+    assert proc.returncode == 0, proc.stderr
+    assert _stock(tmp_path / "out").config.n_embd == 48
+    record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
+    assert [m.get("embedded") is not None for m in record["models"]] == [True, True, False]
+
+
+@pytest.mark.parametrize("case", sorted(WIDE))
+def test_a_narrow_bases_fine_tune_moves_onto_a_wider_target(case: str, tmp_path: Path) -> None:
+    """The target is the base's exact embedding, permuted: weight matching finds the map across the
+    padding, and target + π(τ) computes what the narrow fine-tune computes."""
+    base, target = _planted(case)
+    g = torch.Generator().manual_seed(4)
+    finetuned = type(base)(base.config).eval()
+    finetuned.load_state_dict(
+        {
+            k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            for k, v in base.state_dict().items()
+        }
+    )
+    for name, model in (("base", base), ("ft", finetuned), ("target", target)):
+        _save(model, tmp_path / name)
+    body = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}
+    body |= {"strategy": "weight-matching", "alpha": 1.0, "output": {"dir": "out"}}
+    proc = run_main(str(_recipe(tmp_path, body)))
+    assert proc.returncode == 0, proc.stderr
+    out = _stock(tmp_path / "out")
+    assert out.config.hidden_size == 48
+    assert (_logits(out) - _logits(finetuned)).abs().max() <= 1e-4
+
+
+def _refused(tmp_path: Path, body: dict[str, Any]) -> str:
+    proc = run_main(str(_recipe(tmp_path, {**body, "output": {"dir": "out"}})))
+    assert proc.returncode == 2, proc.stderr
+    assert not (tmp_path / "out").exists()
+    return proc.stderr
+
+
+def test_a_transport_onto_a_narrower_target_is_refused(tmp_path: Path) -> None:
+    narrow, wide = _planted("llama-gqa")
+    for name, model in (("base", wide), ("ft", wide), ("target", narrow)):
+        _save(model, tmp_path / name)
+    body = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}
+    err = _refused(tmp_path, {**body, "strategy": "weight-matching"})
+    assert "narrower than the base" in err and "no\nexact image" in err.replace(" exact image", "\nexact image")
+
+
+@pytest.mark.parametrize(
+    ("case", "sizes", "reason"),
+    [
+        ("llama-gqa", dict(num_hidden_layers=3, intermediate_size=64), "depth"),
+        ("llama-gqa", dict(head_dim=12), "rotary"),
+        ("bert-mlm", dict(hidden_size=48, num_attention_heads=6), "post-norm"),
+    ],
+)
+def test_what_cannot_be_embedded_exits_2_with_its_reason(
+    case: str, sizes: dict[str, int], reason: str, tmp_path: Path
+) -> None:
+    narrow = tiny.FACTORIES[case](0).eval()
+    config = copy.deepcopy(narrow.config)
+    for k, v in sizes.items():
+        setattr(config, k, v)
+    torch.manual_seed(1)
+    _save(narrow, tmp_path / "n")
+    _save(type(narrow)(config), tmp_path / "w")
+    err = _refused(tmp_path, {"job": "merge", "models": ["./n", "./w"], "strategy": "weight-matching"})
+    assert reason in err, err
+
+
+def test_the_wide_sampler_needs_models_of_different_widths(tmp_path: Path) -> None:
+    for seed in (0, 1):
+        _save(tiny.gpt2(seed), tmp_path / f"m{seed}")
+    strategy = {"name": "generalized-orthogonal", "learned": True, "steps": 2, "sampler": "wide(0.5, 0.9)"}
+    body = {"job": "merge", "models": ["./m0", "./m1"], "strategy": strategy, "data": DATA}
+    assert "both models have one width" in _refused(tmp_path, body)
+
+
+def test_learned_matching_across_widths_draws_lambda_toward_the_wide_model(tmp_path: Path) -> None:
+    narrow, wide = _planted("gpt2")
+    _save(narrow, tmp_path / "n")
+    _save(wide, tmp_path / "w")
+    strategy = {"name": "generalized-orthogonal", "learned": True, "steps": 2, "eval_every": 1}
+    body = {"job": "merge", "models": ["./n", "./w"], "strategy": strategy, "data": DATA, "output": {"dir": "out"}}
+    proc = run_main(str(_recipe(tmp_path, body)))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
+    assert any("A's weight uniform(0.1, 0.5)" in n for n in record["notes"])
+
+
+def test_embed_writes_a_folder_the_stock_class_loads_with_the_same_logits(tmp_path: Path) -> None:
+    narrow = tiny.gpt2(0)
+    _save(narrow, tmp_path / "n")
+    _save(T.GPT2LMHeadModel(_like(narrow, "gpt2")), tmp_path / "w")
+    proc = run_main("embed", str(tmp_path / "n"), "--like", str(tmp_path / "w"), "--output", str(tmp_path / "e"))
+    assert proc.returncode == 0, proc.stderr
+    embedded = _stock(tmp_path / "e")
+    assert embedded.config.n_embd == 48
+    assert (_logits(embedded) - _logits(narrow.eval())).abs().max() <= 1e-4
+    record = json.loads((tmp_path / "e" / "embedding.json").read_text(encoding="utf-8"))
+    assert record["canonical_form"] and record["untied"] == ["lm_head.weight"]
+    assert "32 → 48" in (tmp_path / "e" / "README.md").read_text(encoding="utf-8")
+    # the other way round: nothing is written
+    proc = run_main("embed", str(tmp_path / "w"), "--like", str(tmp_path / "n"), "--output", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "narrower" in proc.stderr and not (tmp_path / "x").exists()
