@@ -2,13 +2,14 @@
 widest one's shape (`embed.embed_model`) before anything aligns them, so every strategy, merge,
 barrier and transport works on models of one shape and the result has the wide shape.
 
-The embedded models take the wide model's config as it is (its norm ε, not ε·d/d′: one config is
-written), so where a residual stream grows they compute their function up to O(ε / rms²); that
-gap is measured on fixed example inputs and said in a note.
+The embedding is checked exact first (ε·d/d′); the embedded models then take the wide model's
+config as it is (its norm ε: one config is written), so where a residual stream grows they compute
+their function up to O(ε / rms²); that gap is measured on fixed example inputs and said in a note.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 
 from ..adapters import get_adapter, graph_for
-from ..embed import SUB_CONFIGS, WIDTH_FIELDS, Embedding, embed_model
+from ..embed import EPS_FIELDS, SUB_CONFIGS, WIDTH_FIELDS, Embedding, embed_model
+from ..embed import _sub_configs as sub_configs
 from ..errors import IncompatibleModelsError
 from ..models import LoadedModel, rebuild, to_device
 from ..verify import check_preserved, example_inputs, logits_gap
@@ -120,16 +122,20 @@ def to_widest(
         if lm.source is not None:  # the loader keeps runs of different widths in memory
             raise AssertionError(f"{names[i]} is streamed: it cannot be embedded")
         try:
-            wide, embedding = embed_model(lm.model, like, exact_eps=False)
+            exact, embedding = embed_model(lm.model, like)
         except IncompatibleModelsError as e:
             raise IncompatibleModelsError(
                 f"{names[i]} has other widths than {names[widest]} (the largest model) and cannot be written into its "
                 f"shape: {e}"
             ) from None
-        to_device(wide, next(lm.model.parameters()).device)
-        gap, scale = _gap(lm.model, wide)
+        to_device(exact, next(lm.model.parameters()).device)
+        gap, scale = _gap(lm.model, exact)
         if gap is not None and scale is not None:  # a family fact the embedding missed is a bug, not a result
             check_preserved(gap, scale, f"{names[i]} embedded into the shape of {names[widest]}")
+        wide = _with_eps(exact, like) if embedding.eps else exact
+        if wide is not exact:
+            del exact
+            gap, scale = _gap(lm.model, wide)
         done = Embedded(i, widest, embedding, gap, scale)
         embedded.append(done)
         graph = graph_for(wide.config, wide.state_dict().keys())
@@ -138,6 +144,20 @@ def to_widest(
     if untied:
         out = [_untie(lm, untied) for lm in out]
     return out, embedded
+
+
+def _with_eps(model: Any, like: Any) -> Any:
+    """``model`` with the norm ε of config ``like`` (one config is written for all the models)."""
+    config = copy.deepcopy(model.config)
+    for (_, out), (_, wide) in zip(sub_configs(config), sub_configs(like), strict=False):
+        for name in EPS_FIELDS:
+            if isinstance(getattr(wide, name, None), float):
+                setattr(out, name, getattr(wide, name))
+    new = type(model)(config)
+    new.load_state_dict(model.state_dict(), strict=True)
+    new.to(dtype=next(model.parameters()).dtype)
+    to_device(new, next(model.parameters()).device)
+    return new.eval()
 
 
 def _untie(lm: LoadedModel, names: set[str]) -> LoadedModel:
