@@ -93,10 +93,19 @@ def test_models_of_different_architectures_exit_2_naming_both(saved_model):
 
 
 def test_models_of_different_shapes_name_the_first_differing_tensor(saved_model):
+    """Shapes that are no width (those are embedded: tests/test_widths.py), here the positions."""
     small = tiny.FACTORIES["gpt2"](0)
-    wide = T.GPT2LMHeadModel(T.GPT2Config(**{**small.config.to_dict(), "n_inner": 40}))
+    other = T.GPT2LMHeadModel(T.GPT2Config(**{**small.config.to_dict(), "n_positions": 32}))
+    proc = run_main("align", str(saved_model(small)), str(saved_model(other)))
+    assert_user_error(proc, "transformer.wpe.weight", "(64, 32)", "(32, 32)")
+
+
+def test_models_of_different_widths_are_aligned_in_the_wider_shape(saved_model):
+    small = tiny.FACTORIES["gpt2"](0)
+    wide = T.GPT2LMHeadModel(T.GPT2Config(**{**small.config.to_dict(), "n_inner": 160}))
     proc = run_main("align", str(saved_model(small)), str(saved_model(wide)))
-    assert_user_error(proc, "transformer.h.0.mlp.c_fc.weight", "(32, 128)", "(32, 40)")
+    assert proc.returncode == 0, proc.stderr
+    assert "MODEL_A embedded into the shape of MODEL_B" in proc.stdout and "128 → 160" in proc.stdout
 
 
 def test_head_perm_without_data_exits_2(saved_model):

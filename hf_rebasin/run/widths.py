@@ -109,7 +109,8 @@ def to_widest(
     A model wider than the widest one in some width (more heads but a narrower stream) cannot be
     embedded: refused, naming both."""
     found = [widths(lm.model.config.to_dict()) for lm in models]
-    if all(w == found[0] for w in found[1:]):
+    kinds = {lm.model.config.model_type for lm in models}
+    if all(w == found[0] for w in found[1:]) or len(kinds) > 1:  # other families: `check_compatible` says so
         return list(models), []
     widest = into if into is not None else max(range(len(models)), key=lambda i: _numel(models[i]))
     like = models[widest].model.config
