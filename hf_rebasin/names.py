@@ -108,6 +108,11 @@ Kind = Literal[
     "dinov2",
     "siglip",
     "mixtral",
+    # wider twins of gpt2 and vit (same depth, data, vocabulary and head width; more features,
+    # MLP units and heads): pairs of different widths, the narrow model embeds into the wide one
+    "gpt2-d96",
+    "gpt2-d128",
+    "vit-d128",
     # the benchmark zoo: models that behave more like released ones, to choose defaults on
     "bench-gpt2",
     "bench-gpt2-ft",

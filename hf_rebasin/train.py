@@ -1,6 +1,7 @@
-"""A zoo of tiny trained models: GPT-2, causal LMs of other families (Qwen3, Gemma, Gemma-2,
+"""A zoo of tiny trained models: GPT-2 (and wider twins), causal LMs of other families (Qwen3, Gemma, Gemma-2,
 Gemma-3, Pythia, OLMo-2, Phi-3), BERT and masked LMs of other encoder families (DistilBERT,
-XLM-RoBERTa, ModernBERT) on Shakespeare characters; ViT and DINOv2 on 8×8 digits.
+XLM-RoBERTa, ModernBERT) on Shakespeare characters; ViT (and a wider twin), DINOv2 and SigLIP on
+8×8 digits.
 
 Re-basin needs pairs of models that compute the same kind of function from different seeds.
 These are trained by the project's own code (no Hub, no network) in about a minute each on one
@@ -22,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -63,10 +64,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 Progress = Callable[[int, float], None]
+_C = TypeVar("_C", GPT2TrainConfig, ViTTrainConfig)
 
 # the loss a zoo kind is trained and scored with (every kind not named here is a causal LM)
 _TASKS: dict[Kind, Task] = {
-    "vit": "image-classification",
+    **{kind: "image-classification" for kind, config in DEFAULT_CONFIGS.items() if isinstance(config, ViTTrainConfig)},
     "bert": "masked-lm",
     **{kind: "masked-lm" for kind, config in DEFAULT_CONFIGS.items() if isinstance(config, MaskedLMTrainConfig)},
     **{
@@ -321,15 +323,18 @@ def train_tiny_gpt2(
     *,
     progress: Progress | None = None,
     threads: int | None = 1,
+    kind: Kind = "gpt2",
 ) -> Path:
     """Train a small character-level GPT2LMHeadModel on Shakespeare; save it with its tokenizer.
 
     ``seed`` sets the initialisation and the order of the training blocks. Deterministic given
     ``seed``, ``config`` and ``threads`` on one machine; ``progress(step, loss)`` after each step.
+    ``kind`` (a zoo kind whose config is a `GPT2TrainConfig`: gpt2 or a wider twin) is what
+    ``training.json`` records and, without ``config``, whose default config is trained.
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = config or GPT2TrainConfig()
+    cfg = config or _default_config(kind, GPT2TrainConfig)
     tokenizer, train, test = gpt2_data(cfg)
     pad = int(tokenizer.pad_token_id)
     model_config = GPT2Config(
@@ -346,7 +351,7 @@ def train_tiny_gpt2(
         pad_token_id=pad,
     )
     return _run_text(
-        "gpt2",
+        kind,
         seed,
         cfg,
         out_dir,
@@ -357,6 +362,15 @@ def train_tiny_gpt2(
         progress=progress,
         threads=threads,
     )
+
+
+def _default_config(kind: Kind, cls: type[_C]) -> _C:
+    """Zoo kind ``kind``'s default config, checked to be a ``cls``: a trainer called with a kind it
+    does not train fails here rather than building the wrong model."""
+    default = DEFAULT_CONFIGS[check_kind(kind)]
+    if not isinstance(default, cls):
+        raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained from a {cls.__name__}")
+    return default
 
 
 def causal_lm_config(config: CausalLMTrainConfig, tokenizer: Any) -> Any:
@@ -542,15 +556,17 @@ def train_tiny_vit(
     *,
     progress: Progress | None = None,
     threads: int | None = 1,
+    kind: Kind = "vit",
 ) -> Path:
     """Train a small ViTForImageClassification on the 8×8 digits and save it.
 
     ``seed`` sets the initialisation and the order of the training images; the train/test split
     itself is fixed (``digits_dataset`` default), so every seed is tested on the same images.
+    ``kind`` (vit or a wider twin) as in `train_tiny_gpt2`.
     """
     from transformers import ViTConfig, ViTForImageClassification
 
-    cfg = config or ViTTrainConfig()
+    cfg = config or _default_config(kind, ViTTrainConfig)
     model_config = ViTConfig(
         image_size=8,
         patch_size=cfg.patch_size,
@@ -565,7 +581,7 @@ def train_tiny_vit(
         label2id={str(i): i for i in range(10)},
     )
     return _run_digits(
-        "vit", seed, cfg, out_dir, lambda: ViTForImageClassification(model_config), progress=progress, threads=threads
+        kind, seed, cfg, out_dir, lambda: ViTForImageClassification(model_config), progress=progress, threads=threads
     )
 
 
@@ -953,8 +969,16 @@ def _block(folder: Path) -> int:
 
 
 _TRAINERS: dict[Kind, Callable[..., Path]] = {
-    "gpt2": train_tiny_gpt2,
-    "vit": train_tiny_vit,
+    **{
+        kind: functools.partial(train_tiny_gpt2, kind=kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, GPT2TrainConfig)
+    },
+    **{
+        kind: functools.partial(train_tiny_vit, kind=kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, ViTTrainConfig)
+    },
     "gpt2-ft": finetune_tiny_gpt2,
     "gpt2-lora": lora_tiny_gpt2,
     "gpt2-next": next_tiny_gpt2,

@@ -460,6 +460,14 @@ DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
             ("router_aux_loss_coef", 0.01),
         ),
     ),
+    # Wider twins of gpt2 and vit: the same depth, data, vocabulary, schedule and head width (16),
+    # wider residual streams, MLPs (4 × d for GPT-2, 2 × d for the ViT) and more heads, so that a
+    # narrow model embeds exactly into a wide one's config (`embed_model`): pairs of two widths.
+    # The zoo gpt2's peak rate, 6e-3: at d = 96 (seed 0) 3e-3 / 6e-3 / 1e-2 gave held-out losses
+    # 1.632 / 1.606 / 1.606 nats, and d = 128 gave 1.569 at 6e-3 (the zoo gpt2: 1.67).
+    "gpt2-d96": GPT2TrainConfig(n_embd=96, n_head=6),
+    "gpt2-d128": GPT2TrainConfig(n_embd=128, n_head=8),
+    "vit-d128": ViTTrainConfig(hidden_size=128, num_attention_heads=8, intermediate_size=256),
     # the benchmark zoo (see `SubwordLMTrainConfig`): GPT-2, its fine-tune on the King James Bible,
     # a ModernBERT masked LM, and a ViT of the same size (4 layers, width 128) trained longer on the digits
     "bench-gpt2": SubwordLMTrainConfig(),
