@@ -10,7 +10,15 @@ and heads compute zeros that nothing reads. The residual stream's added features
 norm over the stream now averages over d′ features: RMSNorm divides by an rms √(d/d′) as large, so
 each norm on the stream gets its scale times √(d/d′) (and its ε times d/d′ for exactness); a
 LayerNorm also subtracts the mean, which the zeros change unless the stream has mean 0, which is
-what the canonical form gives (writers centred): a LayerNorm stream is embedded from it.
+what the canonical form gives (writers centred): a LayerNorm stream is embedded from it. A stream
+that cannot be centred (a LayerNorm on the residual path: post-norm BERT, ModernBERT's and CLIP's
+embedding norms; a stream read raw: SigLIP's pooling head) cannot grow.
+
+Two family facts are declared in the adapters: a tensor the model scales by d**p from its config
+(Gemma's embeddings by √d) is scaled by (d/d′)**p, and where a tied reader sees it (Gemma's LM head)
+its norm takes the inverse; a role norm over every head's queries or keys (OLMo 2's q_norm /
+k_norm) takes γ × √(n/n′) and the projection it reads a scale that makes the config's one ε,
+fitted to the residual norms, exact for it too.
 
 `embed_state` is pure tensor code over the symmetry graph; `embed_model` does the rest for a
 transformers model: the wide config (the narrow one with the wide one's sizes), the canonical form
@@ -20,6 +28,7 @@ where a LayerNorm stream grows, and the ε that makes the embedding exact.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -30,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .errors import IncompatibleModelsError
-from .symmetry import AxisRef, ExpertSpace, Fused, HeadSpace, Space, SymmetryGraph, split_ref
+from .symmetry import AxisRef, ExpertSpace, Fused, HeadSpace, Norm, Space, SymmetryGraph, split_ref
 
 __all__ = ["Embedding", "embed_model", "embed_state", "residual_ratio", "widened_config"]
 
@@ -40,7 +49,7 @@ WIDTH_FIELDS = (
     "intermediate_size", "n_inner", "hidden_dim", "mlp_ratio", "moe_intermediate_size",
     "shared_expert_intermediate_size",  # MLP / expert units
     "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "head_dim",  # heads
-    "projection_dim",  # a joint embedding (CLIP, SigLIP)
+    "projection_dim", "projection_size",  # a joint embedding (CLIP, SigLIP)
 )  # fmt: skip
 # fields that must agree: what a wider shape cannot change (depth, vocabulary, experts)
 FIXED_FIELDS = {
@@ -77,7 +86,8 @@ def _check_spaces(narrow: SymmetryGraph, wide: SymmetryGraph) -> None:
                 )
                 raise IncompatibleModelsError(
                     f"space {name!r}: head_dim {small.head_dim} → {big.head_dim} is not embedded ({why}); "
-                    "keep head_dim and add heads"
+                    "keep head_dim and add heads (where the model computes head_dim as hidden size / heads, "
+                    "grow both in proportion)"
                 )
             if big.group_size != small.group_size or big.num_kv_heads < small.num_kv_heads:
                 raise IncompatibleModelsError(
@@ -125,12 +135,94 @@ def _axis_index(graph: SymmetryGraph, ref: AxisRef, wide: SymmetryGraph, size: i
 
 
 def residual_ratio(narrow: SymmetryGraph, wide: SymmetryGraph) -> dict[str, float]:
-    """d / d′ of every residual space that grows (what its norms' scales are multiplied by, squared)."""
+    """d / d′ of every residual space that grows, and of every other plain space with a norm on it
+    (SigLIP's joint stream): what its norms' scales are multiplied by, squared."""
+    normed = {n.space for n in narrow.norms if not _is_writer_scale(n)}
     out = {}
     for name, small in narrow.spaces.items():
         big = wide.spaces[name]
-        if isinstance(small, Space) and isinstance(big, Space) and small.kind == "residual" and big.size != small.size:
+        if not (isinstance(small, Space) and isinstance(big, Space)) or big.size == small.size:
+            continue
+        if small.kind == "residual" or name in normed:
             out[name] = small.size / big.size
+    return out
+
+
+def _is_writer_scale(norm: Norm) -> bool:
+    from .canonical import WriterScale
+
+    return isinstance(norm, WriterScale)
+
+
+def _role_ratios(narrow: SymmetryGraph, wide: SymmetryGraph) -> dict[str, float]:
+    """n / n′ of every role norm (an RMSNorm over all heads' queries or keys) whose heads grow."""
+    out = {}
+    for norm in narrow.role_norms:
+        n, n_wide = narrow.ref_size(norm.space), wide.ref_size(norm.space)
+        if n != n_wide:
+            out[norm.weight] = n / n_wide
+    return out
+
+
+def _norm_scales(narrow: SymmetryGraph, wide: SymmetryGraph) -> dict[str, tuple[Norm, float]]:
+    """γ′ / γ of every norm on a growing space: √(d/d′) (an rms over d′ features, d of them
+    nonzero, is √(d/d′) of the rms over d), times the inverse of an embedding scale that a tied
+    reader of the norm would otherwise see (Gemma's tied LM head reads its embeddings, scaled)."""
+    ratios = residual_ratio(narrow, wide)
+    out = {
+        n.weight: (n, math.sqrt(ratios[n.space])) for n in narrow.norms if n.space in ratios and not _is_writer_scale(n)
+    }
+    roles = _role_ratios(narrow, wide)
+    out.update({n.weight: (n, math.sqrt(roles[n.weight])) for n in narrow.role_norms if n.weight in roles})
+    for tensor, factor in _embedding_factors(narrow, wide).items():
+        if tensor in narrow.ties:
+            continue  # an alias: its source finds the norm
+        aliases = {a for a, source in narrow.ties.items() if source == tensor}
+        for alias in aliases - {tensor}:
+            norms = [n for n in narrow.norms if alias in n.readers]
+            if not norms or any(set(n.readers) - aliases for n in norms):
+                raise IncompatibleModelsError(
+                    f"{alias!r} is tied to {tensor!r}, which the model scales by a power of the hidden size: "
+                    "no norm read by the tied tensor alone can take the inverse scale"
+                )
+            for n in norms:
+                base = out.get(n.weight, (n, 1.0))[1]
+                out[n.weight] = (n, base / factor)
+    return out
+
+
+def _role_factors(narrow: SymmetryGraph, wide: SymmetryGraph, role_eps: float) -> dict[str, float]:
+    """The factor c of what a role norm reads (its q/k projection): the norm over n′ features, n of
+    them nonzero, with ε × ``role_eps`` (the config's one ε, fitted to the residual norms), gives
+    c·x / √(c²·ms·n/n′ + ε·role_eps); with c² = role_eps·n′/n that is c·x / (√role_eps·√(ms + ε)),
+    and γ × √(n/n′) (`_norm_scales`) makes it what it was, whatever ``role_eps``."""
+    out: dict[str, float] = {}
+    weights = {n.weight for n in narrow.role_norms}
+    for norm in narrow.role_norms:
+        c = math.sqrt(role_eps * wide.ref_size(norm.space) / narrow.ref_size(norm.space))
+        if c == 1.0:
+            continue
+        for b in narrow.bindings.values():
+            if b.name in weights or b.name in narrow.ties:
+                continue
+            if any(isinstance(ref, Fused) and norm.space in ref.parts for ref in b.axes):
+                raise IncompatibleModelsError(f"{b.name!r} writes {norm.space!r} in a fused axis: it cannot be scaled")
+            if norm.space in b.axes:
+                out[b.name] = out.get(b.name, 1.0) * c
+    return out
+
+
+def _embedding_factors(narrow: SymmetryGraph, wide: SymmetryGraph) -> dict[str, float]:
+    """The factor (d/d′)**p of every tensor the model scales by d**p (d: its space's size), so that
+    the wider model's d′**p gives what the narrower one computed."""
+    out = {}
+    for tensor, p in narrow.embedding_scales.items():
+        for ref in narrow.bindings[tensor].axes:
+            if isinstance(ref, str) and split_ref(ref)[0] in narrow.spaces:
+                d, d_wide = narrow.ref_size(ref), wide.ref_size(ref)
+                if d != d_wide:
+                    out[tensor] = (d / d_wide) ** p
+    out.update({alias: out[source] for alias, source in narrow.ties.items() if source in out})
     return out
 
 
@@ -139,13 +231,26 @@ def embed_state(
     state: Mapping[str, Tensor],
     wide: SymmetryGraph,
     shapes: Mapping[str, tuple[int, ...]],
+    *,
+    role_eps: float | None = None,
 ) -> dict[str, Tensor]:
     """``state`` (a model of graph ``narrow``) written into the shapes of graph ``wide`` (``shapes``:
     the wide model's tensors, as stored): the same function, given the wide config's norm ε scaled
-    by d/d′. A LayerNorm stream must be in canonical form (its writers centred)."""
+    by d/d′. A LayerNorm stream must be in canonical form (its writers centred). ``role_eps``: the
+    wide / narrow ε that role norms (OLMo 2's q_norm / k_norm) share with the residual norms; by
+    default the residual streams' one d/d′ (1 if none grows)."""
     _check_spaces(narrow, wide)
-    ratios = residual_ratio(narrow, wide)
-    scales = {n.weight: (n, math.sqrt(ratios[n.space])) for n in narrow.norms if n.space in ratios}
+    scales = _norm_scales(narrow, wide)
+    if role_eps is None:
+        grown = {
+            r
+            for name, r in residual_ratio(narrow, wide).items()
+            if getattr(narrow.spaces[name], "kind", "") == "residual"
+        }
+        role_eps = grown.pop() if len(grown) == 1 else 1.0
+    factors = _embedding_factors(narrow, wide)
+    for name, c in _role_factors(narrow, wide, role_eps).items():
+        factors[name] = factors.get(name, 1.0) * c
     out: dict[str, Tensor] = {}
     for name, t in state.items():
         if name not in shapes:
@@ -161,6 +266,8 @@ def embed_state(
         if name in scales:  # a norm on a growing stream: γ′ = γ·√(d/d′) (stored as γ − offset)
             norm, s = scales[name]
             t = ((t.to(torch.float64) + norm.offset) * s - norm.offset).to(t.dtype)
+        if name in factors:  # scaled by d**p at run time (d′**p in the wider model), or a role norm's input
+            t = (t.to(torch.float64) * factors[name]).to(t.dtype)
         small = narrow.logical(name, t)
         wide_binding = wide.bindings[name]
         wide_shape = wide_binding.view.shape if wide_binding.view is not None else tuple(shapes[name])
@@ -204,8 +311,8 @@ def widened_config(narrow: Any, like: Any) -> Any:
                     f"`{where}{name}` is {a} in one model and {b} in the other: a different {what} cannot be "
                     "embedded (only hidden size, MLP units and attention heads can grow)"
                 )
-        for name in WIDTH_FIELDS:
-            if hasattr(big, name) and hasattr(out, name):
+        for name in WIDTH_FIELDS:  # one ``like`` sets and ``narrow`` lacks is meant too (a head_dim kept)
+            if hasattr(big, name) and (hasattr(out, name) or getattr(big, name) is not None):
                 setattr(out, name, getattr(big, name))
     return wide
 
@@ -220,6 +327,7 @@ class Embedding:
     canonical: bool = False
     untied: list[str] = field(default_factory=list)
     eps: dict[str, tuple[float, float]] = field(default_factory=dict)
+    exact_eps: bool = True
 
     def describe(self) -> list[str]:
         """One line per change, for a card and rebasin.json."""
@@ -231,7 +339,8 @@ class Embedding:
             )
         if self.untied:
             lines.append(f"stored apart (no longer tied): {', '.join(self.untied)}")
-        lines += [f"{name}: {a:g} → {b:g} (ε × d/d′: exact)" for name, (a, b) in self.eps.items()]
+        how = "ε × d/d′: exact" if self.exact_eps else "the wider config's ε: off by O(ε / mean square)"
+        lines += [f"{name}: {a:g} → {b:g} ({how})" for name, (a, b) in self.eps.items()]
         return lines
 
     def as_dict(self) -> dict[str, Any]:
@@ -241,6 +350,7 @@ class Embedding:
             "canonical_form": self.canonical,
             "untied": list(self.untied),
             "eps": {k: list(v) for k, v in self.eps.items()},
+            "exact_eps": self.exact_eps,
         }
 
 
@@ -266,12 +376,15 @@ def _grown(narrow: SymmetryGraph, wide: SymmetryGraph) -> dict[str, tuple[int, i
 
 
 def _check_streams(graph: SymmetryGraph, ratios: Mapping[str, float]) -> None:
-    """A growing LayerNorm stream must have an exact canonical form (writers centred)."""
+    """Every LayerNorm on a growing space must read a stream that canonical form centres: its mean
+    over the added zero features is then still 0, and its variance d/d′ of the real one."""
     from .canonical import RawStream
 
+    if graph.norm_type != "layernorm":
+        return
     for name in ratios:
         space = graph.spaces[name]
-        if not isinstance(space, Space) or not space.centered:
+        if not isinstance(space, Space) or not any(n.space == name and not _is_writer_scale(n) for n in graph.norms):
             continue
         if isinstance(space, RawStream):
             raise IncompatibleModelsError(
@@ -279,12 +392,24 @@ def _check_streams(graph: SymmetryGraph, ratios: Mapping[str, float]) -> None:
                 "its mean cannot be removed and the added zero features would change every LayerNorm's mean "
                 "(add MLP units or heads instead)"
             )
-        if space.max_class != "orthogonal":
+        if not space.centered:
             raise IncompatibleModelsError(
                 f"hidden size of {name!r} cannot grow: its LayerNorms read a stream that is not centred "
                 f"({space.reason or 'post-norm'}), so their mean and variance over the added zero features are no "
                 "rescaling of the real ones; MLP units and attention heads can still grow"
             )
+
+
+def _centrable(graph: SymmetryGraph, ratios: Mapping[str, float]) -> SymmetryGraph:
+    """``graph`` with every growing LayerNorm stream marked orthogonal, so that canonical form centres
+    its writers: a stream limited to permutations only because a norm's γ has no reader to fold into
+    (a bare model's final norm) centres as well, and that norm keeps its γ."""
+    spaces = dict(graph.spaces)
+    for name in ratios:
+        space = spaces[name]
+        if isinstance(space, Space) and space.centered and space.max_class != "orthogonal":
+            spaces[name] = dataclasses.replace(space, max_class="orthogonal", reason="")
+    return dataclasses.replace(graph, spaces=spaces)
 
 
 def embed_model(model: Any, like: Any, *, exact_eps: bool = True) -> tuple[Any, Embedding]:
@@ -301,35 +426,56 @@ def embed_model(model: Any, like: Any, *, exact_eps: bool = True) -> tuple[Any, 
     config = widened_config(model.config, like)
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    shapes = {k: tuple(t.shape) for k, t in empty_model(type(model), config).state_dict().items()}
+    # the wide graph from the same names first: a refused change (head_dim) may make no valid model
+    _check_spaces(graph, graph_for(config, sd.keys()))
+    try:
+        shapes = {k: tuple(t.shape) for k, t in empty_model(type(model), config).state_dict().items()}
+    except (ValueError, TypeError) as e:  # the family's own check of a config (sizes that do not divide)
+        raise IncompatibleModelsError(f"the wider config makes no {type(model).__name__}: {e}") from e
     wide_graph = graph_for(config, shapes.keys())
     _check_spaces(graph, wide_graph)
     ratios = residual_ratio(graph, wide_graph)
     _check_streams(graph, ratios)
-    report = Embedding(grown=_grown(graph, wide_graph))
-    if any(getattr(graph.spaces[n], "centered", False) for n in ratios):
-        sd, graph, report.untied = canonicalize(graph, sd)
+    report = Embedding(grown=_grown(graph, wide_graph), exact_eps=exact_eps)
+    if graph.norm_type == "layernorm" and any(getattr(graph.spaces[n], "centered", False) for n in ratios):
+        raw = sd
+        sd, graph, report.untied = canonicalize(_centrable(graph, ratios), sd)
+        for readers in graph.output_readers.values():  # they read a norm that keeps γ: as they were
+            sd.update({r: raw[r] for r in readers})
         report.canonical = True
         if report.untied:
             text = config.get_text_config()
             text.tie_word_embeddings = False
             if text is not config and hasattr(config, "tie_word_embeddings"):
                 config.tie_word_embeddings = False
-    for (where, small), (_, out) in zip(_sub_configs(model.config), _sub_configs(config), strict=False):
-        d, d_wide = _hidden(small), _hidden(out)
-        if not d or not d_wide or d == d_wide:
-            continue
-        for name in EPS_FIELDS:
-            value = getattr(out, name, None)
-            if isinstance(value, float) and not isinstance(value, bool):
-                written = value * d / d_wide if exact_eps else getattr(like_sub(like, where), name, value)
-                setattr(out, name, written)
-                report.eps[f"{where}{name}"] = (value, written)
-    state = embed_state(graph, sd, wide_graph, shapes)
+    role_eps = _write_eps(model.config, config, like, report, exact_eps)
+    state = embed_state(graph, sd, wide_graph, shapes, role_eps=role_eps)
     wide = type(model)(config)
     wide.load_state_dict(state, strict=True)
     wide.to(dtype=next(model.parameters()).dtype)
     return wide.eval(), report
+
+
+def _write_eps(narrow: Any, config: Any, like: Any, report: Embedding, exact_eps: bool) -> float:
+    """The norm ε of every (sub)config whose hidden size grows: ε × d/d′ (exact), or ``like``'s.
+    Returns written / narrow ε of the top config (what role norms, which share it, are fitted to)."""
+    top = 1.0
+    for where, small in _sub_configs(narrow):
+        out = like_sub(config, where)
+        d, d_wide = _hidden(small), _hidden(out)
+        for name in EPS_FIELDS:
+            value = getattr(out, name, None)
+            if not isinstance(value, float) or isinstance(value, bool):
+                continue
+            if d and d_wide and d != d_wide:
+                written = value * d / d_wide if exact_eps else getattr(like_sub(like, where), name, value)
+                setattr(out, name, written)
+                report.eps[f"{where}{name}"] = (value, written)
+            elif not exact_eps:
+                setattr(out, name, getattr(like_sub(like, where), name, value))
+            if not where and value:
+                top = getattr(out, name) / value
+    return top
 
 
 def _hidden(config: Any) -> int | None:

@@ -419,6 +419,15 @@ class SymmetryGraph:
     embeddings: tuple[str, ...] = ()  # module prefixes that write the stream before the first sublayer
     last_hidden: dict[str, str] = field(default_factory=dict)  # residual space -> module: its final state
     glus: tuple[Glu, ...] = ()  # gated MLPs: their units' free scaling
+    # tensor -> p: the model multiplies what it writes by (its space's size)**p, read from the config
+    # (Gemma's embeddings times √hidden_size): a wider model scales it by another factor
+    embedding_scales: dict[str, float] = field(default_factory=dict)
+    # RMSNorms over a role of a head space (OLMo 2's q_norm / k_norm over every head's features):
+    # ``Norm.space`` is that role ("layers.0.attn:q"); their γ is bound as a plain tensor on it
+    role_norms: tuple[Norm, ...] = ()
+    # norm weight -> what reads a norm whose output is also the model's output (a bare model's final
+    # norm, read by ViT's pooler): never folded into, since that norm keeps its γ
+    output_readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     # ---- structure -------------------------------------------------------------------------
 

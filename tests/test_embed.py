@@ -1,20 +1,28 @@
-"""Work in progress (issue 32): a narrower model written into a wider shape of its family
-(`hf_rebasin.embed`), checked against the stock classes: the wide model computes the narrow one's
-logits (the wide config's norm ε scaled by d/d′)."""
+"""Issue 32: a narrower model written into a wider shape of its family (`hf_rebasin.embed`),
+checked against the stock transformers classes. `embed_state` on a few families by hand (the wide
+config's norm ε scaled by d/d′), then `embed_model` over a matrix of every tiny family × {hidden
+size, MLP units, attention heads, all three}: each either computes the narrow model's outputs (max
+|Δ| ≤ 1e-4 in float32) or is refused with its reason. A family whose attention computes head_dim
+as hidden size / heads cannot grow one without the other; a post-norm LayerNorm stream (BERT's),
+an embedding LayerNorm on the stream (ModernBERT, CLIP's vision ``pre_layrnorm``) and a LayerNorm
+stream read raw (SigLIP's pooling head) cannot grow at all."""
 
 from __future__ import annotations
 
 import copy
+import math
+from typing import Any
 
 import pytest
 import torch
 
 import tiny
-from hf_rebasin.adapters import graph_for
+from hf_rebasin.adapters import REGISTRY, graph_for
 from hf_rebasin.canonical import canonicalize
-from hf_rebasin.embed import embed_state, residual_ratio
+from hf_rebasin.embed import embed_model, embed_state, residual_ratio
 from hf_rebasin.errors import IncompatibleModelsError
 from hf_rebasin.offload import empty_model
+from hf_rebasin.verify import example_inputs, outputs_of
 
 EPS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps")
 WIDER = {  # hidden 32 → 48, units → 64, heads 4 → 6 (KV groups 2 → 3), head_dim kept
@@ -77,3 +85,162 @@ def test_units_and_heads_alone_embed_bit_exactly(sizes: dict) -> None:
 def test_what_cannot_be_embedded_is_refused_with_the_reason(case: str, sizes: dict, why: str) -> None:
     with pytest.raises(IncompatibleModelsError, match=why):
         _widened(case, sizes)
+
+
+# ---- embed_model: every family × what grows -----------------------------------------------------
+
+HIDDEN = ("hidden_size", "n_embd", "dim")
+UNITS = ("intermediate_size", "n_inner", "hidden_dim", "moe_intermediate_size", "shared_expert_intermediate_size")
+HEADS = ("num_attention_heads", "n_head", "n_heads")
+CASES = ("hidden", "units", "heads", "all")
+TWO_TOWERS = {"clip", "siglip"}  # only the text tower grows here (the vision stream's refusals: below)
+
+
+def _first(config: Any, names: tuple[str, ...]) -> str:
+    return next(n for n in names if isinstance(getattr(config, n, None), int))
+
+
+def _grow(config: Any, case: str) -> None:
+    """One (sub)config made wider in place: hidden + 16, units + 16, heads + 2 (whole KV groups),
+    head_dim kept (written, so that a family that reads it keeps it; others compute hidden / heads)."""
+    hidden, heads = _first(config, HIDDEN), _first(config, HEADS)
+    head_dim = getattr(config, "head_dim", None) or getattr(config, hidden) // getattr(config, heads)
+    if case in ("hidden", "all"):
+        setattr(config, hidden, getattr(config, hidden) + 16)
+    if case in ("units", "all"):
+        for name in UNITS:
+            if isinstance(getattr(config, name, None), int):
+                setattr(config, name, getattr(config, name) + 16)
+        if getattr(config, "n_inner", 0) is None:  # GPT-2: 4 · n_embd unless set
+            config.n_inner = 4 * config.n_embd + 16
+        if isinstance(getattr(config, "mlp_ratio", None), int):  # DINOv2: units = hidden · mlp_ratio
+            config.mlp_ratio += 1
+    if case in ("heads", "all"):
+        kv = getattr(config, "num_key_value_heads", None)
+        group = getattr(config, heads) // kv if isinstance(kv, int) else 1
+        setattr(config, heads, getattr(config, heads) + 2)
+        if isinstance(kv, int):
+            config.num_key_value_heads = kv + 2 // group
+    config.head_dim = head_dim
+
+
+def _wider(config: Any, case: str, family: str) -> Any:
+    like = copy.deepcopy(config)
+    if family in TWO_TOWERS:
+        _grow(like.text_config, case)
+        if family == "clip" and case in ("hidden", "all"):
+            like.projection_dim += 8  # the joint space may grow too (no norm reads it)
+    else:
+        _grow(like, case)
+    return like
+
+
+def _gap(model: Any, wide: Any) -> float:
+    """Max |Δ| over the family's outputs; a hidden state compares its first d features, the rest
+    must be zero."""
+    spec = REGISTRY.get(model.config.model_type)
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(7))
+    before, after = outputs_of(model, spec, inputs), outputs_of(wide, spec, inputs)
+    worst = 0.0
+    for key, a in before.items():
+        b = after[key]
+        if b.shape[-1] > a.shape[-1]:
+            worst = max(worst, float(b[..., a.shape[-1] :].abs().max()))
+            b = b[..., : a.shape[-1]]
+        worst = max(worst, float((a - b).abs().max()))
+    return worst
+
+
+HEAD_DIM = "head_dim 8 → (12|16|5|4)"  # hidden size / heads: neither grows alone
+POST_NORM = "not centred"
+# family → case → the refusal's reason (absent: exact)
+REFUSED: dict[str, dict[str, str]] = {
+    **{f: {"hidden": HEAD_DIM, "heads": HEAD_DIM, "all": POST_NORM} for f in ("bert-cls", "roberta-mlm")},
+    "distilbert-mlm": {"hidden": HEAD_DIM, "heads": HEAD_DIM, "all": POST_NORM},
+    "modernbert-mlm": {"hidden": HEAD_DIM, "heads": HEAD_DIM, "all": "embeddings.norm"},
+    **{f: {"hidden": HEAD_DIM, "heads": HEAD_DIM} for f in ("gpt2", "gpt2-untied", "gpt2-base", "gpt-neox")},
+    **{f: {"hidden": HEAD_DIM, "heads": HEAD_DIM} for f in TWO_TOWERS},
+}
+FAMILIES = (
+    # one of each layout (Llama's MHA, Mistral and Qwen2 are llama-gqa's; xlm-roberta is roberta's)
+    *("llama-gqa", "llama-tied-bias", "qwen3-tied", "phi3", "phi3-tied", "mixtral", "qwen2-moe", "qwen3-moe"),
+    *("gemma", "gemma2", "gemma3-text", "olmo2", "gpt2", "gpt2-untied", "gpt2-base", "gpt-neox"),
+    *("vit", "vit-base", "dinov2-cls", "clip", "siglip", "bert-cls", "roberta-mlm", "distilbert-mlm", "modernbert-mlm"),
+)
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, Any]:
+    return {}
+
+
+def _model(models: dict[str, Any], family: str) -> Any:
+    if family not in models:
+        models[family] = tiny.FACTORIES[family](0).eval()
+    return models[family]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_embed_model_is_exact_or_refused_with_the_reason(models: dict[str, Any], family: str, case: str) -> None:
+    model = _model(models, family)
+    like = _wider(model.config, case, family)
+    why = REFUSED.get(family, {}).get(case)
+    if why is not None:
+        with pytest.raises(IncompatibleModelsError, match=why):
+            embed_model(model, like)
+        return
+    wide, report = embed_model(model, like)
+    assert report.grown, "nothing grew: the case tests nothing"
+    assert _gap(model, wide) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("family", "tower", "why"),
+    [
+        ("clip", "vision_config", "pre_layrnorm sits on the residual path"),
+        ("siglip", "vision_config", "reads this LayerNorm stream without a norm"),  # the pooling head's stream
+    ],
+)
+def test_a_vision_stream_that_cannot_be_centred_is_refused(
+    models: dict[str, Any], family: str, tower: str, why: str
+) -> None:
+    model = _model(models, family)
+    like = copy.deepcopy(model.config)
+    _grow(getattr(like, tower), "all")
+    with pytest.raises(IncompatibleModelsError, match=why):
+        embed_model(model, like)
+
+
+def test_the_wider_configs_epsilon_moves_the_function_a_little(models: dict[str, Any]) -> None:
+    """exact_eps=False keeps the wide config's ε (a model merged into an existing wide one must):
+    the function moves by O(ε / mean square), measurably but little."""
+    model = _model(models, "llama-gqa")
+    like = _wider(model.config, "hidden", "llama-gqa")
+    wide, report = embed_model(model, like, exact_eps=False)
+    gap = _gap(model, wide)
+    assert 0.0 < gap <= 1e-3
+    assert wide.config.rms_norm_eps == like.rms_norm_eps
+    assert "off by" in " ".join(report.describe())
+
+
+def test_gemmas_tied_head_takes_the_embedding_scale_back_in_its_final_norm(models: dict[str, Any]) -> None:
+    """Gemma multiplies its embeddings by √hidden_size: they are scaled by √(d/d′), and the tied LM
+    head's final norm by √(d′/d) on top of its √(d/d′): γ as it was, and the head stays tied."""
+    model = _model(models, "gemma")
+    wide, report = embed_model(model, _wider(model.config, "hidden", "gemma"))
+    assert wide.config.tie_word_embeddings and not report.untied
+    assert wide.lm_head.weight.data_ptr() == wide.model.embed_tokens.weight.data_ptr()
+    d, d_wide = model.config.hidden_size, wide.config.hidden_size
+    got = wide.model.embed_tokens.weight[:, :d]
+    assert torch.allclose(got, model.model.embed_tokens.weight * math.sqrt(d / d_wide))
+    assert torch.allclose(wide.model.norm.weight[:d], model.model.norm.weight)
+
+
+def test_olmo2_heads_alone_keep_the_shared_epsilon(models: dict[str, Any]) -> None:
+    """OLMo 2's q_norm / k_norm normalise every head's features and share `rms_norm_eps` with the
+    residual norms: with heads alone the ε stays, and the projections they read scale instead."""
+    model = _model(models, "olmo2")
+    wide, report = embed_model(model, _wider(model.config, "heads", "olmo2"))
+    assert wide.config.rms_norm_eps == model.config.rms_norm_eps and not report.eps
+    assert _gap(model, wide) <= 1e-4

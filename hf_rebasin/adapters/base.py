@@ -191,6 +191,11 @@ class ArchitectureSpec:
     glus: tuple[GluT, ...] = ()
     # tensor template -> how the stored tensor reads as its axes describe it (3-D expert tensors)
     views: Mapping[str, Callable[[Dims], View]] = field(default_factory=dict)
+    # tensor template -> p: the model multiplies its output by hidden_size**p (Gemma's embeddings: 0.5)
+    embedding_scales: Mapping[str, float] = field(default_factory=dict)
+    # RMSNorms over a role of a head space, e.g. ``NormT("{L}.q_norm", "{ATTN}:q")`` (OLMo 2: over every
+    # head's features); their weight is bound in ``tensors``
+    role_norms: tuple[NormT, ...] = ()
 
     def graph(self, config: Any, keys: Collection[str]) -> SymmetryGraph:
         """The symmetry graph of a concrete model (its config and state-dict keys)."""
@@ -252,6 +257,7 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
                 bindings[name] = Binding(name, tuple(_fmt_ref(r, env) for r in axes), view=view)
 
     norms: list[Norm] = []
+    output_readers: dict[str, tuple[str, ...]] = {}
     for nt in spec.norms:
         strings = [nt.prefix, nt.space, *nt.readers]
         for env in _expansions(strings, spec.loops, dims):
@@ -264,6 +270,8 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
             space = _fmt(nt.space, env)
             readers = tuple(r for r in (_fmt(x, env) for x in nt.readers) if r in keys)
             if nt.final and spec.base_prefix and not base:
+                if readers:
+                    output_readers[weight] = readers
                 readers = ()
             bindings[weight] = Binding(weight, (space,), norm_scale=True)
             if bias is not None:
@@ -304,11 +312,28 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
         tuple(_fmt(e, env0) for e in spec.embeddings),
         {space: _fmt(module, env0) for space, module in spec.last_hidden.items()},
     )
+    graph.embedding_scales = {_fmt(t, env0): p for t, p in spec.embedding_scales.items() if _fmt(t, env0) in keys}
+    graph.role_norms = _role_norms(spec, dims, env0, keys)
+    graph.output_readers = output_readers
     used = {name for name in spaces if graph.users(name)}
     graph.spaces = {k: v for k, v in spaces.items() if k in used}
     graph.glus = _glus(spec, dims, env0, graph)
     _limit_unfoldable(graph)
     return graph
+
+
+def _role_norms(
+    spec: ArchitectureSpec, dims: Mapping[str, int], env0: Mapping[str, str], keys: set[str]
+) -> tuple[Norm, ...]:
+    """Every norm over a head space's role that the model has."""
+    out = []
+    for nt in spec.role_norms:
+        for env in _expansions([nt.prefix, nt.space], spec.loops, dims):
+            full = {**env0, **env}
+            weight = _fmt(nt.prefix, full) + ".weight"
+            if weight in keys:
+                out.append(Norm(weight, None, _fmt(nt.space, full), (), nt.offset))
+    return tuple(out)
 
 
 def _at(ref: TensorAt) -> tuple[str, int]:

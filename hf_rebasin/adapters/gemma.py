@@ -3,7 +3,8 @@
 Gemma (1) is Llama's layout (rotary embeddings, multi-/grouped-query attention with an explicit
 ``head_dim``, GeGLU MLP, LM head tied to the embeddings by default) with every norm's offset 1, so
 γ = 1 + w and canonical form leaves w = 0. The embeddings are multiplied by √d (a non-persistent
-buffer): a scalar, which commutes with every map of the residual stream.
+buffer, from the config): a scalar, which commutes with every map of the residual stream, and which a
+wider config changes (``embedding_scales``).
 
 Gemma 2 and 3 add a norm after each sublayer (``post_attention_layernorm``,
 ``post_feedforward_layernorm``) whose output is added to the stream: γ ⊙ x / rms(x) is written into
@@ -29,6 +30,7 @@ SPEC = dataclasses.replace(
     family="gemma",
     model_types=("gemma",),
     norms=tuple(dataclasses.replace(norm, offset=1.0) for norm in LLAMA.norms),
+    embedding_scales={"{base}embed_tokens.weight": 0.5},  # times √hidden_size, from the config
 )
 
 SANDWICH = "post-sublayer norms write γ ⊙ x / rms(x) into the stream: γ cannot be folded"

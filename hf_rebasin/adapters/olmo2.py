@@ -30,6 +30,11 @@ SPEC = dataclasses.replace(
         f"{L}.self_attn.q_norm.weight": (f"{ATTN}:q",),  # one γ per query feature of every head
         f"{L}.self_attn.k_norm.weight": (f"{ATTN}:k",),
     },
+    # RMSNorms over every head's features: more heads, a smaller rms (`hf_rebasin.embed`)
+    role_norms=(
+        NormT(f"{L}.self_attn.q_norm", f"{ATTN}:q", bias=False),
+        NormT(f"{L}.self_attn.k_norm", f"{ATTN}:k", bias=False),
+    ),
     norms=(
         NormT(f"{L}.post_attention_layernorm", "res", bias=False),
         NormT(f"{L}.post_feedforward_layernorm", "res", bias=False),

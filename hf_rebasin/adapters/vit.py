@@ -18,7 +18,7 @@ SPEC = ArchitectureSpec(
         "d": c.hidden_size,
         "layers": c.num_hidden_layers,
         "heads": c.num_attention_heads,
-        "head_dim": c.hidden_size // c.num_attention_heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,  # ViTAttention reads it
         "ff": c.intermediate_size,
         "pooler": getattr(c, "pooler_output_size", None) or c.hidden_size,
     },
