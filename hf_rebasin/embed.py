@@ -41,7 +41,7 @@ from torch import Tensor
 from .errors import IncompatibleModelsError
 from .symmetry import AxisRef, ExpertSpace, Fused, HeadSpace, Norm, Space, SymmetryGraph, split_ref
 
-__all__ = ["Embedding", "embed_model", "embed_state", "residual_ratio", "widened_config"]
+__all__ = ["Embedding", "embed_model", "embed_state", "residual_ratio", "sub_configs", "widened_config"]
 
 # config fields that set a width (copied from the wide config); the names transformers' families use
 WIDTH_FIELDS = (
@@ -59,7 +59,6 @@ FIXED_FIELDS = {
     "vocab_size": "vocabulary",
     "num_local_experts": "number of experts",
     "num_experts": "number of experts",
-    "num_experts_per_tok": "experts per token",
     "image_size": "image size",
     "patch_size": "patch size",
 }
@@ -101,7 +100,10 @@ def _check_spaces(narrow: SymmetryGraph, wide: SymmetryGraph) -> None:
                     "would take routing weight from the others); only each expert's units may grow"
                 )
         elif isinstance(small, Space) and isinstance(big, Space) and big.size < small.size:
-            raise IncompatibleModelsError(f"space {name!r} is narrower in the wider model ({small.size} > {big.size})")
+            raise IncompatibleModelsError(
+                f"space {name!r} has {small.size} features in the model to embed but {big.size} in the shape given: only "
+                "a narrower model embeds into a wider one (the other way round would drop features)"
+            )
 
 
 def _place(graph: SymmetryGraph, ref: str, wide: SymmetryGraph) -> Tensor:
@@ -281,7 +283,7 @@ def embed_state(
     return out
 
 
-def _sub_configs(config: Any) -> list[tuple[str, Any]]:
+def sub_configs(config: Any) -> list[tuple[str, Any]]:
     """``config`` and its text / vision configs (CLIP, SigLIP), by where they are."""
     out = [("", config)]
     for name in SUB_CONFIGS:
@@ -302,7 +304,7 @@ def widened_config(narrow: Any, like: Any) -> Any:
         )
     wide = copy.deepcopy(narrow)
     for (where, small), (_, big), (_, out) in zip(
-        _sub_configs(narrow), _sub_configs(like), _sub_configs(wide), strict=False
+        sub_configs(narrow), sub_configs(like), sub_configs(wide), strict=False
     ):
         for name, what in FIXED_FIELDS.items():
             a, b = getattr(small, name, None), getattr(big, name, None)
@@ -460,7 +462,7 @@ def _write_eps(narrow: Any, config: Any, like: Any, report: Embedding, exact_eps
     """The norm ε of every (sub)config whose hidden size grows: ε × d/d′ (exact), or ``like``'s.
     Returns written / narrow ε of the top config (what role norms, which share it, are fitted to)."""
     top = 1.0
-    for where, small in _sub_configs(narrow):
+    for where, small in sub_configs(narrow):
         out = like_sub(config, where)
         d, d_wide = _hidden(small), _hidden(out)
         for name in EPS_FIELDS:

@@ -1,4 +1,4 @@
-"""Issue 32: a narrower model written into a wider shape of its family (`hf_rebasin.embed`),
+"""A narrower model written into a wider shape of its family (`hf_rebasin.embed`),
 checked against the stock transformers classes. `embed_state` on a few families by hand (the wide
 config's norm ε scaled by d/d′), then `embed_model` over a matrix of every tiny family × {hidden
 size, MLP units, attention heads, all three}: each either computes the narrow model's outputs (max

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from ..adapters import get_adapter, graph_for
-from ..embed import EPS_FIELDS, SUB_CONFIGS, WIDTH_FIELDS, Embedding, embed_model
-from ..embed import _sub_configs as sub_configs
+from ..embed import EPS_FIELDS, SUB_CONFIGS, WIDTH_FIELDS, Embedding, embed_model, sub_configs
 from ..errors import IncompatibleModelsError
 from ..models import LoadedModel, rebuild, to_device
 from ..verify import check_preserved, example_inputs, logits_gap
