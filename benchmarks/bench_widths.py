@@ -7,6 +7,7 @@ narrower model is embedded into the wider shape, then every strategy aligns them
     python benchmarks/bench_widths.py --narrow vit --wide vit-d128     # digits, image classification
     python benchmarks/bench_widths.py --transport                      # gpt2-ft-seed0 onto gpt2-d128-seed1
     python benchmarks/bench_widths.py --learned                        # add learned matching (wide sampler)
+    python benchmarks/bench_widths.py --learned --samplers "wide(0.5, 0.9)" "uniform(0.4, 0.6)"
 
 Zoo models are trained on first use (about a minute each). Prints Markdown tables: per strategy the
 linear and midpoint barriers (nats, held-out data, 21 λ) per pair and their median, then the losses
@@ -48,7 +49,9 @@ def run(body: dict[str, Any]) -> Any:
         return run_recipe(load_recipe(path), check_memory=False)
 
 
-def barriers(narrow: str, wide: str, pair: tuple[int, int], learned: bool) -> dict[str, dict[str, Any]]:
+def barriers(
+    narrow: str, wide: str, pair: tuple[int, int], learned: bool, samplers: list[str] | None = None
+) -> dict[str, dict[str, Any]]:
     """Every strategy's curve for zoo:``narrow``-seed A against zoo:``wide``-seed B (A embedded)."""
     setting = IMAGES if narrow.startswith("vit") else TEXT
     models = [f"zoo:{narrow}-seed{pair[0]}", f"zoo:{wide}-seed{pair[1]}"]
@@ -58,11 +61,13 @@ def barriers(narrow: str, wide: str, pair: tuple[int, int], learned: bool) -> di
     result = run({**body, "evaluate": evaluate, "data": setting["data"]})
     out = {name: {**result.barriers[name], "curve": result.findings.curves[name]} for name in result.barriers}
     print(f"<!-- {models[0]} vs {models[1]}: {time.perf_counter() - start:.0f} s; notes: {result.notes} -->")
-    if learned:
-        result = run({**body, "strategy": LEARNED, "evaluate": {**evaluate, "compare": []}, "data": setting["data"]})
+    for sampler in (samplers or [None]) if learned else []:
+        strategy = {**LEARNED, "sampler": sampler} if sampler else LEARNED
+        result = run({**body, "strategy": strategy, "evaluate": {**evaluate, "compare": []}, "data": setting["data"]})
         name = "generalized-orthogonal"
-        out["learned"] = {**result.barriers[name], "curve": result.findings.curves[name]}
-        print(f"<!-- learned notes: {[n for n in result.notes if 'λ' in n or 'learned' in n]} -->")
+        label = f"learned, sampler {sampler or 'unset (wide(0.5, 0.9))'}"
+        out[label] = {**result.barriers[name], "curve": result.findings.curves[name]}
+        print(f"<!-- {label} notes: {[n for n in result.notes if 'λ' in n or 'learned' in n]} -->")
     return out
 
 
@@ -127,13 +132,15 @@ def main() -> None:
     parser.add_argument("--wide", default="gpt2-d128")
     parser.add_argument("--pairs", nargs="*", default=["0:1"], help="seed pairs A:B (A narrow, B wide)")
     parser.add_argument("--learned", action="store_true")
+    parser.add_argument("--samplers", nargs="*", default=None, help="learned: λ samplers to compare")
     parser.add_argument("--transport", action="store_true")
+    parser.add_argument("--target", default=None, help="transport: the target's zoo kind (default: --wide)")
     args = parser.parse_args()
     if args.transport:
-        print(transport("zoo:gpt2-seed0", "zoo:gpt2-ft-seed0", f"zoo:{args.wide}-seed1", STRATEGIES))
+        print(transport("zoo:gpt2-seed0", "zoo:gpt2-ft-seed0", f"zoo:{args.target or args.wide}-seed1", STRATEGIES))
         return
     pairs = [(int(a), int(b)) for a, b in (p.split(":") for p in args.pairs)]
-    found = {pair: barriers(args.narrow, args.wide, pair, args.learned) for pair in pairs}
+    found = {pair: barriers(args.narrow, args.wide, pair, args.learned, args.samplers) for pair in pairs}
     print(f"**{args.narrow} (A) vs {args.wide} (B)**, linear barrier (nats)\n")
     print(table(found, "linear"))
     print("\nmidpoint barrier (nats)\n")

@@ -24,7 +24,7 @@ from hf_rebasin.data import char_tokenizer, shakespeare_text
 from hf_rebasin.embed import embed_model
 from hf_rebasin.recipe import load_recipe
 from hf_rebasin.run.load import load_workspace
-from hf_rebasin.run.pipeline import run_job
+from hf_rebasin.run.pipeline import run_job, run_recipe
 from hf_rebasin.run.plan import build_plan
 
 WIDE = {  # hidden 32 → 48, heads 4 → 6 (head_dim 8 kept; Llama: KV groups 2 → 3), units grown
@@ -270,3 +270,31 @@ def test_embed_writes_a_folder_the_stock_class_loads_with_the_same_logits(tmp_pa
     # the other way round: nothing is written
     proc = run_main("embed", str(tmp_path / "w"), "--like", str(tmp_path / "n"), "--output", str(tmp_path / "x"))
     assert proc.returncode == 2 and "narrower" in proc.stderr and not (tmp_path / "x").exists()
+
+
+def test_the_shipped_recipe_runs_end_to_end_on_stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """recipes/barrier-widths.yaml with untrained stand-ins where the zoo keeps its two models."""
+    from hf_rebasin import train
+
+    spec = yaml.safe_load((Path(__file__).parents[1] / "recipes" / "barrier-widths.yaml").read_text(encoding="utf-8"))
+    tok = char_tokenizer(shakespeare_text())
+    for ref, (d, heads) in zip(spec["models"], ((16, 2), (32, 4)), strict=True):
+        kind, seed = ref.removeprefix("zoo:").rsplit("-seed", 1)
+        folder = train.zoo_folder(kind, int(seed), tmp_path / "zoo")
+        torch.manual_seed(int(seed))
+        config = T.GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=d, n_layer=1, n_head=heads, pad_token_id=0)
+        T.GPT2LMHeadModel(config).save_pretrained(str(folder))
+        tok.save_pretrained(str(folder))
+        (folder / train.TRAINING_FILE).write_text(json.dumps({"kind": kind, "seed": int(seed)}))
+    monkeypatch.setenv("HF_REBASIN_CACHE", str(tmp_path))
+    spec["evaluate"].update(points=3, max_tokens=1024)
+    spec["output"] = {"dir": "out"}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    run_recipe(load_recipe(path))
+    record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
+    assert (
+        "res (residual features): 16 → 32" in record["models"][0]["embedded"] and "embedded" not in record["models"][1]
+    )
+    assert set(record["curves"]) == {spec["strategy"], *spec["evaluate"]["compare"]}
+    assert record["function_preserved"]["max_abs_diff"] < 1e-4
