@@ -6,8 +6,8 @@ narrower model is embedded into the wider shape, then every strategy aligns them
     python benchmarks/bench_widths.py --wide gpt2-d96 --pairs 0:1 1:0
     python benchmarks/bench_widths.py --narrow vit --wide vit-d128     # digits, image classification
     python benchmarks/bench_widths.py --transport                      # gpt2-ft-seed0 onto gpt2-d128-seed1
-    python benchmarks/bench_widths.py --learned                        # add learned matching (wide sampler)
-    python benchmarks/bench_widths.py --learned --samplers "wide(0.5, 0.9)" "uniform(0.4, 0.6)"
+    python benchmarks/bench_widths.py --learned                        # add learned matching (its default λ)
+    python benchmarks/bench_widths.py --learned --samplers "wide(0.5, 0.9)" "uniform(0.4, 0.6)" "wide(0.1, 0.5)"
 
 Zoo models are trained on first use (about a minute each). Prints Markdown tables: per strategy the
 linear and midpoint barriers (nats, held-out data, 21 λ) per pair and their median, then the losses
@@ -65,7 +65,7 @@ def barriers(
         strategy = {**LEARNED, "sampler": sampler} if sampler else LEARNED
         result = run({**body, "strategy": strategy, "evaluate": {**evaluate, "compare": []}, "data": setting["data"]})
         name = "generalized-orthogonal"
-        label = f"learned, sampler {sampler or 'unset (wide(0.5, 0.9))'}"
+        label = f"learned, sampler {sampler or 'unset (the default for different widths)'}"
         out[label] = {**result.barriers[name], "curve": result.findings.curves[name]}
         print(f"<!-- {label} notes: {[n for n in result.notes if 'λ' in n or 'learned' in n]} -->")
     return out
@@ -116,10 +116,10 @@ def transport(base: str, finetuned: str, target: str, strategies: list[str]) -> 
         moved = run({**body, **extra, "strategy": strategy, "evaluate": evaluate}).findings.transport
         task, support = moved.loss, moved.support.loss
         if not rows:  # the same in every run
-            rows.append(("fine-tune on its narrow base", task.finetuned, support.finetuned))
-            rows.append(("target (wide) alone", task.target, support.target))
-            rows.append(("naive: target + embedded τ", task.naive[0], support.naive[0]))
-        rows.append((f"{name}: target + π(embedded τ)", task.transported[0], support.transported[0]))
+            rows.append(("fine-tune, on its own base", task.finetuned, support.finetuned))
+            rows.append(("target alone", task.target, support.target))
+            rows.append(("naive: target + τ (embedded where the target is wider)", task.naive[0], support.naive[0]))
+        rows.append((f"{name}: target + π(τ)", task.transported[0], support.transported[0]))
     lines = [f"{finetuned} (fine-tune of {base}) onto {target}, α = 1", "", "| model | task loss | support loss |"]
     lines.append("|---|---:|---:|")
     lines += [f"| {label} | {t:.3f} | {s:.3f} |" for label, t, s in rows]

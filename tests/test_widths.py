@@ -217,6 +217,8 @@ def test_a_transport_onto_a_narrower_target_is_refused(tmp_path: Path) -> None:
     ("case", "sizes", "reason"),
     [
         ("llama-gqa", dict(num_hidden_layers=3, intermediate_size=64), "depth"),
+        ("llama-gqa", dict(vocab_size=tiny.V + 8, intermediate_size=64), "vocabulary"),
+        ("mixtral", dict(num_local_experts=6, intermediate_size=64), "number of experts"),
         ("llama-gqa", dict(head_dim=12), "rotary"),
         ("bert-mlm", dict(hidden_size=48, num_attention_heads=6), "post-norm"),
     ],
@@ -243,7 +245,7 @@ def test_the_wide_sampler_needs_models_of_different_widths(tmp_path: Path) -> No
     assert "both models have one width" in _refused(tmp_path, body)
 
 
-def test_learned_matching_across_widths_draws_lambda_toward_the_wide_model(tmp_path: Path) -> None:
+def test_learned_matching_across_widths_draws_lambda_on_the_narrow_side(tmp_path: Path) -> None:
     narrow, wide = _planted("gpt2")
     _save(narrow, tmp_path / "n")
     _save(wide, tmp_path / "w")
@@ -252,7 +254,7 @@ def test_learned_matching_across_widths_draws_lambda_toward_the_wide_model(tmp_p
     proc = run_main(str(_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
-    assert any("A's weight uniform(0.1, 0.5)" in n for n in record["notes"])
+    assert any("wide(0.1, 0.5)" in n and "A's weight uniform(0.5, 0.9)" in n for n in record["notes"])
 
 
 def test_embed_writes_a_folder_the_stock_class_loads_with_the_same_logits(tmp_path: Path) -> None:

@@ -236,10 +236,12 @@ def default_learned_lr(images: bool) -> float:
 
 
 _SAMPLER = re.compile(r"\s*(uniform|fixed|wide)\s*\(\s*([0-9.eE+-]+)\s*(?:,\s*([0-9.eE+-]+)\s*)?\)\s*")
-# learned matching of models of different widths: the wide model's weight, drawn per step (the
-# merged model has the wide shape; the narrow one's added features are zeros, so λ near the narrow
-# end is a model with its capacity partly unused)
-WIDE_SAMPLER = "wide(0.5, 0.9)"
+# learned matching of models of different widths: ``wide(a, b)`` draws the wider model's weight
+# from [a, b]. Their barrier peaks on the narrow side of the line (λ_narrow ≈ 0.5–0.75), so the
+# default draws λ there: on zoo GPT-2 d 64 / d 128 (2 pairs) wide(0.1, 0.5) left 25–27 % of
+# vanilla's barrier, uniform(0.4, 0.6) 28–29 %, wide(0.5, 0.9) (toward the wide model) 38 %; on
+# two ViT widths 11 %, 39 % and 110 % (benchmarks/bench_widths.py --samplers)
+WIDE_SAMPLER = "wide(0.1, 0.5)"
 
 
 def parse_sampler(text: str) -> tuple[float, float]:
@@ -279,11 +281,9 @@ def sampler_for(text: str, wide: str | None, explicit: bool) -> tuple[str, str |
     if wide == "b":
         low, high = 1.0 - high, 1.0 - low
     resolved = f"uniform({low:g}, {high:g})"
-    why = "the sampler for models of different widths" if not explicit else "the recipe's sampler"
+    why = "the default for models of different widths" if not explicit else "the recipe's sampler"
     side = "A" if wide == "a" else "B"
-    return resolved, (
-        f"learned matching: λ drawn toward the wider model ({side}): {text} ({why}), i.e. A's weight {resolved}"
-    )
+    return resolved, f"learned matching: λ from {text} ({why}; the wider model is {side}), i.e. A's weight {resolved}"
 
 
 class GeneralizedOrthogonalOptions(Options):
@@ -319,7 +319,8 @@ class GeneralizedOrthogonalOptions(Options):
     sampler: str = Field(
         "uniform(0.4, 0.6)",
         description="learned: λ (A's weight) per step, `uniform(a, b)` or `fixed(x)`; `wide(a, b)` draws the wider "
-        f"model's weight from [a, b] for models of different widths (their default: `{WIDE_SAMPLER}`)",
+        f"model's weight from [a, b] for models of different widths (their default: `{WIDE_SAMPLER}`, toward the "
+        "narrow model, where their barrier peaks; `wide(0.5, 0.9)` samples toward the wide one)",
     )
     learn_heads: bool = Field(True, description="learned: learn which head of B goes to which head of A too")
     learn_glu_scales: bool = Field(
