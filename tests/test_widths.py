@@ -25,7 +25,7 @@ from hf_rebasin.embed import embed_model
 from hf_rebasin.recipe import load_recipe
 from hf_rebasin.run.load import load_workspace
 from hf_rebasin.run.pipeline import run_job, run_recipe
-from hf_rebasin.run.plan import build_plan
+from hf_rebasin.run.plan import build_plan, plan
 
 WIDE = {  # hidden 32 → 48, heads 4 → 6 (head_dim 8 kept; Llama: KV groups 2 → 3), units grown
     "gpt2": dict(n_embd=48, n_head=6),
@@ -293,6 +293,11 @@ def test_the_shipped_recipe_runs_end_to_end_on_stand_ins(tmp_path: Path, monkeyp
     spec["output"] = {"dir": "out"}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    dry = plan(load_recipe(path))  # --dry-run: said before any weight is loaded
+    assert dry[dry.index(next(x for x in dry if x.startswith("widths differ"))) + 1 :][:2] == [
+        "  A: n_embd 16, n_head 2",
+        "  B: n_embd 32, n_head 4",
+    ]
     run_recipe(load_recipe(path))
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
     assert (

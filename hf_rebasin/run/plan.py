@@ -64,9 +64,24 @@ class Plan:
                 lines.append(f"resolved: {m.ref} -> commit {m.resolved.commit}{CACHED if m.resolved.cached else ''}")
         lines.append("downloads:")
         lines.extend(f"  {name}: {download_line(m)}" for name, m in zip(self.models.names, self.all, strict=True))
+        lines.extend(self.width_lines())
         if self.memory is not None:
             lines.extend(self.memory.lines())
         lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
+        return lines
+
+    def width_lines(self) -> list[str]:
+        """Models of different widths (read from config.json): what the run will embed."""
+        from .widths import config_widths
+
+        found = [config_widths(_folder(m)) for m in self.all]
+        known = [w for w in found if w is not None]
+        if not known or all(w == known[0] for w in known[1:]):
+            return []
+        lines = ["widths differ: the narrower models are written into the widest shape when loaded (in memory):"]
+        for name, w in zip(self.models.names, found, strict=True):
+            shown = ", ".join(f"{k} {v}" for k, v in (w or {}).items() if v is not None) or "unknown until downloaded"
+            lines.append(f"  {name}: {shown}")
         return lines
 
 
