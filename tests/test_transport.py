@@ -206,15 +206,16 @@ def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
     assert "# Transported: ft moved onto target" in card and "## Transport" in card
     assert "this model: B + 1·π(τ)" in card and "On the support data" in card and "| fine-tune A + τ |" in card
 
-    # a target of another architecture, and a fine-tune that is not of the base's shape: exit 2
+    # a target narrower than the base (a wide task vector has no exact image there), and a fine-tune
+    # that is not of the base's shape: exit 2
     T.GPT2LMHeadModel(T.GPT2Config(vocab_size=tiny.V, n_embd=24, n_layer=1, n_head=2)).save_pretrained(
         str(tmp_path / "other")
     )
     tok.save_pretrained(str(tmp_path / "other"))
-    for key in ("target", "finetuned"):
+    for key, needle in (("target", "narrower than the base"), ("finetuned", "shape")):
         bad = dict(recipe, **{key: "./other"}, output={"dir": "bad"})
         path.write_text(yaml.safe_dump(bad, sort_keys=False), encoding="utf-8")
-        assert_user_error(run_main(str(path), env=env), "shape")
+        assert_user_error(run_main(str(path), env=env), needle)
         assert not (tmp_path / "bad").exists()
 
 
