@@ -305,3 +305,25 @@ def test_the_shipped_recipe_runs_end_to_end_on_stand_ins(tmp_path: Path, monkeyp
     )
     assert set(record["curves"]) == {spec["strategy"], *spec["evaluate"]["compare"]}
     assert record["function_preserved"]["max_abs_diff"] < 1e-4
+
+
+def test_a_lora_adapter_on_a_narrow_base_moves_onto_a_wider_target_as_a_full_model(tmp_path: Path) -> None:
+    """Its factors have the narrow base's widths: merged into that base, embedded and moved as a full
+    fine-tune; the output is a full model of the target's shape computing what base + adapter does."""
+    peft = pytest.importorskip("peft")
+    base, target = _planted("llama-gqa")
+    _save(base, tmp_path / "base")
+    _save(target, tmp_path / "target")
+    torch.manual_seed(5)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    wrapped = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    wrapped.save_pretrained(str(tmp_path / "lora"))
+    body = {"job": "transport", "base": "./base", "finetuned": "./lora", "target": "./target"}
+    body |= {"strategy": "weight-matching", "alpha": 1.0, "output": {"dir": "out"}}
+    proc = run_main(str(_recipe(tmp_path, body)))
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out"
+    assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
+    assert (_logits(_stock(out)) - _logits(wrapped)).abs().max() <= 1e-4
+    record = json.loads((out / "rebasin.json").read_text(encoding="utf-8"))
+    assert any("moved as a full fine-tune" in n for n in record["notes"])

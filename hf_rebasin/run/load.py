@@ -146,6 +146,11 @@ def load_workspace(
             ignored_note(str(m.ref), lm.ignored) for m, lm in zip(inputs.all, models.all, strict=True) if lm.ignored
         )
         notes.extend(lm.embedded for lm in models.all if lm.embedded)
+        if isinstance(models, TransportRoles) and models.finetune.embedded and is_adapter(models.finetune.path):
+            notes.append(
+                "the LoRA adapter was merged into its narrower base and moved as a full fine-tune: the output is a "
+                "full model of the target's shape, not an adapter (its factors have the narrow base's widths)"
+            )
         sources = [lm.source for lm in models.all if lm.source is not None]
         if sources:
             on = sources[0].device
@@ -276,6 +281,7 @@ def _load_models(
     where = [f"{m.ref.label or m.ref.model} (`{m.where}`)" for m in (inputs.reference, inputs.base, inputs.finetune)]
     if transport_widths(reference, base, where):
         (reference, base, finetune), _ = to_widest([reference, base, finetune], where, into=0)
+        adapter = None  # its factors are the narrow base's: moved as the full fine-tune it merges into
     check_compatible(reference, base)
     return TransportRoles(reference, base, finetune), adapter
 
