@@ -327,3 +327,20 @@ def test_a_lora_adapter_on_a_narrow_base_moves_onto_a_wider_target_as_a_full_mod
     assert (_logits(_stock(out)) - _logits(wrapped)).abs().max() <= 1e-4
     record = json.loads((out / "rebasin.json").read_text(encoding="utf-8"))
     assert any("moved as a full fine-tune" in n for n in record["notes"])
+
+
+def test_job_align_writes_both_models_in_the_wide_shape(tmp_path: Path) -> None:
+    narrow, wide = _planted("llama-gqa")
+    _save(narrow, tmp_path / "n")
+    _save(wide, tmp_path / "w")
+    body = {"job": "align", "models": ["./n", "./w"], "strategy": "weight-matching", "output": {"dir": "out"}}
+    proc = run_main(str(_recipe(tmp_path, body)))
+    assert proc.returncode == 0, proc.stderr
+    a, b = _stock(tmp_path / "out" / "a"), _stock(tmp_path / "out" / "b")
+    assert a.config.hidden_size == b.config.hidden_size == 48
+    assert (_logits(a) - _logits(narrow)).abs().max() <= 1e-4  # A embedded (the wide config's ε is its own here)
+    assert (_logits(b) - _logits(wide)).abs().max() <= 1e-4  # B in A's basis
+    assert (
+        _stock(tmp_path / "out" / "b").state_dict()["model.embed_tokens.weight"]
+        - a.state_dict()["model.embed_tokens.weight"]
+    ).abs().max() <= 1e-5  # the planted map undone: B's weights are A's
