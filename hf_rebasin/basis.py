@@ -19,13 +19,12 @@ import torch
 from torch import Tensor
 
 from . import __version__
-from .adapters import get_adapter
 from .embed import Embedding
 from .export import copy_support_files, save_merged_model
 from .hub import is_path
 from .models import WRITABLE_DTYPES, LoadedModel, dtype_name, rebuilt
 from .output import output_folder, write_json, write_text
-from .verify import check_preserved, example_inputs, logits_gap, tolerance
+from .verify import check_preserved, example_gap, tolerance
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -47,11 +46,7 @@ class Gap:
 
 def function_gap(original: PreTrainedModel, state_dict: Mapping[str, Tensor], untie: bool) -> Gap:
     """How far ``original`` rebuilt from ``state_dict`` moves its logits on `verify`'s example inputs."""
-    spec = get_adapter(original.config.model_type)
-    device = next(original.parameters()).device
-    inputs = example_inputs(spec, original.config, torch.Generator().manual_seed(0))
-    inputs = {k: v.to(device) for k, v in inputs.items()}
-    return Gap(*logits_gap(original, rebuilt(original, state_dict, untie), inputs))
+    return Gap(*example_gap(original, rebuilt(original, state_dict, untie)))
 
 
 def check_gaps(gaps: Mapping[str, Gap]) -> None:
@@ -167,10 +162,7 @@ def write_embedded(
     the narrow model's tokenizer files, ``embedding.json`` and a README saying what was padded; its
     logits are checked against the narrow model's first (nothing is written when they differ).
     ``given``: the narrow model and the wide one as named on the command line."""
-    spec = get_adapter(loaded.model.config.model_type)
-    device = next(loaded.model.parameters()).device
-    examples = example_inputs(spec, loaded.model.config, torch.Generator().manual_seed(0))
-    gap = Gap(*logits_gap(loaded.model, wide, {k: v.to(device) for k, v in examples.items()}))
+    gap = Gap(*example_gap(loaded.model, wide))
     check_preserved(gap.max_abs_diff, gap.scale, "the embedded model")
     dtype = written_dtype(loaded)
     record = {

@@ -271,19 +271,24 @@ def _load_models(
     reference = placed(lambda: loaded(inputs.reference))
     if isinstance(inputs, MergeRoles):
         others = [placed(partial(loaded, m)) for m in inputs.others]
-        every, _ = to_widest([reference, *others], [f"{m.ref.label or m.ref.model} (`{m.where}`)" for m in inputs.all])
+        every, _ = to_widest([reference, *others], [_named(m) for m in inputs.all])
         for lm in every[1:]:
             check_compatible(every[0], lm)
         return MergeRoles(every[0], tuple(every[1:])), None
     base = placed(partial(loaded, inputs.base))
     finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe, stream=stream, device=on)
     placed(lambda: finetune)
-    where = [f"{m.ref.label or m.ref.model} (`{m.where}`)" for m in (inputs.reference, inputs.base, inputs.finetune)]
+    where = [_named(m) for m in (inputs.reference, inputs.base, inputs.finetune)]
     if transport_widths(reference, base, where):
         (reference, base, finetune), _ = to_widest([reference, base, finetune], where, into=0)
         adapter = None  # its factors are the narrow base's: moved as the full fine-tune it merges into
     check_compatible(reference, base)
     return TransportRoles(reference, base, finetune), adapter
+
+
+def _named(m: PlannedModel) -> str:
+    """How width notes and refusals name a model: as the recipe gives it, with its field."""
+    return f"{m.ref.label or m.ref.model} (`{m.where}`)"
 
 
 def transport_widths(target: LoadedModel, base: LoadedModel, where: list[str]) -> bool:
