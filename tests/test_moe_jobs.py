@@ -11,28 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
-import yaml
 from safetensors import safe_open
 
 import tiny
 from helpers import run_main
 from hf_rebasin.adapters import graph_for
-from hf_rebasin.data import char_tokenizer, shakespeare_text
 from hf_rebasin.recipe import load_recipe
 from hf_rebasin.run.load import load_workspace
 from hf_rebasin.run.pipeline import run_job
 from hf_rebasin.run.plan import build_plan
-
-
-def _save(model: torch.nn.Module, folder: Path) -> Path:
-    tok = char_tokenizer(shakespeare_text(["hamlet"])[:3000].lower())
-    model.save_pretrained(str(folder))
-    tok.save_pretrained(str(folder))
-    return folder
-
-
-def _stock(folder: Path) -> T.PreTrainedModel:
-    return T.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+from lm_folders import fixed_logits, save_lm, stock_lm, transformers_loss, write_recipe
 
 
 def _keys(folder: Path) -> set[str]:
@@ -43,36 +31,20 @@ def _keys(folder: Path) -> set[str]:
     return out
 
 
-def _logits(model: T.PreTrainedModel) -> torch.Tensor:
-    ids = torch.arange(40).reshape(2, 20) % model.config.vocab_size
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
-def _recipe(root: Path, body: dict) -> Path:
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump({**body, "device": "cpu", "cache": False}, sort_keys=False), encoding="utf-8")
-    return path
-
-
 def test_a_barrier_of_two_mixtrals_scores_its_ends_as_transformers_does(tmp_path: Path) -> None:
     for seed in (0, 1):
-        _save(tiny.mixtral(seed), tmp_path / f"m{seed}")
+        save_lm(tiny.mixtral(seed), tmp_path / f"m{seed}")
     evaluate = {"task": "causal-lm", "data": {"dataset": "shakespeare", "name": "hamlet", "split": "test"}}
     evaluate |= {"max_tokens": 400, "points": 3, "compare": ["vanilla"]}
     body = {"job": "barrier", "models": ["./m0", "./m1"], "strategy": "weight-matching", "evaluate": evaluate}
-    workspace = load_workspace(build_plan(load_recipe(_recipe(tmp_path, {**body, "output": {"dir": "out"}}))))
+    workspace = load_workspace(build_plan(load_recipe(write_recipe(tmp_path, {**body, "output": {"dir": "out"}}))))
     done = run_job(workspace)
-    a, b = _stock(tmp_path / "m0"), _stock(tmp_path / "m1")
+    a, b = stock_lm(tmp_path / "m0"), stock_lm(tmp_path / "m1")
+
+    assert workspace.eval_batches is not None
 
     def plain(model: T.PreTrainedModel) -> float:
-        total = count = 0.0
-        with torch.no_grad():
-            for batch in workspace.eval_batches:
-                n = int((batch["labels"][:, 1:] != -100).sum())
-                total += float(model(**batch).loss) * n
-                count += n
-        return total / count
+        return transformers_loss(model, workspace.eval_batches)
 
     for name in ("weight-matching", "vanilla"):
         curve = done.result.findings.curves[name]
@@ -101,31 +73,31 @@ def test_a_transport_onto_a_permuted_base_gives_back_the_fine_tune(case: str, tm
     target = type(base)(base.config).eval()
     target.load_state_dict(graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(5))))
     for name, model in (("base", base), ("ft", finetuned), ("target", target)):
-        _save(model, tmp_path / name)
+        save_lm(model, tmp_path / name)
     body = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}
     body |= {"strategy": "weight-matching", "alpha": 1.0, "output": {"dir": "out"}}
-    proc = run_main(str(_recipe(tmp_path, body)))
+    proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
-    out = _stock(tmp_path / "out")
-    assert (_logits(out) - _logits(finetuned)).abs().max() <= 1e-4
+    out = stock_lm(tmp_path / "out")
+    assert (fixed_logits(out) - fixed_logits(finetuned)).abs().max() <= 1e-4
     assert _keys(tmp_path / "out") == _keys(tmp_path / "target")  # per expert, as its inputs
 
 
 def test_align_writes_each_mixtral_in_the_first_ones_basis(tmp_path: Path) -> None:
     for seed in (0, 1):
-        _save(tiny.mixtral(seed), tmp_path / f"m{seed}")
+        save_lm(tiny.mixtral(seed), tmp_path / f"m{seed}")
     body = {"job": "align", "models": ["./m0", "./m1"], "strategy": "weight-matching", "output": {"dir": "out"}}
-    proc = run_main(str(_recipe(tmp_path, body)))
+    proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
     for seed, sub in ((0, "a"), (1, "b")):
-        moved, original = _stock(tmp_path / "out" / sub), _stock(tmp_path / f"m{seed}")
-        assert (_logits(moved) - _logits(original)).abs().max() <= 1e-4
+        moved, original = stock_lm(tmp_path / "out" / sub), stock_lm(tmp_path / f"m{seed}")
+        assert (fixed_logits(moved) - fixed_logits(original)).abs().max() <= 1e-4
         assert _keys(tmp_path / "out" / sub) == _keys(tmp_path / f"m{seed}")
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
     assert record["recipe"]["job"] == "align"
-    a = _stock(tmp_path / "m0").state_dict()
-    b = _stock(tmp_path / "m1").state_dict()
-    moved_b = _stock(tmp_path / "out" / "b").state_dict()
+    a = stock_lm(tmp_path / "m0").state_dict()
+    b = stock_lm(tmp_path / "m1").state_dict()
+    moved_b = stock_lm(tmp_path / "out" / "b").state_dict()
     name = "model.layers.0.mlp.experts.gate_up_proj"
     assert (moved_b[name] - a[name]).norm() < (b[name] - a[name]).norm()  # closer to A once aligned
 
@@ -139,7 +111,7 @@ def test_head_perm_on_streamed_mixtrals_writes_what_it_writes_in_memory(
     from hf_rebasin.run import load as run_load
 
     for seed in (0, 1):
-        _save(tiny.mixtral(seed), tmp_path / f"m{seed}")
+        save_lm(tiny.mixtral(seed), tmp_path / f"m{seed}")
     data = {"dataset": "shakespeare", "name": "hamlet", "split": "train", "max_tokens": 600}
     outputs = {}
     for stream in (False, True):
@@ -147,9 +119,9 @@ def test_head_perm_on_streamed_mixtrals_writes_what_it_writes_in_memory(
         body = {"job": "merge", "models": ["./m0", "./m1"], "strategy": {"name": "head-perm", "residual": residual}}
         body |= {"data": data, "output": {"dir": name}}
         monkeypatch.setattr(run_load, "streamed", lambda _recipe, _models, s=stream: s)
-        proc = run_main(str(_recipe(tmp_path, body)))
+        proc = run_main(str(write_recipe(tmp_path, body)))
         assert proc.returncode == 0, proc.stderr
-        outputs[name] = _stock(tmp_path / name).state_dict()
+        outputs[name] = stock_lm(tmp_path / name).state_dict()
     assert all(float((outputs["memory"][k] - outputs["streamed"][k]).abs().max()) <= 1e-5 for k in outputs["memory"])
     record = json.loads((tmp_path / "streamed" / "rebasin.json").read_text(encoding="utf-8"))
     assert record["function_preserved"]["max_abs_diff"] < 1e-4

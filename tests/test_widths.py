@@ -26,6 +26,7 @@ from hf_rebasin.recipe import load_recipe
 from hf_rebasin.run.load import load_workspace
 from hf_rebasin.run.pipeline import run_job, run_recipe
 from hf_rebasin.run.plan import build_plan, plan
+from lm_folders import fixed_logits, save_lm, stock_lm, transformers_loss, write_recipe
 
 WIDE = {  # hidden 32 → 48, heads 4 → 6 (head_dim 8 kept; Llama: KV groups 2 → 3), units grown
     "gpt2": dict(n_embd=48, n_head=6),
@@ -34,29 +35,6 @@ WIDE = {  # hidden 32 → 48, heads 4 → 6 (head_dim 8 kept; Llama: KV groups 2
 EVALUATE = {"task": "causal-lm", "data": {"dataset": "shakespeare", "name": "hamlet", "split": "test"}}
 EVALUATE |= {"max_tokens": 400}
 DATA = {"dataset": "shakespeare", "name": "hamlet", "split": "train", "max_tokens": 2000, "block_size": 32}
-
-
-def _save(model: torch.nn.Module, folder: Path) -> Path:
-    tok = char_tokenizer(shakespeare_text(["hamlet"])[:3000].lower())
-    model.save_pretrained(str(folder))
-    tok.save_pretrained(str(folder))
-    return folder
-
-
-def _stock(folder: Path) -> T.PreTrainedModel:
-    return T.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
-
-
-def _logits(model: T.PreTrainedModel) -> torch.Tensor:
-    ids = torch.arange(40).reshape(2, 20) % model.config.vocab_size
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
-def _recipe(root: Path, body: dict[str, Any]) -> Path:
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump({**body, "device": "cpu", "cache": False}, sort_keys=False), encoding="utf-8")
-    return path
 
 
 def _like(model: T.PreTrainedModel, case: str) -> Any:
@@ -80,30 +58,23 @@ def _planted(case: str, cls: str = "permutation", seed: int = 5) -> tuple[T.PreT
     return narrow, wide
 
 
-def _plain_loss(model: T.PreTrainedModel, batches: list[dict[str, torch.Tensor]]) -> float:
-    total = count = 0.0
-    with torch.no_grad():
-        for batch in batches:
-            n = int((batch["labels"][:, 1:] != -100).sum())
-            total += float(model(**batch).loss) * n
-            count += n
-    return total / count
-
-
 def test_a_barrier_across_widths_scores_its_ends_as_transformers_does(tmp_path: Path) -> None:
     narrow = tiny.gpt2(0)
     torch.manual_seed(1)
     wide = T.GPT2LMHeadModel(_like(tiny.gpt2(1), "gpt2")).eval()
-    _save(narrow, tmp_path / "n")
-    _save(wide, tmp_path / "w")
+    save_lm(narrow, tmp_path / "n")
+    save_lm(wide, tmp_path / "w")
     body = {"job": "barrier", "models": ["./n", "./w"], "strategy": "weight-matching", "output": {"dir": "out"}}
     body["evaluate"] = {**EVALUATE, "points": 3, "compare": ["vanilla"]}
-    ws = load_workspace(build_plan(load_recipe(_recipe(tmp_path, body))))
+    ws = load_workspace(build_plan(load_recipe(write_recipe(tmp_path, body))))
     assert ws.models.reference.embedded and "res (residual features): 32 → 48" in ws.models.reference.embedded
     assert ws.models.others[0].embedded is None
     done = run_job(ws)
     assert ws.eval_batches is not None
-    a, b = _plain_loss(_stock(tmp_path / "n"), ws.eval_batches), _plain_loss(_stock(tmp_path / "w"), ws.eval_batches)
+    a, b = (
+        transformers_loss(stock_lm(tmp_path / "n"), ws.eval_batches),
+        transformers_loss(stock_lm(tmp_path / "w"), ws.eval_batches),
+    )
     for name in ("weight-matching", "vanilla"):
         curve = done.result.findings.curves[name]["loss"]
         assert curve[-1] == pytest.approx(a, rel=1e-4)  # λ = 1: the narrow model, embedded (the wide config's ε)
@@ -120,15 +91,15 @@ def test_weight_matching_recovers_a_map_planted_in_the_wider_shape(
     the padding, the midpoint of the two is that embedding, so the merged model (wide shape, stock
     class) computes the narrow model's logits, whichever of the two is the reference."""
     narrow, wide = _planted(case)
-    _save(narrow, tmp_path / "n")
-    _save(wide, tmp_path / "w")
+    save_lm(narrow, tmp_path / "n")
+    save_lm(wide, tmp_path / "w")
     models = ["./n", "./w"] if narrow_first else ["./w", "./n"]
     body = {"job": "merge", "models": models, "strategy": "weight-matching", "output": {"dir": "out"}}
-    proc = run_main(str(_recipe(tmp_path, body)))
+    proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
-    merged = _stock(tmp_path / "out")
+    merged = stock_lm(tmp_path / "out")
     assert merged.config.hidden_size == 48 and merged.config.num_attention_heads == 6
-    assert (_logits(merged) - _logits(narrow)).abs().max() <= 1e-4
+    assert (fixed_logits(merged) - fixed_logits(narrow)).abs().max() <= 1e-4
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
     grown = [m.get("embedded") for m in record["models"]]
     assert (grown[0] is not None, grown[1] is not None) == (narrow_first, not narrow_first)
@@ -148,14 +119,14 @@ def test_every_strategy_recovers_a_map_across_widths(strategy: Any, cls: str, tm
     (the padding is free coordinates of the rotation), and head-perm's statistics on real text, where
     the narrow model's added units and heads have zero variance."""
     narrow, wide = _planted("llama-gqa", cls)
-    _save(narrow, tmp_path / "n")
-    _save(wide, tmp_path / "w")
+    save_lm(narrow, tmp_path / "n")
+    save_lm(wide, tmp_path / "w")
     body = {"job": "merge", "models": ["./n", "./w"], "strategy": strategy, "output": {"dir": "out"}}
     if isinstance(strategy, dict) and strategy["name"] == "head-perm":
         body["data"] = DATA
-    proc = run_main(str(_recipe(tmp_path, body)))
+    proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
-    assert (_logits(_stock(tmp_path / "out")) - _logits(narrow)).abs().max() <= 1e-4
+    assert (fixed_logits(stock_lm(tmp_path / "out")) - fixed_logits(narrow)).abs().max() <= 1e-4
 
 
 def test_a_universe_of_three_widths_has_the_widest_shape(tmp_path: Path) -> None:
@@ -163,12 +134,12 @@ def test_a_universe_of_three_widths_has_the_widest_shape(tmp_path: Path) -> None
         config = copy.deepcopy(tiny.gpt2(0).config)
         config.n_embd, config.n_head = d, heads
         torch.manual_seed(seed)
-        _save(T.GPT2LMHeadModel(config), tmp_path / f"m{seed}")
+        save_lm(T.GPT2LMHeadModel(config), tmp_path / f"m{seed}")
     body = {"job": "merge", "models": ["./m0", "./m1", "./m2"], "strategy": "weight-matching"}
     body |= {"merge": {"universe": True}, "output": {"dir": "out"}}
-    proc = run_main(str(_recipe(tmp_path, body)))
+    proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
-    assert _stock(tmp_path / "out").config.n_embd == 48
+    assert stock_lm(tmp_path / "out").config.n_embd == 48
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
     assert [m.get("embedded") is not None for m in record["models"]] == [True, True, False]
 
@@ -187,18 +158,18 @@ def test_a_narrow_bases_fine_tune_moves_onto_a_wider_target(case: str, tmp_path:
         }
     )
     for name, model in (("base", base), ("ft", finetuned), ("target", target)):
-        _save(model, tmp_path / name)
+        save_lm(model, tmp_path / name)
     body = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}
     body |= {"strategy": "weight-matching", "alpha": 1.0, "output": {"dir": "out"}}
-    proc = run_main(str(_recipe(tmp_path, body)))
+    proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
-    out = _stock(tmp_path / "out")
+    out = stock_lm(tmp_path / "out")
     assert out.config.hidden_size == 48
-    assert (_logits(out) - _logits(finetuned)).abs().max() <= 1e-4
+    assert (fixed_logits(out) - fixed_logits(finetuned)).abs().max() <= 1e-4
 
 
 def _refused(tmp_path: Path, body: dict[str, Any]) -> str:
-    proc = run_main(str(_recipe(tmp_path, {**body, "output": {"dir": "out"}})))
+    proc = run_main(str(write_recipe(tmp_path, {**body, "output": {"dir": "out"}})))
     assert proc.returncode == 2, proc.stderr
     assert not (tmp_path / "out").exists()
     return proc.stderr
@@ -207,7 +178,7 @@ def _refused(tmp_path: Path, body: dict[str, Any]) -> str:
 def test_a_transport_onto_a_narrower_target_is_refused(tmp_path: Path) -> None:
     narrow, wide = _planted("llama-gqa")
     for name, model in (("base", wide), ("ft", wide), ("target", narrow)):
-        _save(model, tmp_path / name)
+        save_lm(model, tmp_path / name)
     body = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}
     err = _refused(tmp_path, {**body, "strategy": "weight-matching"})
     assert "narrower than the base" in err and "no\nexact image" in err.replace(" exact image", "\nexact image")
@@ -231,15 +202,15 @@ def test_what_cannot_be_embedded_exits_2_with_its_reason(
     for k, v in sizes.items():
         setattr(config, k, v)
     torch.manual_seed(1)
-    _save(narrow, tmp_path / "n")
-    _save(type(narrow)(config), tmp_path / "w")
+    save_lm(narrow, tmp_path / "n")
+    save_lm(type(narrow)(config), tmp_path / "w")
     err = _refused(tmp_path, {"job": "merge", "models": ["./n", "./w"], "strategy": "weight-matching"})
     assert reason in err, err
 
 
 def test_the_wide_sampler_needs_models_of_different_widths(tmp_path: Path) -> None:
     for seed in (0, 1):
-        _save(tiny.gpt2(seed), tmp_path / f"m{seed}")
+        save_lm(tiny.gpt2(seed), tmp_path / f"m{seed}")
     strategy = {"name": "generalized-orthogonal", "learned": True, "steps": 2, "sampler": "wide(0.5, 0.9)"}
     body = {"job": "merge", "models": ["./m0", "./m1"], "strategy": strategy, "data": DATA}
     assert "both models have one width" in _refused(tmp_path, body)
@@ -247,11 +218,11 @@ def test_the_wide_sampler_needs_models_of_different_widths(tmp_path: Path) -> No
 
 def test_learned_matching_across_widths_draws_lambda_on_the_narrow_side(tmp_path: Path) -> None:
     narrow, wide = _planted("gpt2")
-    _save(narrow, tmp_path / "n")
-    _save(wide, tmp_path / "w")
+    save_lm(narrow, tmp_path / "n")
+    save_lm(wide, tmp_path / "w")
     strategy = {"name": "generalized-orthogonal", "learned": True, "steps": 2, "eval_every": 1}
     body = {"job": "merge", "models": ["./n", "./w"], "strategy": strategy, "data": DATA, "output": {"dir": "out"}}
-    proc = run_main(str(_recipe(tmp_path, body)))
+    proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
     assert any("wide(0.1, 0.5)" in n and "A's weight uniform(0.5, 0.9)" in n for n in record["notes"])
@@ -259,13 +230,13 @@ def test_learned_matching_across_widths_draws_lambda_on_the_narrow_side(tmp_path
 
 def test_embed_writes_a_folder_the_stock_class_loads_with_the_same_logits(tmp_path: Path) -> None:
     narrow = tiny.gpt2(0)
-    _save(narrow, tmp_path / "n")
-    _save(T.GPT2LMHeadModel(_like(narrow, "gpt2")), tmp_path / "w")
+    save_lm(narrow, tmp_path / "n")
+    save_lm(T.GPT2LMHeadModel(_like(narrow, "gpt2")), tmp_path / "w")
     proc = run_main("embed", str(tmp_path / "n"), "--like", str(tmp_path / "w"), "--output", str(tmp_path / "e"))
     assert proc.returncode == 0, proc.stderr
-    embedded = _stock(tmp_path / "e")
+    embedded = stock_lm(tmp_path / "e")
     assert embedded.config.n_embd == 48
-    assert (_logits(embedded) - _logits(narrow.eval())).abs().max() <= 1e-4
+    assert (fixed_logits(embedded) - fixed_logits(narrow.eval())).abs().max() <= 1e-4
     record = json.loads((tmp_path / "e" / "embedding.json").read_text(encoding="utf-8"))
     assert record["canonical_form"] and record["untied"] == ["lm_head.weight"]
     assert "32 → 48" in (tmp_path / "e" / "README.md").read_text(encoding="utf-8")
@@ -312,35 +283,37 @@ def test_a_lora_adapter_on_a_narrow_base_moves_onto_a_wider_target_as_a_full_mod
     fine-tune; the output is a full model of the target's shape computing what base + adapter does."""
     peft = pytest.importorskip("peft")
     base, target = _planted("llama-gqa")
-    _save(base, tmp_path / "base")
-    _save(target, tmp_path / "target")
+    save_lm(base, tmp_path / "base")
+    save_lm(target, tmp_path / "target")
     torch.manual_seed(5)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
     wrapped = peft.get_peft_model(copy.deepcopy(base), config).eval()
     wrapped.save_pretrained(str(tmp_path / "lora"))
     body = {"job": "transport", "base": "./base", "finetuned": "./lora", "target": "./target"}
     body |= {"strategy": "weight-matching", "alpha": 1.0, "output": {"dir": "out"}}
-    proc = run_main(str(_recipe(tmp_path, body)))
+    proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out"
     assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
-    assert (_logits(_stock(out)) - _logits(wrapped)).abs().max() <= 1e-4
+    assert (fixed_logits(stock_lm(out)) - fixed_logits(wrapped)).abs().max() <= 1e-4
     record = json.loads((out / "rebasin.json").read_text(encoding="utf-8"))
     assert any("moved as a full fine-tune" in n for n in record["notes"])
 
 
 def test_job_align_writes_both_models_in_the_wide_shape(tmp_path: Path) -> None:
     narrow, wide = _planted("llama-gqa")
-    _save(narrow, tmp_path / "n")
-    _save(wide, tmp_path / "w")
+    save_lm(narrow, tmp_path / "n")
+    save_lm(wide, tmp_path / "w")
     body = {"job": "align", "models": ["./n", "./w"], "strategy": "weight-matching", "output": {"dir": "out"}}
-    proc = run_main(str(_recipe(tmp_path, body)))
+    proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
-    a, b = _stock(tmp_path / "out" / "a"), _stock(tmp_path / "out" / "b")
+    a, b = stock_lm(tmp_path / "out" / "a"), stock_lm(tmp_path / "out" / "b")
     assert a.config.hidden_size == b.config.hidden_size == 48
-    assert (_logits(a) - _logits(narrow)).abs().max() <= 1e-4  # A embedded (the wide config's ε is its own here)
-    assert (_logits(b) - _logits(wide)).abs().max() <= 1e-4  # B in A's basis
     assert (
-        _stock(tmp_path / "out" / "b").state_dict()["model.embed_tokens.weight"]
+        fixed_logits(a) - fixed_logits(narrow)
+    ).abs().max() <= 1e-4  # A embedded (the wide config's ε is its own here)
+    assert (fixed_logits(b) - fixed_logits(wide)).abs().max() <= 1e-4  # B in A's basis
+    assert (
+        stock_lm(tmp_path / "out" / "b").state_dict()["model.embed_tokens.weight"]
         - a.state_dict()["model.embed_tokens.weight"]
     ).abs().max() <= 1e-5  # the planted map undone: B's weights are A's

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers as T
 import yaml
 from safetensors.torch import load_file
 
@@ -20,6 +19,7 @@ from hf_rebasin.run.load import Workspace, load_workspace
 from hf_rebasin.run.pipeline import run_job
 from hf_rebasin.run.plan import build_plan
 from hf_rebasin.run.stages import align_others
+from lm_folders import stock_lm, transformers_loss
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +49,6 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     return load_workspace(build_plan(load_recipe(path)))
 
 
-def _stock(folder: Path) -> T.PreTrainedModel:
-    return T.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
-
-
-def _plain_loss(model: T.PreTrainedModel, batches: list[dict[str, torch.Tensor]]) -> float:
-    """The token-weighted mean next-token loss, from transformers' own loss of each batch."""
-    total = count = 0.0
-    with torch.no_grad():
-        for batch in batches:
-            n = int((batch["labels"][:, 1:] != -100).sum())
-            total += float(model(**batch).loss) * n
-            count += n
-    return total / count
-
-
 def test_the_workspace_holds_the_models_by_role_as_their_files_store_them(workspace: Workspace) -> None:
     models = workspace.models
     assert isinstance(models, MergeRoles) and models.names == ("A", "B")
@@ -80,8 +65,8 @@ def test_a_stage_on_the_workspace_aligns_b_without_changing_what_it_computes(wor
     models = workspace.models
     assert isinstance(models, MergeRoles)
     (alignment,) = align_others(workspace, models)
-    b = _stock(Path(workspace.inputs.all[1].path))
-    moved = _stock(Path(workspace.inputs.all[1].path))
+    b = stock_lm(Path(workspace.inputs.all[1].path))
+    moved = stock_lm(Path(workspace.inputs.all[1].path))
     moved.load_state_dict({k: v.clone() for k, v in alignment.aligned_b().items()}, strict=False)
     ids = workspace.eval_batches[0]["input_ids"]
     with torch.no_grad():
@@ -92,10 +77,10 @@ def test_a_job_run_on_the_workspace_scores_the_ends_as_transformers_does(workspa
     done = run_job(workspace)
     curve = done.result.findings.curves["weight-matching"]
     assert curve["lambdas"] == [0.0, 0.5, 1.0]
-    a, b = (_stock(Path(m.path)) for m in workspace.inputs.all)
+    a, b = (stock_lm(Path(m.path)) for m in workspace.inputs.all)
     # λ is the weight on A: λ = 1 is A, λ = 0 is B (aligned: the same function as B)
-    assert curve["loss"][-1] == pytest.approx(_plain_loss(a, workspace.eval_batches), rel=1e-5)
-    assert curve["loss"][0] == pytest.approx(_plain_loss(b, workspace.eval_batches), rel=1e-5)
+    assert curve["loss"][-1] == pytest.approx(transformers_loss(a, workspace.eval_batches), rel=1e-5)
+    assert curve["loss"][0] == pytest.approx(transformers_loss(b, workspace.eval_batches), rel=1e-5)
     assert done.result.written == "report" and not done.result.saved_model
     done.save(tmp_path)
     assert {"barrier.png", "barrier.md"} <= {p.name for p in tmp_path.iterdir()}
