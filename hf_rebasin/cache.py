@@ -181,8 +181,13 @@ def model_identity(model: ModelLike, *, root: Path | None = None, progress: Prog
         return f"hub:{model.commit}"
     if model.folder is None:
         raise ValueError("a model with neither a folder nor a commit has no identity")
+    from .files import checked, model_root
+    from .gate import read_files
+
     folder = Path(model.folder)
-    paths = [folder / "config.json", *(p for p in folder.iterdir() if p.name.endswith(MODEL_FILE_SUFFIXES))]
+    names = ["config.json", *(n for n in read_files(folder, allow_pickle=True) if n.endswith(MODEL_FILE_SUFFIXES))]
+    root = model_root(folder.resolve())
+    paths = [checked(folder / n, root) for n in names if (folder / n).exists()]  # through the gate first
     hashes = files_identity(paths, base=folder, root=root, progress=progress)
     return "files:" + hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
 

@@ -408,6 +408,7 @@ def _parse_options(items: Sequence[str]) -> dict[str, Any]:
     import yaml
 
     from .errors import StrategyOptionError
+    from .recipe.limits import YamlLimitError, load_limited
 
     out: dict[str, Any] = {}
     for item in items:
@@ -415,7 +416,9 @@ def _parse_options(items: Sequence[str]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise StrategyOptionError(f"`--set {item}`: expected KEY=VALUE, e.g. --set max_iter=5")
         try:
-            parsed = yaml.safe_load(value)
+            parsed = load_limited(value, "the value")[1]  # nesting and size bounded as a recipe's are
+        except YamlLimitError as e:
+            raise StrategyOptionError(f"`--set {key.strip()}=...`: {e.message}") from None
         except yaml.YAMLError as e:
             what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
             raise StrategyOptionError(
@@ -531,11 +534,10 @@ def cmd_embed(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     _quiet_libraries()
-    from transformers import AutoConfig
 
     from .basis import write_embedded
     from .embed import embed_model
-    from .models import load_model
+    from .models import load_model, read_config
     from .output import check_output
 
     named = {"MODEL": args.model, "--like": args.like}
@@ -544,9 +546,9 @@ def cmd_embed(args: argparse.Namespace, console: Console) -> int:
     inputs = [(k, Path(v)) for k, v in folders.items()]
     loaded = load_model(folders["MODEL"], allow_pickle=args.allow_pickle)
     try:
-        like = AutoConfig.from_pretrained(folders["--like"])
-    except (OSError, ValueError) as e:
-        raise RebasinUserError(f"--like: {args.like!r} has no readable config.json ({e})") from None
+        like = read_config(Path(folders["--like"]))  # through the gate: confined, regular, typed
+    except RebasinUserError as e:
+        raise type(e)(f"--like: {e}") from None
     with console.status("embedding…"):
         wide, embedding = embed_model(loaded.model, like)
         if not embedding.grown:
@@ -708,9 +710,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     from .recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)  # before torch is imported: a refused recipe answers at once
     from .run import build_plan, run_recipe
 
-    recipe = load_recipe(args.recipe)
     output = Path(args.output) if args.output else None
     if args.dry_run:
         planned = build_plan(recipe, output=output)

@@ -7,11 +7,14 @@ messages, before anything heavy is imported; `evaldata` calls the same check whe
 from __future__ import annotations
 
 import glob
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .errors import DataError
+from .files import file_kind
 
 __all__ = ["check_files", "has_glob"]
 
@@ -29,11 +32,29 @@ def _resolve_path(entry: Any, base_dir: Path, key: str) -> str:
     if not path.is_absolute():
         path = base_dir.absolute() / path
     if has_glob(str(entry)):
-        if not glob.glob(str(path), recursive=True):
+        found = glob.glob(str(path), recursive=True)
+        if not found:
             raise DataError(f"{key} pattern {str(entry)!r} matches no file (looked for {path})")
-    elif not path.exists():
+        for match in found:
+            _refuse_special(Path(match), key)
+    elif not path.exists() and not path.is_symlink():
         raise DataError(f"{key} {str(entry)!r} not found (looked for {path}){_siblings(path)}")
+    else:
+        _refuse_special(path, key)
     return str(path)
+
+
+def _refuse_special(path: Path, key: str) -> None:
+    """A data file that is a FIFO or a device (reading blocks or never ends), or a link loop or a
+    link to nothing, refused before any reader opens it; folders pass (``data_dir``)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise DataError(f"{key} {str(path)!r} cannot be read: {e.strerror or e}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise DataError(
+            f"{key} {str(path)!r} is a {file_kind(mode)}, not a regular file: reading it could block or never end"
+        )
 
 
 def _resolve_files(data_files: Any, base_dir: Path) -> str | list[str] | dict[str, list[str]]:

@@ -42,6 +42,14 @@ class PickleRefusedError(RebasinUserError, ValueError):
     """A checkpoint is only available as pickle (.bin) and pickle was not allowed."""
 
 
+class TokenizerError(RebasinUserError, ValueError):
+    """A model's tokenizer files that do not load, or a tokenizer with token ids past the model's
+    embedding matrix (the first such token would crash the model). ``reason``: the loader's reason
+    in one line, without the folder's path (notes that go into a published card quote it)."""
+
+    reason: str = ""
+
+
 class UnsupportedArchitectureError(RebasinUserError, ValueError):
     """`config.model_type` has no adapter."""
 
@@ -84,3 +92,13 @@ class MissingDataError(RebasinUserError, ValueError):
 
 class AdapterError(RebasinError):
     """An adapter does not describe the model it was given: a bug in hf-rebasin (exit code 1)."""
+
+
+class UnreadableFileError(RebasinUserError, OSError):
+    """A file hf-rebasin will not open: a link out of its model's folder or a link loop, a FIFO or
+    a device (reading blocks or never ends), or a size no such file has."""
+
+
+class FileFormatError(RebasinUserError, ValueError):
+    """A model folder's file is not what its name says: not JSON, or JSON of the wrong shape
+    (tokenizer, generation or processor configs)."""

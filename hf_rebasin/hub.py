@@ -655,15 +655,16 @@ def _fetch(repo: str, name: str, commit: str, where: str, revision: str | None) 
 
 
 def _config(repo: str, commit: str, where: str, revision: str | None) -> dict[str, Any]:
-    """config.json of ``repo`` at ``commit`` (small: its size was checked), {} if it is not JSON."""
-    import json
+    """config.json of ``repo`` at ``commit`` through the gate (`files`), {} if the gate refuses it:
+    loading the model names what is wrong with it."""
+    from .errors import RebasinUserError
+    from .files import read_config
 
     path = _fetch(repo, "config.json", commit, where, revision)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}  # loading the model names what is wrong with it
-    return data if isinstance(data, dict) else {}
+        return read_config(path.parent)
+    except RebasinUserError:
+        return {}
 
 
 def has_token() -> bool:

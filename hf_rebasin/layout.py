@@ -9,10 +9,10 @@ outside the folder is refused in both places with the same words.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path, PurePosixPath
 
 from .errors import CheckpointError
+from .files import SUPPORT_LIMIT, checked, model_root, read_json
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -72,26 +72,24 @@ def is_support_file(name: str) -> bool:
 
 def support_files(folder: Path) -> list[Path]:
     """The files of ``folder`` that `is_support_file` keeps (symbolic links followed, as in a Hub
-    snapshot), sorted by name."""
+    snapshot), sorted by name; each through the gate (`files.checked`): a link out of the model's
+    folder, a FIFO or a device is refused, never copied into an output."""
     folder = Path(folder)
     try:
         entries = sorted(folder.iterdir())
     except OSError:
         return []
-    return [p for p in entries if p.is_file() and is_support_file(p.name)]
+    root = model_root(folder.resolve())
+    keep = [p for p in entries if is_support_file(p.name) and not p.is_dir()]
+    return [p for p in keep if checked(p, root, limit=SUPPORT_LIMIT)]
 
 
 def index_shards(index: Path, where: str) -> list[str]:
     """The shard files the shard index at ``index`` names, sorted, each a plain file name of the
     index's folder with the index's kind of weights (``.safetensors`` / ``.bin``); ``where`` names
     the index in messages."""
-    try:
-        data = json.loads(Path(index).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{where} is not a valid JSON shard index: {e}") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{where} has no `weight_map` (tensor name -> shard file); the shard index is incomplete")
+    # confined to its folder, a regular file of a sane size, JSON of the index's schema
+    weight_map = read_json(index)["weight_map"]
     suffix = ".bin" if Path(index).name.endswith(".bin.index.json") else ".safetensors"
     shards = sorted({str(v) for v in weight_map.values()})
     for shard in shards:

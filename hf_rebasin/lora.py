@@ -29,7 +29,15 @@ import torch
 from torch import Tensor
 
 from .canonical import RawStream, WriterScale, bias_of, gamma
-from .errors import CheckpointError, IncompatibleModelsError, ModelNotFoundError, PickleRefusedError, TransformError
+from .errors import (
+    CheckpointError,
+    IncompatibleModelsError,
+    ModelNotFoundError,
+    PickleRefusedError,
+    RebasinUserError,
+    TransformError,
+)
+from .files import read_header, read_json
 from .merge import StorageKey, storage_key
 from .symmetry import AnySpace, Fused, Norm, Space, SymmetryGraph, Transform, split_ref
 
@@ -152,9 +160,9 @@ def adapter_config(folder: Path, where: str = "finetuned") -> dict[str, Any]:
     """``adapter_config.json``, checked to be a LoRA adapter hf-rebasin can transport."""
     path = Path(folder) / ADAPTER_CONFIG
     try:
-        config: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"`{where}`: cannot read {str(path)!r}: {e}") from None
+        config: dict[str, Any] = read_json(path)  # through the gate: confined, regular, typed
+    except RebasinUserError as e:
+        raise type(e)(f"`{where}`: {e}") from None
     kind = config.get("peft_type")
     if kind != "LORA":
         raise CheckpointError(
@@ -182,6 +190,7 @@ def _read_tensors(folder: Path, allow_pickle: bool, where: str) -> dict[str, Ten
 
     path = folder / ADAPTER_WEIGHTS
     if path.is_file():
+        read_header(path)  # through the gate: the header checked against the file before safetensors reads it
         try:
             tensors = load_file(str(path))
         except Exception as e:  # safetensors raises its own error types for corrupt files

@@ -7,9 +7,9 @@ names the file or the tensor instead of a load report and a RuntimeError.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -29,6 +29,9 @@ from .errors import (
     PickleRefusedError,
     RebasinUserError,
 )
+from .files import read_config as read_config_json
+from .files import read_header, read_json, resolve_folder
+from .gate import check_folder
 from .layout import PICKLE, PICKLE_INDEX, SAFETENSORS, SAFETENSORS_INDEX, index_shards
 from .names import DEVICE_PATTERN
 from .symmetry import SymmetryGraph
@@ -95,7 +98,7 @@ def _config_dtype(folder: Path) -> torch.dtype | None:
     """config.json's ``dtype`` (``torch_dtype`` before transformers 5): a fallback only, since
     configs often say float32 for bf16 weights or name no dtype at all."""
     try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        raw = read_json(folder / "config.json")
     except (OSError, ValueError):
         return None
     value = (raw.get("dtype") or raw.get("torch_dtype")) if isinstance(raw, dict) else None
@@ -103,23 +106,28 @@ def _config_dtype(folder: Path) -> torch.dtype | None:
     return found if isinstance(found, torch.dtype) and found.is_floating_point else None
 
 
+def _require_config(folder: Path) -> Path:
+    """``folder``'s config.json path; a missing folder, a file, a link loop or a folder without
+    config.json is a user error naming it."""
+    if not folder.exists() and not folder.is_symlink():
+        raise ModelNotFoundError(f"model folder {str(folder)!r} does not exist")
+    if folder.is_file():
+        raise ModelNotFoundError(f"{str(folder)!r} is a file; give the folder that holds config.json")
+    resolve_folder(folder)  # a link loop, or a link to nothing, named as such
+    cfg = folder / "config.json"
+    if not os.path.lexists(cfg):
+        raise ModelNotFoundError(
+            f"{str(cfg)!r} not found: a model folder needs a config.json (save_pretrained writes one)"
+        )
+    return cfg
+
+
 def read_config(folder: Path) -> Any:
     """The transformers config of ``folder``, with typed errors for the usual mistakes."""
     from transformers import AutoConfig
 
-    if not folder.exists():
-        raise ModelNotFoundError(f"model folder {str(folder)!r} does not exist")
-    if not folder.is_dir():
-        raise ModelNotFoundError(f"{str(folder)!r} is a file; give the folder that holds config.json")
-    cfg = folder / "config.json"
-    if not cfg.is_file():
-        raise ModelNotFoundError(
-            f"{str(cfg)!r} not found: a model folder needs a config.json (save_pretrained writes one)"
-        )
-    try:
-        raw = json.loads(cfg.read_text())
-    except ValueError as e:
-        raise ModelNotFoundError(f"{str(cfg)!r} is not valid JSON: {e}") from None
+    cfg = _require_config(folder)
+    raw = read_config_json(folder)  # through the gate: confined, regular, typed, sizes bounded
     # check support before transformers parses it, so an unknown type lists what is supported
     get_adapter(raw.get("model_type") if isinstance(raw, dict) else None)
     _refuse_quantized(raw, cfg)
@@ -329,6 +337,7 @@ def _checkpoint_shapes(folder: Path, allow_pickle: bool) -> _Checkpoint:
     for f in files:
         if not f.is_file():
             raise ModelNotFoundError(f"weight shard {str(f)!r} named in the index is missing")
+        read_header(f)  # through the gate: confined, regular, typed, spans inside the file
         try:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
@@ -771,8 +780,9 @@ def load_model(
     from .remote_code import refuse_remote_code
 
     folder = Path(path)
-    if folder.is_dir():
-        refuse_remote_code(folder, trusted=trust_remote_code)
+    _require_config(folder)  # the folder and its config.json named first when they are missing
+    check_folder(folder, allow_pickle=allow_pickle)  # every file loading reads, before any is read
+    refuse_remote_code(folder, trusted=trust_remote_code)
     config = read_config(folder)
     spec = get_adapter(getattr(config, "model_type", None))
     try:

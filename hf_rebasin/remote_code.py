@@ -10,11 +10,12 @@ code, so every such file is checked here, first, and every loader is called with
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
 from .errors import UnsupportedArchitectureError
+from .files import read_json
 
 __all__ = ["CODE_KEYS", "LOADER_FILES", "code_references", "refuse_remote_code"]
 
@@ -31,13 +32,12 @@ LOADER_FILES = (
 )
 # keys that point at Python code to import: classes for the Auto* loaders, pipelines
 CODE_KEYS = ("auto_map", "custom_pipelines")
-_MAX_BYTES = 16 * 1024 * 1024  # a config file larger than this is not read for the scan (no loader reads it)
 
 
 def _files(folder: Path) -> list[Path]:
     found = {folder / name for name in LOADER_FILES}
     found.update(p for p in folder.glob("*config*.json") if p.name != "adapter_config.json")
-    return sorted(p for p in found if p.is_file())
+    return sorted(p for p in found if os.path.lexists(p) and not p.is_dir())  # a FIFO too: the gate names it
 
 
 def _references(value: Any, path: str = "") -> list[str]:
@@ -58,15 +58,10 @@ def _references(value: Any, path: str = "") -> list[str]:
 
 def code_references(folder: Path) -> list[tuple[str, str, str]]:
     """Every reference to repository code in the loader files of ``folder``: (file, key path, what
-    it names). A file that is not valid JSON is left to its loader, which reports it."""
+    it names). A file that is not valid JSON, or not of its schema, is an error naming it."""
     out: list[tuple[str, str, str]] = []
     for path in _files(Path(folder)):
-        try:
-            if path.stat().st_size > _MAX_BYTES:
-                continue
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
+        data = read_json(path)  # through the gate: confined, regular, of a sane size, typed
         for key in _references(data):
             node: Any = data
             for part in key.split("."):

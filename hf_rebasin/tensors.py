@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .errors import CheckpointError
+from .files import read_header
 
 __all__ = [
     "DTYPES",
@@ -62,7 +63,6 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
-MAX_HEADER = 100_000_000  # bytes: a larger safetensors header is a damaged file, not a model
 WORK_DTYPE = torch.float32  # what floating tensors are read as: every computation runs in float32
 
 
@@ -246,25 +246,15 @@ class SafetensorsEntry:
 
 
 def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
-    """Every tensor of a safetensors file, from its header alone (no weight is read)."""
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > min(MAX_HEADER, Path(path).stat().st_size - 8):
-                raise ValueError(f"its header claims {size} bytes")
-            header = json.loads(f.read(size))
-    except (OSError, ValueError, struct.error) as e:
-        raise CheckpointError(f"{str(path)!r} is not a readable safetensors file: {e}") from None
-    start = 8 + size
+    """Every tensor of a safetensors file, from its header alone (no weight is read), through the
+    gate (`files.read_header`: confined, a regular file, spans checked against the file)."""
+    header = read_header(path)
     out: dict[str, SafetensorsEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = DTYPES.get(str(info.get("dtype"))) if isinstance(info, dict) else None
+    for name, t in header.tensors.items():
+        dtype = DTYPES.get(t.dtype)
         if dtype is None:
-            raise CheckpointError(f"{str(path)!r}: tensor {name!r} has a dtype hf-rebasin cannot read: {info!r}")
-        begin, end = info["data_offsets"]
-        out[name] = SafetensorsEntry(Path(path), start + begin, end - begin, dtype, tuple(info["shape"]))
+            raise CheckpointError(f"{str(path)!r}: tensor {name!r} has a dtype hf-rebasin cannot read: {t.dtype}")
+        out[name] = SafetensorsEntry(Path(path), header.start + t.begin, t.end - t.begin, dtype, t.shape)
     return out
 
 

@@ -9,11 +9,14 @@ the same tokenizer saved by two library versions gives different files.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOKENIZER_FILES", "has_tokenizer", "load_tokenizer", "tokenizer_difference"]
+from .errors import TokenizerError
+
+__all__ = ["TOKENIZER_FILES", "has_tokenizer", "load_tokenizer", "tokenizer_difference", "tokenizer_files"]
 
 # the files from which transformers builds a tokenizer; a folder with none of them has no tokenizer
 TOKENIZER_FILES = (
@@ -30,20 +33,79 @@ TOKENIZER_FILES = (
 
 def has_tokenizer(folder: Path) -> bool:
     """Whether ``folder`` holds tokenizer files (image models and adapters usually do not)."""
-    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+    return bool(tokenizer_files(folder))
+
+
+def tokenizer_files(folder: Path) -> list[str]:
+    """The tokenizer files ``folder`` holds, in `TOKENIZER_FILES` order (a FIFO or a link out of the
+    folder too: `gate_tokenizer_files` refuses it)."""
+    return [name for name in TOKENIZER_FILES if os.path.lexists(Path(folder) / name)]
+
+
+# what a tokenizer loader may read besides `TOKENIZER_FILES`
+_LOADER_EXTRAS = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def gate_tokenizer_files(folder: Path) -> None:
+    """Every file a tokenizer loader may read of ``folder`` through the gate (`files`): inside the
+    model's folder, regular, of a sane size, JSON of its schema."""
+    from .files import SUPPORT_LIMIT, checked, model_root, read_json, resolve_folder
+
+    root = model_root(resolve_folder(folder))
+    for name in (*TOKENIZER_FILES, *_LOADER_EXTRAS):
+        path = Path(folder) / name
+        if not os.path.lexists(path):
+            continue
+        if name.endswith(".json"):
+            read_json(path, root)
+        else:
+            checked(path, root, limit=SUPPORT_LIMIT)
+
+
+def _reason(error: BaseException, folder: Path) -> str:
+    """The loader's reason on one line, trimmed (some are paragraphs, some quote a whole file), the
+    folder named by its name only (the reason may end up in a published card)."""
+    text = " ".join(str(error).split()) or "no reason given"
+    for path in sorted({str(folder), str(Path(folder).resolve())}, key=len, reverse=True):
+        text = text.replace(path, Path(folder).name)
+    return f"{type(error).__name__}: {text[:200]}{'…' * (len(text) > 200)}"
+
+
+def _fix(error: BaseException) -> str:
+    """How to fix a tokenizer that does not load: the package it asks for, or saving it again."""
+    text = str(error).lower()
+    if isinstance(error, ImportError) or "sentencepiece" in text or "tiktoken" in text:
+        return (
+            "install the package the loader asks for (such as `pip install sentencepiece`), or save the tokenizer "
+            "again with `tokenizer.save_pretrained(folder)` so that it has a tokenizer.json"
+        )
+    return (
+        "save the tokenizer again with `tokenizer.save_pretrained(folder)` (from the library that made it), or "
+        "restore the folder's tokenizer files from where the model came from"
+    )
 
 
 def load_tokenizer(folder: Path) -> Any | None:
-    """The tokenizer of ``folder`` (never repository code), None when it has none or it cannot be
-    read (the run reports an unreadable tokenizer where it needs one)."""
-    if not has_tokenizer(folder):
+    """The tokenizer of ``folder`` (never repository code); None only when it has no tokenizer files.
+
+    Files that are there but do not load are a `TokenizerError`, never "no tokenizer": a run that
+    skipped them would compare nothing and copy the broken files into its output.
+    """
+    files = tokenizer_files(folder)
+    if not files:
         return None
+    gate_tokenizer_files(folder)  # confined, regular, typed: before the loader opens any of them
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-    except Exception:  # any loader failure: nothing to compare, not a reason to refuse here
-        return None
+    except Exception as e:  # any loader failure (JSON, types, a missing package): the user's files
+        reason = _reason(e, folder)
+        error = TokenizerError(
+            f"the tokenizer of {str(folder)!r} ({', '.join(files)}) does not load ({reason}); {_fix(e)}"
+        )
+        error.reason = reason
+        raise error from None
 
 
 def _specials(tokenizer: Any) -> dict[str, tuple[str, int | None]]:

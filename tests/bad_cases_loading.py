@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-from bad_input import Case, Outcome, Workspace
+from bad_input import Case, Outcome, Workspace, untouched
 
 MARKER = "REPOSITORY_CODE_RAN"
 # a module that, if it is ever imported, leaves a marker file beside itself
@@ -33,9 +33,7 @@ EVIL = (
 
 def _untouched(ws: Workspace, result: Outcome) -> None:
     """Nothing written: the inputs as they were, no output folder, no leftovers, no code ran."""
-    ws.unchanged()
-    assert not (ws.root / "out").exists()
-    assert not ws.leftovers(), ws.leftovers()
+    untouched(ws, result)
     assert not list(ws.root.rglob(MARKER)), "repository code ran"
 
 

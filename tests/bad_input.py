@@ -10,11 +10,13 @@ stays a row, so that it cannot come back.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,7 @@ class Outcome:
     code: int
     stdout: str
     stderr: str
+    seconds: float = 0.0  # how long the CLI ran (a refusal is never slower than the work it saves)
 
     @property
     def err(self) -> str:
@@ -204,6 +207,12 @@ def _limit_file_size(size: int | None) -> None:
 
 def run_case(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
     """Run the CLI with ``argv`` from ``ws.root`` as the case asks (in process or in a subprocess)."""
+    start = time.perf_counter()
+    done = _run(case, ws, argv)
+    return dataclasses.replace(done, seconds=time.perf_counter() - start)
+
+
+def _run(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
     env = {**offline_env(ws), **case.env, **ws.env}
     if case.subprocess or case.hub or case.max_file_bytes:
         environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG"}
@@ -240,6 +249,13 @@ def assert_outcome(case: Case, result: Outcome) -> None:
         assert result.err.startswith("error:"), detail
     for needle in case.needles:
         assert needle in result.err or needle in result.out, f"{needle!r} not in the output\n{detail}"
+
+
+def untouched(ws: Workspace, result: Outcome) -> None:
+    """The usual check after a refusal: the inputs as they were, no output folder, no leftovers."""
+    ws.unchanged()
+    assert not (ws.root / "out").exists()
+    assert not ws.leftovers(), ws.leftovers()
 
 
 def read_json(path: Path) -> Any:

@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from bad_cases_files import CASES as FILE_CASES
 from bad_cases_inputs import CASES as INPUT_CASES
 from bad_cases_loading import CASES as LOADING_CASES
 from bad_cases_output import CASES as OUTPUT_CASES
+from bad_cases_recipes import CASES as RECIPE_CASES
+from bad_cases_tokenizers import CASES as TOKENIZER_CASES
 from bad_input import Case, Workspace, assert_outcome, run_case
 
-CASES: list[Case] = [*OUTPUT_CASES, *LOADING_CASES, *INPUT_CASES]
+CASES: list[Case] = [*OUTPUT_CASES, *LOADING_CASES, *INPUT_CASES, *FILE_CASES, *TOKENIZER_CASES, *RECIPE_CASES]
 
 
 def _param(case: Case) -> object:

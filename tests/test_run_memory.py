@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 import tiny
 from hf_rebasin.cli import main
+from hf_rebasin.errors import CheckpointError
 from hf_rebasin.recipe import loads_recipe
 from hf_rebasin.run import load as run_load
 from hf_rebasin.run import memory
@@ -112,10 +113,13 @@ def test_a_run_that_would_not_fit_stops_before_loading(
     ).is_file()
 
 
-def test_a_damaged_checkpoint_has_no_footprint(tmp_path: Path) -> None:
-    """A header length larger than the file (here the bytes of a text) is no size at all."""
+def test_a_damaged_checkpoint_is_refused_as_the_file_it_is(tmp_path: Path) -> None:
+    """A header length larger than the file (here the bytes of a text) is the file's error, named,
+    never a size nor a memory estimate."""
     tiny.llama(0).save_pretrained(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"not weights")
-    assert memory.footprint(tmp_path) is None
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*header claims"):
+        memory.footprint(tmp_path)
     (tmp_path / "model.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{}")
-    assert memory.footprint(tmp_path) is None
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*header claims 1,099,511,627,776 bytes"):
+        memory.footprint(tmp_path)

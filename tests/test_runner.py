@@ -307,7 +307,10 @@ def _merge_body(**changes: Any) -> dict[str, Any]:
 
 
 def test_dry_run_loads_no_weights_and_writes_nothing(tmp_path: Path, env, gpt2_pair) -> None:
-    (tmp_path / "gpt2-b" / "model.safetensors").write_bytes(b"not weights")  # loading would fail
+    path = tmp_path / "gpt2-b" / "model.safetensors"
+    data = path.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")  # a checked header, then bytes that are all NaN:
+    path.write_bytes(data[:start] + b"\xff" * (len(data) - start))  # loading them would fail
     recipe = _recipe(tmp_path, _merge_body(evaluate=None))
     proc = run_main(str(recipe), "--dry-run", env=env)
     assert proc.returncode == 0, proc.stderr

@@ -8,6 +8,7 @@ torch (tests/test_imports.py keeps it so).
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,9 @@ from pydantic import ValidationError
 
 from ..strategies import REGISTRY
 from .jobs import JOBS
+from .limits import YamlLimitError, load_limited, read_recipe_file
 from .problems import Lines, Problem, RecipeError, problem_of
-from .sections import MAX_YAML_VALUES, MAX_ZOO_SEED, AlignedRecipe, RecipeBase, StrategySection, StrategySpec
+from .sections import MAX_ZOO_SEED, AlignedRecipe, RecipeBase, StrategySection, StrategySpec
 
 __all__ = ["load_recipe", "loads_recipe", "parse_recipe", "recipe_json_schema", "strategy_spec"]
 
@@ -107,48 +109,13 @@ def _line_map(node: yaml.Node, path: tuple[str, ...], lines: dict[tuple[str, ...
             _line_map(item, here, lines, source)
 
 
-def _expanded_size(node: yaml.Node) -> int:
-    """How many values ``node`` holds with every alias expanded, counted without expanding them.
-
-    An alias is the same node object as its anchor, so sizes are memoised by identity: the count
-    takes time linear in the YAML text however far the aliases would multiply it.
-    """
-    sizes: dict[int, int] = {}
-
-    def size(n: yaml.Node, depth: int) -> int:
-        if id(n) in sizes:
-            return sizes[id(n)]
-        if depth > 200:  # a recursive alias (&a [*a]): no recipe has it; count it as too large
-            return MAX_YAML_VALUES + 1
-        sizes[id(n)] = MAX_YAML_VALUES + 1  # in progress: a cycle counts as too large
-        total = 1
-        if isinstance(n, yaml.MappingNode):
-            total += sum(size(k, depth + 1) + size(v, depth + 1) for k, v in n.value)
-        elif isinstance(n, yaml.SequenceNode):
-            total += sum(size(item, depth + 1) for item in n.value)
-        sizes[id(n)] = total = min(total, MAX_YAML_VALUES + 1)
-        return total
-
-    return size(node, 0)
-
-
 def loads_recipe(text: str, source: str = "<string>", base_dir: Path | None = None) -> AlignedRecipe:
-    """Parse and validate recipe YAML text (``load_recipe`` without the file)."""
+    """Parse and validate recipe YAML text (``load_recipe`` without the file), within the limits
+    of `hf_rebasin.recipe.limits` (size, nesting, values): a stranger's recipe costs milliseconds."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is not None and _expanded_size(node) > MAX_YAML_VALUES:
-            raise RecipeError(
-                source,
-                [
-                    Problem(
-                        "",
-                        None,
-                        f"YAML aliases (*name) expand this recipe to more than {MAX_YAML_VALUES} values, which no "
-                        "recipe needs (an alias bomb?): write the repeated values out, or use fewer aliases",
-                    )
-                ],
-            )
-        data = yaml.safe_load(text)
+        node, data = load_limited(text)
+    except YamlLimitError as e:
+        raise RecipeError(source, [Problem("", e.line, e.message)]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
@@ -163,17 +130,11 @@ def loads_recipe(text: str, source: str = "<string>", base_dir: Path | None = No
 
 
 def load_recipe(path: str | Path) -> AlignedRecipe:
-    """Read a recipe file; relative paths inside it resolve against the file's folder."""
+    """Read a recipe file; relative paths inside it resolve against the file's folder. The file is
+    checked before it is opened (a regular file of at most 1 MiB: `read_recipe_file`)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RecipeError(str(path), [Problem("", None, "the recipe file does not exist")]) from None
-    except IsADirectoryError:
-        raise RecipeError(str(path), [Problem("", None, "is a folder: give the recipe's YAML file")]) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecipeError(str(path), [Problem("", None, f"cannot be read: {e}")]) from None
-    return loads_recipe(text, str(path), path.resolve().parent)
+    text = read_recipe_file(path)
+    return loads_recipe(text, str(path), Path(os.path.realpath(path)).parent)
 
 
 def recipe_json_schema() -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -105,7 +106,10 @@ def _local(value: str, base: Path | None, *, force: bool = False) -> str:
     explicit = value in (".", "..") or value.startswith(("./", "../", ".\\", "..\\"))
     candidate = base / path
     if force or explicit or candidate.exists():
-        return str(candidate.resolve())
+        try:
+            return str(candidate.resolve())
+        except (RuntimeError, OSError):  # a symbolic link loop: the model's checks name it
+            return os.path.abspath(candidate)
     return value
 
 
@@ -678,8 +682,8 @@ class RecipeBase(_Section):
     )
     allow_different_tokenizers: bool = Field(
         False,
-        description="run although the models' tokenizers differ (vocabulary, special tokens or merges): their "
-        "token ids may mean different things; the card says so",
+        description="run although the models' tokenizers differ (vocabulary, special tokens or merges) or one "
+        "of them (not the reference's) does not load: their token ids may mean different things; the card says so",
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
     cache: bool = Field(

@@ -5,8 +5,8 @@ load step runs those the plan could not (a Hub model not downloaded, a zoo model
 from __future__ import annotations
 
 import glob
-import json
-from collections.abc import Collection, Sequence
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +14,13 @@ from .. import hub
 from ..errors import DataError, IncompatibleModelsError, UnsupportedArchitectureError
 from ..evaldata import check_files
 from ..evaluate import task_of_class
+from ..files import read_config
 from ..lora import adapter_config, is_adapter
 from ..recipe import DataSpec, FineTuneRef, ModelRef, Recipe
 from ..remote_code import refuse_remote_code
 from ..roles import Roles, TransportRoles
-from ..vocab import load_tokenizer, tokenizer_difference
 from .resolve import PlannedModel
+from .tokenizers import check_tokenizers
 
 __all__ = [
     "check_adapter",
@@ -134,39 +135,6 @@ def check_adapter(recipe: Recipe, models: TransportRoles[PlannedModel]) -> list[
     return [f"the adapter names {named!r} as its base; `base` is {base} (check_base: false)"]
 
 
-def check_tokenizers(
-    recipe: Recipe, models: Sequence[PlannedModel], skip: Collection[int] = ()
-) -> dict[int, str | None]:
-    """Every model's tokenizer against the reference's (vocabulary, special tokens, merges): token
-    ids that mean different things make a merge or transport garbage with a normal-looking card.
-
-    Refused unless ``allow_different_tokenizers``; then the difference is a note (rebasin.json and
-    the card), by the model's index. Models without a tokenizer (image models, adapters), not
-    downloaded yet, or in ``skip`` (checked already) are left out.
-    """
-    first = models[0]
-    reference = load_tokenizer(first.folder) if first.folder is not None else None
-    if reference is None:
-        return {}
-    found: dict[int, str | None] = {}
-    for i, m in enumerate(models[1:], start=1):
-        if i in skip:
-            continue
-        other = load_tokenizer(m.folder) if m.folder is not None else None
-        diff = tokenizer_difference(reference, other, f"`{first.where}`", f"`{m.where}`") if other is not None else None
-        if diff is not None and not recipe.allow_different_tokenizers:
-            raise IncompatibleModelsError(
-                f"`{m.where}`: the tokenizer of {m.ref} differs from that of {first.ref} (`{first.where}`): {diff}. "
-                "Token ids that mean different things make the result garbage. Use models that share a "
-                "tokenizer, or set `allow_different_tokenizers: true` if you know better (the card will say so)"
-            )
-        found[i] = diff and (
-            f"the tokenizers differ (allowed by `allow_different_tokenizers: true`): {diff}; token ids may mean "
-            "different things in the models combined"
-        )
-    return found
-
-
 def check_remote_code(recipe: Recipe, folder: Path, where: str) -> None:
     """A model whose loader files (config, tokenizer, processor, generation config) name their own
     code (``auto_map``) needs ``trust_remote_code``, and even then no repository code runs: the
@@ -175,12 +143,10 @@ def check_remote_code(recipe: Recipe, folder: Path, where: str) -> None:
 
 
 def _config_json(folder: Path) -> dict[str, Any]:
-    """A folder's config.json as a dict; empty when missing or broken (loading reports those itself)."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """A folder's config.json as a dict; empty when missing (a zoo model not trained yet)."""
+    if not os.path.lexists(folder / "config.json"):
         return {}
-    return config if isinstance(config, dict) else {}
+    return read_config(folder)  # through the gate: confined, regular, typed
 
 
 def task_mismatch(task: str, class_name: str, implied: str) -> UnsupportedArchitectureError:

@@ -43,7 +43,7 @@ from .alignment_cache import RunCache
 from .checks import check_adapter, check_remote_code, check_tokenizers, read_paths, task_mismatch
 from .clock import Progress, StageClock, noop
 from .data import BatchSpec, batches, metrics, processor
-from .plan import Plan, memory_estimate, streamed
+from .plan import Plan, gate, memory_estimate, streamed
 from .resolve import PlannedModel, resolve_model, untrained_zoo
 from .score import Scorer
 from .widths import to_widest, widths
@@ -212,6 +212,7 @@ def _fetch(plan: Plan, report: Progress, notes: list[str]) -> Roles[PlannedModel
         return dataclasses.replace(m, resolved=resolved)
 
     inputs = plan.models.map(fetch)
+    gate(recipe, inputs.all)  # downloaded or trained since the plan: their files through the gate first
     check_inputs(plan.output, read_paths(recipe, inputs.all), plan.output_field)  # downloaded folders are inputs too
     for i, m in enumerate(inputs.all):
         if i not in plan.remote_checked:

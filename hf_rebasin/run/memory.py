@@ -12,15 +12,15 @@ Torch-free: the dry run prints it without importing torch.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RebasinUserError
+from ..files import read_config, read_header
+from ..gate import safetensors_files
 from ..recipe import Recipe
+from ..schemas import SAFETENSORS_DTYPES
 from ..strategies import get_strategy
 
 __all__ = ["InsufficientMemoryError", "MemoryEstimate", "ModelFootprint", "available_memory", "estimate", "footprint"]
@@ -34,11 +34,8 @@ FORWARD_COPIES = 2
 LAP_COPIES = 3  # float64 copies of the widest space's n×n cost (view, solver input, solver work)
 ASSUMED_TOKENS = 100_000  # alignment data without `max_tokens`: the size of its hidden states is a guess
 LEARNED_COPIES = 3  # learned matching: B under the dense maps and the interpolation (kept for backward), the model
-_ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2}
-_ITEM |= {"I8": 1, "U8": 1, "BOOL": 1}
 _FLOATING = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _FLOATING |= {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-MAX_HEADER = 100_000_000  # bytes: a larger safetensors header is a damaged file, not a model
 _WIDTHS = ("intermediate_size", "n_inner", "hidden_size", "n_embd", "d_model")
 
 
@@ -59,18 +56,6 @@ class ModelFootprint:
     layers: int = 1  # its layer count
     largest_mixed: int = 0  # elements of its largest tensor other than vocabulary rows (streamed whole); 0: unknown
     experts: tuple[int, int] = (0, 0)  # a mixture of experts: (experts per layer, units per expert); (0, 0): dense
-
-
-def _shards(folder: Path) -> list[Path]:
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    index = folder / "model.safetensors.index.json"
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
 
 
 def _width(config: object) -> int:
@@ -122,32 +107,20 @@ def footprint(folder: Path) -> ModelFootprint | None:
     params = nbytes = largest = 0
     firsts: list[tuple[int, int]] = []  # (first dimension, elements) of every tensor
     by_dtype: dict[str, int] = {}
-    files = _shards(Path(folder))
+    folder = Path(folder)
+    files = safetensors_files(folder)  # through the gate: confined, regular, headers checked
     for f in files:
-        try:
-            with open(f, "rb") as h:
-                (size,) = struct.unpack("<Q", h.read(8))
-                if size > min(MAX_HEADER, f.stat().st_size - 8):  # not a safetensors file: the run says why
-                    return None
-                header = json.loads(h.read(size))
-        except (OSError, ValueError, struct.error):
-            return None
-        for name, info in header.items():
-            if name == "__metadata__" or not isinstance(info, dict):
-                continue
-            n = math.prod(info.get("shape", []))
-            firsts.append(((info.get("shape") or [0])[0], n))
+        for t in read_header(f).tensors.values():
+            n = t.numel
+            firsts.append(((t.shape or (0,))[0], n))
             params += n
-            nbytes += n * _ITEM.get(str(info.get("dtype")), 4)
+            nbytes += (n * SAFETENSORS_DTYPES[t.dtype] + 7) // 8
             largest = max(largest, n)
-            if info.get("dtype") in _FLOATING:
-                by_dtype[_FLOATING[info["dtype"]]] = by_dtype.get(_FLOATING[info["dtype"]], 0) + n
+            if t.dtype in _FLOATING:
+                by_dtype[_FLOATING[t.dtype]] = by_dtype.get(_FLOATING[t.dtype], 0) + n
     if not files or not params:
         return None
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
+    config = read_config(folder) if (folder / "config.json").exists() else {}
     dtype = max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else "float32"
     hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(config.get(k), int)), 0)
     layers = next((config[k] for k in ("num_hidden_layers", "n_layer") if isinstance(config.get(k), int)), 1)

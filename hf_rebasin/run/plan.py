@@ -8,12 +8,14 @@ the plan could not see (a Hub model not downloaded yet, a zoo model not trained 
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from ..files import read_config
+from ..gate import check_folder
 from ..output import check_output
 from ..recipe import ModelRef, Recipe
 from ..recipe.describe import describe
@@ -32,7 +34,7 @@ from .checks import (
 from .memory import MemoryEstimate, estimate
 from .resolve import PlannedModel, resolve_model
 
-__all__ = ["Plan", "build_plan", "download_line", "memory_estimate", "plan", "streamed", "streams"]
+__all__ = ["Plan", "build_plan", "download_line", "gate", "memory_estimate", "plan", "streamed", "streams"]
 
 CACHED = " (resolved from the local Hugging Face cache, offline)"
 
@@ -123,10 +125,10 @@ def streamed(recipe: Recipe, models: Roles[PlannedModel]) -> bool:
         return True
 
     def architectures(m: PlannedModel) -> Any:
-        try:
-            return json.loads((m.path / "config.json").read_text(encoding="utf-8")).get("architectures")
-        except (OSError, ValueError, AttributeError, RuntimeError):  # RuntimeError: not downloaded yet
+        folder = _folder(m)
+        if folder is None or not os.path.lexists(folder / "config.json"):  # not downloaded yet, or an adapter
             return None
+        return read_config(folder).get("architectures")  # through the gate
 
     found = architectures(models.finetune)
     return found is not None and found == architectures(models.base)
@@ -156,11 +158,21 @@ def _planned(recipe: Recipe, entry: tuple[str, ModelRef]) -> PlannedModel:
     return PlannedModel(where, ref, resolve_model(ref, where, fetch=False, allow_pickle=recipe.allow_pickle))
 
 
+def gate(recipe: Recipe, models: tuple[PlannedModel, ...]) -> None:
+    """Every file a run reads of each model that is on disk, through the gate (`gate.check_folder`):
+    the first thing done with a model folder, before the scan for repository code, the tokenizer
+    comparison, the widths or the memory estimate read a byte of it."""
+    for m in models:
+        if m.ready:
+            check_folder(m.path, allow_pickle=recipe.allow_pickle, where=f"`{m.where}`")
+
+
 def build_plan(recipe: Recipe, *, output: Path | None = None) -> Plan:
     """Resolve and check ``recipe`` without loading a weight (typed errors name the recipe field)."""
     target = output_path(recipe, output)
     field = "--output" if output is not None else "`output.dir`"
     models = recipe.roles().map(partial(_planned, recipe))
+    gate(recipe, models.all)  # before any byte of a model's files is read
     remote = frozenset(
         i for i, m in enumerate(models.all) if m.folder is not None and (m.folder / "config.json").is_file()
     )

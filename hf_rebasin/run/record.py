@@ -20,6 +20,7 @@ from ..card import leaves_folder, read_license, render_card
 from ..evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS
 from ..output import write_json, write_text
 from ..recipe import Recipe
+from ..recipe.limits import echoed_recipe_text
 from ..record import CacheStats, DatasetEntry, DtypeEntry, Findings, ModelEntry, RunRecord
 from ..roles import Roles, TransportRoles
 from .resolve import PlannedModel
@@ -85,8 +86,10 @@ def _private_spans(node: yaml.Node, inside: bool = False) -> Iterator[tuple[int,
 
 
 def shown_recipe_text(text: str) -> str:
-    """The recipe as written, comments kept, with each path that leaves the recipe's folder cut to
-    its own name: the card is published, the user's folder layout is not."""
+    """The recipe as written, comments kept while they are small (else left out, with a note:
+    `echoed_recipe_text`), with each path that leaves the recipe's folder cut to its own name: the
+    card is published, the user's folder layout is not."""
+    text = echoed_recipe_text(text)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError:  # it was parsed once already; be safe rather than echo it raw

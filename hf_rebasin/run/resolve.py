@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import hub, train
-from ..errors import ModelNotFoundError
+from ..errors import ModelNotFoundError, RebasinUserError
+from ..files import resolve_folder
 from ..lora import is_adapter
 from ..recipe import ModelRef, Recipe
 from .clock import Progress, noop
@@ -106,11 +108,15 @@ def _resolve(
         snap = hub.download_model(ref.model, ref.revision, allow_pickle=allow_pickle, where=where, resolved=pinned)
         return ResolvedModel(snap.folder, snap.commit)
     folder = Path(ref.model)
-    if not folder.exists():
+    if not folder.exists() and not folder.is_symlink():
         raise ModelNotFoundError(f"{where}: the model folder {str(folder)!r} does not exist")
-    if not folder.is_dir():
+    if folder.is_file():
         raise ModelNotFoundError(f"{where}: {str(folder)!r} is a file; give the folder that holds config.json")
-    if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
+    try:
+        resolve_folder(folder)  # a link loop or a link to nothing, named as such
+    except RebasinUserError as e:
+        raise type(e)(f"{where}: {e}") from None
+    if not any(os.path.lexists(folder / name) for name in ("config.json", "adapter_config.json")):
         raise ModelNotFoundError(
             f"{where}: {str(folder)!r} has no config.json; a model folder is what `save_pretrained` writes"
             + (" (or, for `finetuned`, a PEFT adapter folder with adapter_config.json)" if adapter_ok else "")

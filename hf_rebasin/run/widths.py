@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 from ..adapters import get_adapter, graph_for
 from ..embed import EPS_FIELDS, SUB_CONFIGS, WIDTH_FIELDS, Embedding, embed_model, sub_configs
 from ..errors import IncompatibleModelsError
+from ..files import read_config
 from ..models import LoadedModel, rebuild, to_device
 from ..verify import check_preserved, example_gap
 
@@ -30,11 +31,9 @@ def config_widths(folder: Path | None) -> dict[str, Any] | None:
     None when there is no readable config.json (an adapter, a model not downloaded yet)."""
     if folder is None:
         return None
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RuntimeError):
+    if not os.path.lexists(Path(folder) / "config.json"):
         return None
-    return widths(config) if isinstance(config, dict) else None
+    return widths(read_config(folder))  # through the gate: confined, regular, typed
 
 
 def widths(config: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""The models' tokenizers, checked like their weights: each must load, its token ids must fit the
+model's embedding matrix, and every model's must mean what the reference's means by each id.
+
+A tokenizer that does not load is never "no tokenizer": skipping it would compare nothing and copy
+the broken files into the output. A token id at or past the embedding's rows crashes the model
+(IndexError) on the first text that holds it, so it is refused before any work is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import IncompatibleModelsError, RebasinUserError, TokenizerError
+from ..files import read_config
+from ..recipe import Recipe
+from ..vocab import load_tokenizer, tokenizer_difference
+from .resolve import PlannedModel
+
+__all__ = ["check_ids_fit", "check_tokenizers", "embedding_rows", "largest_id"]
+
+_ALLOW = "`allow_different_tokenizers: true`"
+
+
+def largest_id(tokenizer: Any) -> tuple[str, int] | None:
+    """``(token, id)`` of the largest id the tokenizer can produce: its vocabulary with added tokens,
+    and its special tokens; None for an empty tokenizer."""
+    pairs = list(tokenizer.get_vocab().items())
+    pairs.extend(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=False))
+    found = [(str(token), int(i)) for token, i in pairs if isinstance(i, int) and not isinstance(i, bool)]
+    return max(found, key=lambda p: (p[1], p[0]), default=None)
+
+
+def embedding_rows(folder: Path, where: str) -> tuple[int, str] | None:
+    """``(rows, field)`` of the model's embedding matrix as its config.json declares them
+    (``vocab_size``, or ``text_config.vocab_size`` for models that nest it); None when unknown."""
+    if not (folder / "config.json").is_file():  # an adapter: no embedding of its own
+        return None
+    try:
+        config = read_config(folder)
+    except RebasinUserError as e:
+        if str(e).startswith("`"):
+            raise
+        raise type(e)(f"`{where}`: {e}") from None
+    text = config.get("text_config")
+    for field, value in (
+        ("vocab_size", config.get("vocab_size")),
+        ("text_config.vocab_size", text.get("vocab_size") if isinstance(text, dict) else None),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, field
+    return None
+
+
+def check_ids_fit(m: PlannedModel, tokenizer: Any) -> None:
+    """Every id of ``m``'s tokenizer is a row of its embedding matrix: a larger one is an IndexError
+    inside the model on the first text that holds it."""
+    rows = embedding_rows(m.path, m.where)
+    top = largest_id(tokenizer)
+    if rows is None or top is None or top[1] < rows[0]:
+        return
+    (token, i), (n, field) = top, rows
+    raise TokenizerError(
+        f"`{m.where}`: the tokenizer of {m.ref} has token {token!r} with id {i}, but the embedding matrix has {n} "
+        f"rows (config.json {field}): that token would crash the model (IndexError). Use the tokenizer the model "
+        "was trained with, or give the model rows for the new tokens (`model.resize_token_embeddings(len(tokenizer))`, "
+        "then train them) and save it again"
+    )
+
+
+def _local(m: PlannedModel) -> bool:
+    """Whether ``m``'s files are there to check (a Hub model not downloaded, a zoo model not trained:
+    checked when the run fetches them)."""
+    return m.folder is not None and m.ready
+
+
+def _reference(m: PlannedModel) -> Any | None:
+    """The reference's tokenizer, checked: one that does not load is always refused (the result is
+    used with it, and carries its files)."""
+    try:
+        tokenizer = load_tokenizer(m.path)
+    except TokenizerError as e:
+        raise TokenizerError(
+            f"`{m.where}`: {e}. The reference's tokenizer goes with the result, so it must load"
+        ) from None
+    if tokenizer is not None:
+        check_ids_fit(m, tokenizer)
+    return tokenizer
+
+
+def _unloadable(recipe: Recipe, first: PlannedModel, m: PlannedModel, error: TokenizerError) -> str:
+    """A model whose tokenizer does not load: its ids cannot be compared with the reference's, so
+    the tokenizers may differ; refused unless ``allow_different_tokenizers`` (then the note)."""
+    if not recipe.allow_different_tokenizers:
+        raise TokenizerError(
+            f"`{m.where}`: {error}. Its token ids cannot be compared with those of {first.ref} (`{first.where}`), "
+            "so the tokenizers may differ, and token ids that mean different things make the result garbage. "
+            f"Fix its tokenizer files, or set {_ALLOW} if you know the models share token ids (the card will say so)"
+        )
+    return (
+        f"the tokenizer of `{m.where}` does not load ({error.reason}); allowed by {_ALLOW}: its token ids were "
+        "not compared with the reference's and may mean different things"
+    )
+
+
+def _compare(recipe: Recipe, first: PlannedModel, reference: Any | None, m: PlannedModel) -> str | None:
+    """``m``'s tokenizer against the reference's: None when they agree (or either has none), the
+    note of an allowed difference, else refused."""
+    try:
+        other = load_tokenizer(m.path)
+    except TokenizerError as e:
+        return _unloadable(recipe, first, m, e)
+    if other is None:
+        return None
+    check_ids_fit(m, other)
+    if reference is None:
+        return None
+    diff = tokenizer_difference(reference, other, f"`{first.where}`", f"`{m.where}`")
+    if diff is not None and not recipe.allow_different_tokenizers:
+        raise IncompatibleModelsError(
+            f"`{m.where}`: the tokenizer of {m.ref} differs from that of {first.ref} (`{first.where}`): {diff}. "
+            "Token ids that mean different things make the result garbage. Use models that share a "
+            f"tokenizer, or set {_ALLOW} if you know better (the card will say so)"
+        )
+    return diff and (
+        f"the tokenizers differ (allowed by {_ALLOW}): {diff}; token ids may mean different things in the models "
+        "combined"
+    )
+
+
+def check_tokenizers(
+    recipe: Recipe, models: Sequence[PlannedModel], skip: Collection[int] = ()
+) -> dict[int, str | None]:
+    """Every model's tokenizer: it loads, its ids fit its embedding, and it agrees with the
+    reference's (vocabulary, special tokens, merges). Token ids that mean different things make a
+    merge or transport garbage with a normal-looking card.
+
+    A difference, or a tokenizer that does not load, is refused unless ``allow_different_tokenizers``;
+    then it is a note (rebasin.json and the card), by the model's index. The reference's tokenizer
+    must always load. Models without tokenizer files (image models, adapters) have nothing to check;
+    models not downloaded or trained yet, and those in ``skip`` (checked already), are left out.
+    """
+    first = models[0]
+    if not _local(first):
+        return {}
+    reference = _reference(first)
+    return {
+        i: _compare(recipe, first, reference, m)
+        for i, m in enumerate(models[1:], start=1)
+        if i not in skip and _local(m)
+    }
