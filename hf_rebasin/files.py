@@ -189,11 +189,9 @@ def _adapter(schema: Any) -> TypeAdapter[Any]:
 
 
 def _schema_of(name: str) -> Any:
-    if name in SCHEMAS:
-        return SCHEMAS[name]
-    if name.endswith(".json") and "config" in name and name != "adapter_config.json":
-        return SCHEMAS["preprocessor_config.json"]  # any other loader config: an object
-    return None
+    """The schema of a file a loader reads; None for other JSON (sentence-transformers'
+    data_config.json is a list, and no loader reads it)."""
+    return SCHEMAS.get(name)
 
 
 _JSON_KINDS = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number"}

@@ -22,8 +22,9 @@ _ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def _json_names(names: list[str]) -> list[str]:
-    """The JSON files of a folder that some loader parses: the schemas' files and any ``*config*.json``."""
-    return [n for n in names if n in SCHEMAS or (n.endswith(".json") and "config" in n)]
+    """The JSON files of a folder that some loader parses (each has a schema); other JSON files
+    an output carries are checked as files (`_check_file`), not parsed."""
+    return [n for n in names if n in SCHEMAS]
 
 
 def _weights(folder: Path, names: set[str], allow_pickle: bool) -> tuple[list[str], list[str]]:
@@ -86,7 +87,7 @@ def _check_file(path: Path, root: Path) -> None:
     name = path.name
     if name == "config.json":
         read_config(path.parent)
-    elif name in SCHEMAS or (name.endswith(".json") and "config" in name):
+    elif name in SCHEMAS:
         read_json(path, root)
     elif name.endswith(".safetensors"):
         read_header(path, root)

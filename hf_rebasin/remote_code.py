@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import UnsupportedArchitectureError
+from .errors import FileFormatError, UnsupportedArchitectureError
 from .files import read_json
 
 __all__ = ["CODE_KEYS", "LOADER_FILES", "code_references", "refuse_remote_code"]
@@ -61,7 +61,12 @@ def code_references(folder: Path) -> list[tuple[str, str, str]]:
     it names). A file that is not valid JSON, or not of its schema, is an error naming it."""
     out: list[tuple[str, str, str]] = []
     for path in _files(Path(folder)):
-        data = read_json(path)  # through the gate: confined, regular, of a sane size, typed
+        try:
+            data = read_json(path)  # through the gate: confined, regular, of a sane size, typed
+        except FileFormatError:  # not JSON: a file no loader reads (loader files were typed by the gate)
+            if path.name in LOADER_FILES:
+                raise
+            continue
         for key in _references(data):
             node: Any = data
             for part in key.split("."):

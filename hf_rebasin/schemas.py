@@ -162,7 +162,7 @@ class _AnyObject(_Open):
     """A JSON object (special_tokens_map.json, processor configs): nothing more is relied on."""
 
 
-# file name -> its schema (a pydantic type); any other ``*config*.json`` a loader reads is an object
+# file name -> its schema (a pydantic type): the JSON files a loader reads
 SCHEMAS: dict[str, Any] = {
     "config.json": ConfigFile,
     "model.safetensors.index.json": ShardIndex,

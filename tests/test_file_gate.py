@@ -232,3 +232,19 @@ def test_a_header_is_checked_against_its_file(tmp_path: Path) -> None:
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + size :])
     with pytest.raises(RebasinUserError, match="share bytes"):
         files.read_header(path)
+
+
+def test_json_that_no_loader_reads_is_checked_as_a_file_not_parsed(tmp_path: Path) -> None:
+    """sentence-transformers' files as the Hub ships them (all-MiniLM-L6-v2's data_config.json is a
+    list): the gate passes them; a link of one out of the folder is still refused."""
+    folder = _folder(tmp_path)
+    (folder / "data_config.json").write_text(json.dumps([{"name": "s2orc", "lines": 10}]))
+    (folder / "modules.json").write_text(json.dumps([{"idx": 0, "type": "sentence_transformers.models.Transformer"}]))
+    (folder / "config_sentence_transformers.json").write_text("not json, and no loader reads it")
+    assert gate.check_folder(folder) == folder.resolve()
+    remote_code.refuse_remote_code(folder)  # scanned for auto_map, the file that is not JSON passed over
+    (tmp_path / "elsewhere.json").write_text("[]")
+    (folder / "modules.json").unlink()
+    (folder / "modules.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(RebasinUserError, match=r"modules\.json' leads outside"):
+        gate.check_folder(folder)
