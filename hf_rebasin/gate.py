@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from .errors import RebasinUserError
-from .files import SUPPORT_LIMIT, checked, model_root, read_config, read_header, read_json, resolve_folder
+from .files import SUPPORT_LIMIT, check_json, checked, model_root, read_config, read_header, resolve_folder
 from .layout import PICKLE, PICKLE_INDEX, SAFETENSORS, SAFETENSORS_INDEX, index_shards, is_support_file
 from .schemas import SCHEMAS
 
@@ -88,7 +88,7 @@ def _check_file(path: Path, root: Path) -> None:
     if name == "config.json":
         read_config(path.parent)
     elif name in SCHEMAS:
-        read_json(path, root)
+        check_json(path, root)
     elif name.endswith(".safetensors"):
         read_header(path, root)
     else:

@@ -173,6 +173,8 @@ SCHEMAS: dict[str, Any] = {
     "adapter_config.json": AdapterConfig,
     "special_tokens_map.json": _AnyObject,
     "added_tokens.json": dict[str, Count],
+    "vocab.json": dict[str, Count],
+    "chat_template.json": _AnyObject,
     "preprocessor_config.json": _AnyObject,
     "processor_config.json": _AnyObject,
     "image_processor_config.json": _AnyObject,

@@ -49,7 +49,7 @@ _LOADER_EXTRAS = ("special_tokens_map.json", "added_tokens.json", "chat_template
 def gate_tokenizer_files(folder: Path) -> None:
     """Every file a tokenizer loader may read of ``folder`` through the gate (`files`): inside the
     model's folder, regular, of a sane size, JSON of its schema."""
-    from .files import SUPPORT_LIMIT, checked, model_root, read_json, resolve_folder
+    from .files import SUPPORT_LIMIT, check_json, checked, model_root, resolve_folder
 
     root = model_root(resolve_folder(folder))
     for name in (*TOKENIZER_FILES, *_LOADER_EXTRAS):
@@ -57,7 +57,7 @@ def gate_tokenizer_files(folder: Path) -> None:
         if not os.path.lexists(path):
             continue
         if name.endswith(".json"):
-            read_json(path, root)
+            check_json(path, root)
         else:
             checked(path, root, limit=SUPPORT_LIMIT)
 
