@@ -74,3 +74,13 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
     """
     with serve_hub(tmp_path_factory.mktemp("hub-storage")) as server:
         yield server
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need CUDA: skipped, with the reason, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (benchmarks/gpu_check.sh runs these where one is)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
