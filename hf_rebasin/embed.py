@@ -79,10 +79,8 @@ def _check_spaces(narrow: SymmetryGraph, wide: SymmetryGraph) -> None:
         if type(small) is not type(big):
             raise IncompatibleModelsError(f"space {name!r} is of another kind in the wider model")
         if isinstance(small, HeadSpace) and isinstance(big, HeadSpace):
-            if big.head_dim != small.head_dim:
-                why = (
-                    "rotary embeddings' frequencies depend on it" if small.rotary else "the scores scale by 1/√head_dim"
-                )
+            why = _head_dim_refusal(small, big)
+            if why is not None:
                 raise IncompatibleModelsError(
                     f"space {name!r}: head_dim {small.head_dim} → {big.head_dim} is not embedded ({why}); "
                     "keep head_dim and add heads (where the model computes head_dim as hidden size / heads, "
@@ -106,10 +104,49 @@ def _check_spaces(narrow: SymmetryGraph, wide: SymmetryGraph) -> None:
             )
 
 
+def _head_dim_refusal(small: HeadSpace, big: HeadSpace) -> str | None:
+    """Why a head space's head_dim cannot grow from ``small`` to ``big`` (None: it can, or it stays).
+
+    Without rotary embeddings a head pads exactly: zero features add nothing to a score, and the
+    queries scaled by √(head_dim′/head_dim) undo the wider 1/√head_dim′ (`_query_scales`)."""
+    if big.head_dim == small.head_dim:
+        return None
+    if small.rotary:
+        return "rotary embeddings' frequencies depend on it"
+    if big.head_dim < small.head_dim:
+        return "a narrower head would drop features"
+    if small.qk == "fixed" or big.qk == "fixed":
+        return small.reason or big.reason or "a per-feature scale inside each head reads every feature"
+    return None
+
+
+def _query_scales(graph: SymmetryGraph, ref: AxisRef, wide: SymmetryGraph) -> Tensor | None:
+    """Per-feature factors of a narrow axis: √(head_dim′/head_dim) on the queries of every head
+    space whose head_dim grows (the scores come out unchanged), 1 elsewhere; None when all are 1."""
+    if ref is None:
+        return None
+    parts = ref.parts if isinstance(ref, Fused) else (ref,)
+    pieces, scaled = [], False
+    for part in parts:
+        name, role = split_ref(part)
+        small, big = graph.spaces[name], wide.spaces[name]
+        factor = 1.0
+        if role == "q" and isinstance(small, HeadSpace) and isinstance(big, HeadSpace):
+            factor = math.sqrt(big.head_dim / small.head_dim)
+        scaled = scaled or factor != 1.0
+        pieces.append(torch.full((graph.ref_size(part),), factor, dtype=torch.float64))
+    if scaled and isinstance(ref, Fused) and ref.interleaved:  # rotary layouts only, refused before
+        raise IncompatibleModelsError(f"axis {ref}: a per-head interleaved layout cannot grow its head_dim")
+    return torch.cat(pieces) if scaled else None
+
+
 def _place(graph: SymmetryGraph, ref: str, wide: SymmetryGraph) -> Tensor:
     """Where each feature of ``ref`` (a space or a role) of the narrow graph lies in the wide one."""
     name, role = split_ref(ref)
     small, big = graph.spaces[name], wide.spaces[name]
+    if isinstance(small, HeadSpace) and isinstance(big, HeadSpace) and small.head_dim != big.head_dim:
+        heads = small.role_size(str(role)) // small.head_dim  # feature j of head h: h·head_dim′ + j
+        return (torch.arange(heads)[:, None] * big.head_dim + torch.arange(small.head_dim)).reshape(-1)
     if isinstance(small, ExpertSpace) and isinstance(big, ExpertSpace) and role == "units":
         e = torch.arange(small.num_experts)[:, None]
         return (e * big.units + torch.arange(small.units)).reshape(-1)
@@ -271,6 +308,12 @@ def embed_state(
         if name in factors:  # scaled by d**p at run time (d′**p in the wider model), or a role norm's input
             t = (t.to(torch.float64) * factors[name]).to(t.dtype)
         small = narrow.logical(name, t)
+        for k, ref in enumerate(binding.axes):  # queries of heads that widen: scaled so the scores stay
+            factor = _query_scales(narrow, ref, wide)
+            if factor is not None:
+                shape = [1] * small.dim()
+                shape[k] = -1
+                small = (small.to(torch.float64) * factor.view(shape)).to(t.dtype)
         wide_binding = wide.bindings[name]
         wide_shape = wide_binding.view.shape if wide_binding.view is not None else tuple(shapes[name])
         index = [_axis_index(narrow, ref, wide, small.shape[k]) for k, ref in enumerate(binding.axes)]
@@ -371,9 +414,15 @@ def _grown(narrow: SymmetryGraph, wide: SymmetryGraph) -> dict[str, tuple[int, i
     for name, small in narrow.spaces.items():
         if name not in wide.spaces:
             continue
-        (a, what), (b, _) = _width(small), _width(wide.spaces[name])
+        big = wide.spaces[name]
+        (a, what), (b, _) = _width(small), _width(big)
         if a != b:
             out[f"{LAYER.sub('.*.', name)} ({what})"] = (a, b)
+        if isinstance(small, HeadSpace) and isinstance(big, HeadSpace) and small.head_dim != big.head_dim:
+            out[f"{LAYER.sub('.*.', name)} (head_dim: queries × √({big.head_dim}/{small.head_dim}))"] = (
+                small.head_dim,
+                big.head_dim,
+            )
     return out
 
 

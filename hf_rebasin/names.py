@@ -113,6 +113,9 @@ Kind = Literal[
     "gpt2-d96",
     "gpt2-d128",
     "vit-d128",
+    # a wider twin of gpt2 with its 4 heads, each wider (head_dim 16 → 24): the pair the reference
+    # code of Theus et al. merges across widths (same heads, wider heads)
+    "gpt2-d96-h4",
     # the benchmark zoo: models that behave more like released ones, to choose defaults on
     "bench-gpt2",
     "bench-gpt2-ft",

@@ -472,6 +472,8 @@ DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
     "gpt2-d96": GPT2TrainConfig(n_embd=96, n_head=6),
     "gpt2-d128": GPT2TrainConfig(n_embd=128, n_head=8),
     "vit-d128": ViTTrainConfig(hidden_size=128, num_attention_heads=8, intermediate_size=256),
+    # the same heads, each wider (head_dim 24): gpt2 embeds into it with its queries scaled by √(24/16)
+    "gpt2-d96-h4": GPT2TrainConfig(n_embd=96, n_head=4),
     # the benchmark zoo (see `SubwordLMTrainConfig`): GPT-2, its fine-tune on the King James Bible,
     # a ModernBERT masked LM, and a ViT of the same size (4 layers, width 128) trained longer on the digits
     "bench-gpt2": SubwordLMTrainConfig(),

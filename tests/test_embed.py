@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers as T
 
 import tiny
 from hf_rebasin.adapters import REGISTRY, graph_for
@@ -152,14 +153,18 @@ def _gap(model: Any, wide: Any) -> float:
 
 
 HEAD_DIM = "head_dim 8 → (12|16|5|4)"  # hidden size / heads: neither grows alone
+ROTARY = "head_dim 8 → (12|16) .*rotary"  # heads widen only without rotary embeddings
+NARROWER = "head_dim 8 → (5|4) .*narrower head"  # more heads in the same width: each one narrower
 POST_NORM = "not centred"
-# family → case → the refusal's reason (absent: exact)
+# family → case → the refusal's reason (absent: exact). Where head_dim = hidden size / heads, a wider
+# stream widens the heads: exact without rotary embeddings (queries × √(head_dim′/head_dim))
 REFUSED: dict[str, dict[str, str]] = {
-    **{f: {"hidden": HEAD_DIM, "heads": HEAD_DIM, "all": POST_NORM} for f in ("bert-cls", "roberta-mlm")},
-    "distilbert-mlm": {"hidden": HEAD_DIM, "heads": HEAD_DIM, "all": POST_NORM},
-    "modernbert-mlm": {"hidden": HEAD_DIM, "heads": HEAD_DIM, "all": "embeddings.norm"},
-    **{f: {"hidden": HEAD_DIM, "heads": HEAD_DIM} for f in ("gpt2", "gpt2-untied", "gpt2-base", "gpt-neox")},
-    **{f: {"hidden": HEAD_DIM, "heads": HEAD_DIM} for f in TWO_TOWERS},
+    **{f: {"hidden": POST_NORM, "heads": NARROWER, "all": POST_NORM} for f in ("bert-cls", "roberta-mlm")},
+    "distilbert-mlm": {"hidden": POST_NORM, "heads": NARROWER, "all": POST_NORM},
+    "modernbert-mlm": {"hidden": ROTARY, "heads": HEAD_DIM, "all": "embeddings.norm"},
+    **{f: {"heads": NARROWER} for f in ("gpt2", "gpt2-untied", "gpt2-base")},
+    "gpt-neox": {"hidden": ROTARY, "heads": HEAD_DIM},
+    **{f: {"heads": NARROWER} for f in TWO_TOWERS},
 }
 FAMILIES = (
     # one of each layout (Llama's MHA, Mistral and Qwen2 are llama-gqa's; xlm-roberta is roberta's)
@@ -244,3 +249,35 @@ def test_olmo2_heads_alone_keep_the_shared_epsilon(models: dict[str, Any]) -> No
     wide, report = embed_model(model, _wider(model.config, "heads", "olmo2"))
     assert wide.config.rms_norm_eps == model.config.rms_norm_eps and not report.eps
     assert _gap(model, wide) <= 1e-4
+
+
+def test_the_reference_codes_pair_widens_each_head_exactly() -> None:
+    """Theus et al.'s heterogeneous pair: GPT-2 of d = 128 and d = 192, both with 4 heads (head_dim
+    32 → 48). Head h's feature j goes to h·48 + j, its queries × √(48/32): the stock wide model
+    computes the narrow one's logits."""
+    narrow = T.GPT2LMHeadModel(T.GPT2Config(n_embd=128, n_head=4, n_layer=2, vocab_size=64, n_positions=32)).eval()
+    like = copy.deepcopy(narrow.config)
+    like.n_embd = 192
+    wide, report = embed_model(narrow, like)
+    assert _gap(narrow, wide) <= 1e-4
+    assert any("head_dim" in line and "32 → 48" in line for line in report.describe())
+    c_attn_n = narrow.transformer.h[0].attn.c_attn.weight.detach()  # Conv1D: [in, q | k | v]
+    c_attn_w = wide.transformer.h[0].attn.c_attn.weight.detach()
+    q_n, q_w = c_attn_n[:, :128].reshape(128, 4, 32), c_attn_w[:, :192].reshape(192, 4, 48)
+    k_n, k_w = c_attn_n[:, 128:256].reshape(128, 4, 32), c_attn_w[:, 192:384].reshape(192, 4, 48)
+    # the narrow stream is in canonical form (LayerNorm folded) in the wide model: compare ratios of
+    # queries to keys, which the fold scales alike, on the narrow features of each head
+    scale = (q_w[:128, :, :32] / k_w[:128, :, :32]) / (q_n / k_n)
+    finite = torch.isfinite(scale)
+    assert torch.allclose(scale[finite], torch.full_like(scale[finite], math.sqrt(48 / 32)), rtol=1e-3)
+    assert q_w[:, :, 32:].abs().max() == 0 and k_w[:, :, 32:].abs().max() == 0  # the added features read nothing
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen3-tied"])
+def test_rotary_heads_do_not_widen(models: dict[str, Any], family: str) -> None:
+    """RoPE's frequencies depend on head_dim: a wider head is refused, with the reason."""
+    model = _model(models, family)
+    like = copy.deepcopy(model.config)
+    like.head_dim = model.config.head_dim * 2
+    with pytest.raises(IncompatibleModelsError, match="rotary"):
+        embed_model(model, like)

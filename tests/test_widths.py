@@ -31,7 +31,11 @@ from lm_folders import fixed_logits, save_lm, stock_lm, transformers_loss, write
 WIDE = {  # hidden 32 → 48, heads 4 → 6 (head_dim 8 kept; Llama: KV groups 2 → 3), units grown
     "gpt2": dict(n_embd=48, n_head=6),
     "llama-gqa": dict(hidden_size=48, intermediate_size=64, num_attention_heads=6, num_key_value_heads=3, head_dim=8),
+    # the same 4 heads, each wider (head_dim 8 → 12): the queries scaled by √(12/8), the scores kept
+    "gpt2-wider-heads": dict(n_embd=48, n_head=4),
 }
+FACTORY = {"gpt2-wider-heads": "gpt2"}  # the tiny model each case widens (default: the case's name)
+HEADS = {"gpt2": 6, "llama-gqa": 6, "gpt2-wider-heads": 4}
 EVALUATE = {"task": "causal-lm", "data": {"dataset": "shakespeare", "name": "hamlet", "split": "test"}}
 EVALUATE |= {"max_tokens": 400}
 DATA = {"dataset": "shakespeare", "name": "hamlet", "split": "train", "max_tokens": 2000, "block_size": 32}
@@ -46,7 +50,7 @@ def _like(model: T.PreTrainedModel, case: str) -> Any:
 
 def _planted(case: str, cls: str = "permutation", seed: int = 5) -> tuple[T.PreTrainedModel, T.PreTrainedModel]:
     """A narrow tiny model and a wide one that is its exact embedding moved by a random map of ``cls``."""
-    narrow = tiny.FACTORIES[case](0).eval()
+    narrow = tiny.FACTORIES[FACTORY.get(case, case)](0).eval()
     embedded, _ = embed_model(narrow, _like(narrow, case))
     sd = embedded.state_dict()
     graph = graph_for(embedded.config, sd.keys())
@@ -98,7 +102,7 @@ def test_weight_matching_recovers_a_map_planted_in_the_wider_shape(
     proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
     merged = stock_lm(tmp_path / "out")
-    assert merged.config.hidden_size == 48 and merged.config.num_attention_heads == 6
+    assert merged.config.hidden_size == 48 and merged.config.num_attention_heads == HEADS[case]
     assert (fixed_logits(merged) - fixed_logits(narrow)).abs().max() <= 1e-4
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text(encoding="utf-8"))
     grown = [m.get("embedded") for m in record["models"]]
