@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
-from .errors import IncompatibleModelsError, PickleRefusedError, RebasinUserError
+from .errors import IncompatibleModelsError, PickleRefusedError, RebasinUserError, named
 from .names import KINDS
 
 if TYPE_CHECKING:
@@ -541,15 +541,13 @@ def cmd_embed(args: argparse.Namespace, console: Console) -> int:
     from .models import load_model, read_config
     from .output import check_output
 
-    named = {"MODEL": args.model, "--like": args.like}
-    check_output(Path(args.output), False, inputs=[(k, Path(v)) for k, v in named.items()], where="--output")
-    folders = {k: _model_folder(v, args.allow_pickle, where=k) for k, v in named.items()}
+    refs = {"MODEL": args.model, "--like": args.like}
+    check_output(Path(args.output), False, inputs=[(k, Path(v)) for k, v in refs.items()], where="--output")
+    folders = {k: _model_folder(v, args.allow_pickle, where=k) for k, v in refs.items()}
     inputs = [(k, Path(v)) for k, v in folders.items()]
     loaded = load_model(folders["MODEL"], allow_pickle=args.allow_pickle)
-    try:
+    with named("--like"):
         like = read_config(Path(folders["--like"]))  # through the gate: confined, regular, typed
-    except RebasinUserError as e:
-        raise type(e)(f"--like: {e}") from None
     with console.status("embedding…"):
         wide, embedding = embed_model(loaded.model, like)
         if not embedding.grown:

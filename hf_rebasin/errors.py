@@ -7,6 +7,9 @@ Messages say what is wrong, where (file, field, tensor) and how to fix it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class RebasinError(Exception):
     """Base class of every error raised on purpose by hf-rebasin."""
@@ -102,3 +105,16 @@ class UnreadableFileError(RebasinUserError, OSError):
 class FileFormatError(RebasinUserError, ValueError):
     """A model folder's file is not what its name says: not JSON, or JSON of the wrong shape
     (tokenizer, generation or processor configs)."""
+
+
+@contextmanager
+def named(where: str | None, *, unless_named: bool = False) -> Iterator[None]:
+    """User errors raised inside start with ``where`` (a recipe field, a flag): the same type, so
+    the exit code stays. ``unless_named``: one that names a field already (starts with a backtick)
+    is left as it is. ``where=None`` changes nothing."""
+    try:
+        yield
+    except RebasinUserError as e:
+        if where is None or (unless_named and str(e).startswith("`")):
+            raise
+        raise type(e)(f"{where}: {e}") from None

@@ -12,6 +12,7 @@ module that reads a file without the plan's check is still safe.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -20,9 +21,10 @@ import math
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -36,7 +38,6 @@ __all__ = [
     "checked",
     "file_kind",
     "model_root",
-    "read_bytes",
     "read_config",
     "read_header",
     "read_json",
@@ -133,15 +134,14 @@ def _refuse_kind(path: Path, info: os.stat_result, limit: int | None) -> None:
         )
 
 
-def read_bytes(path: Path | str, root: Path | None = None, *, limit: int, offset: int = 0, size: int = -1) -> bytes:
-    """Bytes of a file that passed the gate (`checked`); opened without blocking and checked again
-    on the open descriptor, so a file swapped for a FIFO in between is still refused."""
-    real = checked(path, root, limit=None if size >= 0 else limit)
+@contextlib.contextmanager
+def _opened(real: Path, shown: Path, limit: int | None) -> Iterator[BinaryIO]:
+    """A file that passed `checked`, opened without blocking and checked again on the open
+    descriptor, so a file swapped for a FIFO in between is still refused."""
     fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as f:
-        _refuse_kind(Path(path), os.fstat(f.fileno()), None if size >= 0 else limit)
-        f.seek(offset)
-        return f.read(limit + 1 if size < 0 else min(size, limit + 1))
+        _refuse_kind(shown, os.fstat(f.fileno()), limit)
+        yield f
 
 
 def _error_class(name: str) -> type[Exception]:
@@ -182,12 +182,6 @@ def parse_json(raw: bytes, path: Path) -> Any:
 @functools.cache
 def _adapter(schema: Any) -> TypeAdapter[Any]:
     return TypeAdapter(schema)
-
-
-def _schema_of(name: str) -> Any:
-    """The schema of a file a loader reads; None for other JSON (sentence-transformers'
-    data_config.json is a list, and no loader reads it)."""
-    return SCHEMAS.get(name)
 
 
 _JSON_KINDS = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number"}
@@ -240,8 +234,8 @@ _PASSED: dict[Path, tuple[int, int, int]] = {}
 _HEADERS: dict[Path, tuple[tuple[int, int, int], SafetensorsHeader]] = {}
 
 
-def _stamp(real: Path) -> tuple[int, int, int]:
-    info = os.stat(real)
+def _stamp(info: os.stat_result) -> tuple[int, int, int]:
+    """What says a file is the one that passed: its size, modification time and inode."""
     return (info.st_size, info.st_mtime_ns, info.st_ino)
 
 
@@ -250,12 +244,15 @@ def read_json(path: Path | str, root: Path | None = None, *, schema: Any = "auto
     (by file name; ``schema=None``: any JSON)."""
     path = Path(path)
     limit = _JSON_LIMITS.get(path.name, JSON_LIMIT) if limit is None else limit
-    data = parse_json(read_bytes(path, root, limit=limit), path)
-    schema = _schema_of(path.name) if schema == "auto" else schema
+    real = checked(path, root, limit=limit)
+    with _opened(real, path, limit) as f:
+        data = parse_json(f.read(limit + 1), path)
+        stamp = _stamp(os.fstat(f.fileno()))
+    schema = SCHEMAS.get(path.name) if schema == "auto" else schema  # None: no loader reads it, any JSON
     if schema is None:
         return data
     validate(data, path, schema)
-    _PASSED[path.resolve()] = _stamp(path.resolve())
+    _PASSED[real] = stamp
     return data
 
 
@@ -263,7 +260,7 @@ def check_json(path: Path, root: Path | None = None) -> None:
     """`read_json` for its checks only: a file that passed them unchanged is not parsed again
     (confinement and kind are checked every time)."""
     real = checked(path, root, limit=_JSON_LIMITS.get(path.name, JSON_LIMIT))
-    if _PASSED.get(real) != _stamp(real):
+    if _PASSED.get(real) != _stamp(os.stat(real)):
         read_json(path, root)
 
 
@@ -308,20 +305,20 @@ def read_header(path: Path | str, root: Path | None = None) -> SafetensorsHeader
     size before any tensor is read (a tensor of 10¹² elements in an 8 MB file is the header's lie)."""
     path = Path(path)
     real = checked(path, root)
-    stamp = _stamp(real)
-    known = _HEADERS.get(real)
-    if known is not None and known[0] == stamp:
-        return dataclasses.replace(known[1], path=path)
-    header = _read_header(path, real)
+    with _opened(real, path, None) as f:
+        info = os.fstat(f.fileno())
+        known = _HEADERS.get(real)
+        if known is not None and known[0] == _stamp(info):
+            return dataclasses.replace(known[1], path=path)
+        header = _read_header(path, f, info.st_size)
     if len(_HEADERS) > 1024:
         _HEADERS.clear()
-    _HEADERS[real] = (stamp, header)
+    _HEADERS[real] = (_stamp(info), header)
     return header
 
 
-def _read_header(path: Path, real: Path) -> SafetensorsHeader:
-    size_on_disk = os.stat(real).st_size
-    prefix = read_bytes(real, real.parent, limit=8, size=8)
+def _read_header(path: Path, f: BinaryIO, size_on_disk: int) -> SafetensorsHeader:
+    prefix = f.read(8)
     if len(prefix) < 8:
         raise CheckpointError(f"{_shown(path)} is not a safetensors file: it has {len(prefix)} bytes")
     length = int.from_bytes(prefix, "little")
@@ -330,7 +327,7 @@ def _read_header(path: Path, real: Path) -> SafetensorsHeader:
             f"{_shown(path)} is not a readable safetensors file: its header claims {length:,} bytes of a "
             f"{size_on_disk:,}-byte file (at most {MAX_HEADER:,})"
         )
-    data = parse_json(read_bytes(real, real.parent, limit=length, offset=8, size=length), path)
+    data = parse_json(f.read(length), path)
     if not isinstance(data, dict):
         kind = _JSON_KINDS.get(type(data), type(data).__name__)
         raise CheckpointError(f"{_shown(path)}: the safetensors header must be a JSON object; it is {kind}")

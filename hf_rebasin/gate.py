@@ -11,19 +11,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import RebasinUserError
+from .errors import named
 from .files import SUPPORT_LIMIT, check_json, checked, model_root, read_config, read_header, resolve_folder
 from .layout import PICKLE, PICKLE_INDEX, SAFETENSORS, SAFETENSORS_INDEX, index_shards, is_support_file
 from .schemas import SCHEMAS
 
-__all__ = ["check_folder", "read_files", "safetensors_files"]
+__all__ = ["check_file", "check_folder", "read_files", "safetensors_files"]
 
 _ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def _json_names(names: list[str]) -> list[str]:
     """The JSON files of a folder that some loader parses (each has a schema); other JSON files
-    an output carries are checked as files (`_check_file`), not parsed."""
+    an output carries are checked as files (`check_file`), not parsed."""
     return [n for n in names if n in SCHEMAS]
 
 
@@ -55,15 +55,8 @@ def read_files(folder: Path, *, allow_pickle: bool = False) -> list[str]:
     present = set(names)
     safetensors, pickles = _weights(folder, present, allow_pickle)
     adapter = [n for n in _ADAPTER_WEIGHTS if n in present and (allow_pickle or n.endswith(".safetensors"))]
-    support = [n for n in names if is_support_file(n) and not _is_folder(folder / n)]
+    support = [n for n in names if is_support_file(n) and not (folder / n).is_dir()]  # a link loop: False
     return sorted({*_json_names(names), *safetensors, *pickles, *adapter, *support})
-
-
-def _is_folder(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except OSError:  # a link loop is not a folder; the gate names it
-        return False
 
 
 def check_folder(folder: Path | str, *, allow_pickle: bool = False, where: str | None = None) -> Path:
@@ -71,19 +64,18 @@ def check_folder(folder: Path | str, *, allow_pickle: bool = False, where: str |
     folder, regular, of a sane size; JSON parsed into its schema, config sizes bounded, safetensors
     headers checked against their files. Returns the folder resolved. ``where`` (a recipe field)
     starts every message."""
-    try:
+    with named(where):
         real = resolve_folder(folder)
         root = model_root(real)
         for name in read_files(real, allow_pickle=allow_pickle):
-            _check_file(real / name, root)
-    except RebasinUserError as e:
-        if where is None:
-            raise
-        raise type(e)(f"{where}: {e}") from None
+            check_file(real / name, root)
     return real
 
 
-def _check_file(path: Path, root: Path) -> None:
+def check_file(path: Path, root: Path) -> None:
+    """One file through the gate by what it is: config.json typed with its sizes bounded, a JSON file
+    a loader reads typed by its schema, a safetensors header checked against its file, any other
+    file confined, regular and at most `SUPPORT_LIMIT` bytes."""
     name = path.name
     if name == "config.json":
         read_config(path.parent)

@@ -81,7 +81,9 @@ def support_files(folder: Path) -> list[Path]:
         return []
     root = model_root(folder.resolve())
     keep = [p for p in entries if is_support_file(p.name) and not p.is_dir()]
-    return [p for p in keep if checked(p, root, limit=SUPPORT_LIMIT)]
+    for path in keep:
+        checked(path, root, limit=SUPPORT_LIMIT)  # raises for a link out of the folder, a FIFO, a device
+    return keep
 
 
 def index_shards(index: Path, where: str) -> list[str]:

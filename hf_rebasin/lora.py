@@ -34,8 +34,8 @@ from .errors import (
     IncompatibleModelsError,
     ModelNotFoundError,
     PickleRefusedError,
-    RebasinUserError,
     TransformError,
+    named,
 )
 from .files import read_header, read_json
 from .merge import StorageKey, storage_key
@@ -159,10 +159,8 @@ def is_adapter(folder: Path) -> bool:
 def adapter_config(folder: Path, where: str = "finetuned") -> dict[str, Any]:
     """``adapter_config.json``, checked to be a LoRA adapter hf-rebasin can transport."""
     path = Path(folder) / ADAPTER_CONFIG
-    try:
+    with named(f"`{where}`"):
         config: dict[str, Any] = read_json(path)  # through the gate: confined, regular, typed
-    except RebasinUserError as e:
-        raise type(e)(f"`{where}`: {e}") from None
     kind = config.get("peft_type")
     if kind != "LORA":
         raise CheckpointError(

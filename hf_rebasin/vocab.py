@@ -49,17 +49,13 @@ _LOADER_EXTRAS = ("special_tokens_map.json", "added_tokens.json", "chat_template
 def gate_tokenizer_files(folder: Path) -> None:
     """Every file a tokenizer loader may read of ``folder`` through the gate (`files`): inside the
     model's folder, regular, of a sane size, JSON of its schema."""
-    from .files import SUPPORT_LIMIT, check_json, checked, model_root, resolve_folder
+    from .files import model_root, resolve_folder
+    from .gate import check_file
 
     root = model_root(resolve_folder(folder))
     for name in (*TOKENIZER_FILES, *_LOADER_EXTRAS):
-        path = Path(folder) / name
-        if not os.path.lexists(path):
-            continue
-        if name.endswith(".json"):
-            check_json(path, root)
-        else:
-            checked(path, root, limit=SUPPORT_LIMIT)
+        if os.path.lexists(Path(folder) / name):
+            check_file(Path(folder) / name, root)
 
 
 def _reason(error: BaseException, folder: Path) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ..files import file_kind
 from .problems import Problem, RecipeError
 from .sections import MAX_YAML_VALUES
 
@@ -166,16 +167,6 @@ def load_limited(text: str, what: str = "the recipe") -> tuple[yaml.Node | None,
         loader.dispose()
 
 
-def _not_a_file(mode: int) -> str | None:
-    """What a path that is not a regular file is, in words (None for a regular file)."""
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    kinds = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
-    return next((name for test, name in kinds.items() if test(mode)), "a socket or other special file")
-
-
 def _refuse(path: Path, kind: str) -> RecipeError:
     """A recipe path that is not a regular file, refused before it is opened; a link says where it points."""
     where = f"is a link to {os.path.realpath(path)}, which is" if path.is_symlink() else "is"
@@ -196,15 +187,16 @@ def read_recipe_file(path: Path) -> str:
             why = "is a symbolic link that leads back to itself (a symlink loop): point it at the recipe's YAML file"
             raise RecipeError(str(path), [Problem("", None, why)]) from None
         raise RecipeError(str(path), [Problem("", None, f"cannot be read: {e.strerror or e}")]) from None
-    if (kind := _not_a_file(info.st_mode)) is not None:
-        raise _refuse(path, kind)
+    if not stat.S_ISREG(info.st_mode):
+        raise _refuse(path, f"a {file_kind(info.st_mode)}")
     if info.st_size > MAX_RECIPE_BYTES:
         raise RecipeError(str(path), [Problem("", None, _too_big(info.st_size))])
     try:  # O_NONBLOCK: should a FIFO replace the file after the stat, open returns instead of waiting
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
         with os.fdopen(fd, "rb") as f:
-            if (kind := _not_a_file(os.fstat(f.fileno()).st_mode)) is not None:
-                raise _refuse(path, kind)
+            mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise _refuse(path, f"a {file_kind(mode)}")
             data = f.read(MAX_RECIPE_BYTES + 1)
         if len(data) > MAX_RECIPE_BYTES:  # it grew after the stat, or its size lies (/proc)
             raise RecipeError(str(path), [Problem("", None, _too_big(MAX_RECIPE_BYTES, more="more than "))])

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import IncompatibleModelsError, RebasinUserError, UnsupportedArchitectureError
+from ..errors import IncompatibleModelsError, UnsupportedArchitectureError, named
 from ..evaluate import Task, task_of
 from ..lora import LoraAdapter, apply_adapter, is_adapter, read_adapter
 from ..models import (
@@ -232,7 +232,7 @@ def _load(
     folder: Path, recipe: Recipe, where: str, *, stream: bool = False, device: torch.device | None = None
 ) -> LoadedModel:
     """`models.load_model` with the recipe's settings; a user error names the recipe field."""
-    try:
+    with named(f"`{where}`", unless_named=True):  # a message that names its field already stays as it is
         return load_model(
             folder,
             allow_pickle=recipe.allow_pickle,
@@ -240,10 +240,6 @@ def _load(
             stream=stream,
             device=device,
         )
-    except RebasinUserError as e:
-        if str(e).startswith("`"):
-            raise
-        raise type(e)(f"`{where}`: {e}") from None
 
 
 def _load_models(

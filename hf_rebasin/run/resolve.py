@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import hub, train
-from ..errors import ModelNotFoundError, RebasinUserError
+from ..errors import ModelNotFoundError, named
 from ..files import resolve_folder
 from ..lora import is_adapter
 from ..recipe import ModelRef, Recipe
@@ -112,10 +112,8 @@ def _resolve(
         raise ModelNotFoundError(f"{where}: the model folder {str(folder)!r} does not exist")
     if folder.is_file():
         raise ModelNotFoundError(f"{where}: {str(folder)!r} is a file; give the folder that holds config.json")
-    try:
+    with named(where):
         resolve_folder(folder)  # a link loop or a link to nothing, named as such
-    except RebasinUserError as e:
-        raise type(e)(f"{where}: {e}") from None
     if not any(os.path.lexists(folder / name) for name in ("config.json", "adapter_config.json")):
         raise ModelNotFoundError(
             f"{where}: {str(folder)!r} has no config.json; a model folder is what `save_pretrained` writes"

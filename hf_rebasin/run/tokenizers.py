@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import IncompatibleModelsError, RebasinUserError, TokenizerError
+from ..errors import IncompatibleModelsError, TokenizerError, named
 from ..files import read_config
 from ..recipe import Recipe
 from ..vocab import load_tokenizer, tokenizer_difference
@@ -37,12 +37,8 @@ def embedding_rows(folder: Path, where: str) -> tuple[int, str] | None:
     (``vocab_size``, or ``text_config.vocab_size`` for models that nest it); None when unknown."""
     if not (folder / "config.json").is_file():  # an adapter: no embedding of its own
         return None
-    try:
+    with named(f"`{where}`"):  # config.json's messages start with its path, never a field
         config = read_config(folder)
-    except RebasinUserError as e:
-        if str(e).startswith("`"):
-            raise
-        raise type(e)(f"`{where}`: {e}") from None
     text = config.get("text_config")
     for field, value in (
         ("vocab_size", config.get("vocab_size")),
