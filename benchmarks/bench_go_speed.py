@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from hf_rebasin.adapters import graph_for
-from hf_rebasin.strategies import Pair, align, descent
+from hf_rebasin.strategies import Pair, align
+from hf_rebasin.strategies.engines import descent
 
 
 def run(pair: Pair, options: dict[str, Any], threads: bool) -> str:

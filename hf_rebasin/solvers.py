@@ -8,14 +8,16 @@ and the value it reaches.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
+import threadpoolctl
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
@@ -72,16 +74,56 @@ def _timed(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
+class _OneBlasThread:
+    """NumPy's BLAS on one thread while any SVD runs, as the descent's solver threads assume.
+
+    With a thread per core, LAPACK's many small steps wait on threads that the views' GEMMs, another
+    solver or another process hold: on 2 busy cores an SVD of 12 heads' 64×64 blocks took 0.8 s
+    instead of 5 ms, a 768×768 one 5 s instead of 0.2 s. Counted, since solvers run on several
+    threads: the last one out restores the limits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._limiter: Any = None
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._limiter = _blas_pools().limit(limits=1)
+            self._users += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._limiter.restore_original_limits()
+                self._limiter = None
+
+
+@functools.cache
+def _blas_pools() -> Any:
+    """The BLAS libraries loaded (NumPy's among them: imported above), found once."""
+    return threadpoolctl.ThreadpoolController().select(user_api="blas")
+
+
+_ONE_BLAS_THREAD = _OneBlasThread()
+
+
 def svd(m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(U, S, Vh)`` of a matrix or a stack, in float64 through NumPy's LAPACK: the CPU build of
-    torch here takes seconds where NumPy takes a fraction of one (768×768: 15 s vs 0.4 s)."""
-    u, s, vh = np.linalg.svd(m.detach().to("cpu", torch.float64).numpy(), full_matrices=False)
+    """``(U, S, Vh)`` of a matrix or a stack, in float64 through NumPy's LAPACK on one thread: the
+    CPU build of torch here takes seconds where NumPy takes a fraction of one (768×768: 15 s vs 0.2 s)."""
+    x = m.detach().to("cpu", torch.float64).numpy()
+    with _ONE_BLAS_THREAD:
+        u, s, vh = np.linalg.svd(x, full_matrices=False)
     return torch.from_numpy(u), torch.from_numpy(s), torch.from_numpy(vh)
 
 
 def svdvals(m: Tensor) -> Tensor:
     """Singular values of a matrix or a stack (float64, NumPy's LAPACK; see :func:`svd`)."""
-    return torch.from_numpy(np.linalg.svd(m.detach().to("cpu", torch.float64).numpy(), compute_uv=False))
+    x = m.detach().to("cpu", torch.float64).numpy()
+    with _ONE_BLAS_THREAD:
+        return torch.from_numpy(np.linalg.svd(x, compute_uv=False))
 
 
 @_timed
