@@ -56,6 +56,11 @@ POINTS = 11  # the reference's sweep: λ = 0, 0.1, …, 1
 ENV = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def _slug(text: str) -> str:
+    """``text`` with every character but letters and digits as ``_``: a file name."""
+    return "".join(c if c.isalnum() else "_" for c in text)
+
+
 def checkout(path: Path, work: Path) -> tuple[Path, str]:
     """A work tree of the reference and its commit: ``path`` itself, or HEAD exported from a git dir."""
     if (path / "train_merger.py").is_file():
@@ -102,15 +107,12 @@ def texts(folder: Path, train_chars: int, val_chars: int, test_chars: int) -> di
     }
 
 
-def reference_inputs(folder_a: Path, folder_b: Path, work: Path) -> tuple[Path, Path, Path]:
-    """Model folders and a transformers-4 tokenizer folder, as the reference loads them."""
-    made = []
+def reference_inputs(folder_a: Path, folder_b: Path, work: Path) -> None:
+    """Model folders and a transformers-4 tokenizer folder in ``work``, as the reference loads them."""
     for name, folder in (("model_a", folder_a), ("model_b", folder_b)):
-        out = work / name
-        out.mkdir(parents=True, exist_ok=True)
+        (work / name).mkdir(parents=True, exist_ok=True)
         for f in ("config.json", "model.safetensors"):
-            shutil.copyfile(folder / f, out / f)
-        made.append(out)
+            shutil.copyfile(folder / f, work / name / f)
     tok = work / "tokenizer"
     tok.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(folder_a / "tokenizer.json", tok / "tokenizer.json")
@@ -119,7 +121,6 @@ def reference_inputs(folder_a: Path, folder_b: Path, work: Path) -> tuple[Path, 
     config |= {"tokenizer_class": "PreTrainedTokenizerFast", "model_input_names": ["input_ids", "attention_mask"]}
     config["model_max_length"] = 1 << 30
     (tok / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return made[0], made[1], tok
 
 
 SPLITS = """
@@ -134,8 +135,9 @@ json.dump({k: t(v)["input_ids"] for k, v in texts.items()}, open(work + "/refere
 """
 
 
-def prepare_reference(tree: Path, venv: Path, work: Path) -> None:
+def prepare_reference(tree: Path, venv: Path, work: Path, split: dict[str, str]) -> None:
     """The reference's README steps 1 and 2 on our text: its splits and its token frequencies."""
+    (work / "texts.json").write_text(json.dumps(split))
     py = str(venv / "bin" / "python")
     subprocess.run([py, "-c", SPLITS, str(work), str(work / "tokenizer")], check=True, env=ENV, cwd=tree)
     freqs = [
@@ -154,7 +156,7 @@ def run_reference(tree: Path, work: Path, args: argparse.Namespace, extra: str) 
     (``permutations_only,epochs=50`` for ``--permutations_only --epochs 50``); its sweep, steps,
     tokens and seconds."""
     splits = work / "splits"
-    out = work / ("reference_merge" + "".join(c if c.isalnum() else "_" for c in extra))
+    out = work / f"reference_merge{_slug(extra)}"
     shutil.rmtree(out, ignore_errors=True)
     command = [str(args.venv / "bin" / "python"), "train_merger.py", "--model_dir_0", str(work / "model_a")]
     command += ["--model_dir_1", str(work / "model_b"), "--tokenizer_dir", str(work / "tokenizer")]
@@ -178,11 +180,12 @@ def run_reference(tree: Path, work: Path, args: argparse.Namespace, extra: str) 
     (out.parent / f"{out.name}.log").write_text(done.stdout + done.stderr)
     if done.returncode:
         raise SystemExit(f"the reference failed (exit {done.returncode}); its log: {out.parent / f'{out.name}.log'}")
-    return read_reference(out, done.stdout + done.stderr, args.block, extra, seconds)
+    return read_reference(out, done.stdout + done.stderr, extra, seconds)
 
 
-def read_reference(out: Path, log: str, block: int, extra: str, seconds: float | None) -> dict[str, Any]:
-    """A reference run's results from what it wrote: its test sweep, its last trainer state, its log."""
+def read_reference(out: Path, log: str, extra: str, seconds: float | None) -> dict[str, Any]:
+    """A reference run's results from what it wrote: its test sweep, its last trainer state, its log
+    (the tokens it saw are counted once the splits' sizes are known: `seen_tokens`)."""
     sweep = json.loads((out / "merged_sampler_losses.json").read_text())
     states = sorted(out.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
     state = json.loads(states[-1].read_text()) if states else {}
@@ -193,7 +196,6 @@ def read_reference(out: Path, log: str, block: int, extra: str, seconds: float |
         "losses": [sweep["coeff_losses"][k] for k in sorted(sweep["coeff_losses"], key=float)],
         "linear": float(sweep["max_barrier"]),
         "steps": steps,
-        "tokens": steps * BATCH * block,
         "seconds": seconds,
         "train_seconds": float(runtime.group(1)) if runtime else None,
         "best_checkpoint": state.get("best_model_checkpoint"),
@@ -260,13 +262,16 @@ def run_ours(folders: tuple[Path, Path], ids: dict[str, list[int]], args: argpar
     a, b = load_model(folders[0]), load_model(folders[1])
     sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
     data, holdout, test = our_data(folders[0], ids, args.block, seed)
-    budget = int(args.epochs * (len(ids["train"]) // args.block) * args.block)
+
+    def epochs(n: float) -> int:  # tokens of n epochs of the training split's whole blocks
+        return int(n * (len(ids["train"]) // args.block) * args.block)
+
     shape = circuit_form.Shape.of(a.model.config)
     runs = [("vanilla", "vanilla", {}), ("generalized-orthogonal (data-free)", "generalized-orthogonal", {})]
     for variant in args.ours:
-        options = {"learned": True, "budget": budget, "holdout": holdout, **variant}
+        options = {"learned": True, "budget": epochs(args.epochs), "holdout": holdout, **variant}
         if "epochs" in options:  # a budget in epochs over the training split
-            options["budget"] = int(options.pop("epochs") * (len(ids["train"]) // args.block) * args.block)
+            options["budget"] = epochs(options.pop("epochs"))
         label = "learned" + (f" {json.dumps(variant)}" if variant else "")
         runs.append((label, "generalized-orthogonal", options))
     rows = []
@@ -312,9 +317,8 @@ def table(label: str, ours: list[dict[str, Any]], refs: list[dict[str, Any]], co
 
 
 def compare(folders: tuple[Path, Path], split: dict[str, str], work: Path, tree: Path, commit: str, args: Any) -> dict:
-    """Both tools on one pair whose inputs ``work`` holds; prints the table and writes results.json."""
-    (work / "texts.json").write_text(json.dumps(split))
-    prepare_reference(tree, args.venv, work)
+    """Both tools on one pair whose inputs ``work`` holds (prepared for the reference); prints the
+    table and writes results.json."""
     refs = []
     for extra in args.ref_variants:
         print(f"{work.name}: the reference, {args.epochs:g} epochs {extra}…", flush=True)
@@ -333,20 +337,24 @@ def compare(folders: tuple[Path, Path], split: dict[str, str], work: Path, tree:
     label = f"{work.name}, {len(ids['train']):,} training tokens × {args.epochs:g} epochs"
     print(table(label, ours, refs, commit), flush=True)
     result = {"pair": work.name, "reference": refs, "ours": ours, "commit": commit, "block": args.block}
-    name = "results" + "".join(c if c.isalnum() else "_" for c in args.tag) + ".json"
-    (work / name).write_text(json.dumps(result, indent=1))
+    (work / f"results{_slug(args.tag)}.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def zoo_pair(kind: str, seeds: tuple[int, int], args: argparse.Namespace) -> tuple[tuple[Path, Path], dict, Path]:
-    """A seed pair of the zoo: its folders, its own text cut into splits, the work folder."""
+def zoo_pair(
+    kind: str, seeds: tuple[int, int], tree: Path, args: argparse.Namespace
+) -> tuple[tuple[Path, Path], dict, Path]:
+    """A seed pair of the zoo, prepared for both tools: its folders, its own text cut into splits,
+    the work folder."""
     folders = (cached_model(kind, seeds[0]), cached_model(kind, seeds[1]))
     work = args.out / f"{kind}-{seeds[0]}-{seeds[1]}"
     work.mkdir(parents=True, exist_ok=True)
     record = training_record(folders[0])["config"]
     args.block = int(record.get("block_size") or load_model(folders[0]).model.config.n_positions)
     reference_inputs(*folders, work)
-    return folders, texts(folders[0], args.train_chars, args.val_chars, args.test_chars), work
+    split = texts(folders[0], args.train_chars, args.val_chars, args.test_chars)
+    prepare_reference(tree, args.venv, work, split)
+    return folders, split, work
 
 
 def paper_pair(tree: Path, args: argparse.Namespace) -> tuple[tuple[Path, Path], dict, Path]:
@@ -365,8 +373,7 @@ def paper_pair(tree: Path, args: argparse.Namespace) -> tuple[tuple[Path, Path],
         "test": text[n - test_n :],
     }
     shutil.copytree(tree / "gpt2_tokenizer", work / "tokenizer", dirs_exist_ok=True)
-    (work / "texts.json").write_text(json.dumps(split))
-    prepare_reference(tree, args.venv, work)
+    prepare_reference(tree, args.venv, work, split)
     py = str(args.venv / "bin" / "python")
     for seed, name in ((0, "model_a"), (1, "model_b")):
         if (work / name / "model.safetensors").is_file():
@@ -455,13 +462,12 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.venv / "bin" / "python").exists():
         raise SystemExit(f"no reference environment at {args.venv}: run with --setup first")
     tree, commit = checkout(args.reference, work)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.paper:
         compare(*paper_pair(tree, args), tree, commit, args)
         return
     for pair in args.pairs:
         a, b = (int(x) for x in pair.split(":"))
-        compare(*zoo_pair(args.kind, (a, b), args), tree, commit, args)
+        compare(*zoo_pair(args.kind, (a, b), tree, args), tree, commit, args)
 
 
 if __name__ == "__main__":

@@ -130,15 +130,16 @@ class WeightViews:
         transform: Mapping[str, SpaceMap],
         space: str,
         use: Use,
+        others: set[str],
         cache: dict[str, AxisMap | None],
         mapped: dict[tuple[str, int], Tensor],
     ) -> tuple[Tensor, bool]:
-        """``_term``, and whether it is kept (shared: not to be written to). Kept where it is likely
-        asked for again unchanged: its other maps are permutations (a descent stops moving them after
-        a few passes; a rotation moves at every pass) and are not all the neighbours of ``space``
-        (else its view is asked for again only once one of them moved). A kept term is reused while
-        the maps are the same objects: maps are never changed in place, only replaced."""
-        others = spaces_of(self.graph, use[0], skip_axis=use[1])
+        """``_term``, and whether it is kept (shared: not to be written to); ``others`` are the spaces
+        of the tensor's other axes (`spaces_of`). Kept where it is likely asked for again unchanged:
+        its other maps are permutations (a descent stops moving them after a few passes; a rotation
+        moves at every pass) and are not all the neighbours of ``space`` (else its view is asked for
+        again only once one of them moved). A kept term is reused while the maps are the same
+        objects: maps are never changed in place, only replaced."""
         if self._near is None:
             self._near = neighbours(self.graph)
         maps = tuple(transform.get(s) for s in sorted(others))
@@ -210,8 +211,8 @@ class WeightViews:
         for use in self.graph.users(space):
             if self._is_units(space, use):
                 factors.append(self._factors(transform, space, use, cache))
-            elif spaces_of(self.graph, use[0], skip_axis=use[1]):
-                m, kept = self._kept_term(transform, space, use, cache, mapped)
+            elif others := spaces_of(self.graph, use[0], skip_axis=use[1]):
+                m, kept = self._kept_term(transform, space, use, others, cache, mapped)
                 if kept:
                     shared.add(id(m))
                 out[use[2]] = _add(out.get(use[2]), m, shared)
