@@ -106,7 +106,7 @@ def _run(recipe: dict[str, Any], device: str, folder: Path) -> float:
         [sys.executable, "-m", "hf_rebasin", str(path), "--device", device],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
     )
     if done.returncode != 0:
         raise RuntimeError(f"{path.name} on {device} exited {done.returncode}: {done.stderr.strip()[-600:]}")

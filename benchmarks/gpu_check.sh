@@ -5,9 +5,12 @@
 # and carry $HF_REBASIN_CACHE); pass --bench for the learned benchmark on a bench-gpt2 pair too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-timeout 480 python benchmarks/gpu_check.py "$@"
-if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    python -m pytest -q -m gpu tests
+PYTHON="${PYTHON:-python3}"  # the GPU images name only python3
+status=0
+timeout 480 "$PYTHON" benchmarks/gpu_check.py "$@" || status=$?  # the tests below run either way
+if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    "$PYTHON" -m pytest -q -m gpu tests || status=$?
 else
     echo "gpu_check: tests marked gpu skipped (no CUDA)"
 fi
+exit "$status"

@@ -91,7 +91,9 @@ def _add_sums(
             space, role = split_ref(part)
             pa = graph.part(name, a, axis, offset, size).movedim(axis, 0)
             pb = graph.part(name, b, axis, offset, size).movedim(axis, 0)
-            acc = sums.setdefault((space, role), [torch.zeros(size, dtype=torch.float64) for _ in range(3)])
+            acc = sums.setdefault(
+                (space, role), [torch.zeros(size, dtype=torch.float64, device=pa.device) for _ in range(3)]
+            )
             for start, stop in _blocks(size, math.prod(pa.shape[1:])):
                 xa, xb = _float64_rows(pa[start:stop]), _float64_rows(pb[start:stop])
                 acc[0][start:stop] += (xa * xb).sum(1)

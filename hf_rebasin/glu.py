@@ -108,9 +108,7 @@ def _glu_scales(graph: SymmetryGraph, glu: Glu, state: Mapping[str, Tensor]) -> 
     gate, up, down = (get(t) for t, _ in (glu.gate, glu.up, glu.down))
     g_span, u_span, d_span = (_span(graph, t, glu.space, k) for t, k in (glu.gate, glu.up, glu.down))
     n = u_span.size
-    up_sq = torch.zeros(n, dtype=torch.float64)
-    dot = torch.zeros(n, dtype=torch.float64)
-    down_sq = torch.zeros(n, dtype=torch.float64)
+    up_sq, dot, down_sq = (torch.zeros(n, dtype=torch.float64, device=up.device) for _ in range(3))
     step = min(_step(up, u_span), _step(gate, g_span))
     for (lo, u), (_, g) in zip(_blocks(up, u_span, step), _blocks(gate, g_span, step), strict=True):
         up_sq[lo : lo + len(u)] = u.square().sum(1)
@@ -326,7 +324,7 @@ def _agreement(
     transform: Mapping[str, SpaceMap],
 ) -> Tensor:
     """Per slot, ⟨A's unit, B's unit mapped there⟩ over its up row and down column (float64)."""
-    total = torch.zeros(graph.ref_size(glu.space), dtype=torch.float64)
+    total = torch.zeros(graph.ref_size(glu.space), dtype=torch.float64, device=sd_a[glu.up[0]].device)
     for tensor, occurrence in (glu.up, glu.down):
         span = _span(graph, tensor, glu.space, occurrence)
         a = graph.logical(tensor, sd_a[tensor]).narrow(span.axis, span.start, span.size).to(torch.float64)

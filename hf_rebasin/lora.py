@@ -442,7 +442,7 @@ def transport_adapter(
         shifted = [(k, norm) for k, norm in folded if norm.bias is not None]
         bias = bias_of(m.weight, base)
         if shifted and bias is not None:
-            delta = torch.zeros(target[bias].shape, dtype=torch.float64)
+            delta = torch.zeros(target[bias].shape, dtype=torch.float64, device=target[bias].device)
             for k, norm in shifted:
                 assert norm.bias is not None
                 shift = _contract(left0, right0, m.scale, k, base[norm.bias].to(torch.float64))

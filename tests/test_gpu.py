@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -71,3 +72,44 @@ def test_a_merge_on_cuda_is_the_merge_on_the_cpu(tmp_path: Path, strategy: str) 
     if all(p.is_file() for p in saved):
         a, b = (load_file(str(p)) for p in saved)
         assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
+# Where CUDA is absent, tensors on the `meta` device stand in for the GPU's: what a stage builds to
+# sit beside its inputs must land on their device. On an H100 these stages once mixed cuda and cpu
+# (a missing head role's zeros, the similarity sums, the gated units' accumulators).
+
+
+def _meta_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.to("meta") for k, v in model.state_dict().items()}
+
+
+def test_the_similarity_sums_sit_on_the_weights_device() -> None:
+    from hf_rebasin.adapters import graph_for
+    from hf_rebasin.diagnostics import _accumulate
+
+    sd = _meta_state(tiny.gpt2(0))
+    sums = _accumulate(graph_for(tiny.gpt2(0).config, sd.keys()), sd, sd, None)
+    assert sums and {t.device.type for acc in sums.values() for t in acc} == {"meta"}
+
+
+def test_a_missing_head_roles_zeros_sit_beside_the_other_views() -> None:
+    from hf_rebasin.strategies.engines.descent import HeadPairs
+    from hf_rebasin.symmetry import HeadSpace
+
+    space = HeadSpace("h.0.attn", num_heads=4, num_kv_heads=2, head_dim=8)
+    views = {"q": torch.zeros(32, 32, device="meta"), "o": torch.zeros(32, 32, device="meta")}
+    pairs = HeadPairs.from_views(space, views)
+    assert [t.device.type for t in (pairs.q, pairs.k, pairs.v, pairs.o)] == ["meta"] * 4
+    assert pairs.k.shape == (2, 2, 8, 8) and pairs.q.shape == (2, 2, 2, 2, 8, 8)
+
+
+def test_gated_units_scales_and_agreement_sit_on_the_weights_device() -> None:
+    from hf_rebasin.adapters import graph_for
+    from hf_rebasin.glu import _agreement, unit_scales
+
+    model = tiny.llama(0)
+    sd = _meta_state(model)
+    graph = graph_for(model.config, sd.keys())
+    assert graph.glus
+    assert {s.device.type for s in unit_scales(graph, sd).values()} == {"meta"}
+    assert _agreement(graph, graph.glus[0], sd, sd, graph.identity()).device.type == "meta"

@@ -46,7 +46,7 @@ def spectral_pairing(space: HeadSpace, spec_a: Mapping[str, Tensor], spec_b: Map
 
     def dist(role: str, heads: int) -> Tensor:
         if role not in spec_a:
-            return torch.zeros(heads, heads, dtype=torch.float64)
+            return torch.zeros(heads, heads, dtype=torch.float64, device=next(iter(spec_a.values())).device)
         return torch.cdist(spec_a[role], spec_b[role])
 
     kv_cost = dist("k", G) + dist("v", G)
