@@ -216,13 +216,17 @@ def markdown(kind: str, rows: list[dict[str, Any]]) -> str:
 
 
 def pair_table(
-    kind: str, pairs: list[tuple[int, int]], strategies: list[tuple[str, str, dict[str, Any]]], tokens: int | None
+    kind: str,
+    pairs: list[tuple[int, int]],
+    strategies: list[tuple[str, str, dict[str, Any]]],
+    tokens: int | None,
+    batches: int = 8,
 ) -> str:
     """Each strategy's linear barrier over seed ``pairs``: per pair, then the median and range, in
     nats and as a share of vanilla's (the pair's own), with the median alignment seconds."""
     per_pair = {}
     for pair in pairs:
-        rows = barrier_table(kind, pair, points=11, strategies=strategies, tokens=tokens)
+        rows = barrier_table(kind, pair, points=11, strategies=strategies, tokens=tokens, batches=batches)
         per_pair[pair] = {r["strategy"]: r for r in rows}
         print(
             f"{kind} {pair[0]}:{pair[1]}: " + ", ".join(f"{r['strategy']} {r['linear']:.3f}" for r in rows), flush=True
@@ -289,8 +293,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=None, help="score this many held-out tokens (text kinds)")
     parser.add_argument("--head-perm", action="store_true", help="add a head-perm row per `residual` option")
     parser.add_argument("--learned", action="store_true", help="add learned-matching rows (defaults, other lr/steps)")
+    parser.add_argument(
+        "--budget", type=int, nargs="+", default=[], help="add a learned row per budget (tokens or images to train on)"
+    )
+    parser.add_argument(
+        "--batches", type=int, default=8, help="alignment data: this many × 1,024 training tokens (or 64 images)"
+    )
     args = parser.parse_args(argv)
     rows = STRATEGIES + (HEAD_PERM_RESIDUALS if args.head_perm else []) + (LEARNED if args.learned else [])
+    rows += [(f"learned, budget {n:,}", "generalized-orthogonal", {"learned": True, "budget": n}) for n in args.budget]
     unknown = set(args.skip) - {label for label, _, _ in rows}
     if unknown:
         parser.error(f"--skip: no row {', '.join(sorted(unknown))}; rows: {', '.join(s[0] for s in rows)}")
@@ -299,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     for kind in ("gpt2", "vit") if args.kind == "both" else (args.kind,):
         if args.pairs:
             pairs = [(int(a), int(b)) for a, b in (p.split(":") for p in args.pairs)]
-            print(pair_table(kind, pairs, strategies, args.tokens) + "\n")
+            print(pair_table(kind, pairs, strategies, args.tokens, args.batches) + "\n")
             continue
         if args.ablate:
             print(ablation(kind, max(1, args.seeds)) + "\n")

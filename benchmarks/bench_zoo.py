@@ -10,7 +10,9 @@ it transport barely moves and strategies differ by noise. Defaults are chosen on
   packaging of the public-domain 1611 text, ≈ 4 MB): another domain, for transport;
 - ``bench-modernbert``: a ModernBERT masked LM of the same size on the same text and vocabulary
   (+ ``<mask>``; a BERT of this size stalls near the unigram loss, 5.55 nats after 4,000 steps);
-- ``bench-vit``: a ViT of the same size on scikit-learn's digits, trained longer than the tiny one.
+- ``bench-vit``: a ViT of the same size on scikit-learn's digits, trained longer than the tiny one;
+- ``bench-qwen3``, ``bench-gemma2``: today's families at the same size, trained like ``bench-gpt2``
+  (4 heads of width 32 over 2 KV heads, a gated MLP of 352 units).
 
 Every model is cached like the tiny zoo's (``zoo:bench-gpt2-seed1`` works in recipes); training
 needs ``pip install 'hf-rebasin[bench]'`` for the Bible text.
@@ -36,7 +38,13 @@ from typing import Any
 from hf_rebasin import zoo
 from hf_rebasin.train import cached_model, held_out_batches, training_record
 
-SCRATCH = ("bench-gpt2", "bench-vit", "bench-modernbert")  # trained from scratch, one per seed
+SCRATCH = (
+    "bench-gpt2",
+    "bench-vit",
+    "bench-modernbert",
+    "bench-qwen3",
+    "bench-gemma2",
+)  # trained from scratch, one per seed
 TUNED = ("bench-gpt2-ft",)  # trained on top of seed 0 of their base
 
 

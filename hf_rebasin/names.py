@@ -121,6 +121,8 @@ Kind = Literal[
     "bench-gpt2-ft",
     "bench-modernbert",
     "bench-vit",
+    "bench-qwen3",
+    "bench-gemma2",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 

@@ -482,6 +482,18 @@ DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
     "bench-vit": ImageTrainConfig(
         family="vit", hidden_size=128, num_layers=4, intermediate_size=512, steps=4000, lr=1e-3, weight_decay=0.05
     ),
+    # today's families at the benchmark size, trained like bench-gpt2: the tiny zoo's Qwen3 and Gemma-2
+    # with 4 heads of width 32 over 2 KV heads and a gated MLP of ⅔ · 512 units (bench-gpt2's MLP
+    # parameters); bench-gpt2's rate for Qwen3, half of it for Gemma-2 (the tiny zoo's ratio; not swept)
+    "bench-qwen3": SubwordLMTrainConfig(family="qwen3", num_kv_heads=2, head_dim=32, intermediate_size=352),
+    "bench-gemma2": SubwordLMTrainConfig(
+        family="gemma2",
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=352,
+        lr=1e-3,
+        options=(("query_pre_attn_scalar", 32),),
+    ),
 }
 
 

@@ -121,3 +121,25 @@ def test_a_domain_fine_tune_trains_on_its_base_with_its_tokenizer_and_is_scored_
     base_sd, ft_sd = load_file(str(base / "model.safetensors")), load_file(str(ft / "model.safetensors"))
     assert base_sd.keys() == ft_sd.keys()
     assert any(not torch.equal(base_sd[k], ft_sd[k]) for k in base_sd)  # it trained
+
+
+@pytest.mark.parametrize(("kind", "family", "rate"), [("bench-qwen3", "qwen3", 2e-3), ("bench-gemma2", "gemma2", 1e-3)])
+def test_todays_families_at_the_benchmark_size_have_grouped_heads_and_a_gated_mlp_of_gpt2s_parameters(
+    kind: str, family: str, rate: float
+) -> None:
+    """Built by transformers from the zoo's config: bench-gpt2's width, depth and vocabulary, 4 query
+    heads of width 32 over 2 KV heads, and a gated MLP whose three matrices hold what GPT-2's two do."""
+    import transformers as T
+
+    cfg = zoo.DEFAULT_CONFIGS[kind]
+    assert isinstance(cfg, zoo.SubwordLMTrainConfig) and cfg.lr == rate
+    tokenizer = data.bpe_tokenizer(data.shakespeare_text(("macbeth",), split="train"), cfg.vocab_size)
+    config = train.causal_lm_config(cfg, tokenizer)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == (family, 4, 128)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 32)
+    assert config.tie_word_embeddings and config.vocab_size == 2048
+    mlp = T.AutoModelForCausalLM.from_config(config).model.layers[0].mlp
+    gated = sum(p.numel() for p in mlp.parameters())
+    assert abs(gated - 2 * 128 * 512) / (2 * 128 * 512) < 0.04  # GPT-2's c_fc and c_proj weights
+    hashes = {zoo.config_hash(k, zoo.DEFAULT_CONFIGS[k]) for k in ("bench-gpt2", "bench-qwen3", "bench-gemma2")}
+    assert len(hashes) == 3
