@@ -90,12 +90,35 @@ def case() -> Case:
 def runs(case: Case) -> dict[str, Alignment]:
     """The constructed pair aligned by generalized-orthogonal + learned, with and without scales."""
     return {
-        "plain": align("generalized-orthogonal", case.pair(), LEARNED),
-        "scales": align("generalized-orthogonal", case.pair(), {**LEARNED, "learn_glu_scales": True}),
+        "plain": align("generalized-orthogonal", case.pair(), {**LEARNED, "glu": "keep", "learn_glu_scales": False}),
+        "scales": align("generalized-orthogonal", case.pair(), {**LEARNED, "glu": "keep", "learn_glu_scales": True}),
         "balanced": align(
             "generalized-orthogonal", case.pair(), {**LEARNED, "learn_glu_scales": True, "glu": "balance"}
         ),
+        "default": align("generalized-orthogonal", case.pair(), LEARNED),
     }
+
+
+def test_learned_matching_balances_and_learns_gated_units_unless_told_otherwise(
+    case: Case, runs: dict[str, Alignment]
+) -> None:
+    """Unset, `glu` is `balance` for learned matching (and says so) and `keep` without it, and the
+    scales are learned: the default run is the explicit `glu: balance` + `learn_glu_scales` run."""
+    from hf_rebasin.strategies.options import GeneralizedOrthogonalOptions, WeightMatchingOptions, glu_mode
+
+    assert glu_mode(GeneralizedOrthogonalOptions(learned=True)) == "balance"
+    assert glu_mode(GeneralizedOrthogonalOptions()) == "keep"
+    assert glu_mode(GeneralizedOrthogonalOptions(learned=True, glu="keep")) == "keep"
+    assert glu_mode(WeightMatchingOptions()) == "keep"
+    default, balanced = runs["default"], runs["balanced"]
+    assert default.glu_matched and default.resolved.get("glu") == "balance"
+    assert any(n.startswith("glu: balance (unset") for n in default.notes)
+    assert "glu" not in balanced.resolved
+    assert default.glu_scales is not None and balanced.glu_scales is not None
+    for space, s in balanced.glu_scales.items():
+        assert torch.equal(default.glu_scales[space], s)
+    aligned, expected = default.aligned_b(), balanced.aligned_b()
+    assert aligned.keys() == expected.keys() and all(torch.equal(aligned[k], expected[k]) for k in expected)
 
 
 def _logits(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -243,7 +266,9 @@ def test_the_option_is_checked_before_anything_runs(options: dict[str, Any], mat
     with pytest.raises(StrategyOptionError, match=match):
         get_strategy("generalized-orthogonal").parse(options)
     assert get_strategy("generalized-orthogonal").parse({"learned": True, "learn_glu_scales": True})
-    assert not get_strategy("generalized-orthogonal").parse({"learned": True}).learn_glu_scales  # type: ignore[attr-defined]
+    assert get_strategy("generalized-orthogonal").parse({"learned": True}).learn_glu_scales  # type: ignore[attr-defined]
+    off = get_strategy("generalized-orthogonal").parse({"learned": True, "learn_glu_scales": False})
+    assert not off.learn_glu_scales  # type: ignore[attr-defined]
 
 
 def test_a_recipe_with_a_misspelt_option_names_it() -> None:

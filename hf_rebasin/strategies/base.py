@@ -310,11 +310,13 @@ def matching_forms(
 ) -> tuple[Mapping[str, Tensor], Mapping[str, Tensor], bool]:
     """The forms weight-based matching compares: both models' softmax routers centred (their gauge,
     :mod:`hf_rebasin.experts`), and their gated MLPs balanced (unit scales and signs made canonical)
-    when ``options.glu`` asks for it and the graph has any; and whether they were balanced."""
+    when ``options`` ask for it (`glu_mode`) and the graph has any; and whether they were balanced."""
     from ..experts import center_routers
 
     sd_a, sd_b = center_routers(pair.graph, sd_a), center_routers(pair.graph, sd_b)
-    if getattr(options, "glu", "keep") != "balance" or not pair.graph.glus:
+    from .options import glu_mode
+
+    if glu_mode(options) != "balance" or not pair.graph.glus:
         return sd_a, sd_b, False
     from .. import glu
 

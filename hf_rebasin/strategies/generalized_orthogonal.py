@@ -133,8 +133,13 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
             transform = learned.transform
             notes += learned.notes
             diagnostics["learned"] = learned.history
-            if options.learn_glu_scales and not graph.glus:
+            if options.learn_glu_scales and not graph.glus and "learn_glu_scales" in options.model_fields_set:
                 notes.append("learn_glu_scales: the model has no gated MLP, so no unit scales were learned")
+            if options.glu is None and graph.glus:
+                resolved["glu"] = "balance"
+                notes.append(
+                    "glu: balance (unset in the recipe; learned matching balances gated units, then learns their scales)"
+                )
             if learned.unit_scales:  # learned on top of the start's: their product, applied once
                 matched = scales or {}
                 scales = {

@@ -683,7 +683,8 @@ def refine_many(
     skipped = []
     if settings.glu_scales:
         settings = dataclasses.replace(settings, glu_scales=False)
-        skipped = ["learned gated-unit scales are kept from the pairwise alignments, not refined across models"]
+        if graph.glus:
+            skipped = ["learned gated-unit scales are kept from the pairwise alignments, not refined across models"]
 
     def dirichlet(rng: random.Random) -> list[float]:  # normalised Gamma(α) draws
         g = [rng.gammavariate(float(concentration), 1.0) for _ in range(n)]
