@@ -104,7 +104,8 @@ def test_learned_matching_balances_and_learns_gated_units_unless_told_otherwise(
 ) -> None:
     """Unset, `glu` is `balance` for learned matching (and says so) and `keep` without it, and the
     scales are learned: the default run is the explicit `glu: balance` + `learn_glu_scales` run."""
-    from hf_rebasin.strategies.options import GeneralizedOrthogonalOptions, WeightMatchingOptions, glu_mode
+    from hf_rebasin.strategies.base import glu_mode
+    from hf_rebasin.strategies.options import GeneralizedOrthogonalOptions, WeightMatchingOptions
 
     assert glu_mode(GeneralizedOrthogonalOptions(learned=True)) == "balance"
     assert glu_mode(GeneralizedOrthogonalOptions()) == "keep"

@@ -305,6 +305,15 @@ def timed() -> Iterator[dict[str, float]]:
     timings["total"] = time.perf_counter() - start
 
 
+def glu_mode(options: Any) -> str:
+    """How a strategy's options treat gated MLPs: as set, else ``balance`` for learned matching (B's
+    units in A's scales and signs, then their scales learned) and ``keep`` for the data-free strategies."""
+    mode = getattr(options, "glu", "keep")
+    if mode is None:
+        return "balance" if getattr(options, "learned", False) else "keep"
+    return str(mode)
+
+
 def matching_forms(
     pair: Pair, sd_a: Mapping[str, Tensor], sd_b: Mapping[str, Tensor], options: Any
 ) -> tuple[Mapping[str, Tensor], Mapping[str, Tensor], bool]:
@@ -314,8 +323,6 @@ def matching_forms(
     from ..experts import center_routers
 
     sd_a, sd_b = center_routers(pair.graph, sd_a), center_routers(pair.graph, sd_b)
-    from .options import glu_mode
-
     if glu_mode(options) != "balance" or not pair.graph.glus:
         return sd_a, sd_b, False
     from .. import glu

@@ -10,7 +10,7 @@ when the strategy runs. Each of those modules re-exports its options from here.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -362,15 +362,6 @@ class GeneralizedOrthogonalOptions(Options):
         if "steps" in self.model_fields_set and self.budget is not None:
             raise ValueError("give `steps` or `budget`, not both")
         return self
-
-
-def glu_mode(options: Any) -> GluScaling:
-    """How a strategy's options treat gated MLPs: as set, else ``balance`` for learned matching (B's
-    units in A's scales and signs, then their scales learned) and ``keep`` for the data-free strategies."""
-    mode: GluScaling | None = getattr(options, "glu", "keep")
-    if mode is None:
-        return "balance" if getattr(options, "learned", False) else "keep"
-    return mode
 
 
 def learned_matching(options: GeneralizedOrthogonalOptions) -> bool:
