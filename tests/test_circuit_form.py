@@ -9,36 +9,19 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
+
+import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import circuit_form
 
-
-def _model(seed: int, tied: bool = True) -> GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=50,
-        n_positions=16,
-        n_embd=24,
-        n_layer=2,
-        n_head=3,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
-    model = GPT2LMHeadModel(config).eval()
-    with torch.no_grad():  # norms away from (1, 0), so that folding them is tested
-        for name, p in model.named_parameters():
-            if "ln_" in name:
-                p.add_(0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-    return model
+_model = tiny.gpt2  # norms away from (1, 0), so that folding them is tested
 
 
 def _ids() -> torch.Tensor:
-    return torch.randint(0, 50, (3, 12), generator=torch.Generator().manual_seed(0))
+    return torch.randint(0, tiny.V, (3, 12), generator=torch.Generator().manual_seed(0))
 
 
 def test_one_model_in_circuit_form_is_the_stock_gpt2():
@@ -54,7 +37,7 @@ def test_one_model_in_circuit_form_is_the_stock_gpt2():
 def test_inner_maps_leave_the_circuits_and_so_the_merge_unchanged():
     model = _model(1)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
-    d, nh = 24, 3
+    d, nh = model.config.n_embd, model.config.n_head
     hd = d // nh
     turned = {k: v.clone() for k, v in sd.items()}
     for i in range(2):

@@ -115,12 +115,13 @@ class HeadPairs:
     @classmethod
     def from_views(cls, space: HeadSpace, views: Views) -> HeadPairs:
         G, r, dh = space.num_kv_heads, space.group_size, space.head_dim
-        present = [dense(v).to(torch.float64) if (v := views.get(role)) is not None else None for role in "qkvo"]
-        device = next((t.device for t in present if t is not None), None)  # a missing role's zeros sit beside the rest
+        present = {role: dense(v).to(torch.float64) for role in "qkvo" if (v := views.get(role)) is not None}
+        device = next((t.device for t in present.values()), None)  # a missing role's zeros sit beside the rest
 
         def get(role: str, heads: int) -> Tensor:
-            t = present["qkvo".index(role)]
-            return torch.zeros(heads * dh, heads * dh, dtype=torch.float64, device=device) if t is None else t
+            if role in present:
+                return present[role]
+            return torch.zeros(heads * dh, heads * dh, dtype=torch.float64, device=device)
 
         q = get("q", G * r).reshape(G, r, dh, G, r, dh).permute(0, 3, 1, 4, 2, 5)
         o = get("o", G * r).reshape(G, r, dh, G, r, dh).permute(0, 3, 1, 4, 2, 5)
