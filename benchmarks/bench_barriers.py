@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 from typing import Any
@@ -297,11 +298,20 @@ def main(argv: list[str] | None = None) -> None:
         "--budget", type=int, nargs="+", default=[], help="add a learned row per budget (tokens or images to train on)"
     )
     parser.add_argument(
+        "--variant",
+        type=json.loads,
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help='add a learned row per set of options, e.g. \'{"rotations": "polar"}\'',
+    )
+    parser.add_argument(
         "--batches", type=int, default=8, help="alignment data: this many × 1,024 training tokens (or 64 images)"
     )
     args = parser.parse_args(argv)
     rows = STRATEGIES + (HEAD_PERM_RESIDUALS if args.head_perm else []) + (LEARNED if args.learned else [])
     rows += [(f"learned, budget {n:,}", "generalized-orthogonal", {"learned": True, "budget": n}) for n in args.budget]
+    rows += [(f"learned, {json.dumps(v)}", "generalized-orthogonal", {"learned": True, **v}) for v in args.variant]
     unknown = set(args.skip) - {label for label, _, _ in rows}
     if unknown:
         parser.error(f"--skip: no row {', '.join(sorted(unknown))}; rows: {', '.join(s[0] for s in rows)}")

@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify(sub)
     _add_align(sub)
     _add_embed(sub)
+    _add_lineage(sub)
     _add_run(sub)
     _add_demo(sub)
     _add_zoo(sub)
@@ -192,6 +193,31 @@ def _add_embed(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     em.add_argument("--allow-pickle", action="store_true", help="load pytorch_model.bin checkpoints")
     em.set_defaults(func=cmd_embed)
+
+
+def _add_lineage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``lineage`` command's arguments."""
+    li = sub.add_parser(
+        "lineage",
+        help="are these models related (a fine-tune, continued pretraining, a merge), up to every symmetry?",
+        description=(
+            "For every pair of the models (one family and depth): same basis (a plain average or naive transport "
+            "is right), related up to symmetry (B is A's kin, permuted, rotated, rescaled or widened: align first) "
+            "or independent (trained apart), with a p-value and the evidence per layer. Data-free: the weights' "
+            "bulk (what is left of each matrix past its top singular directions) is compared after aligning the "
+            "signals. Exit 0 with any verdict, 2 on bad input."
+        ),
+    )
+    li.add_argument(
+        "models",
+        nargs="+",
+        metavar="MODEL",
+        help="two models or more: local folders, Hub ids[@revision] or zoo:KIND-seedN",
+    )
+    li.add_argument("--output", metavar="DIR", help="write lineage.json and lineage.png here (refused if DIR exists)")
+    li.add_argument("--json", action="store_true", help="print lineage.json instead of the tables")
+    li.add_argument("--allow-pickle", action="store_true", help="load pytorch_model.bin checkpoints")
+    li.set_defaults(func=cmd_lineage)
 
 
 def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -527,6 +553,49 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
             "alignment.json and README.md say how they were made; mergekit.yaml merges them with mergekit",
             soft_wrap=True,
         )
+    return EXIT_OK
+
+
+def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
+    """``hf-rebasin lineage``: every pair's verdict, its evidence, optionally written to a folder."""
+    import json
+    from pathlib import Path
+
+    _quiet_libraries()
+    from .lineage.pairs import lineage_of
+    from .lineage.table import evidence_table, verdict_table
+    from .models import load_model
+    from .output import check_output
+
+    if len(args.models) < 2:
+        raise RebasinUserError("lineage compares two models or more: give MODEL_A MODEL_B [MODEL_C …]")
+    named_inputs = [(f"MODEL {i + 1}", Path(m)) for i, m in enumerate(args.models)]
+    if args.output:  # before any download or load: a refused output costs nothing
+        check_output(Path(args.output), False, inputs=named_inputs, where="--output")
+    folders = [_model_folder(m, args.allow_pickle, where=f"MODEL {i + 1}") for i, m in enumerate(args.models)]
+    loaded = []
+    for i, folder in enumerate(folders):
+        with named(f"MODEL {i + 1}"):
+            loaded.append(load_model(folder, allow_pickle=args.allow_pickle))
+    with console.status("comparing…") as status:
+        record = lineage_of(loaded, args.models, progress=lambda stage: status.update(escape(stage)))
+    if args.json:
+        console.print_json(record.model_dump_json())
+    else:
+        console.print(verdict_table(record))
+        for pair in record.pairs:
+            console.print(evidence_table(record, pair))
+            console.print(f"next: {escape(pair.next_step)}", soft_wrap=True)
+    if args.output:
+        from .lineage.plot import plot_lineage
+        from .output import output_folder, write_text
+
+        inputs = [(f"MODEL {i + 1}", Path(f)) for i, f in enumerate(folders)]
+        with output_folder(Path(args.output), overwrite=False, inputs=inputs, where="--output") as tmp:
+            write_text(tmp / "lineage.json", json.dumps(record.model_dump(mode="json"), indent=1) + "\n")
+            plot_lineage(record, tmp / "lineage.png", float(record.settings["null_similarity"]))
+        if not args.json:
+            console.print(f"written to {escape(args.output)}: lineage.json and lineage.png", soft_wrap=True)
     return EXIT_OK
 
 

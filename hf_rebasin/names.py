@@ -129,6 +129,8 @@ KINDS: tuple[Kind, ...] = get_args(Kind)
 # ---------------------------------------------------------------------------------------------
 # Defaults of recipe fields whose meaning lives in another module
 
+# lineage aligns the models' signals with this data-free strategy: every class a symmetry graph allows
+DEFAULT_LINEAGE_STRATEGY = "generalized-orthogonal"
 DEFAULT_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default: one file unless a model is larger
 DEFAULT_ITERATIONS = 5  # universe merge: rounds of "align all to the mean, average" at most
 DEFAULT_TOL = 1e-4  # universe merge: stop when the mean moves less than this, relative to its norm

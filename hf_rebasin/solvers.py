@@ -246,3 +246,34 @@ def sinkhorn(logits: Tensor, iterations: int = 20) -> Tensor:
         x = x - torch.logsumexp(x, dim=-1, keepdim=True)
         x = x - torch.logsumexp(x, dim=-2, keepdim=True)
     return x.exp()
+
+
+class _Polar(torch.autograd.Function):
+    """The orthogonal polar factor ``U Vᵀ`` of ``m = U S Vᵀ``, with its exact gradient. Autograd
+    through an SVD divides by ``s_i² − s_j²`` and fails at an orthogonal input (all ``s`` equal,
+    where learned matching starts); the polar factor's derivative only divides by ``s_i + s_j``:
+    ``∂L/∂m = U ((M − Mᵀ) / (s_i + s_j)) Vᵀ`` with ``M = Uᵀ G V``."""
+
+    @staticmethod
+    def forward(ctx: Any, m: Tensor) -> Tensor:
+        u, s, vh = (x.to(m.device) for x in svd(m))
+        ctx.save_for_backward(u, s, vh)
+        return (u @ vh).to(m.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        u, s, vh = ctx.saved_tensors
+        inner = u.transpose(-1, -2) @ grad.to(u.dtype) @ vh.transpose(-1, -2)
+        k = (inner - inner.transpose(-1, -2)) / (s[..., :, None] + s[..., None, :]).clamp_min(1e-12)
+        return (u @ k @ vh).to(grad.dtype)
+
+
+def polar(m: Tensor, fix_ones: bool = False) -> Tensor:
+    """The nearest orthogonal matrix to ``m`` (or to each of a stack), differentiable: learned
+    matching's forward pass through free matrices. With ``fix_ones`` (one matrix) the map keeps
+    the all-ones vector fixed (solved inside its complement, as `procrustes`)."""
+    if not fix_ones:
+        return _Polar.apply(m)
+    n = m.shape[0]
+    q = ones_complement_basis(n).to(m.device, m.dtype)
+    return q @ _Polar.apply(q.T @ m @ q) @ q.T + torch.full((n, n), 1.0 / n, dtype=m.dtype, device=m.device)

@@ -24,7 +24,7 @@ from hf_rebasin.errors import StrategyOptionError, TransformError
 from hf_rebasin.models import rebuild
 from hf_rebasin.strategies import AlignmentData, Pair, align
 from hf_rebasin.strategies.engines.invertible import invertible_inner
-from hf_rebasin.strategies.engines.learned import LearnedSettings, _Maps
+from hf_rebasin.strategies.engines.maps import LearnedMaps, LearnedSettings
 from hf_rebasin.sublayers import is_per_sublayer, per_sublayer, stream_of
 from hf_rebasin.symmetry import (
     Binding,
@@ -284,7 +284,7 @@ def test_head_perm_and_learned_maps_keep_qk_fixed(case):
         assert fixed[name].invertible and is_identity_inner(fixed[name].qk)  # type: ignore[union-attr]
     settings = LearnedSettings(steps=1, lr=0.1, sinkhorn=False, temperature=1.0, seed=0)
     for invertible in (False, True):
-        maps = _Maps(
+        maps = LearnedMaps(
             cgraph, cgraph.random_transform("orthogonal", g), dataclasses.replace(settings, invertible=invertible)
         )
         learnable = set(maps.orth) | set(maps.free)

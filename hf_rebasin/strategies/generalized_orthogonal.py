@@ -186,6 +186,9 @@ def learned_settings(options: GeneralizedOrthogonalOptions, batches: Sequence[Ma
         patience=options.patience,
         invertible=options.inner == "invertible",
         glu_scales=options.learn_glu_scales,
+        rotations=options.rotations,
+        straight_through=options.straight_through,
+        warmup=options.warmup,
     )
 
 

@@ -2,14 +2,11 @@
 al.'s Sinkhorn re-basin): refine a data-free solution on the loss of the interpolated model.
 
 Each step samples λ (``uniform(a, b)`` or ``fixed(x)``) and a batch of alignment data, and lowers
-the loss of ``λ·θ_A + (1−λ)·T(θ_B)`` over the maps T. Orthogonal maps (residual stream, inner head
-maps) are free matrices projected back onto the orthogonal group by SVD after every step (with
-``invertible`` inner maps, the head maps are free and stay free). Permutations (MLP units, a
-post-norm residual, and which head of B goes to which head of A) are score matrices: the forward
-pass uses their Hungarian solution and the backward pass the soft (Sinkhorn) one, a straight-
-through estimator; or (``sinkhorn``) the soft matrix in both, projected once when training ends.
-Head pairings also get a greedy search over swaps on the loss at every score (see
-`_Maps.swap_heads` for why gradients alone cannot). The learning rate decays on a cosine.
+the loss of ``λ·θ_A + (1−λ)·T(θ_B)`` over the maps T (`maps.LearnedMaps`: orthogonal maps as free
+matrices, projected after each step or read through their polar factor; permutations as score
+matrices read through their Hungarian solution, straight through). Head pairings also get a greedy
+search over swaps on the loss at every score (see `maps.LearnedMaps.swap_heads` for why gradients
+alone cannot). The learning rate decays on a cosine, after an optional linear warm-up.
 
 With ``glu_scales`` the per-unit scaling of gated MLPs is learned too: B's unit i is scaled by
 exp(tᵢ) on ``up`` (row and bias) and exp(−tᵢ) on ``down`` (column) before the maps, so the model
@@ -20,7 +17,7 @@ as float64 `LearnedResult.unit_scales`, to be applied once to B (`glu.apply_unit
 
 Part of the alignment data is held out. Every ``eval_every`` steps the hard maps are scored there
 (the midpoint barrier); the best maps are kept, and training stops after ``patience`` scores without
-a better one. The data-free start is such a score too, so the result is never worse than it on
+a better one (better by more than float noise: `GAIN_TOLERANCE`). The data-free start is such a score too, so the result is never worse than it on
 the held-out batches. The scores form the curve the run draws (barrier against steps).
 
 Mixture-of-experts layers are not learned: a relaxed two-level permutation (experts with their
@@ -46,42 +43,13 @@ from torch.func import functional_call
 from ... import glu
 from ...errors import MissingDataError
 from ...models import rebuild
-from ...solvers import lap, procrustes, sinkhorn, svd
 from ...symmetry import (
-    AxisMap,
-    ExpertMap,
-    HeadMap,
-    HeadSpace,
-    Space,
     SpaceMap,
     SymmetryGraph,
     Transform,
-    inner_matrices,
-    plane_scalings,
 )
 from ..base import Pair, Progress
-
-
-@dataclass(frozen=True)
-class LearnedSettings:
-    """How the refinement optimises: its own settings, so that this module needs nothing of the
-    strategy that calls it (generalized-orthogonal fills them from its options)."""
-
-    steps: int  # optimisation steps (unused when ``budget`` is set)
-    lr: float  # peak Adam learning rate (cosine decay to 10 % of it)
-    sinkhorn: bool  # soft (Sinkhorn) permutations during optimisation, projected once at the end
-    temperature: float  # of the soft permutations
-    seed: int  # of the λ samples
-    sampler: tuple[float, float] = (0.4, 0.6)  # λ ~ U(a, b); a == b is a fixed λ
-    heads: bool = True  # learn which head of B goes to which head of A (not only the maps inside)
-    budget: int | None = None  # tokens (text) or examples (images) to train on; sets the steps
-    holdout: float = 0.25  # share of the alignment batches held out for the stopping rule
-    eval_every: int = 50  # steps between held-out scores
-    patience: int = 4  # held-out scores without improvement before stopping (0: never stop early)
-    # inner head maps are any invertible matrices (rotary Q/K: scaled plane rotations; fixed Q/K stay)
-    invertible: bool = False
-    # a positive scale per gated-MLP unit of B (exp(t) on up, exp(−t) on down), before the maps
-    glu_scales: bool = False
+from .maps import LearnedMaps, LearnedSettings
 
 
 @dataclass
@@ -96,227 +64,6 @@ class LearnedResult:
     notes: list[str]
     history: dict[str, Any] = field(default_factory=dict)
     unit_scales: dict[str, Tensor] = field(default_factory=dict)
-
-
-def _project_orthogonal(m: Tensor, centered: bool) -> Tensor:
-    """The nearest orthogonal matrix (fixing 1 when ``centered``), batched over leading dims."""
-    if m.dim() == 3:
-        u, _s, vh = svd(m)
-        return (u @ vh).to(m.dtype)
-    o, _ = procrustes(m, fix_ones=centered)
-    return o.to(m.dtype)
-
-
-def _hard(scores: Tensor) -> Tensor:
-    """The permutation matrix maximizing ``Σ scores[i, p(i)]`` (no gradient)."""
-    hard = torch.zeros_like(scores)
-    hard[torch.arange(scores.shape[0]), lap(scores)[0]] = 1.0
-    return hard
-
-
-@dataclass(frozen=True)
-class RelaxedHeads(HeadMap):
-    """A head map whose pairing of KV heads is a dense ``[G, G]`` matrix (new slot × old head):
-    straight-through hard or Sinkhorn-soft while learned matching optimises it. The query order
-    inside each group (``q_perm``) stays fixed; ``expand`` builds each role's dense map."""
-
-    pairing: Tensor | None = None
-
-    def expand(self, space: HeadSpace, role: str) -> AxisMap:
-        assert self.pairing is not None
-        p = self.pairing
-        inner = inner_matrices(self.inner(role), p.dtype)
-        G, r, dh = space.num_kv_heads, space.group_size, space.head_dim
-        if role in ("k", "v"):
-            dense = torch.einsum("gh,gab->gahb", p, inner).reshape(G * dh, G * dh)
-        else:
-            within = torch.eye(r, dtype=p.dtype)[self.q_perm]  # [G, r, r]: slot j of group g ← query q_perm[g, j]
-            dense = torch.einsum("gh,gjk,gab->gjahkb", p, within, inner).reshape(G * r * dh, G * r * dh)
-        return AxisMap(dense.shape[0], blocks=dense[None])
-
-
-SWAP_LIMIT = 120  # head pairs per layer the swap search tries at most (16 heads)
-
-
-class _Maps(torch.nn.Module):
-    """The learnable maps: dense orthogonal matrices and permutation scores, per space."""
-
-    def __init__(self, graph: SymmetryGraph, transform: Transform, settings: LearnedSettings) -> None:
-        super().__init__()
-        self.graph, self.soft, self.temperature = graph, settings.sinkhorn, settings.temperature
-        self.invertible = settings.invertible
-        self.orth = torch.nn.ParameterDict()  # orthogonal: projected back after every step
-        self.free = torch.nn.ParameterDict()  # invertible inner head maps: not projected
-        self.scores = torch.nn.ParameterDict()
-        self.signs: dict[str, Tensor] = {}  # signed permutations: the sign of each old feature
-        self.heads: dict[str, HeadMap] = {}
-        self.fixed: dict[str, SpaceMap] = {}  # maps kept as they start (expert spaces)
-        self.keys: dict[str, str] = {}
-        # log-scales of B's gated units (in B's unit order: applied before the maps), by unit space
-        self.log_scales = torch.nn.ParameterDict()
-        self.unit_keys: dict[str, str] = {}
-        if settings.glu_scales:
-            for i, unit in enumerate(graph.glus):
-                self.unit_keys[unit.space] = f"u{i}"
-                self.log_scales[f"u{i}"] = torch.nn.Parameter(torch.zeros(graph.ref_size(unit.space)))
-        for i, (name, m) in enumerate(transform.items()):
-            key = f"s{i}"
-            self.keys[name] = key
-            sp = graph.spaces[name]
-            if isinstance(m, ExpertMap):  # no relaxation of the two-level permutation: kept as it starts
-                self.fixed[name] = m
-            elif isinstance(m, HeadMap):
-                assert isinstance(sp, HeadSpace)
-                self.heads[name] = m
-                if self.invertible:
-                    self.free[key + "_vo"] = torch.nn.Parameter(inner_matrices(m.inner("v"), torch.float32).clone())
-                    qk = inner_matrices(m.inner("q"), torch.float32)
-                    if sp.qk == "planes":  # per plane (a, b): the scaled rotation [[a, -b], [b, a]]
-                        half = sp.head_dim // 2
-                        j = torch.arange(half)
-                        planes = torch.stack([qk[:, j, j], qk[:, j + half, j]], dim=-1)
-                        self.free[key + "_planes"] = torch.nn.Parameter(planes.clone())
-                    elif sp.qk == "free":
-                        self.free[key + "_qk"] = torch.nn.Parameter(qk.clone())
-                    # fixed: Q/K keep their map (the identity), nothing to learn
-                else:
-                    if m.vo.dtype != torch.long:
-                        self.orth[key + "_vo"] = torch.nn.Parameter(m.vo.to(torch.float32).clone())
-                    if m.qk.dtype != torch.long and sp.qk == "free":
-                        self.orth[key + "_qk"] = torch.nn.Parameter(m.qk.to(torch.float32).clone())
-                if settings.heads and sp.num_kv_heads > 1:
-                    g = sp.num_kv_heads
-                    self.scores[key + "_heads"] = torch.nn.Parameter(torch.eye(g)[m.kv_perm].clone())
-            elif isinstance(m, AxisMap):
-                dense = m.matrix(torch.float32)
-                if m.is_permutation:
-                    self.scores[key] = torch.nn.Parameter(dense.clone())
-                elif m.is_signed_permutation:  # learn the permutation; each B feature keeps its sign
-                    self.signs[key] = dense.sum(0)
-                    self.scores[key] = torch.nn.Parameter(dense.abs().clone())
-                else:
-                    self.orth[key] = torch.nn.Parameter(dense.clone())
-
-    def _permutation(self, scores: Tensor, soft: bool) -> Tensor:
-        relaxed = sinkhorn(scores / self.temperature)
-        if soft:
-            return relaxed
-        return _hard(scores) + relaxed - relaxed.detach()  # straight through: forward hard, backward soft
-
-    def current(self, soft: bool | None = None) -> dict[str, SpaceMap]:
-        """Maps for the forward pass (differentiable in the parameters); ``soft`` overrides the
-        setting (the held-out scores read both)."""
-        soft = self.soft if soft is None else soft
-        out: dict[str, SpaceMap] = {}
-        for name, key in self.keys.items():
-            if name in self.fixed:
-                out[name] = self.fixed[name]
-            elif name in self.heads:
-                m = self.heads[name]
-                qk, vo = self._inner(name, key)
-                if key + "_heads" in self.scores:
-                    pairing = self._permutation(self.scores[key + "_heads"], soft)
-                    out[name] = RelaxedHeads(m.kv_perm, m.q_perm, qk, vo, self.invertible, pairing=pairing)
-                else:
-                    out[name] = HeadMap(m.kv_perm, m.q_perm, qk, vo, self.invertible)
-            elif key in self.orth:
-                out[name] = AxisMap(self.orth[key].shape[0], blocks=self.orth[key][None])
-            else:
-                p = self._permutation(self.scores[key], soft)
-                if key in self.signs:
-                    p = p * self.signs[key][None, :]
-                out[name] = AxisMap(p.shape[0], blocks=p[None])
-        return out
-
-    def logs(self) -> dict[str, Tensor]:
-        """The log-scales of B's gated units by unit space (parameters: differentiable)."""
-        return {space: self.log_scales[key] for space, key in self.unit_keys.items()}
-
-    @torch.no_grad()
-    def final_logs(self) -> dict[str, Tensor] | None:
-        """The log-scales as they are now (float64 copies), or None when none are learned."""
-        if not self.unit_keys:
-            return None
-        return {space: t.detach().to(torch.float64).clone() for space, t in self.logs().items()}
-
-    def _inner(self, name: str, key: str) -> tuple[Tensor, Tensor]:
-        """The Q/K and V/O inner maps of head space ``name`` (parameters where learned)."""
-        m = self.heads[name]
-        if self.invertible:
-            vo = self.free[key + "_vo"]
-            if key + "_qk" in self.free:
-                qk = self.free[key + "_qk"]
-            elif key + "_planes" in self.free:  # rotary: (a, b) per plane
-                qk = plane_scalings(self.free[key + "_planes"])
-            else:  # fixed Q/K
-                qk = m.qk
-            return qk, vo
-        qk = self.orth[key + "_qk"] if key + "_qk" in self.orth else m.qk
-        vo = self.orth[key + "_vo"] if key + "_vo" in self.orth else m.vo
-        return qk, vo
-
-    @torch.no_grad()
-    def project(self) -> None:
-        for name, key in self.keys.items():
-            sp = self.graph.spaces[name]
-            centered = isinstance(sp, Space) and sp.centered
-            for k in (key, key + "_qk", key + "_vo"):
-                if k in self.orth:
-                    self.orth[k].copy_(_project_orthogonal(self.orth[k], centered))
-
-    @torch.no_grad()
-    def swap_heads(self, loss: Callable[[Transform], float], limit: int = SWAP_LIMIT) -> int:
-        """Greedy search over swaps of two heads' pairings, on ``loss`` of the hard maps: a swap that
-        lowers it is kept by swapping the two rows of the head scores. Gradients cannot do this
-        alone: two crossed heads average to two identical slots at λ = ½, a saddle whose gradient
-        is the same for both. Layers with more than ``limit`` candidate swaps are skipped.
-        Returns the number of swaps kept."""
-        kept = 0
-        base = self.final()  # swapping two rows of the scores swaps those slots' LAP heads, nothing else
-        for name, key in self.keys.items():
-            if key + "_heads" not in self.scores:
-                continue
-            s = self.scores[key + "_heads"]
-            g = s.shape[0]
-            if g * (g - 1) // 2 > limit:
-                continue
-            current = loss(base)
-            for i in range(g):
-                for j in range(i + 1, g):
-                    m = base[name]
-                    assert isinstance(m, HeadMap)
-                    kv = m.kv_perm.clone()
-                    kv[[i, j]] = kv[[j, i]]
-                    trial = {**base, name: dataclasses.replace(m, kv_perm=kv)}
-                    tried = loss(trial)
-                    if tried < current - 1e-6:
-                        s[[i, j]] = s[[j, i]]
-                        base, current, kept = trial, tried, kept + 1
-        return kept
-
-    @torch.no_grad()
-    def final(self) -> Transform:
-        """Hard maps: permutations rounded by LAP, orthogonal maps as projected."""
-        self.project()
-        out: Transform = {}
-        for name, key in self.keys.items():
-            if name in self.fixed:
-                out[name] = self.fixed[name]
-            elif name in self.heads:
-                m = self.heads[name]
-                kv = lap(self.scores[key + "_heads"])[0] if key + "_heads" in self.scores else m.kv_perm
-                qk, vo = (x.detach().double().clone() if x.is_floating_point() else x for x in self._inner(name, key))
-                out[name] = HeadMap(kv, m.q_perm, qk, vo, self.invertible)
-            elif key in self.orth:
-                o = self.orth[key].detach().to(torch.float64).clone()
-                out[name] = AxisMap(o.shape[0], blocks=o[None])
-            else:
-                index = lap(self.scores[key])[0]
-                if key in self.signs:
-                    out[name] = AxisMap.signed(index, self.signs[key][index])
-                else:
-                    out[name] = AxisMap(self.scores[key].shape[0], index=index)
-        return out
 
 
 _ALIASES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
@@ -371,9 +118,15 @@ def split(batches: Sequence[Mapping[str, Tensor]], holdout: float) -> tuple[list
     return items[:-k], items[-k:], True
 
 
-def _lr_factor(step: int, steps: int) -> float:
-    """Cosine decay from 1 to 0.1 over the run."""
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, step / max(1, steps))))
+GAIN_TOLERANCE = 1e-4  # a held-out score must beat the best by this share of the parents' mean loss
+
+
+def _lr_factor(step: int, steps: int, warmup: float = 0.0) -> float:
+    """Cosine decay from 1 to 0.1 over the run, after a linear rise over its first ``warmup`` share."""
+    rise = math.floor(warmup * steps)
+    if step < rise:
+        return (step + 1) / (rise + 1)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - rise) / max(1, steps - rise))))
 
 
 def _mix(
@@ -404,7 +157,7 @@ class _Run:
     model: Any
     graph: SymmetryGraph
     bases: list[dict[str, Tensor]]
-    maps: list[_Maps | None]
+    maps: list[LearnedMaps | None]
     starts: list[Transform | None]
     sample: Callable[[random.Random], list[float]]
     scored: list[list[float]]
@@ -500,6 +253,9 @@ def _optimise(
     def hard_logs() -> list[Logs]:
         return [m.final_logs() if m is not None else None for m in run.maps]
 
+    # a gain smaller than this is float noise: on an exact start, function-keeping drift of the unit
+    # scales "lowers" a barrier of ~1e-6 nats by as much, and would be kept instead of the start
+    tolerance = max(1e-6, GAIN_TOLERANCE * sum(ends) / len(ends))
     unscaled: list[Logs] = [None] * len(run.bases)
     best_ts: list[Transform | None] = list(run.starts)
     best_logs = unscaled
@@ -517,7 +273,7 @@ def _optimise(
         history["soft_barrier"] = [best]
     seen, since, running, stale, step, swaps = 0, 0, 0.0, 0, 0, 0
     while step < steps:
-        rate = settings.lr * _lr_factor(step, steps)
+        rate = settings.lr * _lr_factor(step, steps, settings.warmup)
         for group in opt.param_groups if opt is not None else []:
             group["lr"] = rate
         batch = train[step % len(train)]
@@ -576,7 +332,7 @@ def _optimise(
                 barrier([m.current(soft=True) if m is not None else None for m in run.maps], logs)
             )
         running, since = 0.0, 0
-        if score < best - 1e-6:
+        if score < best - tolerance:
             best, best_ts, best_logs, stale = score, ts, logs, 0
         else:
             stale += 1
@@ -598,7 +354,7 @@ def _optimise(
     return best_ts, best_logs, notes, history
 
 
-def _fixed_note(maps: Sequence[_Maps | None]) -> list[str]:
+def _fixed_note(maps: Sequence[LearnedMaps | None]) -> list[str]:
     """The note on expert spaces kept at their starting maps, if any."""
     fixed = sorted({name for m in maps if m is not None for name in m.fixed})
     if not fixed:
@@ -629,7 +385,7 @@ def refine(
 ) -> LearnedResult:
     """Optimize ``transform`` on the loss of the interpolated model; see the module docstring."""
     assert pair.data is not None and pair.model_a is not None
-    maps = _Maps(graph, transform, settings)
+    maps = LearnedMaps(graph, transform, settings)
     if not list(maps.parameters()):
         return LearnedResult(
             transform,
@@ -693,7 +449,7 @@ def refine_many(
 
     fixed = random.Random(settings.seed + 1)
     scored = [list(weights)] + [dirichlet(fixed) for _ in range(7)]
-    maps: list[_Maps | None] = [_Maps(graph, t, settings) for t in transforms]
+    maps: list[LearnedMaps | None] = [LearnedMaps(graph, t, settings) for t in transforms]
     run = _Run(
         _frozen_model(template, state_dicts[0], untied),
         graph,

@@ -1,0 +1,243 @@
+"""One pair of models: are they related, up to every symmetry their family has?
+
+Both models are brought to canonical form (norm scales folded into the next weights) and their
+gated units to canonical scaling, so that the maps left are orthogonal or permutations. Each
+weight matrix is split into signal and bulk (`stats.split_state`); generalized-orthogonal
+matching aligns B's signal to A's, data-free, under the family's whole symmetry graph (heads,
+units, experts with their router rows, the residual stream rotated or signed-permuted); the
+alignment then carries B's bulk into A's basis, and each space's bulk similarity is read twice:
+aligned (related up to symmetry) and as stored (same basis).
+
+The test: under the null, B was trained apart from A, and a space's bulk similarity is at most
+`NULL_SIMILARITY` (models trained apart on the same data share far less bulk than that: see the
+docs' lineage page for the testbed it was read from). Each space gives a z-score against that level
+in units of the spread of the cosine of two independent bulks (1/√entries); Stouffer's sum over the
+layers' spaces is the pair's statistic, and its normal tail the p-value. Embeddings are reported
+but not counted: models trained on one text share much of them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .. import glu
+from ..canonical import canonicalize
+from ..names import DEFAULT_LINEAGE_STRATEGY
+from ..strategies import Pair, align
+from ..symmetry import AxisMap, ExpertMap, HeadMap, Space, SpaceMap, SymmetryGraph
+from .stats import (
+    RESIDUAL,
+    SIGNAL_CAP,
+    SIGNAL_SHARE,
+    SpaceSums,
+    combined_z,
+    log10_sf,
+    split_state,
+    sums_by_space,
+    z_score,
+)
+
+__all__ = ["ALPHA", "NULL_SIMILARITY", "PairLineage", "SpaceEvidence", "Verdict", "compare", "describe_map"]
+
+Verdict = Literal["same basis", "related up to symmetry", "independent"]
+NULL_SIMILARITY = 0.2  # a space's bulk similarity the null allows (trained apart: ≤ 0.058 on the testbed)
+ALPHA = 1e-3  # a pair is related when its p-value is below this
+NEAR = 0.05  # a map this close to the identity (0–1 scale) is described as the identity
+
+
+@dataclass
+class SpaceEvidence:
+    """What one space says: its bulk similarity aligned and as stored, their z-scores, and how far
+    the alignment's map moved it."""
+
+    space: str
+    layer: int | None
+    similarity: float
+    raw_similarity: float
+    entries: int  # the bulk's entries (its degrees of freedom)
+    z: float
+    raw_z: float
+    moved: float  # 0: the identity; 1: every feature moved (permutations) or a map far from it
+    map: str  # the map in words ("identity", "permuted (40 % moved)", "rotated")
+    counted: bool  # in the pair's statistic (embeddings are not)
+
+
+@dataclass
+class PairLineage:
+    """The verdict on one pair, its statistics and the evidence per space."""
+
+    verdict: Verdict
+    statistic: float  # the median bulk similarity of the counted spaces, aligned
+    raw_statistic: float  # the same, as stored
+    z: float
+    log10_p: float
+    raw_z: float
+    raw_log10_p: float
+    spaces: list[SpaceEvidence]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def p_value(self) -> float:
+        return 10.0**self.log10_p
+
+    @property
+    def raw_p_value(self) -> float:
+        return 10.0**self.raw_log10_p
+
+
+def _layer(space: str) -> int | None:
+    found = re.search(r"(\d+)", space)
+    return int(found.group(1)) if found else None
+
+
+def describe_map(m: SpaceMap | None) -> tuple[float, str]:
+    """How far a space's map is from the identity (0–1) and the map in words."""
+    if m is None:
+        return 0.0, "identity"
+    if isinstance(m, ExpertMap):
+        moved = float((m.perm != torch.arange(len(m.perm))).double().mean())
+        return moved, "identity" if moved == 0 else f"experts permuted ({100 * moved:.0f} % moved)"
+    if isinstance(m, HeadMap):
+        moved = float((m.kv_perm != torch.arange(len(m.kv_perm))).double().mean())
+        inner = m.qk.dtype != torch.long or m.vo.dtype != torch.long
+        words = "heads in place" if moved == 0 else f"heads permuted ({100 * moved:.0f} % moved)"
+        return moved, words + (", rotated inside the heads" if inner and not _near_identity_inner(m) else "")
+    assert isinstance(m, AxisMap)
+    n = m.size
+    if m.is_permutation:
+        index = m.index if m.index is not None else torch.arange(n)
+        moved = float((index != torch.arange(n)).double().mean())
+        return moved, "identity" if moved == 0 else f"permuted ({100 * moved:.0f} % moved)"
+    moved = _distance(m.matrix(torch.float64))
+    if m.is_signed_permutation:
+        return moved, "identity" if moved == 0 else "signed permutation"
+    return moved, "identity" if moved < NEAR else f"rotated ({moved:.2f} from the identity)"
+
+
+def _distance(dense: Tensor) -> float:
+    """‖M − I‖_F / √(2n), capped at 1: a permutation moving a share s of the features is at √s."""
+    n = dense.shape[-1]
+    eye = torch.eye(n, dtype=dense.dtype)
+    return min(
+        1.0,
+        float(torch.linalg.matrix_norm(dense - eye).pow(2).sum().sqrt()) / (2 * n * dense[..., 0, 0].numel()) ** 0.5,
+    )
+
+
+def _near_identity_inner(m: HeadMap) -> bool:
+    for inner in (m.qk, m.vo):
+        if inner.dtype == torch.long:
+            if not bool((inner == torch.arange(inner.shape[-1])).all()):
+                return False
+        elif _distance(inner.to(torch.float64)) >= NEAR:
+            return False
+    return True
+
+
+def _prepared(graph: SymmetryGraph, state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], SymmetryGraph]:
+    """Canonical form, then canonical unit scaling of gated MLPs: what is left is orthogonal."""
+    canonical, cgraph, _untied = canonicalize(graph, state)
+    return glu.balance(cgraph, canonical), cgraph
+
+
+def compare(
+    graph: SymmetryGraph,
+    sd_a: Mapping[str, Tensor],
+    sd_b: Mapping[str, Tensor],
+    *,
+    share: float = SIGNAL_SHARE,
+    cap: int = SIGNAL_CAP,
+    null: float = NULL_SIMILARITY,
+    progress: Callable[[str], None] | None = None,
+) -> PairLineage:
+    """The lineage of B with respect to A (one family, one shape); see the module docstring."""
+    clock: dict[str, float] = {}
+    start = time.perf_counter()
+    say = progress or (lambda _stage: None)
+    say("canonical form")
+    a, cgraph = _prepared(graph, sd_a)
+    b, _ = _prepared(graph, sd_b)
+    say("signal and bulk")
+    split_a, split_b = split_state(a, share, cap), split_state(b, share, cap)
+    clock["split"] = time.perf_counter() - start
+    say("alignment of the signals")
+    t = time.perf_counter()
+    alignment = align(DEFAULT_LINEAGE_STRATEGY, Pair(cgraph, split_a.signal, split_b.signal))
+    bulk_b = split_b.bulk
+    if alignment.glu_scales:
+        bulk_b = glu.apply_unit_scales(alignment.graph, bulk_b, alignment.glu_scales)
+    moved_b = alignment.graph.apply(bulk_b, alignment.transform)
+    clock["align"] = time.perf_counter() - t
+    say("bulk similarity")
+    t = time.perf_counter()
+    aligned = sums_by_space(cgraph, split_a.bulk, moved_b, split_a.ranks)
+    raw = sums_by_space(cgraph, split_a.bulk, split_b.bulk, split_a.ranks)
+    clock["evidence"] = time.perf_counter() - t
+    spaces = _evidence(alignment.graph, alignment.transform, aligned, raw, null)
+    result = _verdict(spaces)
+    clock["total"] = time.perf_counter() - start
+    result.seconds = clock
+    return result
+
+
+def _evidence(
+    graph: SymmetryGraph,
+    transform: Mapping[str, SpaceMap],
+    aligned: Mapping[str, SpaceSums],
+    raw: Mapping[str, SpaceSums],
+    null: float,
+) -> list[SpaceEvidence]:
+    out = []
+    stream = next((n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"), None)
+    for space, sums in aligned.items():
+        counted = space != RESIDUAL
+        m = transform.get(space) if counted else (transform.get(stream) if stream is not None else None)
+        moved, words = describe_map(m)
+        out.append(
+            SpaceEvidence(
+                space=space,
+                layer=_layer(space) if counted else None,
+                similarity=sums.similarity,
+                raw_similarity=raw[space].similarity,
+                entries=int(sums.dof),
+                z=z_score(sums.similarity, sums.dof, null),
+                raw_z=z_score(raw[space].similarity, sums.dof, null),
+                moved=moved,
+                map=words,
+                counted=counted,
+            )
+        )
+    out.sort(key=lambda e: (e.layer is not None, e.layer or 0, e.space))
+    return out
+
+
+def _verdict(spaces: list[SpaceEvidence]) -> PairLineage:
+    counted = [e for e in spaces if e.counted] or spaces
+    z = combined_z([e.z for e in counted])
+    raw_z = combined_z([e.raw_z for e in counted])
+    log10_p, raw_log10_p = log10_sf(z), log10_sf(raw_z)
+    alpha = math.log10(ALPHA)
+    verdict: Verdict = "independent"
+    if raw_log10_p < alpha:
+        verdict = "same basis"
+    elif log10_p < alpha:
+        verdict = "related up to symmetry"
+    return PairLineage(
+        verdict=verdict,
+        statistic=statistics.median(e.similarity for e in counted),
+        raw_statistic=statistics.median(e.raw_similarity for e in counted),
+        z=z,
+        log10_p=log10_p,
+        raw_z=raw_z,
+        raw_log10_p=raw_log10_p,
+        spaces=spaces,
+    )

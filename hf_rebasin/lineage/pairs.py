@@ -1,0 +1,104 @@
+"""Lineage of two models or more: checks that they can be compared, then every pair's verdict."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from itertools import combinations
+
+from ..errors import IncompatibleModelsError, RebasinUserError
+from ..models import LoadedModel, check_compatible
+from ..names import DEFAULT_LINEAGE_STRATEGY
+from ..run.widths import to_widest
+from .compare import ALPHA, NULL_SIMILARITY, PairLineage, compare
+from .record import LineageRecord, ModelRef, PairRecord, SpaceRecord, next_step
+from .stats import SIGNAL_CAP, SIGNAL_SHARE
+
+__all__ = ["check_comparable", "lineage_of"]
+
+
+def _layers(lm: LoadedModel) -> int:
+    config = lm.model.config.get_text_config()
+    return int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
+
+
+def check_comparable(models: Sequence[LoadedModel], names: Sequence[str]) -> None:
+    """Two models or more of one family and depth; anything else is a user error naming why."""
+    if len(models) < 2:
+        raise RebasinUserError("lineage compares two models or more: give MODEL_A MODEL_B [MODEL_C …]")
+    ref, ref_type = models[0], models[0].model.config.model_type
+    for lm, name in zip(models[1:], names[1:], strict=True):
+        kind = lm.model.config.model_type
+        if kind != ref_type:
+            raise IncompatibleModelsError(
+                f"{name} is a {kind} model but {names[0]} is a {ref_type}: lineage compares models of one family "
+                "(a descendant keeps its parent's architecture)"
+            )
+        if _layers(lm) != _layers(ref):
+            raise IncompatibleModelsError(
+                f"{name} has {_layers(lm)} layers but {names[0]} has {_layers(ref)}: a depth-pruned descendant is not "
+                "matched layer to layer (its layer map is not searched), so the pair is refused rather than "
+                "called independent"
+            )
+
+
+def lineage_of(
+    models: Sequence[LoadedModel],
+    given: Sequence[str],
+    *,
+    progress: Callable[[str], None] | None = None,
+    share: float = SIGNAL_SHARE,
+    cap: int = SIGNAL_CAP,
+    null: float = NULL_SIMILARITY,
+) -> LineageRecord:
+    """Every pair's verdict (A against B, A against C, B against C, …), as ``lineage.json`` holds it.
+    Models of different widths are first written into the widest one's shape (exactly)."""
+    start = time.perf_counter()
+    names = [f"model {i + 1} ({g})" for i, g in enumerate(given)]
+    check_comparable(models, names)
+    same, embedded = to_widest(list(models), names)
+    for lm in same[1:]:
+        check_compatible(same[0], lm)
+    grown = {e.index: e.note(names) for e in embedded}
+    states = [lm.model.state_dict() for lm in same]
+    pairs = []
+    for i, j in combinations(range(len(same)), 2):
+        say = (lambda stage, i=i, j=j: progress(f"{given[i]} vs {given[j]}: {stage}")) if progress else None
+        found = compare(same[0].graph, states[i], states[j], share=share, cap=cap, null=null, progress=say)
+        pairs.append(_record(i, j, found))
+    refs = [
+        ModelRef(
+            given=g,
+            folder=str(lm.path),
+            model_type=lm.model.config.model_type,
+            layers=_layers(lm),
+            embedded=lm.embedded or grown.get(k),
+        )
+        for k, (g, lm) in enumerate(zip(given, same, strict=True))
+    ]
+    settings: dict[str, float | int | str] = {
+        "signal_share": share,
+        "signal_cap": cap,
+        "null_similarity": null,
+        "alpha": ALPHA,
+        "strategy": DEFAULT_LINEAGE_STRATEGY,
+    }
+    return LineageRecord(models=refs, settings=settings, pairs=pairs, seconds={"total": time.perf_counter() - start})
+
+
+def _record(i: int, j: int, found: PairLineage) -> PairRecord:
+    spaces = [SpaceRecord(**vars(e)) for e in found.spaces]
+    return PairRecord(
+        a=i,
+        b=j,
+        verdict=found.verdict,
+        statistic=found.statistic,
+        raw_statistic=found.raw_statistic,
+        z=found.z,
+        log10_p=found.log10_p,
+        raw_z=found.raw_z,
+        raw_log10_p=found.raw_log10_p,
+        next_step=next_step(found.verdict, [e.map for e in found.spaces]),
+        spaces=spaces,
+        seconds=found.seconds,
+    )

@@ -1,0 +1,84 @@
+"""job: lineage — are the models related (a fine-tune, continued pretraining, a merge, a widened
+copy), up to every symmetry their family has? A verdict per pair, with its p-value and the evidence
+per layer; a report, no weights written."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from ...names import DEFAULT_LINEAGE_STRATEGY
+from ..sections import AlignedRecipe, ModelsRecipe
+from . import CardPart, Job
+from .merge import models_not_roles
+
+__all__ = ["JOB", "LineageRecipe"]
+
+STRATEGY = DEFAULT_LINEAGE_STRATEGY
+
+
+class LineageRecipe(ModelsRecipe, AlignedRecipe):
+    """`job: lineage`: a verdict per pair of models (same basis, related up to symmetry, independent)."""
+
+    job: Literal["lineage"] = Field(
+        "lineage", description="are the models related, up to every symmetry? a verdict per pair, no weights"
+    )
+
+    default_strategy: ClassVar[str | None] = STRATEGY
+    misplaced: ClassVar[Mapping[str, str]] = {
+        **models_not_roles("lineage"),
+        "merge": "job: lineage merges nothing: remove `merge` (job: merge averages models)",
+        "evaluate": "job: lineage reads weights only and scores no loss: remove `evaluate` (job: barrier does)",
+        "data": "job: lineage is data-free (it compares what is left of the weights past their learned "
+        "directions): remove `data`",
+    }
+
+    @field_validator("strategy")
+    @classmethod
+    def _matching(cls, value: Any) -> Any:
+        if value is not None and (value.name != STRATEGY or value.options.model_fields_set):
+            raise PydanticCustomError(
+                "recipe",
+                "job: lineage aligns the models' signals with data-free generalized-orthogonal (every symmetry of the "
+                "family) and takes no strategy options: remove `strategy`",
+                {"at": "strategy"},
+            )
+        return value
+
+
+def _describe(recipe: LineageRecipe) -> list[str]:
+    n = len(recipe.models)
+    return [
+        f"lineage: {n * (n - 1) // 2} pair(s), data-free; writes lineage.json, lineage.png and the card (no weights)",
+        "evaluate: no",
+    ]
+
+
+def _title(names: Sequence[str]) -> str:
+    return f"Lineage: {', '.join(names)}"
+
+
+JOB = Job(
+    name="lineage",
+    summary="a verdict per pair of models: same basis, related up to symmetry, or independent (no weights)",
+    recipe=LineageRecipe,
+    writes_model=False,
+    describe=_describe,
+    card=CardPart(
+        title=_title,
+        intro="""This folder is a report, not a model. For every pair of the models below it says whether they
+share a basis (a plain average or a naive task vector is right), are related up to symmetry (one
+descends from the other but its heads, units or residual stream were moved: align first), or were
+trained independently, with a p-value and the evidence per layer (`lineage.json`, `lineage.png`).""",
+        why="""Training keeps most of a weight matrix's random initialisation outside its few learned
+directions. Models trained apart learn alike directions but keep different bulks; a fine-tune,
+continued pretraining or a merge keeps its parent's. hf-rebasin aligns the learned directions under
+every symmetry of the family (permutations of heads and units, a rotated residual stream, rescaled
+gated units, a wider shape) and compares the bulks.""",
+        preserved="Lineage changes no weights; nothing is re-expressed, so there is no function to preserve.",
+        pair="A and B",
+    ),
+)
