@@ -196,3 +196,14 @@ def test_job_lineage_runs_from_a_recipe_and_refuses_what_it_does_not_use(saved_m
         bad.write_text(yaml.safe_dump({**body, **extra, "output": {"dir": str(tmp_path / "never")}}))
         assert_user_error(run_main(str(bad)), needle)
         assert not (tmp_path / "never").exists()
+
+
+def test_a_pair_too_large_for_memory_exits_2_before_comparing(saved_model, tmp_path, monkeypatch):
+    """The comparison holds several copies of each model: refused up front, not killed by the kernel."""
+    import hf_rebasin.lineage.pairs as pairs
+
+    monkeypatch.setattr(pairs, "available_memory", lambda: 1 << 20)
+    out = tmp_path / "never"
+    proc = run_main("lineage", str(saved_model("gpt2")), str(saved_model("gpt2", seed=1)), "--output", str(out))
+    assert_user_error(proc, "needs about", "available", "not implemented for lineage yet")
+    assert not out.exists()

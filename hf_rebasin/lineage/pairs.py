@@ -9,12 +9,13 @@ from itertools import combinations
 from ..errors import IncompatibleModelsError, RebasinUserError
 from ..models import LoadedModel, check_compatible
 from ..names import DEFAULT_LINEAGE_STRATEGY
+from ..run.memory import InsufficientMemoryError, available_memory
 from ..run.widths import to_widest
-from .compare import ALPHA, NULL_SIMILARITY, PairLineage, compare
+from .compare import ALPHA, MATCHING, NULL_SIMILARITY, PairLineage, compare
 from .record import LineageRecord, ModelRef, PairRecord, SpaceRecord, next_step
 from .stats import SIGNAL_CAP, SIGNAL_SHARE
 
-__all__ = ["check_comparable", "lineage_of"]
+__all__ = ["PAIR_BYTES_PER_PARAMETER", "check_comparable", "check_memory", "lineage_of"]
 
 
 def _layers(lm: LoadedModel) -> int:
@@ -42,6 +43,25 @@ def check_comparable(models: Sequence[LoadedModel], names: Sequence[str]) -> Non
             )
 
 
+# what one pair's comparison holds beside the loaded models, per parameter of the larger: canonical
+# and balanced copies, signal and bulk of each, B's moved bulk, the alignment's views (float32), the
+# SVDs' float64 blocks. A Qwen3-0.6B-shaped pair (0.75B parameters) passed 24 GB (32 bytes each)
+# and was still growing when the kernel killed it.
+PAIR_BYTES_PER_PARAMETER = 44
+
+
+def check_memory(models: Sequence[LoadedModel]) -> None:
+    """Refuse (exit 2) a comparison that would not fit, before it starts: the kernel would kill it."""
+    params = max(sum(p.numel() for p in lm.model.parameters()) for lm in models)
+    need, have = PAIR_BYTES_PER_PARAMETER * params, available_memory()
+    if have is not None and need > have:
+        raise InsufficientMemoryError(
+            f"lineage compares two models in memory, which needs about {need / 2**30:.1f} GB for models of "
+            f"{params / 1e9:.2f}B parameters, and {have / 2**30:.1f} GB are available: streamed comparison "
+            "(what merges do at this size) is not implemented for lineage yet"
+        )
+
+
 def lineage_of(
     models: Sequence[LoadedModel],
     given: Sequence[str],
@@ -56,6 +76,7 @@ def lineage_of(
     start = time.perf_counter()
     names = [f"model {i + 1} ({g})" for i, g in enumerate(given)]
     check_comparable(models, names)
+    check_memory(models)
     same, embedded = to_widest(list(models), names)
     for lm in same[1:]:
         check_compatible(same[0], lm)
@@ -82,6 +103,7 @@ def lineage_of(
         "null_similarity": null,
         "alpha": ALPHA,
         "strategy": DEFAULT_LINEAGE_STRATEGY,
+        "tol": MATCHING["tol"],
     }
     return LineageRecord(models=refs, settings=settings, pairs=pairs, seconds={"total": time.perf_counter() - start})
 
