@@ -143,7 +143,7 @@ def test_vit_folders_with_legacy_tensor_names_load(saved_model):
 
 def test_zoo_names_resolve_to_the_zoo_folder(monkeypatch, tmp_path):
     import hf_rebasin.train as train
-    from hf_rebasin.cli import _model_folder
+    from hf_rebasin.cli.common import _model_folder
 
     asked = []
     monkeypatch.setattr(train, "cached_model", lambda kind, seed: asked.append((kind, seed)) or tmp_path)
