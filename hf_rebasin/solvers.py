@@ -141,10 +141,7 @@ def procrustes(m: Tensor, fix_ones: bool = False) -> tuple[Tensor, float]:
     the search is restricted to maps with ``O·1 = 1`` (solved inside the complement of 1)."""
     m = m.detach().to("cpu", torch.float64)
     if fix_ones:
-        n = m.shape[0]
-        q = ones_complement_basis(n)
-        inner, _ = procrustes(q.T @ m @ q)
-        o = q @ inner @ q.T + torch.full((n, n), 1.0 / n, dtype=torch.float64)
+        o = _fixing_ones(m, lambda inner: procrustes(inner)[0])
         return o, float((o * m).sum())
     u, _s, vh = svd(m)
     o = u @ vh
@@ -272,8 +269,12 @@ def polar(m: Tensor, fix_ones: bool = False) -> Tensor:
     """The nearest orthogonal matrix to ``m`` (or to each of a stack), differentiable: learned
     matching's forward pass through free matrices. With ``fix_ones`` (one matrix) the map keeps
     the all-ones vector fixed (solved inside its complement, as `procrustes`)."""
-    if not fix_ones:
-        return _Polar.apply(m)
+    return _fixing_ones(m, _Polar.apply) if fix_ones else _Polar.apply(m)
+
+
+def _fixing_ones(m: Tensor, orthogonal: Callable[[Tensor], Tensor]) -> Tensor:
+    """The orthogonal map ``orthogonal`` finds for ``m`` inside the complement of the all-ones
+    vector, extended by 1 ↦ 1 (in ``m``'s dtype and device)."""
     n = m.shape[0]
     q = ones_complement_basis(n).to(m.device, m.dtype)
-    return q @ _Polar.apply(q.T @ m @ q) @ q.T + torch.full((n, n), 1.0 / n, dtype=m.dtype, device=m.device)
+    return q @ orthogonal(q.T @ m @ q) @ q.T + torch.full((n, n), 1.0 / n, dtype=m.dtype, device=m.device)

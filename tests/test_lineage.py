@@ -29,6 +29,7 @@ from hf_rebasin.lineage.record import LineageRecord
 from hf_rebasin.lineage.stats import split_state
 from hf_rebasin.models import LoadedModel
 from hub_server import client_env
+from test_glu import random_scales
 
 FAMILIES = ["gpt2", "llama-gqa", "gemma2", "qwen3-moe", "bert-mlm", "vit"]
 
@@ -75,13 +76,7 @@ def test_rescaled_gated_units_do_not_hide_a_parent():
     a = tiny.FACTORIES["llama-gqa"](0).eval()
     sd = _fine_tuned(a.state_dict())
     graph = graph_for(a.config, sd.keys())
-    g = torch.Generator().manual_seed(3)
-    scales = {}
-    for unit in graph.glus:
-        n = graph.ref_size(unit.space)
-        signs = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
-        scales[unit.space] = signs * torch.exp(torch.randn(n, generator=g, dtype=torch.float64))
-    rescaled = glu.apply_unit_scales(graph, sd, scales)
+    rescaled = glu.apply_unit_scales(graph, sd, random_scales(graph, 3))
     found = compare(graph, a.state_dict(), _transformed(a, rescaled, "orthogonal"))
     assert found.verdict == "related up to symmetry" and found.statistic > 0.9
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import IncompatibleModelsError, PickleRefusedError, RebasinUserError, named
+from ..errors import IncompatibleModelsError, PickleRefusedError, named
 
 if TYPE_CHECKING:
     from ..verify import VerifyReport
@@ -311,13 +311,12 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     _quiet_libraries()
-    from ..lineage.pairs import lineage_of
+    from ..lineage.pairs import check_count, lineage_of
     from ..lineage.table import evidence_table, verdict_table
     from ..models import load_model
     from ..output import check_output
 
-    if len(args.models) < 2:
-        raise RebasinUserError("lineage compares two models or more: give MODEL_A MODEL_B [MODEL_C …]")
+    check_count(len(args.models))
     named_inputs = [(f"MODEL {i + 1}", Path(m)) for i, m in enumerate(args.models)]
     if args.output:  # before any download or load: a refused output costs nothing
         check_output(Path(args.output), False, inputs=named_inputs, where="--output")

@@ -1,12 +1,13 @@
 """Lineage: are two models of one family related, up to every symmetry hf-rebasin models?
 
 `compare` gives one pair's verdict (same basis, related up to symmetry, independent) with its
-statistic, p-value and the evidence per layer and space; `report` turns verdicts into
-``lineage.json``, a table and a plot.
+statistic, p-value and the evidence per layer and space; `pairs.lineage_of` every pair of several
+models, as ``lineage.json`` holds it (`record`); `table` and `plot` show it.
 """
 
 from __future__ import annotations
 
-from .compare import NULL_SIMILARITY, PairLineage, SpaceEvidence, Verdict, compare
+from .compare import NULL_SIMILARITY, PairLineage, Verdict, compare
+from .record import SpaceRecord
 
-__all__ = ["NULL_SIMILARITY", "PairLineage", "SpaceEvidence", "Verdict", "compare"]
+__all__ = ["NULL_SIMILARITY", "PairLineage", "SpaceRecord", "Verdict", "compare"]

@@ -34,6 +34,7 @@ from ..canonical import canonicalize
 from ..names import DEFAULT_LINEAGE_STRATEGY
 from ..strategies import Pair, align
 from ..symmetry import AxisMap, ExpertMap, HeadMap, Space, SpaceMap, SymmetryGraph
+from .record import SpaceRecord
 from .stats import (
     RESIDUAL,
     SIGNAL_CAP,
@@ -46,7 +47,7 @@ from .stats import (
     z_score,
 )
 
-__all__ = ["ALPHA", "NULL_SIMILARITY", "PairLineage", "SpaceEvidence", "Verdict", "compare", "describe_map"]
+__all__ = ["ALPHA", "NULL_SIMILARITY", "PairLineage", "Verdict", "compare", "describe_map"]
 
 Verdict = Literal["same basis", "related up to symmetry", "independent"]
 NULL_SIMILARITY = 0.2  # a space's bulk similarity the null allows (trained apart: ≤ 0.055 on the testbed)
@@ -55,23 +56,6 @@ ALPHA = 1e-3  # a pair is related when its p-value is below this
 # bulk similarity needs the maps, not their last digits, and large models save most of the rounds
 MATCHING = {"tol": 1e-3}
 NEAR = 0.05  # a map this close to the identity (0–1 scale) is described as the identity
-
-
-@dataclass
-class SpaceEvidence:
-    """What one space says: its bulk similarity aligned and as stored, their z-scores, and how far
-    the alignment's map moved it."""
-
-    space: str
-    layer: int | None
-    similarity: float
-    raw_similarity: float
-    entries: int  # the bulk's entries (its degrees of freedom)
-    z: float
-    raw_z: float
-    moved: float  # 0: the identity; 1: every feature moved (permutations) or a map far from it
-    map: str  # the map in words ("identity", "permuted (40 % moved)", "rotated")
-    counted: bool  # in the pair's statistic (embeddings are not)
 
 
 @dataclass
@@ -85,7 +69,7 @@ class PairLineage:
     log10_p: float
     raw_z: float
     raw_log10_p: float
-    spaces: list[SpaceEvidence]
+    spaces: list[SpaceRecord]  # the evidence per space, as lineage.json holds it
     seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -107,18 +91,16 @@ def describe_map(m: SpaceMap | None) -> tuple[float, str]:
     if m is None:
         return 0.0, "identity"
     if isinstance(m, ExpertMap):
-        moved = float((m.perm != torch.arange(len(m.perm))).double().mean())
+        moved = _moved(m.perm)
         return moved, "identity" if moved == 0 else f"experts permuted ({100 * moved:.0f} % moved)"
     if isinstance(m, HeadMap):
-        moved = float((m.kv_perm != torch.arange(len(m.kv_perm))).double().mean())
+        moved = _moved(m.kv_perm)
         inner = m.qk.dtype != torch.long or m.vo.dtype != torch.long
         words = "heads in place" if moved == 0 else f"heads permuted ({100 * moved:.0f} % moved)"
         return moved, words + (", rotated inside the heads" if inner and not _near_identity_inner(m) else "")
     assert isinstance(m, AxisMap)
-    n = m.size
     if m.is_permutation:
-        index = m.index if m.index is not None else torch.arange(n)
-        moved = float((index != torch.arange(n)).double().mean())
+        moved = _moved(m.index) if m.index is not None else 0.0
         return moved, "identity" if moved == 0 else f"permuted ({100 * moved:.0f} % moved)"
     moved = _distance(m.matrix(torch.float64))
     if m.is_signed_permutation:
@@ -126,14 +108,16 @@ def describe_map(m: SpaceMap | None) -> tuple[float, str]:
     return moved, "identity" if moved < NEAR else f"rotated ({moved:.2f} from the identity)"
 
 
+def _moved(index: Tensor) -> float:
+    """The share of features (heads, experts) a permutation moves."""
+    return float((index != torch.arange(len(index))).double().mean())
+
+
 def _distance(dense: Tensor) -> float:
-    """‖M − I‖_F / √(2n), capped at 1: a permutation moving a share s of the features is at √s."""
-    n = dense.shape[-1]
-    eye = torch.eye(n, dtype=dense.dtype)
-    return min(
-        1.0,
-        float(torch.linalg.matrix_norm(dense - eye).pow(2).sum().sqrt()) / (2 * n * dense[..., 0, 0].numel()) ** 0.5,
-    )
+    """‖M − I‖_F / √(2n) over a matrix or a stack of n-wide matrices, capped at 1: a permutation
+    moving a share s of the features is at √s."""
+    eye = torch.eye(dense.shape[-1], dtype=dense.dtype)
+    return min(1.0, float(torch.linalg.vector_norm(dense - eye)) / (2 * dense[..., 0].numel()) ** 0.5)
 
 
 def _near_identity_inner(m: HeadMap) -> bool:
@@ -198,7 +182,7 @@ def _evidence(
     aligned: Mapping[str, SpaceSums],
     raw: Mapping[str, SpaceSums],
     null: float,
-) -> list[SpaceEvidence]:
+) -> list[SpaceRecord]:
     out = []
     stream = next((n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"), None)
     for space, sums in aligned.items():
@@ -206,7 +190,7 @@ def _evidence(
         m = transform.get(space) if counted else (transform.get(stream) if stream is not None else None)
         moved, words = describe_map(m)
         out.append(
-            SpaceEvidence(
+            SpaceRecord(
                 space=space,
                 layer=_layer(space) if counted else None,
                 similarity=sums.similarity,
@@ -223,7 +207,7 @@ def _evidence(
     return out
 
 
-def _verdict(spaces: list[SpaceEvidence]) -> PairLineage:
+def _verdict(spaces: list[SpaceRecord]) -> PairLineage:
     counted = [e for e in spaces if e.counted] or spaces
     z = combined_z([e.z for e in counted])
     raw_z = combined_z([e.raw_z for e in counted])

@@ -12,10 +12,10 @@ from ..names import DEFAULT_LINEAGE_STRATEGY
 from ..run.memory import InsufficientMemoryError, available_memory
 from ..run.widths import to_widest
 from .compare import ALPHA, MATCHING, NULL_SIMILARITY, PairLineage, compare
-from .record import LineageRecord, ModelRef, PairRecord, SpaceRecord, next_step
+from .record import LineageRecord, ModelRef, PairRecord, next_step
 from .stats import SIGNAL_CAP, SIGNAL_SHARE
 
-__all__ = ["PAIR_BYTES_PER_PARAMETER", "check_comparable", "check_memory", "lineage_of"]
+__all__ = ["PAIR_BYTES_PER_PARAMETER", "check_comparable", "check_count", "check_memory", "lineage_of"]
 
 
 def _layers(lm: LoadedModel) -> int:
@@ -23,10 +23,15 @@ def _layers(lm: LoadedModel) -> int:
     return int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
 
 
+def check_count(n: int) -> None:
+    """Two models or more: checked by the command before it downloads or loads anything."""
+    if n < 2:
+        raise RebasinUserError("lineage compares two models or more: give MODEL_A MODEL_B [MODEL_C …]")
+
+
 def check_comparable(models: Sequence[LoadedModel], names: Sequence[str]) -> None:
     """Two models or more of one family and depth; anything else is a user error naming why."""
-    if len(models) < 2:
-        raise RebasinUserError("lineage compares two models or more: give MODEL_A MODEL_B [MODEL_C …]")
+    check_count(len(models))
     ref, ref_type = models[0], models[0].model.config.model_type
     for lm, name in zip(models[1:], names[1:], strict=True):
         kind = lm.model.config.model_type
@@ -109,7 +114,6 @@ def lineage_of(
 
 
 def _record(i: int, j: int, found: PairLineage) -> PairRecord:
-    spaces = [SpaceRecord(**vars(e)) for e in found.spaces]
     return PairRecord(
         a=i,
         b=j,
@@ -121,6 +125,6 @@ def _record(i: int, j: int, found: PairLineage) -> PairRecord:
         raw_z=found.raw_z,
         raw_log10_p=found.raw_log10_p,
         next_step=next_step(found.verdict, [e.map for e in found.spaces]),
-        spaces=spaces,
+        spaces=found.spaces,
         seconds=found.seconds,
     )

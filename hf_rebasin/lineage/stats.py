@@ -41,8 +41,8 @@ __all__ = [
 
 SIGNAL_SHARE = 0.125  # share of a matrix's rank taken as its learned signal
 SIGNAL_CAP = 64  # at most this many directions per matrix (a 7B MLP's 4,096: the SVD stays cheap)
-EXACT_SVD = 1 << 20
-RESIDUAL = "embeddings"  # the evidence of tensors bound to the residual stream alone  # matrices with fewer entries take a full SVD; larger ones a randomized one
+EXACT_SVD = 1 << 20  # matrices with fewer entries take a full SVD; larger ones a randomized one
+RESIDUAL = "embeddings"  # the evidence of tensors bound to the residual stream alone
 
 
 def signal_rank(shape: tuple[int, ...], share: float = SIGNAL_SHARE, cap: int = SIGNAL_CAP) -> int:

@@ -17,8 +17,8 @@ as float64 `LearnedResult.unit_scales`, to be applied once to B (`glu.apply_unit
 
 Part of the alignment data is held out. Every ``eval_every`` steps the hard maps are scored there
 (the midpoint barrier); the best maps are kept, and training stops after ``patience`` scores without
-a better one (better by more than float noise: `GAIN_TOLERANCE`). The data-free start is such a score too, so the result is never worse than it on
-the held-out batches. The scores form the curve the run draws (barrier against steps).
+a better one (better by more than float noise: `GAIN_TOLERANCE`). The data-free start is such a
+score too, so the result is never worse than it on the held-out batches. The scores form the curve the run draws (barrier against steps).
 
 Mixture-of-experts layers are not learned: a relaxed two-level permutation (experts with their
 router rows, units inside each expert) is left for later. Each expert space keeps the map it starts

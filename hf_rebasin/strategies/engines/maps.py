@@ -234,10 +234,10 @@ class LearnedMaps(torch.nn.Module):
         return isinstance(sp, Space) and sp.centered
 
     @torch.no_grad()
-    def project(self, force: bool = False) -> None:
-        """Orthogonal parameters back onto the group: after every step when projected; with
-        ``rotations: polar`` only when ``force``d (the free matrices are what is learned)."""
-        if self.polar and not force:
+    def project(self) -> None:
+        """Orthogonal parameters back onto the group after every step; not with ``rotations: polar``,
+        whose free matrices are what is learned (the forward pass reads their polar factor)."""
+        if self.polar:
             return
         for name, key in self.keys.items():
             for k in (key, key + "_qk", key + "_vo"):
