@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -65,6 +65,7 @@ class Case:
     seconds: float = 0.0
     space_min: float = 0.0  # the lowest bulk similarity of a counted space (a layer's heads, units, experts)
     space_max: float = 0.0  # the highest
+    passes: dict[str, int] = field(default_factory=dict)  # of the alignment: permutations, rotations
 
 
 def _load(kind: str, seed: int) -> LoadedModel:
@@ -108,7 +109,7 @@ def _score(case: Case, lm: LoadedModel, sd_a: Mapping[str, torch.Tensor], sd_b: 
     found = compare(lm.graph, sd_a, sd_b)
     case.seconds = time.perf_counter() - start
     case.verdict, case.statistic, case.raw_statistic = found.verdict, found.statistic, found.raw_statistic
-    case.log10_p = found.log10_p
+    case.log10_p, case.passes = found.log10_p, found.passes
     spaces = [e.similarity for e in found.spaces if e.counted]
     case.space_min, case.space_max = min(spaces), max(spaces)
     case.blind = blind_similarity(sd_a, sd_b)
@@ -196,6 +197,7 @@ def widened_cases(seeds: list[int]) -> Iterator[Case]:
             p.log10_p,
         )
         case.seconds, case.blind = time.perf_counter() - start, 0.0  # shapes differ: the baseline cannot compare
+        case.passes = p.passes
         spaces = [e.similarity for e in p.spaces if e.counted]
         case.space_min, case.space_max = min(spaces), max(spaces)
         yield case

@@ -20,6 +20,8 @@ import numpy as np
 import threadpoolctl
 import torch
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 from torch import Tensor
 
 from .symmetry import ones_complement_basis
@@ -130,9 +132,67 @@ def svdvals(m: Tensor) -> Tensor:
 def lap(score: Tensor) -> tuple[Tensor, float]:
     """Linear assignment maximizing ``Σ_i score[i, perm[i]]``; returns ``(perm, value)``."""
     s = score.detach().to("cpu", torch.float64).numpy()
+    best = _strict_row_maxima(s)
+    if best is not None:  # the unique optimum, in O(n²): what linear_sum_assignment would return
+        return torch.from_numpy(best), float(s[np.arange(len(best)), best].sum())
     rows, cols = linear_sum_assignment(s, maximize=True)
     perm = torch.as_tensor(cols[np.argsort(rows)], dtype=torch.long)
     return perm, float(s[rows, cols].sum())
+
+
+SPARSE_CANDIDATES = 32  # best columns per row, and best rows per column, a sparse LAP keeps
+# narrower problems take the exact LAP (2,048 unrelated units: 0.3 s): on the lineage testbed's
+# 256-unit spaces the sparse one cost related pairs up to 0.28 of a space's bulk similarity
+SPARSE_FROM = 2048
+
+
+@_timed
+def lap_sparse(score: Tensor, candidates: int = SPARSE_CANDIDATES, smallest: int = SPARSE_FROM) -> tuple[Tensor, float]:
+    """`lap` restricted to the pairs among each row's ``candidates`` best columns or each column's
+    ``candidates`` best rows: the best assignment among those (Jonker–Volgenant on the sparse graph,
+    scipy's ``min_weight_full_bipartite_matching``), the exact one whenever every pair of the
+    exact one is among them (a related pair's are). On 5,632 and 14,336 unrelated units it takes
+    a fraction of `lap`'s seconds (benchmarks/README.md, "Lineage at scale"); exact `lap` where
+    the candidates admit no full matching or the matrix is narrower than ``smallest``."""
+    n = score.shape[0]
+    if score.dim() != 2 or n != score.shape[1] or n < max(smallest, 4 * candidates):
+        return lap(score)
+    s = score.detach().to("cpu", torch.float64)
+    best = _strict_row_maxima(s.numpy())
+    if best is not None:
+        return torch.from_numpy(best), float(s.numpy()[np.arange(n), best].sum())
+    kept = torch.zeros(n, n, dtype=torch.bool)
+    kept.scatter_(1, torch.topk(s, candidates, dim=1).indices, True)
+    kept.scatter_(0, torch.topk(s, candidates, dim=0).indices, True)
+    rows, cols = (x.numpy() for x in kept.nonzero(as_tuple=True))
+    del kept
+    values = s.numpy()[rows, cols]
+    weights = (values.max() - values) + 1.0  # positive: the least total weight is the largest total score
+    try:
+        found, matched = min_weight_full_bipartite_matching(csr_matrix((weights, (rows, cols)), shape=(n, n)))
+    except ValueError:  # no full matching among the candidates
+        return lap(score)
+    perm = np.empty(n, dtype=np.int64)
+    perm[found] = matched
+    return torch.from_numpy(perm), float(s.numpy()[np.arange(n), perm].sum())
+
+
+def _strict_row_maxima(s: np.ndarray) -> np.ndarray | None:
+    """Each row's column of its maximum, when every row has one strictly above its other entries and
+    no two rows share it. Any other assignment then gives some row less, so this one is the unique
+    optimum. Models that differ by a map (descendants, a model against itself) give such scores:
+    a 14,336-wide LAP then costs 0.2 s instead of 2 s (and 32 s for unrelated models' scores)."""
+    n = s.shape[0]
+    if s.ndim != 2 or n != s.shape[1] or n < 2:
+        return None
+    top = np.argmax(s, axis=1)
+    if len(np.unique(top)) != n:
+        return None
+    rows = np.arange(n)
+    best = s[rows, top]
+    masked = s.copy()
+    masked[rows, top] = -np.inf
+    return top if bool((best > masked.max(axis=1)).all()) else None
 
 
 @_timed

@@ -315,16 +315,18 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     from ..lineage.table import evidence_table, verdict_table
     from ..models import load_model
     from ..output import check_output
+    from ..run.widths import differ_in_width
 
     check_count(len(args.models))
     named_inputs = [(f"MODEL {i + 1}", Path(m)) for i, m in enumerate(args.models)]
     if args.output:  # before any download or load: a refused output costs nothing
         check_output(Path(args.output), False, inputs=named_inputs, where="--output")
     folders = [_model_folder(m, args.allow_pickle, where=f"MODEL {i + 1}") for i, m in enumerate(args.models)]
+    stream = not differ_in_width([Path(f) for f in folders])  # widths that differ are embedded in memory
     loaded = []
     for i, folder in enumerate(folders):
         with named(f"MODEL {i + 1}"):
-            loaded.append(load_model(folder, allow_pickle=args.allow_pickle))
+            loaded.append(load_model(folder, allow_pickle=args.allow_pickle, stream=stream))
     with console.status("comparing…") as status:
         record = lineage_of(loaded, args.models, progress=lambda stage: status.update(escape(stage)))
     if args.json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from itertools import combinations
@@ -9,13 +10,14 @@ from itertools import combinations
 from ..errors import IncompatibleModelsError, RebasinUserError
 from ..models import LoadedModel, check_compatible
 from ..names import DEFAULT_LINEAGE_STRATEGY
-from ..run.memory import InsufficientMemoryError, available_memory
+from ..run.memory import OVERHEAD, InsufficientMemoryError, available_memory
 from ..run.widths import to_widest
-from .compare import ALPHA, MATCHING, NULL_SIMILARITY, PairLineage, compare
+from ..symmetry import Space
+from .compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, PairLineage, compare
 from .record import LineageRecord, ModelRef, PairRecord, next_step
-from .stats import SIGNAL_CAP, SIGNAL_SHARE
+from .stats import SIGNAL_CAP, SIGNAL_SHARE, signal_rank
 
-__all__ = ["PAIR_BYTES_PER_PARAMETER", "check_comparable", "check_count", "check_memory", "lineage_of"]
+__all__ = ["check_comparable", "check_count", "check_memory", "lineage_bytes", "lineage_of"]
 
 
 def _layers(lm: LoadedModel) -> int:
@@ -48,22 +50,43 @@ def check_comparable(models: Sequence[LoadedModel], names: Sequence[str]) -> Non
             )
 
 
-# what one pair's comparison holds beside the loaded models, per parameter of the larger: canonical
-# and balanced copies, signal and bulk of each, B's moved bulk, the alignment's views (float32), the
-# SVDs' float64 blocks. A Qwen3-0.6B-shaped pair (0.75B parameters) passed 24 GB (32 bytes each)
-# and was still growing when the kernel killed it.
-PAIR_BYTES_PER_PARAMETER = 44
+# what a comparison holds beside what it reads, measured on bench_scale.py's random bf16 models
+# (benchmarks/README.md, "Lineage at scale"): float32 copies of the largest tensor while a matrix is
+# split or its bulks compared, float64 copies of the widest space's n × n view in the assignment
+# problems (views, solver input, solver work), and for models loaded in memory (models of different
+# widths) float32 bytes per parameter of both models: loaded, canonical and balanced
+WORK_COPIES = 8
+VIEW_COPIES = 5
+IN_MEMORY_BYTES_PER_PARAMETER = 24
+
+
+def lineage_bytes(models: Sequence[LoadedModel], share: float = SIGNAL_SHARE, cap: int = SIGNAL_CAP) -> int:
+    """The peak a comparison of two of ``models`` is expected to reach, from shapes alone: both
+    signals as factors, the working copies of the largest tensor and the widest space's views; with
+    models in memory, their copies too."""
+    largest = factors = params = 0
+    for lm in models:
+        shapes = [tuple(t.shape) for t in lm.model.state_dict().values() if t.is_floating_point()]
+        kept = sum(signal_rank(s, share, cap) * (s[-2] + s[-1]) * math.prod(s[:-2]) for s in shapes if len(s) >= 2)
+        factors = max(factors, 4 * kept)
+        params = max(params, sum(math.prod(s) for s in shapes))
+        largest = max([largest, *(math.prod(s) for s in shapes)])
+    width = max(sp.size for lm in models for sp in lm.graph.spaces.values() if isinstance(sp, Space))
+    need = OVERHEAD + 2 * factors + WORK_COPIES * 4 * largest + VIEW_COPIES * 8 * width**2
+    if any(lm.source is None for lm in models):
+        need += IN_MEMORY_BYTES_PER_PARAMETER * params
+    return need
 
 
 def check_memory(models: Sequence[LoadedModel]) -> None:
     """Refuse (exit 2) a comparison that would not fit, before it starts: the kernel would kill it."""
-    params = max(sum(p.numel() for p in lm.model.parameters()) for lm in models)
-    need, have = PAIR_BYTES_PER_PARAMETER * params, available_memory()
+    need, have = lineage_bytes(models), available_memory()
     if have is not None and need > have:
+        streamed = all(lm.source is not None for lm in models)
+        how = "read from their files tensor by tensor" if streamed else "loaded in memory (models of different widths)"
         raise InsufficientMemoryError(
-            f"lineage compares two models in memory, which needs about {need / 2**30:.1f} GB for models of "
-            f"{params / 1e9:.2f}B parameters, and {have / 2**30:.1f} GB are available: streamed comparison "
-            "(what merges do at this size) is not implemented for lineage yet"
+            f"lineage of these models ({how}) needs about {need / 2**30:.1f} GB and {have / 2**30:.1f} GB are "
+            "available: free memory or run it on a larger machine"
         )
 
 
@@ -86,7 +109,7 @@ def lineage_of(
     for lm in same[1:]:
         check_compatible(same[0], lm)
     grown = {e.index: e.note(names) for e in embedded}
-    states = [lm.model.state_dict() for lm in same]
+    states = [lm.weights for lm in same]  # a streamed model's read from its files as used
     pairs = []
     for i, j in combinations(range(len(same)), 2):
         say = (lambda stage, i=i, j=j: progress(f"{given[i]} vs {given[j]}: {stage}")) if progress else None
@@ -108,7 +131,8 @@ def lineage_of(
         "null_similarity": null,
         "alpha": ALPHA,
         "strategy": DEFAULT_LINEAGE_STRATEGY,
-        "tol": MATCHING["tol"],
+        "tol": MATCHING_TOL,
+        "max_passes": MATCHING_ROUNDS,
     }
     return LineageRecord(models=refs, settings=settings, pairs=pairs, seconds={"total": time.perf_counter() - start})
 
@@ -127,4 +151,5 @@ def _record(i: int, j: int, found: PairLineage) -> PairRecord:
         next_step=next_step(found.verdict, [e.map for e in found.spaces]),
         spaces=found.spaces,
         seconds=found.seconds,
+        passes=found.passes,
     )

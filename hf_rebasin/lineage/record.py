@@ -41,6 +41,9 @@ class PairRecord(BaseModel):
     next_step: str
     spaces: list[SpaceRecord]
     seconds: dict[str, float] = Field(default_factory=dict)
+    passes: dict[str, int] = Field(
+        default_factory=dict, description="passes of the alignment of the signals: permutations, rotations"
+    )
 
 
 class ModelRef(BaseModel):

@@ -15,33 +15,38 @@ each side), so the split of a transformed model is the transformed split.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from scipy.stats import norm
 from torch import Tensor
 
+from ..features.lowrank import LowRank
 from ..symmetry import Fused, Space, SymmetryGraph, split_ref
 
 __all__ = [
     "RESIDUAL",
     "SIGNAL_CAP",
     "SIGNAL_SHARE",
+    "Signals",
     "SpaceSums",
-    "Split",
+    "add_sums",
     "combined_z",
+    "is_matrix",
     "log10_sf",
+    "signal_of",
     "signal_rank",
+    "signals",
     "space_of",
-    "split_state",
-    "sums_by_space",
     "z_score",
 ]
 
 SIGNAL_SHARE = 0.125  # share of a matrix's rank taken as its learned signal
 SIGNAL_CAP = 64  # at most this many directions per matrix (a 7B MLP's 4,096: the SVD stays cheap)
 EXACT_SVD = 1 << 20  # matrices with fewer entries take a full SVD; larger ones a randomized one
+OVERSAMPLE = 2  # the randomized SVD carries this many times the rank (top 64 of a flat spectrum: 0.2 %)
+POWER_ITERATIONS = 3
 RESIDUAL = "embeddings"  # the evidence of tensors bound to the residual stream alone
 
 
@@ -50,44 +55,92 @@ def signal_rank(shape: tuple[int, ...], share: float = SIGNAL_SHARE, cap: int = 
     return max(1, min(cap, math.ceil(share * min(shape[-2:]))))
 
 
-def _signal(t: Tensor, rank: int) -> Tensor:
-    """The rank-``rank`` truncated SVD of ``t`` (batched over leading dims), in float64."""
-    x = t.detach().to(torch.float64)
+def _range_finder(m: Tensor, q: int, seed: int) -> Tensor:
+    """An orthonormal basis of ``m``'s top-``q`` column space: a seeded randomized range finder with
+    power iterations (Halko et al.), so that a model compared twice gets the same split."""
+    g = torch.Generator().manual_seed(seed)
+    y = m @ torch.randn(m.shape[1], q, generator=g, dtype=m.dtype).to(m.device)
+    basis = torch.linalg.qr(y).Q
+    for _ in range(POWER_ITERATIONS):
+        basis = torch.linalg.qr(m @ torch.linalg.qr(m.T @ basis).Q).Q
+    return basis
+
+
+def signal_of(t: Tensor, rank: int, seed: int = 0) -> LowRank:
+    """The rank-``rank`` truncated SVD of ``t`` (batched over leading dims) as float32 factors
+    ``(U·S, Vᵀ)``: exact in float64 below `EXACT_SVD` entries, else randomized in float32 (a top-64
+    of a 14,336 × 4,096 matrix in seconds)."""
+    x = t.detach()
     if x.shape[-1] * x.shape[-2] <= EXACT_SVD:
-        u, s, vh = torch.linalg.svd(x, full_matrices=False)
-        return (u[..., :rank] * s[..., None, :rank]) @ vh[..., :rank, :]
-    flat = x.reshape(-1, *x.shape[-2:])
-    parts = []
-    for m in flat:  # randomized range finder: a few passes over the matrix, exact enough for a top-k
-        u, s, v = torch.svd_lowrank(m, q=rank + 8, niter=3)
-        parts.append((u[:, :rank] * s[:rank]) @ v[:, :rank].T)
-    return torch.stack(parts).reshape(x.shape)
+        u, s, vh = torch.linalg.svd(x.to(torch.float64), full_matrices=False)
+        left, right = u[..., :rank] * s[..., None, :rank], vh[..., :rank, :]
+        return LowRank(left.to(torch.float32), right.to(torch.float32))
+    lefts, rights = [], []
+    for m in x.to(torch.float32).reshape(-1, *x.shape[-2:]):
+        basis = _range_finder(m, OVERSAMPLE * rank, seed)
+        u, s, vh = torch.linalg.svd(basis.T @ m, full_matrices=False)
+        lefts.append((basis @ u[:, :rank]) * s[:rank])
+        rights.append(vh[:rank])
+    return LowRank(
+        torch.stack(lefts).reshape(*x.shape[:-1], rank), torch.stack(rights).reshape(*x.shape[:-2], rank, -1)
+    )
 
 
 @dataclass
-class Split:
-    """One model's weights split into signal and bulk (weight matrices only; every other tensor is
-    signal, and zero in the bulk), with each matrix's signal rank."""
+class Signals:
+    """One model's learned signal: every weight matrix (2 dims or more: stacked experts split one by
+    one) as its top singular directions, kept as factors (about 1 % of a 7B model's bytes); every
+    other tensor (norms, biases) is all signal and kept whole. ``ranks``: each matrix's rank."""
 
-    signal: dict[str, Tensor]
-    bulk: dict[str, Tensor]
+    factors: dict[str, LowRank]
+    whole: dict[str, Tensor]
     ranks: dict[str, int]
 
+    def dense(self, name: str) -> Tensor:
+        return self.factors[name].dense() if name in self.factors else self.whole[name]
 
-def split_state(state: Mapping[str, Tensor], share: float = SIGNAL_SHARE, cap: int = SIGNAL_CAP) -> Split:
-    """Every weight matrix (2 dims or more: stacked experts split one by one) split in two."""
-    signal: dict[str, Tensor] = {}
-    bulk: dict[str, Tensor] = {}
-    ranks: dict[str, int] = {}
-    for name, t in state.items():
-        if not t.is_floating_point() or t.dim() < 2 or min(t.shape[-2:]) < 2:
-            signal[name], bulk[name] = t, torch.zeros_like(t)
-            continue
-        ranks[name] = signal_rank(tuple(t.shape), share, cap)
-        top = _signal(t, ranks[name])
-        signal[name] = top.to(t.dtype)
-        bulk[name] = (t.detach().to(torch.float64) - top).to(t.dtype)
-    return Split(signal, bulk, ranks)
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.factors.values()) + sum(
+            t.numel() * t.element_size() for t in self.whole.values()
+        )
+
+
+def is_matrix(t: Tensor | torch.Size, dtype: torch.dtype) -> bool:
+    """Whether a tensor of this shape and dtype is split into signal and bulk."""
+    shape = t if isinstance(t, torch.Size) else t.shape
+    return dtype.is_floating_point and len(shape) >= 2 and min(shape[-2:]) >= 2
+
+
+def signals(
+    state: Mapping[str, Tensor],
+    ties: Mapping[str, str],
+    *,
+    share: float = SIGNAL_SHARE,
+    cap: int = SIGNAL_CAP,
+    progress: Callable[[int, int], None] | None = None,
+) -> Signals:
+    """Every tensor of ``state`` read once (a lazy state: one at a time) and kept as its signal;
+    a tied alias (``ties``: alias → source) shares its source's."""
+    out = Signals({}, {}, {})
+    names = [n for n in state if not (n in ties and ties[n] in state)]
+    for i, name in enumerate(names):
+        t = state[name]
+        if is_matrix(t, t.dtype):
+            out.ranks[name] = signal_rank(tuple(t.shape), share, cap)
+            out.factors[name] = signal_of(t, out.ranks[name])
+        else:
+            out.whole[name] = t
+        del t
+        if progress is not None:
+            progress(i + 1, len(names))
+    for alias, source in ties.items():
+        if alias in state and source in state:
+            if source in out.factors:
+                out.factors[alias], out.ranks[alias] = out.factors[source], out.ranks[source]
+            elif source in out.whole:
+                out.whole[alias] = out.whole[source]
+    return out
 
 
 def space_of(graph: SymmetryGraph, name: str) -> str:
@@ -123,20 +176,14 @@ class SpaceSums:
         return self.dot / denom if denom > 0 else 0.0
 
 
-def sums_by_space(
-    graph: SymmetryGraph, bulk_a: Mapping[str, Tensor], bulk_b: Mapping[str, Tensor], ranks: Mapping[str, int]
-) -> dict[str, SpaceSums]:
-    """The bulk sums of every space over the weight matrices bound to it."""
-    out: dict[str, SpaceSums] = {}
-    for name, rank in ranks.items():
-        a, b = bulk_a[name].to(torch.float64), bulk_b[name].to(torch.float64)
-        s = out.setdefault(space_of(graph, name), SpaceSums())
-        s.dot += float((a * b).sum())
-        s.norm_a += float((a * a).sum())
-        s.norm_b += float((b * b).sum())
-        rows, cols = a.shape[-2:]
-        s.dof += (rows - rank) * (cols - rank) * (a.numel() // (rows * cols))
-    return out
+def add_sums(sums: SpaceSums, a: Tensor, b: Tensor, rank: int) -> None:
+    """Add one matrix's bulks (A's and B's, one shape) to its space's sums: products in float32,
+    summed in float64."""
+    sums.dot += float((a * b).sum(dtype=torch.float64))
+    sums.norm_a += float((a * a).sum(dtype=torch.float64))
+    sums.norm_b += float((b * b).sum(dtype=torch.float64))
+    rows, cols = a.shape[-2:]
+    sums.dof += (rows - rank) * (cols - rank) * (a.numel() // (rows * cols))
 
 
 def z_score(similarity: float, dof: float, null: float) -> float:

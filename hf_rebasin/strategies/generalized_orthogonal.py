@@ -27,11 +27,13 @@ from .. import glu
 from ..canonical import canonicalize
 from ..features import WeightViews
 from ..sublayers import PER_SUBLAYER_NOTE
-from ..symmetry import HeadSpace, Space, Transform
+from ..symmetry import HeadSpace, Transform
 from .base import Alignment, Pair, Progress, Refinement, UniverseMaps, matching_forms, require_data, timed
-from .engines.descent import anchor_init, descend, per_sublayer_descent, space_solver, view_graph
+from .engines.descent import per_sublayer_descent, space_solver, view_graph
 from .engines.invertible import invertible_inner
 from .engines.learned import LearnedSettings, refine, refine_many
+from .engines.orthogonal import permutation_start, space_order
+from .engines.orthogonal import rotate as rotate_spaces
 from .options import GENERALIZED_ORTHOGONAL as STRATEGY  # noqa: F401 (re-exported: its registry entry)
 from .options import LEARNED_ONLY as LEARNED_ONLY  # re-exported, as before
 from .options import GeneralizedOrthogonalOptions, default_learned_lr, parse_sampler
@@ -49,38 +51,20 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         ma, mb, balanced = matching_forms(pair, sd_a, sd_b, options)
         vgraph = view_graph(graph, "orthogonal")
         views = WeightViews(vgraph, ma, mb)
-        # Permutations first: their discrete search escapes the poor optima a rotation started
-        # at the identity falls into; every permutation is an allowed orthogonal map, so the
-        # monotone descent below ends at least as well matched as weight matching.
-        by_lap = space_solver(graph, "permutation")
-        start, _ = descend(
-            vgraph,
-            ma,
-            mb,
-            by_lap,
-            init=anchor_init(views, graph.identity(), by_lap),
-            seed=options.seed,
-            progress=progress,
-            stage="generalized-orthogonal: permutations",
-            views=views,
-        )
-        residual = [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"]
+        start, _ = permutation_start(graph, views, seed=options.seed, progress=progress, stage="generalized-orthogonal")
+        order = space_order(graph)
         heads = [n for n, s in graph.spaces.items() if isinstance(s, HeadSpace)]
-        order = residual + heads + [n for n in graph.spaces if n not in residual and n not in heads]
 
         def rotate(init: Transform, spaces: list[str], stage: str) -> tuple[Transform, int]:
-            return descend(
-                vgraph,
-                ma,
-                mb,
-                space_solver(graph, "orthogonal", ranking="circuit"),
-                init=init,
-                max_iter=options.iterations,
-                order=spaces,
+            return rotate_spaces(
+                graph,
+                views,
+                init,
+                spaces,
+                iterations=options.iterations,
+                tol=options.tol,
                 progress=progress,
                 stage=f"generalized-orthogonal: {stage}",
-                views=views,
-                tol=options.tol,
             )
 
         rotations = not (options.learned and options.maps == "permutations")

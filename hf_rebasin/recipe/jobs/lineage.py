@@ -66,6 +66,7 @@ JOB = Job(
     summary="a verdict per pair of models: same basis, related up to symmetry, or independent (no weights)",
     recipe=LineageRecipe,
     writes_model=False,
+    streams=lambda _recipe: True,  # tensor by tensor from the files: two passes, the signals kept as factors
     describe=_describe,
     card=CardPart(
         title=_title,

@@ -43,6 +43,7 @@ from ..base import Pair, Progress
 
 Views = Mapping[str | None, Tensor | ExpertBlocks]  # an expert space's units: blocks on demand
 SpaceSolver = Callable[[str, Views], SpaceMap]
+Assign = Callable[[Tensor], tuple[Tensor, float]]  # a LAP: (permutation, value)
 Ranking = Literal["inner", "circuit"]
 
 
@@ -218,19 +219,20 @@ def solve_heads(
 # --------------------------------------------------------------------------------------------
 
 
-def solve_plain(space: Space, view: Tensor, cls: TransformClass) -> AxisMap:
+def solve_plain(space: Space, view: Tensor, cls: TransformClass, assign: Assign = lap) -> AxisMap:
     """LAP, Procrustes (inside 1⊥ for a LayerNorm stream) where the space admits rotations, or a
     LAP on |view| with each pair's sign where it admits signed permutations (the best signed
-    permutation: ``Σ sᵢ M[i, π(i)]`` is largest with sᵢ = sign M[i, π(i)])."""
+    permutation: ``Σ sᵢ M[i, π(i)]`` is largest with sᵢ = sign M[i, π(i)]). ``assign`` solves the
+    LAPs (`solvers.lap_sparse` trades exactness on unrelated scores for speed on wide spaces)."""
     got = plain_class(space, cls)
     if got == "orthogonal":
         o, _ = procrustes(view, fix_ones=space.centered)
         return AxisMap(space.size, blocks=o[None])
     if got == "signed-permutation":
-        perm, _ = lap(view.abs())
+        perm, _ = assign(view.abs())
         picked = view.gather(1, perm[:, None].to(view.device))[:, 0].cpu()
         return AxisMap.signed(perm, torch.where(picked < 0, -1.0, 1.0))
-    perm, _ = lap(view)
+    perm, _ = assign(view)
     return AxisMap(space.size, index=perm)
 
 
@@ -408,6 +410,7 @@ def space_solver(
     *,
     ranking: Ranking = "inner",
     outer: Mapping[str, tuple[Tensor, Tensor]] | None = None,
+    assign: Assign = lap,
 ) -> SpaceSolver:
     """The per-space solver of a strategy: heads by :func:`solve_heads`, experts by
     :func:`~hf_rebasin.experts.solve_experts`, others by :func:`solve_plain`."""
@@ -419,7 +422,7 @@ def space_solver(
         if isinstance(sp, HeadSpace):
             fixed = outer.get(name) if outer is not None else None
             return solve_heads(sp, views, cls, ranking=ranking, outer=fixed)
-        return solve_plain(sp, dense(views[None]), cls)
+        return solve_plain(sp, dense(views[None]), cls, assign)
 
     return solve
 
