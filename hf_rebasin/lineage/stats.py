@@ -46,7 +46,7 @@ SIGNAL_SHARE = 0.125  # share of a matrix's rank taken as its learned signal
 SIGNAL_CAP = 64  # at most this many directions per matrix (a 7B MLP's 4,096: the SVD stays cheap)
 EXACT_SVD = 1 << 20  # matrices with fewer entries take a full SVD; larger ones a randomized one
 OVERSAMPLE = 2  # the randomized SVD carries this many times the rank (top 64 of a flat spectrum: 0.2 %)
-POWER_ITERATIONS = 3
+POWER_ITERATIONS = 8  # 3 left a flat spectrum's top 64 unlike in a model and its moved copy (docs: lineage, At scale)
 RESIDUAL = "embeddings"  # the evidence of tensors bound to the residual stream alone
 
 
