@@ -134,10 +134,18 @@ def lap(score: Tensor) -> tuple[Tensor, float]:
     s = score.detach().to("cpu", torch.float64).numpy()
     best = _strict_row_maxima(s)
     if best is not None:  # the unique optimum, in O(n²): what linear_sum_assignment would return
-        return torch.from_numpy(best), float(s[np.arange(len(best)), best].sum())
+        return _scored(s, best)
+    return _dense_lap(s)
+
+
+def _dense_lap(s: np.ndarray) -> tuple[Tensor, float]:
     rows, cols = linear_sum_assignment(s, maximize=True)
-    perm = torch.as_tensor(cols[np.argsort(rows)], dtype=torch.long)
-    return perm, float(s[rows, cols].sum())
+    return _scored(s, cols[np.argsort(rows)])
+
+
+def _scored(s: np.ndarray, perm: np.ndarray) -> tuple[Tensor, float]:
+    """A permutation (row i → column perm[i]) and its total score."""
+    return torch.as_tensor(perm, dtype=torch.long), float(s[np.arange(len(perm)), perm].sum())
 
 
 SPARSE_CANDIDATES = 32  # best columns per row, and best rows per column, a sparse LAP keeps
@@ -157,24 +165,25 @@ def lap_sparse(score: Tensor, candidates: int = SPARSE_CANDIDATES, smallest: int
     n = score.shape[0]
     if score.dim() != 2 or n != score.shape[1] or n < max(smallest, 4 * candidates):
         return lap(score)
-    s = score.detach().to("cpu", torch.float64)
-    best = _strict_row_maxima(s.numpy())
+    t = score.detach().to("cpu", torch.float64)
+    s = t.numpy()  # the same memory
+    best = _strict_row_maxima(s)
     if best is not None:
-        return torch.from_numpy(best), float(s.numpy()[np.arange(n), best].sum())
+        return _scored(s, best)
     kept = torch.zeros(n, n, dtype=torch.bool)
-    kept.scatter_(1, torch.topk(s, candidates, dim=1).indices, True)
-    kept.scatter_(0, torch.topk(s, candidates, dim=0).indices, True)
+    kept.scatter_(1, torch.topk(t, candidates, dim=1).indices, True)
+    kept.scatter_(0, torch.topk(t, candidates, dim=0).indices, True)
     rows, cols = (x.numpy() for x in kept.nonzero(as_tuple=True))
     del kept
-    values = s.numpy()[rows, cols]
+    values = s[rows, cols]
     weights = (values.max() - values) + 1.0  # positive: the least total weight is the largest total score
     try:
         found, matched = min_weight_full_bipartite_matching(csr_matrix((weights, (rows, cols)), shape=(n, n)))
-    except ValueError:  # no full matching among the candidates
-        return lap(score)
+    except ValueError:  # no full matching among the candidates: the shortcut was already tried
+        return _dense_lap(s)
     perm = np.empty(n, dtype=np.int64)
     perm[found] = matched
-    return torch.from_numpy(perm), float(s.numpy()[np.arange(n), perm].sum())
+    return _scored(s, perm)
 
 
 def _strict_row_maxima(s: np.ndarray) -> np.ndarray | None:

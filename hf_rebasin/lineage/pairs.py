@@ -15,7 +15,7 @@ from ..run.widths import to_widest
 from ..symmetry import Space
 from .compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, PairLineage, compare
 from .record import LineageRecord, ModelRef, PairRecord, next_step
-from .stats import SIGNAL_CAP, SIGNAL_SHARE, signal_rank
+from .stats import SIGNAL_CAP, SIGNAL_SHARE, is_matrix, signal_rank
 
 __all__ = ["check_comparable", "check_count", "check_memory", "lineage_bytes", "lineage_of"]
 
@@ -66,8 +66,10 @@ def lineage_bytes(models: Sequence[LoadedModel], share: float = SIGNAL_SHARE, ca
     models in memory, their copies too."""
     largest = factors = params = 0
     for lm in models:
-        shapes = [tuple(t.shape) for t in lm.model.state_dict().values() if t.is_floating_point()]
-        kept = sum(signal_rank(s, share, cap) * (s[-2] + s[-1]) * math.prod(s[:-2]) for s in shapes if len(s) >= 2)
+        tensors = [t for t in lm.model.state_dict().values() if t.is_floating_point()]
+        shapes = [tuple(t.shape) for t in tensors]
+        matrices = [s for s, t in zip(shapes, tensors, strict=True) if is_matrix(s, t.dtype)]  # what is split
+        kept = sum(signal_rank(s, share, cap) * (s[-2] + s[-1]) * math.prod(s[:-2]) for s in matrices)
         factors = max(factors, 4 * kept)
         params = max(params, sum(math.prod(s) for s in shapes))
         largest = max([largest, *(math.prod(s) for s in shapes)])

@@ -15,7 +15,7 @@ each side), so the split of a transformed model is the transformed split.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,9 +106,8 @@ class Signals:
         )
 
 
-def is_matrix(t: Tensor | torch.Size, dtype: torch.dtype) -> bool:
+def is_matrix(shape: Sequence[int], dtype: torch.dtype) -> bool:
     """Whether a tensor of this shape and dtype is split into signal and bulk."""
-    shape = t if isinstance(t, torch.Size) else t.shape
     return dtype.is_floating_point and len(shape) >= 2 and min(shape[-2:]) >= 2
 
 
@@ -126,7 +125,7 @@ def signals(
     names = [n for n in state if not (n in ties and ties[n] in state)]
     for i, name in enumerate(names):
         t = state[name]
-        if is_matrix(t, t.dtype):
+        if is_matrix(t.shape, t.dtype):
             out.ranks[name] = signal_rank(tuple(t.shape), share, cap)
             out.factors[name] = signal_of(t, out.ranks[name])
         else:
