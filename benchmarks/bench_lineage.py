@@ -6,7 +6,8 @@ allows (permutations; signed permutations; rotations of the residual stream in c
 gated units rescaled, signs included); fine-tunes (full at the zoo's low rate and at 10× it, a LoRA
 merged in, a domain fine-tune of the benchmark GPT-2), continued pretraining, merges that contain A,
 and A written into a wider shape; each plain and under a random rotation. Independent pairs: every
-pair of seeds of every kind, and fine-tunes against the other seeds' bases.
+pair of seeds of every kind, fine-tunes against the other seeds' bases, and one initialisation
+trained twice on other text (the zoo GPT-2's seeds on five comedies instead of five tragedies).
 
     python benchmarks/bench_lineage.py                 # trains missing zoo seeds first (≈ 1 min each)
     python benchmarks/bench_lineage.py --seeds 0 1 2   # a smaller testbed
@@ -41,11 +42,14 @@ from hf_rebasin.lora import apply_adapter, read_adapter
 from hf_rebasin.models import LoadedModel, load_model
 from hf_rebasin.resources import cache_root
 from hf_rebasin.train import cached_model
-from hf_rebasin.zoo import DEFAULT_CONFIGS, GPT2FineTuneConfig
+from hf_rebasin.zoo import DEFAULT_CONFIGS, GPT2FineTuneConfig, GPT2TrainConfig
 
 TINY = ("gpt2", "qwen3", "gemma2", "olmo2", "phi3", "pythia", "vit", "bert")
 BENCH = ("bench-gpt2", "bench-qwen3", "bench-gemma2")
 CLASSES = ("permutation", "signed-permutation", "orthogonal")
+# the zoo GPT-2 trains on five tragedies; its twins train from the same seed (the same initial
+# weights: the comedies' characters are the tragedies') on five comedies instead
+COMEDIES = ("a-midsummer-night-s-dream", "as-you-like-it", "twelfth-night", "much-ado-about-nothing", "the-tempest")
 BLIND_THRESHOLD = 0.5  # the baseline calls a pair related at this raw-weight cosine or above
 State = dict[str, torch.Tensor]
 
@@ -219,6 +223,18 @@ def independent_cases(seeds: list[int]) -> Iterator[tuple[Case, LoadedModel, Sta
         yield case, lm, lm.model.state_dict(), _load("gpt2-ft", s).model.state_dict()
 
 
+def shared_init_cases(seeds: list[int]) -> Iterator[tuple[Case, LoadedModel, State, State]]:
+    """One initialisation trained twice on other text: the zoo GPT-2 (five tragedies) against the
+    same seed (the same initial weights) trained from scratch on five comedies. Neither descends
+    from the other: independent."""
+    other = GPT2TrainConfig(plays=COMEDIES)
+    for seed in seeds[:3]:
+        lm = _load("gpt2", seed)
+        b = load_model(cached_model("gpt2", seed, config=other)).model.state_dict()
+        case = Case("independent", "same seed, other data", "gpt2", f"seed {seed}, five comedies", "independent")
+        yield case, lm, lm.model.state_dict(), b
+
+
 def auc(pos: list[float], neg: list[float]) -> float:
     """ROC AUC: the chance a related pair scores above an independent one (ties count half)."""
     wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
@@ -280,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     assert all(k in DEFAULT_CONFIGS for k in TINY + BENCH)
     cases: list[Case] = []
-    for case, lm, a, b in itertools.chain(related_cases(args.seeds), independent_cases(args.seeds)):
+    pairs = itertools.chain(related_cases(args.seeds), independent_cases(args.seeds), shared_init_cases(args.seeds))
+    for case, lm, a, b in pairs:
         cases.append(_score(case, lm, a, b))
         print(
             f"{case.label:11s} {case.kind:12s} {case.how:60s} {case.verdict:24s} {case.statistic:6.3f} blind {case.blind:6.3f}",

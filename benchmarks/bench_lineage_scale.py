@@ -2,6 +2,7 @@
 
     python benchmarks/bench_lineage_scale.py --shape tinyllama
     python benchmarks/bench_lineage_scale.py --shape mistral7b --pairs independent moved --timeout 10800
+    python benchmarks/bench_lineage_scale.py --shape mistral-d1024 --pairs independent moved  # a minute a pair
 
 The models are `bench_scale.py`'s (written there first if missing, under ``--root``): seeds 0 and 1
 and the "fine-tune" of seed 0 (its tensors plus ``0.01 · randn``). This script adds a fourth,

@@ -170,6 +170,23 @@ SHAPES: dict[str, tuple[type[T.PreTrainedConfig], type[T.PreTrainedModel], dict[
             sliding_window=4096,
         ),
     ),
+    # Mistral-7B's proportions at d 1,024 and 2 layers (≈0.1B parameters): every matrix past the 2²⁰
+    # entries from which lineage's split turns randomized, in a minute a pair (bench_lineage_scale.py)
+    "mistral-d1024": (
+        T.MistralConfig,
+        T.MistralForCausalLM,
+        dict(
+            hidden_size=1024,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+            intermediate_size=3584,
+            vocab_size=4096,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+        ),
+    ),
     # Qwen/Qwen3-0.6B: ≈0.60B parameters (0.44B without the embeddings), tied LM head; its one
     # model.safetensors (1,503,300,328 bytes, 311 tensors) also stores lm_head.weight: ≈1.50 GB in bf16
     "qwen3-0.6b": (

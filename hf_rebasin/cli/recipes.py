@@ -254,6 +254,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     from ..recipe import load_recipe
+    from ..recipe.jobs import get_job
 
     recipe = load_recipe(args.recipe)  # before torch is imported: a refused recipe answers at once
     from ..run import build_plan, run_recipe
@@ -265,6 +266,14 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             console.print(escape(line), soft_wrap=True)
         if planned.memory is not None and not args.no_memory_check:
             planned.memory.check()  # the numbers, and exit 2, as the run would stop
+        if get_job(recipe.job).lineage_preview:  # what the models are to each other, when it is cheap
+            _quiet_libraries()
+            from ..lineage.preview import preview_lines
+
+            with console.status("lineage…"):
+                lines = preview_lines(planned)
+            for line in lines:
+                console.print(escape(line), soft_wrap=True)
         return EXIT_OK
     _quiet_libraries()
     _quiet_datasets()

@@ -2,9 +2,10 @@
 much bulk two models share, space by space.
 
 A trained weight matrix is a few large directions (what training learned) on top of a bulk that
-still looks like its random initialisation. Two models trained apart on the same data learn alike
-signal (the same token statistics, the same circuits), so their aligned signals agree in part;
-their bulks are two independent draws and do not. A descendant (a fine-tune, continued
+looks random: what its initialisation and the path of its training left. Two models trained apart
+on the same data learn alike signal (the same token statistics, the same circuits), so their
+aligned signals agree in part; their bulks are two independent draws and do not, even from one
+initialisation trained on other text. A descendant (a fine-tune, continued
 pretraining, a merge with A in it) keeps A's bulk. So the evidence of lineage is the bulk: each
 tensor is split into its top singular directions (the signal) and the rest; the alignment is
 fitted on the signals alone and the similarity is read on the bulks. A truncated SVD commutes with

@@ -55,6 +55,8 @@ class Job:
     # whether the run may read its models tensor by tensor and write the result the same way
     streams: Callable[[Any], bool] = lambda _recipe: False
     describe: Callable[[Any], list[str]] = lambda _recipe: []  # the job's own lines of the dry-run plan
+    # its dry run also prints the lineage of the models it combines (`lineage.preview`), when cheap
+    lineage_preview: bool = False
     runner: str = field(default="", compare=False)  # set by the registry: the module whose ``run(ws)`` runs it
 
 

@@ -107,6 +107,7 @@ JOB = Job(
     writes_model=True,
     streams=_streams,
     describe=_describe,
+    lineage_preview=True,
     card=CardPart(
         title=_title,
         intro="""{% if aligns_nothing -%}
