@@ -34,12 +34,13 @@ PREVIEW_PARAMS = 20_000_000
 IDENTITY_ADVICE = "generalized-orthogonal (data-free) or another strategy that aligns"
 
 
-def preview_pairs(models: MergeRoles[PlannedModel] | TransportRoles[PlannedModel]) -> list[tuple[int, int]]:
-    """The pairs (indices into ``models.all``) whose verdict decides the run: a merge's reference
+def preview_pairs(models: MergeRoles[PlannedModel] | TransportRoles[PlannedModel]) -> list[tuple[int, int, bool]]:
+    """The pairs (indices into ``models.all``) whose verdict decides the run, each with whether it
+    is a transport's base and fine-tune (their difference is the task vector): a merge's reference
     with each other model; a transport's base with its fine-tune, and the target with the base."""
     if isinstance(models, TransportRoles):
-        return [(1, 2), (0, 1)]  # all = (target, base, fine-tune)
-    return [(0, k) for k in range(1, len(models.all))]
+        return [(1, 2, True), (0, 1, False)]  # all = (target, base, fine-tune)
+    return [(0, k, False) for k in range(1, len(models.all))]
 
 
 def _not_cheap(planned: Plan) -> str | None:
@@ -62,58 +63,62 @@ def preview_lines(planned: Plan) -> list[str]:
     """The dry run's lineage lines for a job that combines models (`Job.lineage_preview`: merge,
     transport); none for other jobs."""
     recipe = planned.recipe
-    if not get_job(recipe.job).lineage_preview or not isinstance(recipe, AlignedRecipe):
+    if not get_job(recipe.job).lineage_preview:
         return []
     models = planned.models
     pairs = preview_pairs(models)
     labels = models.labels
-    chosen = sorted({k for p in pairs for k in p})
-    command = "hf-rebasin lineage " + " ".join(shlex.quote(str(models.all[i].ref)) for i in chosen)
+    command = "hf-rebasin lineage " + " ".join(shlex.quote(str(models.all[i].ref)) for i in _chosen(pairs))
     why = _not_cheap(planned)
     if why is not None:
         return [f"lineage: not compared in a dry run: {why}; `{command}` gives the verdict"]
     start = time.perf_counter()
     try:
-        found = [(a, b, _compare(planned, recipe, a, b)) for a, b in pairs]
+        records = _compare(planned, pairs)
     except RebasinUserError as e:
         return [f"lineage: not compared: {e}"]
     lines = [f"lineage (data-free, {time.perf_counter() - start:.1f} s; `{command}` shows the evidence per layer):"]
-    for a, b, record in found:
+    for (a, b, task), record in zip(pairs, records, strict=True):
         lines.append(
             f"  {labels[a]} vs {labels[b]}: {record.verdict} (bulk similarity {record.statistic:.3f} aligned, "
             f"{record.raw_statistic:.3f} as stored; p {p_text(record.log10_p)})"
         )
-        lines.extend(f"    {line}" for line in _advice(recipe, models, a, b, record.verdict))
+        advice = _finetune_advice(record.verdict) if task else _advice(recipe, models, record.verdict)
+        lines.extend(f"    {line}" for line in advice)
     return lines
 
 
-def _compare(planned: Plan, recipe: AlignedRecipe, a: int, b: int) -> PairRecord:
-    """One pair's record, its models streamed (loaded whole when their widths differ)."""
+def _chosen(pairs: list[tuple[int, int, bool]]) -> list[int]:
+    """The models the pairs name, in the recipe's order."""
+    return sorted({k for a, b, _ in pairs for k in (a, b)})
+
+
+def _compare(planned: Plan, pairs: list[tuple[int, int, bool]]) -> list[PairRecord]:
+    """Each pair's record; every model loaded once, streamed (whole when their widths differ)."""
     from ..models import load_model
     from ..run.widths import differ_in_width
     from .pairs import lineage_of
 
-    chosen = [planned.all[a], planned.all[b]]
-    stream = not differ_in_width([Path(m.path) for m in chosen])
-    loaded = []
-    for m in chosen:
+    recipe = planned.recipe
+    chosen = _chosen(pairs)
+    stream = not differ_in_width([Path(planned.all[i].path) for i in chosen])
+    loaded = {}
+    for i in chosen:
+        m = planned.all[i]
         with named(m.where):
-            loaded.append(
-                load_model(
-                    m.path, allow_pickle=recipe.allow_pickle, trust_remote_code=recipe.trust_remote_code, stream=stream
-                )
+            loaded[i] = load_model(
+                m.path, allow_pickle=recipe.allow_pickle, trust_remote_code=recipe.trust_remote_code, stream=stream
             )
-    return lineage_of(loaded, [str(m.ref) for m in chosen]).pairs[0]
+    names = [str(m.ref) for m in planned.all]
+    return [lineage_of([loaded[a], loaded[b]], [names[a], names[b]]).pairs[0] for a, b, _ in pairs]
 
 
 def _advice(
-    recipe: AlignedRecipe, models: MergeRoles[PlannedModel] | TransportRoles[PlannedModel], a: int, b: int, verdict: str
+    recipe: AlignedRecipe, models: MergeRoles[PlannedModel] | TransportRoles[PlannedModel], verdict: str
 ) -> list[str]:
     """What the verdict means for this recipe: fine as it is, or a warning naming what to change."""
     strategy = recipe.strategy.name
     aligns = not recipe.strategy.strategy.identity
-    if isinstance(models, TransportRoles) and (a, b) == (1, 2):
-        return _finetune_advice(verdict)
     target = "naive transport (B + τ)" if isinstance(models, TransportRoles) else "a plain average"
     if verdict == "same basis":
         if aligns:
