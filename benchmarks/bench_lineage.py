@@ -11,6 +11,7 @@ trained twice on other text (the zoo GPT-2's seeds on five comedies instead of f
 
     python benchmarks/bench_lineage.py                 # trains missing zoo seeds first (≈ 1 min each)
     python benchmarks/bench_lineage.py --seeds 0 1 2   # a smaller testbed
+    python benchmarks/bench_lineage.py --data 8        # alignments started from activations (8 batches)
 
 Prints the confusion of verdicts, ROC AUC of the statistic, the false-positive rate at the default
 threshold, the smallest margin between the groups, and the baseline's numbers on the same pairs;
@@ -31,16 +32,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from bench_barriers import alignment_data
 
 from hf_rebasin import glu
 from hf_rebasin.adapters import graph_for
 from hf_rebasin.canonical import canonicalize
 from hf_rebasin.embed import embed_model
 from hf_rebasin.lineage import compare
+from hf_rebasin.lineage.datamaps import LineageData
 from hf_rebasin.lineage.pairs import lineage_of
 from hf_rebasin.lora import apply_adapter, read_adapter
 from hf_rebasin.models import LoadedModel, load_model
 from hf_rebasin.resources import cache_root
+from hf_rebasin.strategies import AlignmentData
 from hf_rebasin.train import cached_model
 from hf_rebasin.zoo import DEFAULT_CONFIGS, GPT2FineTuneConfig, GPT2TrainConfig
 
@@ -108,9 +112,23 @@ def blind_similarity(sd_a: Mapping[str, torch.Tensor], sd_b: Mapping[str, torch.
     return statistics.median(per_layer) if per_layer else 0.0
 
 
-def _score(case: Case, lm: LoadedModel, sd_a: Mapping[str, torch.Tensor], sd_b: Mapping[str, torch.Tensor]) -> Case:
+def probe_data(kind: str, batches: int, cache: dict[str, AlignmentData]) -> AlignmentData:
+    """``batches`` batches of the kind's training data (text or digits), made once per kind."""
+    if kind not in cache:
+        cache[kind] = alignment_data(kind, cached_model(kind, 0), batches)
+    return cache[kind]
+
+
+def _score(
+    case: Case,
+    lm: LoadedModel,
+    sd_a: Mapping[str, torch.Tensor],
+    sd_b: Mapping[str, torch.Tensor],
+    data: AlignmentData | None = None,
+) -> Case:
     start = time.perf_counter()
-    found = compare(lm.graph, sd_a, sd_b)
+    probe = None if data is None else LineageData(data.batches, lm.model, data.special_ids, data.description)
+    found = compare(lm.graph, sd_a, sd_b, data=probe)
     case.seconds = time.perf_counter() - start
     case.verdict, case.statistic, case.raw_statistic = found.verdict, found.statistic, found.raw_statistic
     case.log10_p, case.passes = found.log10_p, found.passes
@@ -179,7 +197,7 @@ def related_cases(seeds: list[int]) -> Iterator[tuple[Case, LoadedModel, State, 
     yield Case("related", "fine-tune", "bench-gpt2", how + ", rotated", "related up to symmetry"), lm, sd, rotated
 
 
-def widened_cases(seeds: list[int]) -> Iterator[Case]:
+def widened_cases(seeds: list[int], data: AlignmentData | None = None) -> Iterator[Case]:
     """A tiny GPT-2 written into a wider shape (exactly), then moved by a random permutation."""
     for seed in seeds[:2]:
         narrow = _load("gpt2", seed)
@@ -191,7 +209,9 @@ def widened_cases(seeds: list[int]) -> Iterator[Case]:
         moved = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(seed)))
         wide.load_state_dict(moved)
         start = time.perf_counter()
-        record = lineage_of([narrow, LoadedModel(model=wide, graph=graph, path=Path("wide"))], ["narrow", "wide"])
+        record = lineage_of(
+            [narrow, LoadedModel(model=wide, graph=graph, path=Path("wide"))], ["narrow", "wide"], data=data
+        )
         p = record.pairs[0]
         case = Case("related", "widened", "gpt2", f"seed {seed}, d 64 → 96, permuted", "related up to symmetry")
         case.verdict, case.statistic, case.raw_statistic, case.log10_p = (
@@ -293,18 +313,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5], help="tiny zoo seeds")
     parser.add_argument("--out", type=Path, default=None, help="results.json (default: under the cache)")
+    parser.add_argument(
+        "--data",
+        type=int,
+        default=0,
+        metavar="BATCHES",
+        help="start every alignment from activations on this many batches",
+    )
     args = parser.parse_args(argv)
     assert all(k in DEFAULT_CONFIGS for k in TINY + BENCH)
     cases: list[Case] = []
+    made: dict[str, AlignmentData] = {}
     pairs = itertools.chain(related_cases(args.seeds), independent_cases(args.seeds), shared_init_cases(args.seeds))
     for case, lm, a, b in pairs:
-        cases.append(_score(case, lm, a, b))
+        cases.append(_score(case, lm, a, b, probe_data(case.kind, args.data, made) if args.data else None))
         print(
             f"{case.label:11s} {case.kind:12s} {case.how:60s} {case.verdict:24s} {case.statistic:6.3f} blind {case.blind:6.3f}",
             flush=True,
         )
-    cases.extend(widened_cases(args.seeds))
-    out = args.out or cache_root() / "lineage-bench" / "results.json"
+    cases.extend(widened_cases(args.seeds, probe_data("gpt2", args.data, made) if args.data else None))
+    out = args.out or cache_root() / "lineage-bench" / ("results-data.json" if args.data else "results.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([asdict(c) for c in cases], indent=1))
     print(summary(cases))

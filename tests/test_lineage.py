@@ -186,7 +186,6 @@ def test_job_lineage_runs_from_a_recipe_and_refuses_what_it_does_not_use(saved_m
     data = {"dataset": "shakespeare", "split": "train"}
     for extra, needle in (
         ({"evaluate": {"task": "causal-lm", "data": data}}, "evaluate"),
-        ({"data": data}, "data-free"),
         ({"strategy": "weight-matching"}, "strategy"),
         ({"merge": {"weight": 0.5}}, "merge"),
     ):

@@ -135,7 +135,8 @@ def _add_lineage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
             "is right), related up to symmetry (B is A's kin, permuted, rotated, rescaled or widened: align first) "
             "or independent (trained apart), with a p-value and the evidence per layer. Data-free: the weights' "
             "bulk (what is left of each matrix past its top singular directions) is compared after aligning the "
-            "signals. Exit 0 with any verdict, 2 on bad input."
+            "signals. A recipe (`job: lineage` with `data`) starts each alignment from maps fitted on the models' "
+            "activations instead. Exit 0 with any verdict, 2 on bad input."
         ),
     )
     li.add_argument(

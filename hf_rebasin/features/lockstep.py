@@ -18,7 +18,7 @@ import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +29,13 @@ from ..tensors import give_back_freed
 from .activations import ActivationStats, Collector, HookPlan, Phase, process_grid
 from .moments import all_reduce_sum, distributed
 
-__all__ = ["LayerStats", "LockstepPlan", "lockstep_plan", "lockstep_stats"]
+__all__ = ["LayerStats", "LockstepPlan", "StreamHook", "lockstep_plan", "lockstep_stats"]
+
+
+class StreamHook(Protocol):
+    """Called with a layer's index, a batch, and A's and B's hidden states entering that layer."""
+
+    def __call__(self, layer: int, batch: Mapping[str, Any], a: Tensor, b: Tensor) -> None: ...
 
 
 class _Stop(Exception):
@@ -131,6 +137,28 @@ def _hidden(out: Any) -> Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _through(
+    i: int,
+    layers: tuple[nn.Module, nn.Module],
+    batches: Sequence[Mapping[str, Any]],
+    ins: tuple[list[list[Any]], list[list[Any]]],
+    collector: Collector | None,
+    on_stream: StreamHook | None,
+) -> None:
+    """Every batch through layer ``i`` of A, then of B, their inputs replaced by the outputs."""
+    for batch, a, b in zip(batches, *ins, strict=True):
+        if on_stream is not None:
+            on_stream(i, batch, a[0], b[0])
+        if collector is not None:
+            collector.begin(batch, Phase.FORWARD_A)
+        a[0] = _hidden(layers[0](a[0], *a[1], **a[2]))
+        if collector is not None:
+            collector.to_b()
+        b[0] = _hidden(layers[1](b[0], *b[1], **b[2]))
+        if collector is not None:
+            collector.end_batch()
+
+
 def lockstep_stats(
     model_a: nn.Module,
     model_b: nn.Module,
@@ -143,11 +171,14 @@ def lockstep_stats(
     special_ids: Collection[int] | None = None,
     device: torch.device | None = None,
     progress: Any = None,
+    on_stream: StreamHook | None = None,
 ) -> Iterator[LayerStats]:
     """Each layer's statistics, in order, computed as `activation_stats` computes them for the
     layer's keys (same masking, same moments): yielded one layer at a time, so the caller can solve
     and drop them before the next layer runs. Under ``accelerate launch`` each process takes every
-    P-th batch and each layer's sums are reduced over the processes, as `activation_stats` does."""
+    P-th batch and each layer's sums are reduced over the processes, as `activation_stats` does.
+    ``on_stream(layer, batch, a, b)`` sees the hidden states entering each layer (and, with layer =
+    the number of layers, leaving the last), for statistics of the stream itself."""
     device = device or torch.device("cpu")
     special = torch.tensor(sorted(set(special_ids)), dtype=torch.long) if special_ids else None
     layers_a, layers_b = model_a.get_submodule(plan.stack), model_b.get_submodule(plan.stack)
@@ -173,15 +204,7 @@ def lockstep_stats(
             collector if collector is not None else nullcontext(),
             torch.no_grad(),
         ):
-            for batch, a, b in zip(batches, ins_a, ins_b, strict=True):
-                if collector is not None:
-                    collector.begin(batch, Phase.FORWARD_A)
-                a[0] = _hidden(layer_a(a[0], *a[1], **a[2]))
-                if collector is not None:
-                    collector.to_b()
-                b[0] = _hidden(layer_b(b[0], *b[1], **b[2]))
-                if collector is not None:
-                    collector.end_batch()
+            _through(i, (layer_a, layer_b), batches, (ins_a, ins_b), collector, on_stream)
         if progress is not None:
             progress(i + 1, plan.layers)
         if collector is not None:
@@ -192,3 +215,6 @@ def lockstep_stats(
                 stats.tokens = int(all_reduce_sum(torch.tensor(float(stats.tokens), dtype=torch.float64)).item())
             stats.seconds = time.perf_counter() - start
             yield LayerStats(i, wanted, stats)
+    if on_stream is not None:
+        for batch, a, b in zip(batches, ins_a, ins_b, strict=True):
+            on_stream(plan.layers, batch, a[0], b[0])

@@ -8,7 +8,9 @@ data-free, under the family's whole symmetry graph (heads, units, experts with t
 the residual stream rotated or signed-permuted), its weight views computed from the factors
 (`features.lowrank`); the alignment then carries B's bulk into A's basis, and each space's bulk
 similarity is read twice: aligned (related up to symmetry) and as stored (same basis). Models read
-from their files are compared tensor by tensor: a pass to split, a pass to compare the bulks.
+from their files are compared tensor by tensor: a pass to split, a pass to compare the bulks. With
+data, the alignment starts from maps fitted on both models' activations (`datamaps`) instead of
+permutations of the signals, then refines every space on the signals as without.
 
 The test: under the null, B was trained apart from A, and a space's bulk similarity is at most
 `NULL_SIMILARITY` (models trained apart on the same data share far less bulk than that: see the
@@ -40,6 +42,7 @@ from ..strategies.engines.descent import view_graph
 from ..strategies.engines.orthogonal import permutation_start, rotate, space_order
 from ..symmetry import AxisMap, ExpertMap, HeadMap, Space, SpaceMap, SymmetryGraph, Transform
 from ..tensors import LazyState
+from .datamaps import LineageData, data_maps
 from .record import SpaceRecord
 from .stats import (
     RESIDUAL,
@@ -83,6 +86,7 @@ class PairLineage:
     spaces: list[SpaceRecord]  # the evidence per space, as lineage.json holds it
     seconds: dict[str, float] = field(default_factory=dict)
     passes: dict[str, int] = field(default_factory=dict)  # of the alignment: permutations, rotations
+    tokens: int = 0  # read by both models to start the alignment (0: data-free)
 
     @property
     def p_value(self) -> float:
@@ -142,11 +146,12 @@ def _near_identity_inner(m: HeadMap) -> bool:
     return True
 
 
-def _prepared(graph: SymmetryGraph, state: Mapping[str, Tensor]) -> tuple[Mapping[str, Tensor], SymmetryGraph]:
+def prepared(graph: SymmetryGraph, state: Mapping[str, Tensor]) -> tuple[Mapping[str, Tensor], SymmetryGraph, bool]:
     """Canonical form, routers centred, then canonical unit scaling of gated MLPs: what is left is
-    orthogonal. A lazy state (a model read from its files) stays lazy."""
-    canonical, cgraph, _untied = canonicalize(graph, state)
-    return glu.balance(cgraph, center_routers(cgraph, canonical)), cgraph
+    orthogonal. A lazy state (a model read from its files) stays lazy. Also: whether a tied head
+    came apart (the form's model class must store it apart)."""
+    canonical, cgraph, untied = canonicalize(graph, state)
+    return glu.balance(cgraph, center_routers(cgraph, canonical)), cgraph, bool(untied)
 
 
 def compare(
@@ -158,22 +163,30 @@ def compare(
     cap: int = SIGNAL_CAP,
     null: float = NULL_SIMILARITY,
     progress: Callable[[str], None] | None = None,
+    data: LineageData | None = None,
 ) -> PairLineage:
     """The lineage of B with respect to A (one family, one shape); see the module docstring. Lazy
     states (`tensors.LazyState`) are read tensor by tensor, twice each: memory holds both models'
-    signals as factors and a few tensors, not the models."""
+    signals as factors and a few tensors, not the models. With ``data``, the alignment starts from
+    maps fitted on the two models' activations (`datamaps`) instead of permutations of the signals."""
     clock: dict[str, float] = {}
     start = time.perf_counter()
     say = progress or (lambda _stage: None)
-    a, cgraph = _prepared(graph, sd_a)
-    b, _ = _prepared(graph, sd_b)
+    a, cgraph, untie = prepared(graph, sd_a)
+    b, _, _ = prepared(graph, sd_b)
     found = []
     for which, state in (("A", a), ("B", b)):
         found.append(signals(state, cgraph.ties, share=share, cap=cap, progress=_counting(say, f"signal of {which}")))
     sig_a, sig_b = found
     clock["split"] = time.perf_counter() - start
     t = time.perf_counter()
-    transform, passes = align_signals(cgraph, sig_a, sig_b, say)
+    fitted: Transform | None = None
+    tokens = 0
+    if data is not None:
+        fitted, tokens = data_maps(cgraph, a, b, untie, data, say)
+        clock["activations"] = time.perf_counter() - t
+        t = time.perf_counter()
+    transform, passes = align_signals(cgraph, sig_a, sig_b, say, fitted=fitted)
     clock["align"] = time.perf_counter() - t
     t = time.perf_counter()
     aligned, raw = _bulk_sums(cgraph, a, b, sig_a, sig_b, transform, _counting(say, "bulk similarity"))
@@ -181,7 +194,7 @@ def compare(
     spaces = _evidence(cgraph, transform, aligned, raw, null)
     result = _verdict(spaces)
     clock["total"] = time.perf_counter() - start
-    result.seconds, result.passes = clock, passes
+    result.seconds, result.passes, result.tokens = clock, passes, tokens
     return result
 
 
@@ -190,17 +203,36 @@ def _counting(say: Callable[[str], None], stage: str) -> Callable[[int, int], No
 
 
 def align_signals(
-    graph: SymmetryGraph, sig_a: Signals, sig_b: Signals, say: Callable[[str], None] | None = None
+    graph: SymmetryGraph,
+    sig_a: Signals,
+    sig_b: Signals,
+    say: Callable[[str], None] | None = None,
+    fitted: Transform | None = None,
 ) -> tuple[Transform, dict[str, int]]:
     """B's signal aligned to A's by data-free generalized-orthogonal matching under the whole graph
     (permutations first, then rotations), its weight views computed from the factors; the passes
-    each stage took."""
+    each stage took. With ``fitted`` maps (from data), those are the start instead of the
+    permutations' (a space they lack starts at the identity)."""
     vgraph = view_graph(graph, "orthogonal")
     views = LowRankViews(vgraph, _dense(sig_a), _dense(sig_b), sig_a.factors, sig_b.factors)
 
     def report(stage: str, done: int, total: int) -> None:
         if say is not None:
             say(f"{stage} ({done}/{total})")
+
+    if fitted is not None:  # the data's maps as the start, every space refined on the signals
+        transform, rounds = rotate(
+            graph,
+            views,
+            {**graph.identity(), **fitted},
+            space_order(graph),
+            iterations=MATCHING_ROUNDS,
+            tol=MATCHING_TOL,
+            progress=report,
+            stage="alignment of the signals from the data's maps",
+            assign=lap_sparse,
+        )
+        return transform, {"permutations": 0, "rotations": rounds}
 
     start, first = permutation_start(
         graph,

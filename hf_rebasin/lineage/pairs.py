@@ -12,8 +12,10 @@ from ..models import LoadedModel, check_compatible
 from ..names import DEFAULT_LINEAGE_STRATEGY
 from ..run.memory import OVERHEAD, InsufficientMemoryError, available_memory
 from ..run.widths import to_widest
+from ..strategies.base import AlignmentData
 from ..symmetry import Space
 from .compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, PairLineage, compare
+from .datamaps import LineageData, data_bytes, data_tokens
 from .record import LineageRecord, ModelRef, PairRecord, next_step
 from .stats import SIGNAL_CAP, SIGNAL_SHARE, is_matrix, signal_rank
 
@@ -60,10 +62,13 @@ VIEW_COPIES = 5
 IN_MEMORY_BYTES_PER_PARAMETER = 24
 
 
-def lineage_bytes(models: Sequence[LoadedModel], share: float = SIGNAL_SHARE, cap: int = SIGNAL_CAP) -> int:
+def lineage_bytes(
+    models: Sequence[LoadedModel], share: float = SIGNAL_SHARE, cap: int = SIGNAL_CAP, data_tokens: int = 0
+) -> int:
     """The peak a comparison of two of ``models`` is expected to reach, from shapes alone: both
     signals as factors, the working copies of the largest tensor and the widest space's views; with
-    models in memory, their copies too."""
+    models in memory, their copies too; with data (``data_tokens`` > 0), what reading activations
+    adds (`datamaps.data_bytes`)."""
     largest = factors = params = 0
     for lm in models:
         tensors = [t for t in lm.model.state_dict().values() if t.is_floating_point()]
@@ -77,18 +82,24 @@ def lineage_bytes(models: Sequence[LoadedModel], share: float = SIGNAL_SHARE, ca
     need = OVERHEAD + 2 * factors + WORK_COPIES * 4 * largest + VIEW_COPIES * 8 * width**2
     if any(lm.source is None for lm in models):
         need += IN_MEMORY_BYTES_PER_PARAMETER * params
+    if data_tokens:
+        need += max(data_bytes(lm, data_tokens) for lm in models)
     return need
 
 
-def check_memory(models: Sequence[LoadedModel]) -> None:
+def check_memory(models: Sequence[LoadedModel], data_tokens: int = 0) -> None:
     """Refuse (exit 2) a comparison that would not fit, before it starts: the kernel would kill it."""
-    need, have = lineage_bytes(models), available_memory()
+    need, have = lineage_bytes(models, data_tokens=data_tokens), available_memory()
     if have is not None and need > have:
         streamed = all(lm.source is not None for lm in models)
         how = "read from their files tensor by tensor" if streamed else "loaded in memory (models of different widths)"
+        drop = ""
+        if data_tokens and lineage_bytes(models) <= have:
+            extra = max(data_bytes(lm, data_tokens) for lm in models)
+            drop = f" (reading the activations of `data` takes {extra / 2**30:.1f} GB of it: without `data` it fits)"
         raise InsufficientMemoryError(
             f"lineage of these models ({how}) needs about {need / 2**30:.1f} GB and {have / 2**30:.1f} GB are "
-            "available: free memory or run it on a larger machine"
+            f"available{drop}: free memory or run it on a larger machine"
         )
 
 
@@ -100,23 +111,27 @@ def lineage_of(
     share: float = SIGNAL_SHARE,
     cap: int = SIGNAL_CAP,
     null: float = NULL_SIMILARITY,
+    data: AlignmentData | None = None,
 ) -> LineageRecord:
     """Every pair's verdict (A against B, A against C, B against C, …), as ``lineage.json`` holds it.
-    Models of different widths are first written into the widest one's shape (exactly)."""
+    Models of different widths are first written into the widest one's shape (exactly). With
+    ``data`` (batches every model reads), each alignment starts from maps fitted on activations."""
     start = time.perf_counter()
     names = [f"model {i + 1} ({g})" for i, g in enumerate(given)]
     check_comparable(models, names)
-    check_memory(models)
+    check_memory(models, data_tokens=0 if data is None else data_tokens(data.batches, models[0].model.config))
     same, embedded = to_widest(list(models), names)
     for lm in same[1:]:
         check_compatible(same[0], lm)
     grown = {e.index: e.note(names) for e in embedded}
     states = [lm.weights for lm in same]  # a streamed model's read from its files as used
-    pairs = []
+    probe = None if data is None else LineageData(data.batches, same[0].model, data.special_ids, data.description)
+    pairs, tokens = [], 0
     for i, j in combinations(range(len(same)), 2):
         say = (lambda stage, i=i, j=j: progress(f"{given[i]} vs {given[j]}: {stage}")) if progress else None
-        found = compare(same[0].graph, states[i], states[j], share=share, cap=cap, null=null, progress=say)
+        found = compare(same[0].graph, states[i], states[j], share=share, cap=cap, null=null, progress=say, data=probe)
         pairs.append(_record(i, j, found))
+        tokens = found.tokens
     refs = [
         ModelRef(
             given=g,
@@ -135,6 +150,8 @@ def lineage_of(
         "strategy": DEFAULT_LINEAGE_STRATEGY,
         "tol": MATCHING_TOL,
         "max_passes": MATCHING_ROUNDS,
+        "data": "none" if data is None else data.description or "given",
+        "data_tokens": tokens,
     }
     return LineageRecord(models=refs, settings=settings, pairs=pairs, seconds={"total": time.perf_counter() - start})
 

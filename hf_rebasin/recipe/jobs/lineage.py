@@ -32,8 +32,6 @@ class LineageRecipe(ModelsRecipe, AlignedRecipe):
         **models_not_roles("lineage"),
         "merge": "job: lineage merges nothing: remove `merge` (job: merge averages models)",
         "evaluate": "job: lineage reads weights only and scores no loss: remove `evaluate` (job: barrier does)",
-        "data": "job: lineage is data-free (it compares what is left of the weights past their learned "
-        "directions): remove `data`",
     }
 
     @field_validator("strategy")
@@ -51,8 +49,9 @@ class LineageRecipe(ModelsRecipe, AlignedRecipe):
 
 def _describe(recipe: LineageRecipe) -> list[str]:
     n = len(recipe.models)
+    how = "data-free" if recipe.data is None else f"alignments started from activations on {recipe.data.dataset}"
     return [
-        f"lineage: {n * (n - 1) // 2} pair(s), data-free; writes lineage.json, lineage.png and the card (no weights)",
+        f"lineage: {n * (n - 1) // 2} pair(s), {how}; writes lineage.json, lineage.png and the card (no weights)",
         "evaluate: no",
     ]
 

@@ -28,7 +28,7 @@ def run(ws: Workspace) -> JobOutput:
     assert isinstance(recipe, LineageRecipe)
     given = [m.model for m in recipe.models]
     with ws.clock.stage("lineage"):
-        record = lineage_of(list(models.all), given, progress=lambda stage: ws.progress(stage, 0, 1))
+        record = lineage_of(list(models.all), given, progress=lambda stage: ws.progress(stage, 0, 1), data=ws.data)
     verdicts = {f"{models.names[p.a]}-{models.names[p.b]}": p.verdict for p in record.pairs}
     findings = Findings(strategy=DEFAULT_LINEAGE_STRATEGY, diagnostics={"lineage": verdicts})
     ws.notes.extend(f"{given[p.a]} vs {given[p.b]}: {p.verdict} ({p.next_step})" for p in record.pairs)
