@@ -90,6 +90,7 @@ def test_job_lineage_takes_data(tmp_path):
     assert [p.verdict for p in record.pairs] == ["same basis", "independent", "independent"]
     assert record.settings["data"] == "shakespeare (train)" and int(record.settings["data_tokens"]) > 1000
     assert all(p.passes["permutations"] == 0 and "activations" in p.seconds for p in record.pairs)
+    assert "started from maps fitted on both models' activations" in (out / "README.md").read_text()
 
 
 def test_data_too_large_for_memory_is_refused_naming_it(tmp_path, monkeypatch):

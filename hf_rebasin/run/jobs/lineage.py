@@ -31,6 +31,11 @@ def run(ws: Workspace) -> JobOutput:
         record = lineage_of(list(models.all), given, progress=lambda stage: ws.progress(stage, 0, 1), data=ws.data)
     verdicts = {f"{models.names[p.a]}-{models.names[p.b]}": p.verdict for p in record.pairs}
     findings = Findings(strategy=DEFAULT_LINEAGE_STRATEGY, diagnostics={"lineage": verdicts})
+    if ws.data is not None:
+        ws.notes.append(
+            f"each alignment started from maps fitted on both models' activations ({record.settings['data_tokens']:,} "
+            f"tokens of {record.settings['data']}), then refined on their weights' learned directions"
+        )
     ws.notes.extend(f"{given[p.a]} vs {given[p.b]}: {p.verdict} ({p.next_step})" for p in record.pairs)
     result = job_result(ws, findings, {}, saved_model=False, written="lineage report")
     null = float(record.settings["null_similarity"])
