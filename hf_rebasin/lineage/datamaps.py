@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..experts import solve_experts
 from ..features import activation_stats
+from ..features.activations import process_grid
 from ..features.lockstep import LockstepPlan, lockstep_plan, lockstep_stats
 from ..features.moments import CrossMoments, ExpertMoments
 from ..models import LoadedModel, output_config, running
@@ -244,6 +245,8 @@ def _by_layer(
             progress(f"activations, layer by layer ({layer.layer + 1}/{plan.layers})")
     pooled = stream.result()
     if pooled is not None:
+        if process_grid()[0] > 1:  # under accelerate launch each process streamed its share of the batches
+            pooled.all_reduce()
         out.update(solve_from_moments(graph, {space.name: pooled}))
     return out, tokens
 
