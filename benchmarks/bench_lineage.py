@@ -127,7 +127,7 @@ def _score(
     data: AlignmentData | None = None,
 ) -> Case:
     start = time.perf_counter()
-    probe = None if data is None else LineageData(data.batches, lm.model, data.special_ids, data.description)
+    probe = None if data is None else LineageData(data.batches, lm.model, data.special_ids)
     found = compare(lm.graph, sd_a, sd_b, data=probe)
     case.seconds = time.perf_counter() - start
     case.verdict, case.statistic, case.raw_statistic = found.verdict, found.statistic, found.raw_statistic

@@ -60,7 +60,6 @@ class LineageData:
     batches: Sequence[Mapping[str, Tensor]]
     template: Any
     special_ids: frozenset[int] | None = None
-    description: str = ""
 
 
 def covariance(m: CrossMoments) -> Tensor:

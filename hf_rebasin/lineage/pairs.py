@@ -125,7 +125,7 @@ def lineage_of(
         check_compatible(same[0], lm)
     grown = {e.index: e.note(names) for e in embedded}
     states = [lm.weights for lm in same]  # a streamed model's read from its files as used
-    probe = None if data is None else LineageData(data.batches, same[0].model, data.special_ids, data.description)
+    probe = None if data is None else LineageData(data.batches, same[0].model, data.special_ids)
     pairs, tokens = [], 0
     for i, j in combinations(range(len(same)), 2):
         say = (lambda stage, i=i, j=j: progress(f"{given[i]} vs {given[j]}: {stage}")) if progress else None
