@@ -130,6 +130,18 @@ def _tensor(out: Any) -> Tensor:
     return out if isinstance(out, Tensor) else out[0]
 
 
+def kept_positions(batch: Mapping[str, Any], special: Tensor | None) -> Tensor | None:
+    """The ``[batch, seq]`` positions whose features count: not padding (``attention_mask``) and,
+    with ``special`` ids, not a special token; None when nothing is dropped (images)."""
+    mask = batch.get("attention_mask")
+    mask = mask.bool() if isinstance(mask, Tensor) else None
+    ids = batch.get("input_ids")
+    if special is not None and isinstance(ids, Tensor):
+        plain = ~torch.isin(ids, special.to(ids.device))
+        mask = plain if mask is None else mask & plain
+    return mask
+
+
 @dataclass
 class _Batch:
     """One batch's mask of kept positions and its token count.
@@ -145,14 +157,10 @@ class _Batch:
 
     @classmethod
     def of(cls, batch: Mapping[str, Any], special: Tensor | None) -> _Batch:
-        mask = batch.get("attention_mask")
-        mask = mask.bool() if isinstance(mask, Tensor) else None
-        ids = batch.get("input_ids")
-        if special is not None and isinstance(ids, Tensor):
-            plain = ~torch.isin(ids, special.to(ids.device))
-            mask = plain if mask is None else mask & plain
+        mask = kept_positions(batch, special)
         if mask is not None:
             return cls(mask, int(mask.sum()))
+        ids = batch.get("input_ids")
         return cls(None, ids.numel() if isinstance(ids, Tensor) else None)
 
     def count(self, x: Tensor) -> None:

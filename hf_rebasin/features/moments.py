@@ -100,19 +100,34 @@ class CrossMoments:
         self.sum_b += sy
         self.count += n
 
+    def _means(self) -> tuple[Tensor, Tensor]:
+        n = self.count.clamp_min(1.0)
+        return self.sum_a / n, self.sum_b / n
+
+    def variances(self) -> tuple[Tensor, Tensor]:
+        """Each feature's variance, A's ``[da]`` and B's ``[db]`` (float64, never negative)."""
+        n = self.count.clamp_min(1.0)
+        mean_a, mean_b = self._means()
+        return (self.sq_a / n - mean_a * mean_a).clamp_min(0.0), (self.sq_b / n - mean_b * mean_b).clamp_min(0.0)
+
+    def covariance(self) -> Tensor:
+        """Cross-covariance ``E[(a − μa)(b − μb)ᵀ]`` ``[da, db]`` (float64): unlike the correlation,
+        it turns with the features, so its Procrustes solution is the rotation between two rotated
+        feature sets."""
+        mean_a, mean_b = self._means()
+        return self.cross / self.count.clamp_min(1.0) - torch.outer(mean_a, mean_b)
+
     def correlation(self, eps: float = 1e-8) -> Tensor:
         """Pearson correlation ``[da, db]`` (float64). A feature whose variance is at most
         ``eps · mean²`` (a constant, up to rounding) correlates 0 with everything: no NaN, and a
         LAP on it is indifferent, as it should be."""
-        n = self.count.clamp_min(1.0)
-        mean_a, mean_b = self.sum_a / n, self.sum_b / n
-        var_a = (self.sq_a / n - mean_a * mean_a).clamp_min(0.0)
-        var_b = (self.sq_b / n - mean_b * mean_b).clamp_min(0.0)
+        mean_a, mean_b = self._means()
+        var_a, var_b = self.variances()
         live_a = var_a > eps * mean_a * mean_a
         live_b = var_b > eps * mean_b * mean_b
         if self.count.item() == 0:
             live_a = torch.zeros_like(live_a)
-        cov = self.cross / n - torch.outer(mean_a, mean_b)
+        cov = self.covariance()
         std_a = torch.where(live_a, var_a.sqrt(), torch.ones_like(var_a))
         std_b = torch.where(live_b, var_b.sqrt(), torch.ones_like(var_b))
         corr = (cov / torch.outer(std_a, std_b)).clamp(-1.0, 1.0)

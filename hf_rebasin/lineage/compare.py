@@ -220,30 +220,21 @@ def align_signals(
         if say is not None:
             say(f"{stage} ({done}/{total})")
 
+    first, stage = 0, "alignment of the signals from the data's maps"
     if fitted is not None:  # the data's maps as the start, every space refined on the signals
-        transform, rounds = rotate(
+        start = {**graph.identity(), **fitted}
+    else:
+        start, first = permutation_start(
             graph,
             views,
-            {**graph.identity(), **fitted},
-            space_order(graph),
-            iterations=MATCHING_ROUNDS,
-            tol=MATCHING_TOL,
+            seed=0,
             progress=report,
-            stage="alignment of the signals from the data's maps",
+            stage="alignment of the signals",
             assign=lap_sparse,
+            max_iter=MATCHING_ROUNDS,
+            tol=MATCHING_TOL,
         )
-        return transform, {"permutations": 0, "rotations": rounds}
-
-    start, first = permutation_start(
-        graph,
-        views,
-        seed=0,
-        progress=report,
-        stage="alignment of the signals",
-        assign=lap_sparse,
-        max_iter=MATCHING_ROUNDS,
-        tol=MATCHING_TOL,
-    )
+        stage = "alignment of the signals: rotations"
     transform, rounds = rotate(
         graph,
         views,
@@ -252,7 +243,7 @@ def align_signals(
         iterations=MATCHING_ROUNDS,
         tol=MATCHING_TOL,
         progress=report,
-        stage="alignment of the signals: rotations",
+        stage=stage,
         assign=lap_sparse,
     )
     return transform, {"permutations": first, "rotations": rounds}

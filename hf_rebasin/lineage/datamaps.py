@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..experts import solve_experts
 from ..features import activation_stats
-from ..features.activations import process_grid
+from ..features.activations import kept_positions, process_grid
 from ..features.lockstep import LockstepPlan, lockstep_plan, lockstep_stats
 from ..features.moments import CrossMoments, ExpertMoments
 from ..models import LoadedModel, output_config, running
@@ -62,25 +62,13 @@ class LineageData:
     special_ids: frozenset[int] | None = None
 
 
-def covariance(m: CrossMoments) -> Tensor:
-    """``E[(a − μa)(b − μb)ᵀ]`` (float64): unlike the correlation, it turns with the features, so its
-    Procrustes solution is the rotation between two rotated streams."""
-    n = m.count.clamp_min(1.0)
-    return m.cross / n - torch.outer(m.sum_a / n, m.sum_b / n)
-
-
-def _variances(m: CrossMoments) -> tuple[Tensor, Tensor]:
-    n = m.count.clamp_min(1.0)
-    return (m.sq_a / n - (m.sum_a / n) ** 2).clamp_min(0.0), (m.sq_b / n - (m.sum_b / n) ** 2).clamp_min(0.0)
-
-
 def head_view(m: CrossMoments, head_dim: int) -> Tensor:
     """The cross-covariance with each (A head, B head) block divided by √(total variance of A's head ·
     B's): pairings compare like with like, and each block's best rotation is unchanged."""
-    var_a, var_b = _variances(m)
+    var_a, var_b = m.variances()
     per_a = var_a.view(-1, head_dim).sum(1).clamp_min(1e-30).sqrt().repeat_interleave(head_dim)
     per_b = var_b.view(-1, head_dim).sum(1).clamp_min(1e-30).sqrt().repeat_interleave(head_dim)
-    return covariance(m) / torch.outer(per_a, per_b)
+    return m.covariance() / torch.outer(per_a, per_b)
 
 
 def solve_from_moments(graph: SymmetryGraph, moments: Mapping[str, CrossMoments | ExpertMoments]) -> Transform:
@@ -103,7 +91,7 @@ def solve_from_moments(graph: SymmetryGraph, moments: Mapping[str, CrossMoments 
             m = moments[name]
             assert isinstance(m, CrossMoments)
             rotates = sp.max_class == "orthogonal"
-            view = covariance(m) if rotates else m.correlation()
+            view = m.covariance() if rotates else m.correlation()
             out[name] = solve_plain(sp, view, "orthogonal", assign=lap_sparse)  # exact below 2,048 units
     return out
 
@@ -183,12 +171,11 @@ class _StreamMoments:
         if layer != self.at:
             self._close()
             self.at, self.layer = layer, CrossMoments.zeros(self.space.size, self.space.size)
-        keep = _kept(batch, a.shape[:-1], self.special)
+        keep = kept_positions(batch, self.special)  # as `activation_stats` masks text batches
+        if keep is not None and tuple(keep.shape) != tuple(a.shape[:-1]):
+            keep = None
         assert self.layer is not None
-        self.layer.update(
-            self._normed(a[keep] if keep is not None else a.flatten(0, -2)),
-            self._normed(b[keep] if keep is not None else b.flatten(0, -2)),
-        )
+        self.layer.update(self._normed(a if keep is None else a[keep]), self._normed(b if keep is None else b[keep]))
 
     def _normed(self, x: Tensor) -> Tensor:
         x = x.to(torch.float32).reshape(-1, x.shape[-1])
@@ -206,18 +193,6 @@ class _StreamMoments:
     def result(self) -> CrossMoments | None:
         self._close()
         return self.pooled
-
-
-def _kept(batch: Mapping[str, Any], lead: tuple[int, ...], special: Tensor | None) -> Tensor | None:
-    """The positions a text batch counts (not padding, not special tokens), as `activation_stats`
-    masks them; None to keep all (images)."""
-    mask = batch.get("attention_mask")
-    ids = batch.get("input_ids")
-    keep = mask.bool() if isinstance(mask, Tensor) else None
-    if special is not None and isinstance(ids, Tensor):
-        plain = ~torch.isin(ids, special)
-        keep = plain if keep is None else keep & plain
-    return keep if keep is not None and tuple(keep.shape) == tuple(lead) else None
 
 
 def _by_layer(
