@@ -18,10 +18,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [
+    str(ROOT / "tests"),
+    str(ROOT / "tests" / "cli"),
+]  # the corpus helpers, and the test that lists its rows
+
+from test_bad_input import CASES  # noqa: E402
 
 from bad_input import Workspace, run_case  # noqa: E402
-from test_bad_input import CASES  # noqa: E402
 
 DEFAULT_AREAS = ("files", "tokenizers", "recipe")
 

@@ -13,9 +13,9 @@ import time
 import torch
 import transformers as T
 
-from hf_rebasin.adapters import graph_for
-from hf_rebasin.canonical import canonicalize
-from hf_rebasin.models import rebuild
+from hf_rebasin.io.rebuild import rebuild
+from hf_rebasin.symmetry.adapters import graph_for
+from hf_rebasin.symmetry.canonical import canonicalize
 
 ARCHS = {
     "bert": lambda: T.BertForMaskedLM(T.BertConfig()),  # BERT-base: 12 layers, d=768, MLP 3072, 12 heads

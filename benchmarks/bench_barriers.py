@@ -1,5 +1,5 @@
 """Loss barriers of trained models: two tiny GPT-2 (character-level Shakespeare) and two tiny ViT
-(digits) trained from different seeds by ``hf_rebasin.train``, aligned by every strategy; or two
+(digits) trained from different seeds by ``hf_rebasin.evaluation.zoo.train``, aligned by every strategy; or two
 zoo models of any other kind trained from scratch: masked LMs on the same text (``--kind bert``,
 ``distilbert``, ``xlm-roberta``, ``modernbert``), causal LMs of another family trained like the
 GPT-2 (``qwen3``, ``gemma``, ``gemma2``, ``gemma3``, ``olmo2``, ``phi3``, ``pythia``), image
@@ -12,7 +12,7 @@ classifiers trained like the ViT (``dinov2``, …).
     python benchmarks/bench_barriers.py --seeds 4   # spread of data-free results over visiting-order seeds
 
 Prints one Markdown table per kind: both barrier definitions (nats, held-out data, 21 λ) and the
-alignment time. ``tests/test_trained.py`` runs the same code and checks the claims.
+alignment time. ``tests/evaluation/test_trained.py`` runs the same code and checks the claims.
 """
 
 from __future__ import annotations
@@ -26,14 +26,17 @@ from typing import Any
 
 import torch
 
-from hf_rebasin import data as hdata
-from hf_rebasin import zoo
-from hf_rebasin.adapters import get_adapter
-from hf_rebasin.evaluate import barrier, lambdas, loss_curve, task_of
-from hf_rebasin.models import load_model, rebuild
-from hf_rebasin.strategies import AlignmentData, Pair, align
-from hf_rebasin.symmetry import Space, SymmetryGraph
-from hf_rebasin.train import cached_model, held_out_batches, masked_lm_batches, training_record
+from hf_rebasin.alignment.strategies import AlignmentData, Pair, align
+from hf_rebasin.evaluation import data as hdata
+from hf_rebasin.evaluation.evaluate import barrier, lambdas, loss_curve, task_of
+from hf_rebasin.evaluation.zoo import catalogue as zoo
+from hf_rebasin.evaluation.zoo.masked import masked_lm_batches
+from hf_rebasin.evaluation.zoo.train import cached_model, held_out_batches, training_record
+from hf_rebasin.io.models import load_model
+from hf_rebasin.io.rebuild import rebuild
+from hf_rebasin.symmetry.adapters import get_adapter
+from hf_rebasin.symmetry.graph import SymmetryGraph
+from hf_rebasin.symmetry.spaces import Space
 
 # the zoo kinds trained from scratch, two seeds of which make a pair (not the fine-tunes of a gpt2)
 KINDS = tuple(

@@ -8,7 +8,7 @@ store checkpoints, written with safetensors and torch.save, not with hf-rebasin)
 - ``stock``: hf-rebasin's loaded tensors, in memory and streamed, equal ``from_pretrained``'s
   (``torch.equal`` on every tensor): yes / no;
 - ``ignored``: how many tensors of the files loading dropped (legacy buffers);
-- ``verify``: max |Δ outputs| under a random allowed permutation (`hf_rebasin.verify.verify_model`);
+- ``verify``: max |Δ outputs| under a random allowed permutation (`hf_rebasin.alignment.verify.verify_model`);
 - ``merge``: a weight-matching merge (``hf-rebasin RECIPE``) of the checkpoint with a copy whose MLP
   units are permuted (written in the same layout): max |Δ| between the output and the original,
   both read with the stock class.
@@ -31,9 +31,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import checkpoints as C
+from hf_rebasin.alignment.verify import verify_model
 from hf_rebasin.cli import main
-from hf_rebasin.models import load_model
-from hf_rebasin.verify import verify_model
+from hf_rebasin.io.models import load_model
 
 
 def _stock(model: torch.nn.Module, folder: Path) -> dict[str, torch.Tensor]:

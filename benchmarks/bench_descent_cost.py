@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from hf_rebasin.features import WeightViews
-from hf_rebasin.models import load_model, resolve_device
-from hf_rebasin.solvers import solver_clock
-from hf_rebasin.strategies.engines.descent import space_solver
-from hf_rebasin.symmetry import HeadSpace, Space
+from hf_rebasin.alignment.features import WeightViews
+from hf_rebasin.alignment.solvers import solver_clock
+from hf_rebasin.alignment.strategies.engines.descent import space_solver
+from hf_rebasin.io.models import load_model, resolve_device
+from hf_rebasin.symmetry.spaces import HeadSpace, Space
 
 
 def _peak_gb() -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hf_rebasin import files, gate
+from hf_rebasin.io import files, gate
 
 
 def _folder(root: Path, tokens: int, merges: int) -> Path:

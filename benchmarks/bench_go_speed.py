@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from hf_rebasin.adapters import graph_for
-from hf_rebasin.strategies import Pair, align
-from hf_rebasin.strategies.engines import descent
+from hf_rebasin.alignment.strategies import Pair, align
+from hf_rebasin.alignment.strategies.engines import descent
+from hf_rebasin.symmetry.adapters import graph_for
 
 
 def run(pair: Pair, options: dict[str, Any], threads: bool) -> str:

@@ -34,19 +34,19 @@ from pathlib import Path
 import torch
 from bench_barriers import alignment_data
 
-from hf_rebasin import glu
-from hf_rebasin.adapters import graph_for
-from hf_rebasin.canonical import canonicalize
-from hf_rebasin.embed import embed_model
+from hf_rebasin.alignment.strategies import AlignmentData
+from hf_rebasin.alignment.widths import embed_model
+from hf_rebasin.core.resources import cache_root
+from hf_rebasin.evaluation.zoo.catalogue import DEFAULT_CONFIGS, GPT2FineTuneConfig, GPT2TrainConfig
+from hf_rebasin.evaluation.zoo.train import cached_model
+from hf_rebasin.io.models import LoadedModel, load_model
 from hf_rebasin.lineage import compare
 from hf_rebasin.lineage.datamaps import LineageData
 from hf_rebasin.lineage.pairs import lineage_of
-from hf_rebasin.lora import apply_adapter, read_adapter
-from hf_rebasin.models import LoadedModel, load_model
-from hf_rebasin.resources import cache_root
-from hf_rebasin.strategies import AlignmentData
-from hf_rebasin.train import cached_model
-from hf_rebasin.zoo import DEFAULT_CONFIGS, GPT2FineTuneConfig, GPT2TrainConfig
+from hf_rebasin.merging.lora import apply_adapter, read_adapter
+from hf_rebasin.symmetry import glu
+from hf_rebasin.symmetry.adapters import graph_for
+from hf_rebasin.symmetry.canonical import canonicalize
 
 TINY = ("gpt2", "qwen3", "gemma2", "olmo2", "phi3", "pythia", "vit", "bert")
 BENCH = ("bench-gpt2", "bench-qwen3", "bench-gemma2")

@@ -41,11 +41,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # bench_scale
 from bench_scale import SEEDS, make, make_finetune
 
-from hf_rebasin.canonical import canonicalize
+from hf_rebasin.alignment.strategies import AlignmentData
+from hf_rebasin.io.models import load_model
+from hf_rebasin.io.tensors import write_safetensors
 from hf_rebasin.lineage.pairs import lineage_bytes, lineage_of
-from hf_rebasin.models import load_model
-from hf_rebasin.strategies import AlignmentData
-from hf_rebasin.tensors import write_safetensors
+from hf_rebasin.symmetry.canonical import canonicalize
 
 GB = 1e9
 # the moved model's training on top, as a share of each tensor's RMS. bench_scale's "fine-tune" adds

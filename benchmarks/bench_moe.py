@@ -28,15 +28,16 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # benchmarks.bench_moe, wher
 
 from bench_barriers import barrier_table, markdown, pair_table
 
-from hf_rebasin import glu
-from hf_rebasin.experts import unit_blocks
-from hf_rebasin.features import WeightViews
-from hf_rebasin.solvers import best_inners
-from hf_rebasin.strategies import REGISTRY, Alignment, Pair, Progress
-from hf_rebasin.strategies.base import matching_forms
-from hf_rebasin.strategies.engines.descent import anchor_init, descend, space_solver, view_graph
-from hf_rebasin.strategies.options import WEIGHT_MATCHING, WeightMatchingOptions
-from hf_rebasin.symmetry import ExpertMap, ExpertSpace, SpaceMap
+from hf_rebasin.alignment.experts import unit_blocks
+from hf_rebasin.alignment.features import WeightViews
+from hf_rebasin.alignment.solvers import best_inners
+from hf_rebasin.alignment.strategies import REGISTRY, Alignment, Pair, Progress
+from hf_rebasin.alignment.strategies.base import matching_forms
+from hf_rebasin.alignment.strategies.engines.descent import anchor_init, descend, space_solver, view_graph
+from hf_rebasin.alignment.strategies.options import WEIGHT_MATCHING, WeightMatchingOptions
+from hf_rebasin.symmetry import glu
+from hf_rebasin.symmetry.spaces import ExpertSpace
+from hf_rebasin.symmetry.transforms import ExpertMap, SpaceMap
 
 IN_PLACE = "experts-in-place"
 
@@ -87,8 +88,8 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
 
 def usage(folder: Path) -> list[list[float]]:
     """Per MoE layer, the share of top-k slots each expert takes on the held-out text."""
-    from hf_rebasin.models import load_model
-    from hf_rebasin.train import held_out_batches
+    from hf_rebasin.evaluation.zoo.train import held_out_batches
+    from hf_rebasin.io.models import load_model
 
     model = load_model(folder).model
     counts: dict[int, Tensor] = {}
@@ -128,7 +129,7 @@ def main() -> None:
     rows = barrier_table("mixtral", tuple(args.seeds), points=21, strategies=strategies)
     print(markdown("mixtral", rows))
     if args.usage:
-        from hf_rebasin.train import cached_model
+        from hf_rebasin.evaluation.zoo.train import cached_model
 
         for seed in args.seeds:
             shares = usage(cached_model("mixtral", seed))

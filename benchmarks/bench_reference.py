@@ -41,11 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import circuit_form
 
-from hf_rebasin import data as hdata
-from hf_rebasin.evaluate import barrier, lambdas, loss_curve, task_of
-from hf_rebasin.models import load_model, rebuild
-from hf_rebasin.strategies import AlignmentData, Pair, align
-from hf_rebasin.train import cached_model, training_record
+from hf_rebasin.alignment.strategies import AlignmentData, Pair, align
+from hf_rebasin.evaluation import data as hdata
+from hf_rebasin.evaluation.evaluate import barrier, lambdas, loss_curve, task_of
+from hf_rebasin.evaluation.zoo.train import cached_model, training_record
+from hf_rebasin.io.models import load_model
+from hf_rebasin.io.rebuild import rebuild
 
 CACHE = Path.home() / ".cache" / "hf-rebasin"
 VENV = CACHE / "reference-venv"

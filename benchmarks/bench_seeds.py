@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from bench_barriers import barrier_table
 
-from hf_rebasin.errors import StrategyOptionError
-from hf_rebasin.strategies import get_strategy
+from hf_rebasin.alignment.strategies import get_strategy
+from hf_rebasin.core.errors import StrategyOptionError
 
 # key: (row label, strategy, options)
 ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {

@@ -39,8 +39,8 @@ def _rss_mb() -> float:
 
 
 def _run_strategy(model: str, layers: int | None, strategy: str, queue: Any) -> None:
-    from hf_rebasin.adapters import graph_for
-    from hf_rebasin.strategies import Pair, align
+    from hf_rebasin.alignment.strategies import Pair, align
+    from hf_rebasin.symmetry.adapters import graph_for
 
     a, b = build(model, 0, layers), build(model, 1, layers)
     sd_a, sd_b = a.state_dict(), b.state_dict()
@@ -86,8 +86,8 @@ def _batches(vocab: int, n: int, batch: int, length: int, seed: int = 0) -> list
 
 def stats_rows(model: str, layers: int | None, batches: int, batch: int, length: int) -> dict[str, Any]:
     """Forward passes alone vs. activation statistics (all spaces, every residual site pooled)."""
-    from hf_rebasin.adapters import graph_for
-    from hf_rebasin.features import activation_stats
+    from hf_rebasin.alignment.features import activation_stats
+    from hf_rebasin.symmetry.adapters import graph_for
 
     a, b = build(model, 0, layers), build(model, 1, layers)
     graph = graph_for(a.config, a.state_dict().keys())

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from hf_rebasin import evaluate as ev
-from hf_rebasin.evaluate import evaluate_loss, lambdas, loss_curve
+from hf_rebasin.evaluation import evaluate as ev
+from hf_rebasin.evaluation.evaluate import evaluate_loss, lambdas, loss_curve
 
 LIMIT = 1.2
 

@@ -18,7 +18,7 @@ LoRA numbers are those of the moved adapter written by ``save_adapter`` and load
     python benchmarks/bench_transport.py --lora-lr 3e-3 --lora-rank 8 --lora-alpha 16   # a LoRA that moved further
     python benchmarks/bench_transport.py --rerelease   # B = zoo:gpt2-next-seedA, A's training continued
 
-``tests/test_trained.py`` runs the same code on 0 → 1 and checks the claims.
+``tests/evaluation/test_trained.py`` runs the same code on 0 → 1 and checks the claims.
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ from typing import Any
 
 import torch
 
-from hf_rebasin.adapters import graph_for
-from hf_rebasin.evaluate import evaluate_loss
-from hf_rebasin.lora import apply_adapter, lora_graph, read_adapter, save_adapter, transport_adapter
-from hf_rebasin.models import rebuild
-from hf_rebasin.strategies import Alignment, Pair, align
-from hf_rebasin.sublayers import per_sublayer
-from hf_rebasin.train import GPT2LoraConfig, cached_model, held_out_batches
-from hf_rebasin.transport import add_task_vector, task_vector
+from hf_rebasin.alignment.strategies import Alignment, Pair, align
+from hf_rebasin.evaluation.evaluate import evaluate_loss
+from hf_rebasin.evaluation.zoo.catalogue import GPT2LoraConfig
+from hf_rebasin.evaluation.zoo.train import cached_model, held_out_batches
+from hf_rebasin.io.rebuild import rebuild
+from hf_rebasin.merging.lora import apply_adapter, lora_graph, read_adapter, save_adapter, transport_adapter
+from hf_rebasin.merging.transport import add_task_vector, task_vector
+from hf_rebasin.symmetry.adapters import graph_for
+from hf_rebasin.symmetry.sublayers import per_sublayer
 
 FULL = [  # (key, label, strategy, residual maps)
     ("full_naive", "naive", "vanilla", "global"),

@@ -21,14 +21,14 @@ from typing import Any
 import torch
 from bench_barriers import first_tokens
 
-from hf_rebasin.adapters import graph_for
-from hf_rebasin.evaluate import evaluate_loss
-from hf_rebasin.models import rebuild
+from hf_rebasin.alignment.strategies import Pair, align
+from hf_rebasin.evaluation.evaluate import evaluate_loss
+from hf_rebasin.evaluation.zoo.train import cached_model, held_out_batches
+from hf_rebasin.io.rebuild import rebuild
+from hf_rebasin.merging.transport import add_task_vector, task_vector
 from hf_rebasin.recipe import AUTO_ALPHAS
-from hf_rebasin.run.jobs.transport import choose_alpha
-from hf_rebasin.strategies import Pair, align
-from hf_rebasin.train import cached_model, held_out_batches
-from hf_rebasin.transport import add_task_vector, task_vector
+from hf_rebasin.run.auto_alpha import choose_alpha
+from hf_rebasin.symmetry.adapters import graph_for
 
 METHODS = [  # (label, strategy, residual maps)
     ("naive", "vanilla", "global"),

@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hf_rebasin import zoo
-from hf_rebasin.train import cached_model, held_out_batches, training_record
+from hf_rebasin.evaluation.zoo import catalogue as zoo
+from hf_rebasin.evaluation.zoo.train import cached_model, held_out_batches, training_record
 
 SCRATCH = (
     "bench-gpt2",
@@ -72,8 +72,8 @@ def _parameters(folder: Path) -> int:
 
 def _cross(model_folder: Path, data_folder: Path) -> float:
     """Held-out loss of the model in ``model_folder`` on the held-out data of ``data_folder``."""
-    from hf_rebasin.evaluate import evaluate_loss, task_of
-    from hf_rebasin.models import load_model
+    from hf_rebasin.evaluation.evaluate import evaluate_loss, task_of
+    from hf_rebasin.io.models import load_model
 
     model = load_model(model_folder).model
     return evaluate_loss(model, held_out_batches(data_folder), task_of(model)).loss

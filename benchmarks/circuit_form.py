@@ -12,7 +12,7 @@ This module computes the loss of a circuit-form merge of any GPT-2 state dicts (
 canonical as hf-rebasin's strategies leave them), so that one set of maps can be scored in both
 forms. Each model's norm scale and shift are folded into the matrices that read the norm, per model,
 and every product is interpolated: attention circuits, the MLP's first layer, the output head.
-``tests/test_circuit_form.py`` checks it against the stock ``GPT2LMHeadModel``.
+``tests/symmetry/test_circuit_form.py`` checks it against the stock ``GPT2LMHeadModel``.
 """
 
 from __future__ import annotations

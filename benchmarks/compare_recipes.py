@@ -4,7 +4,8 @@
     python benchmarks/compare_recipes.py --compare before.json   # on the new code: exit 1 on a difference
 
 A refactor of the run must not change a result: barriers, losses at every λ, metrics, distances,
-the preservation check. The numbers are flattened to ``path → value`` and compared to ``--tol``
+the preservation check, and the weights written (a SHA-256 of every tensor of every output
+``.safetensors`` file, by file and tensor name). The numbers are flattened to ``path → value`` and compared to ``--tol``
 (1e-6, absolute); timings, paths, versions and dates are left out. The alignment cache is off
 (``cache: false``), so every alignment is computed afresh. Zoo models train on first use.
 """
@@ -12,6 +13,7 @@ the preservation check. The numbers are flattened to ``path → value`` and comp
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import shutil
@@ -61,7 +63,28 @@ def run_recipe(recipe: Path, folder: Path) -> dict[str, Any]:
     code = main(["run", str(copy), "--output", str(folder / recipe.stem)])
     if code != 0:
         return {"exit": code}
-    return flatten(json.loads((folder / recipe.stem / "rebasin.json").read_text()))
+    out = folder / recipe.stem
+    return {**flatten(json.loads((out / "rebasin.json").read_text())), **tensor_digests(out)}
+
+
+def tensor_digests(out: Path) -> dict[str, str]:
+    """``files.<file>.<tensor>`` → SHA-256 of the tensor's bytes, for every safetensors file written."""
+    from safetensors import safe_open
+
+    digests = {}
+    for path in sorted(out.rglob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in sorted(f.keys()):
+                tensor = f.get_tensor(name).contiguous()
+                data = tensor.view(-1).view(torch_uint8()).numpy().tobytes() if tensor.numel() else b""
+                digests[f"files.{path.relative_to(out)}.{name}"] = hashlib.sha256(data).hexdigest()
+    return digests
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
 
 
 def differences(before: dict[str, Any], after: dict[str, Any], tol: float) -> list[str]:

@@ -4,11 +4,11 @@
     python benchmarks/preservation_matrix.py --only gpt2 llama-gqa --seeds 1 --json out.json
 
 For every factory in `tests/tiny.FACTORIES` (read at run time), every class of
-`hf_rebasin.symmetry.TRANSFORM_CLASSES` plus ``invertible heads`` (a random orthogonal transform
-with random invertible inner maps in every head space, as `tests/test_adapters.py` draws it) and
+`hf_rebasin.symmetry.spaces.TRANSFORM_CLASSES` plus ``invertible heads`` (a random orthogonal transform
+with random invertible inner maps in every head space, as `tests/symmetry/test_adapters.py` draws it) and
 each seed: apply a random allowed transform (on the canonical form where the class needs it:
 orthogonal and invertible heads) and measure max |Δ| over the model's outputs against the
-untransformed model, hidden states mapped into the new basis (`hf_rebasin.verify.compare`).
+untransformed model, hidden states mapped into the new basis (`hf_rebasin.alignment.verify.compare`).
 Tolerance 1e-4 in float32.
 
 Negative controls, generated from each model's graph (forbidden transforms, applied with
@@ -50,24 +50,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # `import tiny`
 
 import tiny
-from hf_rebasin.adapters import get_adapter
-from hf_rebasin.adapters.base import ArchitectureSpec
-from hf_rebasin.canonical import canonicalize
-from hf_rebasin.models import rebuild
-from hf_rebasin.symmetry import (
-    TRANSFORM_CLASSES,
+from hf_rebasin.alignment.verify import TOLERANCE, compare, example_inputs, outputs_of
+from hf_rebasin.io.rebuild import rebuild
+from hf_rebasin.symmetry.adapters import get_adapter
+from hf_rebasin.symmetry.adapters.base import ArchitectureSpec
+from hf_rebasin.symmetry.canonical import canonicalize
+from hf_rebasin.symmetry.graph import SymmetryGraph
+from hf_rebasin.symmetry.spaces import TRANSFORM_CLASSES, HeadSpace, Space, TransformClass
+from hf_rebasin.symmetry.transforms import (
     AxisMap,
     HeadMap,
-    HeadSpace,
-    Space,
-    SymmetryGraph,
     Transform,
-    TransformClass,
     plain_class,
     random_invertible_head_map,
     random_orthogonal,
 )
-from hf_rebasin.verify import TOLERANCE, compare, example_inputs, outputs_of
 
 INVERTIBLE = "invertible heads"
 CLASSES: tuple[str, ...] = (*TRANSFORM_CLASSES, INVERTIBLE)

@@ -2,7 +2,7 @@
 
     python tests/accelerate_stats.py OUT.pt
 
-tests/test_features.py runs both and checks that the results agree: splitting the batches over
+tests/alignment/test_features.py runs both and checks that the results agree: splitting the batches over
 processes and reducing the sums must not change the statistics. Rank 0 writes
 ``{"num_processes", "runs": {name: {"tokens", "residual_groups", "moments": {key: {field: tensor}}}}}``
 for a run over six batches and one over a single batch (a process without any batch), and for the
@@ -29,9 +29,9 @@ for path in (HERE, HERE.parent):
         sys.path.insert(0, str(path))
 
 import tiny  # noqa: E402
-from hf_rebasin.adapters import graph_for  # noqa: E402
-from hf_rebasin.features import activation_stats  # noqa: E402
-from hf_rebasin.features.lockstep import lockstep_plan, lockstep_stats  # noqa: E402
+from hf_rebasin.alignment.features import activation_stats  # noqa: E402
+from hf_rebasin.alignment.features.lockstep import lockstep_plan, lockstep_stats  # noqa: E402
+from hf_rebasin.symmetry.adapters import graph_for  # noqa: E402
 
 FIELDS = ("count", "sum_a", "sum_b", "sq_a", "sq_b", "cross")
 

@@ -228,7 +228,7 @@ def _secret_kept(ws: Workspace, result: Outcome) -> None:
 def _other_tokenizer(ws: Workspace, *extra: str, **changes: Any) -> list[str]:
     """./a and ./b whose tokenizers differ: B's vocabulary has '!' and 'x' (ids shift from "'" on)."""
     from bad_input import TEXT
-    from hf_rebasin.data import char_tokenizer
+    from hf_rebasin.evaluation.data import char_tokenizer
 
     ws.model("a", seed=0)
     ws.model("b", seed=1)
@@ -509,6 +509,7 @@ CASES: list[Case] = [
         check=_push_kept,
         before="exit 1, internal error UnicodeDecodeError from the client; no retry command",
         hub=True,
+        slow=True,  # a whole merge, then a push (7 s)
     ),
     Case(
         "hub-token-never-printed",
@@ -518,6 +519,7 @@ CASES: list[Case] = [
         needles=("rejected the token", "The result is kept in"),
         check=_secret_kept,
         hub=True,
+        slow=True,  # a whole merge, then a push (8 s)
     ),
     Case(
         "hub-sibling-dot-dot",

@@ -323,6 +323,7 @@ CASES: list[Case] = [
         check=_inputs_untouched,
         max_file_bytes=60_000,  # the merged model is ~120 kB: its write fails as on a full disk
         before="exit 1: internal error SafetensorError 'I/O error: File too large' (a bug, it said)",
+        slow=True,  # a whole merge to the failing write (7 s)
     ),
     Case(
         "damaged-cache-entry",

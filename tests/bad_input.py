@@ -71,7 +71,7 @@ class Workspace:
 
     def model(self, name: str = "a", kind: str = "gpt2", seed: int = 0, *, tokenizer: bool = True) -> Path:
         """A tiny model saved with ``save_pretrained`` (and, for text models, a character tokenizer)."""
-        from hf_rebasin.data import char_tokenizer
+        from hf_rebasin.evaluation.data import char_tokenizer
 
         folder = self.root / name
         tiny.FACTORIES[kind](seed).save_pretrained(str(folder))

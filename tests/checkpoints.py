@@ -242,9 +242,10 @@ def cases() -> list[tuple[str, str]]:
 
 def permuted_mlp(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
     """A copy of ``model`` whose MLP hidden units are permuted at random: the same function, other tensors."""
-    from hf_rebasin.adapters import graph_for
-    from hf_rebasin.models import rebuild
-    from hf_rebasin.symmetry import AxisMap, HeadSpace
+    from hf_rebasin.io.rebuild import rebuild
+    from hf_rebasin.symmetry.adapters import graph_for
+    from hf_rebasin.symmetry.spaces import HeadSpace
+    from hf_rebasin.symmetry.transforms import AxisMap
 
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())

@@ -28,8 +28,11 @@ import pytest  # noqa: E402 (after the environment torch and datasets read at im
 import torch  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+# the shared helpers (tests/*.py) and every stage's folder: a test may reuse another's builders by
+# module name (``from test_lineage import _fine_tuned``) wherever either lives
+for _folder in [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 import tiny  # noqa: E402
 from hub_server import HubServer, serve_hub  # noqa: E402
@@ -41,7 +44,7 @@ SaveModel = Callable[..., Path]
 def no_alignment_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """The alignment cache is off in every test (CLI subprocesses inherit this): runs must not read
     alignments left in ~/.cache by an earlier session, nor time a cache hit as an alignment.
-    tests/test_cache.py turns it on, with its own cache root."""
+    tests/alignment/test_cache.py turns it on, with its own cache root."""
     monkeypatch.setenv("HF_REBASIN_NO_CACHE", "1")
 
 

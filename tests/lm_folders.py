@@ -11,7 +11,7 @@ import torch
 import transformers as T
 import yaml
 
-from hf_rebasin.data import char_tokenizer, shakespeare_text
+from hf_rebasin.evaluation.data import char_tokenizer, shakespeare_text
 
 
 def save_lm(model: torch.nn.Module, folder: Path) -> Path:

@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 import tiny
-from hf_rebasin.data import char_tokenizer
+from hf_rebasin.evaluation.data import char_tokenizer
 from hf_rebasin.recipe import loads_recipe
 from hf_rebasin.run import run_recipe
 
@@ -84,8 +84,8 @@ def _meta_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_the_similarity_sums_sit_on_the_weights_device() -> None:
-    from hf_rebasin.adapters import graph_for
-    from hf_rebasin.diagnostics import _accumulate
+    from hf_rebasin.alignment.diagnostics import _accumulate
+    from hf_rebasin.symmetry.adapters import graph_for
 
     sd = _meta_state(tiny.gpt2(0))
     sums = _accumulate(graph_for(tiny.gpt2(0).config, sd.keys()), sd, sd, None)
@@ -93,8 +93,8 @@ def test_the_similarity_sums_sit_on_the_weights_device() -> None:
 
 
 def test_a_missing_head_roles_zeros_sit_beside_the_other_views() -> None:
-    from hf_rebasin.strategies.engines.descent import HeadPairs
-    from hf_rebasin.symmetry import HeadSpace
+    from hf_rebasin.alignment.strategies.engines.descent import HeadPairs
+    from hf_rebasin.symmetry.spaces import HeadSpace
 
     space = HeadSpace("h.0.attn", num_heads=4, num_kv_heads=2, head_dim=8)
     views = {"q": torch.zeros(32, 32, device="meta"), "o": torch.zeros(32, 32, device="meta")}
@@ -104,8 +104,8 @@ def test_a_missing_head_roles_zeros_sit_beside_the_other_views() -> None:
 
 
 def test_gated_units_scales_and_agreement_sit_on_the_weights_device() -> None:
-    from hf_rebasin.adapters import graph_for
-    from hf_rebasin.glu import _agreement, unit_scales
+    from hf_rebasin.symmetry.adapters import graph_for
+    from hf_rebasin.symmetry.glu import _agreement, unit_scales
 
     model = tiny.llama(0)
     sd = _meta_state(model)

@@ -3,7 +3,7 @@
 This package is the only part of hf-rebasin that prints: ``common`` (what every command shares),
 ``models`` (verify, align, embed, lineage) and ``recipes`` (run, demo, zoo, push, schema). Exit codes: 0 success, 1 internal error or a
 verification outside tolerance, 2 user error (bad input, missing model) with a one-paragraph
-message and no traceback."""
+message and no traceback. The top stage: it imports any stage, and none imports it."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from .. import __version__
-from ..errors import RebasinUserError
-from .common import DEBUG_ENV, EXIT_INTERNAL, EXIT_OK, EXIT_USER, _parse_options, recipe_shorthand
-from .models import _add_align, _add_embed, _add_lineage, _add_verify
-from .recipes import _add_demo, _add_push, _add_run, _add_schema, _add_zoo
+from hf_rebasin import __version__
+from hf_rebasin.cli.common import DEBUG_ENV, EXIT_INTERNAL, EXIT_OK, EXIT_USER, _parse_options, recipe_shorthand
+from hf_rebasin.cli.models import add_align, add_embed, add_lineage, add_verify
+from hf_rebasin.cli.recipes import add_demo, add_push, add_run, add_schema, add_zoo
+from hf_rebasin.core.errors import RebasinUserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,15 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hf-rebasin {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_verify(sub)
-    _add_align(sub)
-    _add_embed(sub)
-    _add_lineage(sub)
-    _add_run(sub)
-    _add_demo(sub)
-    _add_zoo(sub)
-    _add_push(sub)
-    _add_schema(sub)
+    add_verify(sub)
+    add_align(sub)
+    add_embed(sub)
+    add_lineage(sub)
+    add_run(sub)
+    add_demo(sub)
+    add_zoo(sub)
+    add_push(sub)
+    add_schema(sub)
     return parser
 
 

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import RebasinUserError
+from hf_rebasin.core.errors import RebasinUserError
 
 EXIT_OK = 0
 
@@ -22,7 +22,7 @@ EXIT_USER = 2
 DEBUG_ENV = "HF_REBASIN_DEBUG"
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Silence transformers/hub logging and progress bars so the CLI prints only its own report.
 
     Done here (not at import of the library modules) so that users of the Python API keep their own
@@ -43,7 +43,7 @@ def _quiet_libraries() -> None:
         pass
 
 
-def _quiet_datasets() -> None:
+def quiet_datasets() -> None:
     """Silence `datasets` logging and progress bars (reading local files is not worth a bar). Its
     errors too: a file it cannot read becomes hf-rebasin's own error naming the file and line, and
     `datasets`' line before it ("Failed to load JSON ...") would only repeat it in other words."""
@@ -56,7 +56,7 @@ def _quiet_datasets() -> None:
     ds_logging.disable_progress_bar()
 
 
-def _run_options(parser: argparse.ArgumentParser, output_help: str, output: str | None = None) -> None:
+def run_options(parser: argparse.ArgumentParser, output_help: str, output: str | None = None) -> None:
     """``--dry-run``, ``--output``, ``--device``: shared by ``run`` and ``demo``."""
     parser.add_argument(
         "--dry-run", action="store_true", help="validate and print the plan; no weights loaded, nothing trained"
@@ -100,19 +100,20 @@ def _model_folder(value: str, allow_pickle: bool, where: str = "MODEL") -> str:
     ``id[@revision]`` downloaded (what hf-rebasin reads of it)."""
     from pathlib import Path
 
-    from .. import hub
-    from ..recipe import ZOO_PATTERN
+    from hf_rebasin.io.hub.download import download_model
+    from hf_rebasin.io.hub.resolve import is_path, is_repo_id, split_ref
+    from hf_rebasin.recipe import ZOO_PATTERN
 
     zoo = ZOO_PATTERN.fullmatch(value)
     if zoo is not None:
-        from ..train import cached_model
+        from hf_rebasin.evaluation.zoo.train import cached_model
 
         return str(cached_model(zoo.group(1), int(zoo.group(2))))
-    repo, revision = hub.split_ref(value)
-    if Path(value).exists() or hub.is_path(value) or not hub.is_repo_id(repo):
+    repo, revision = split_ref(value)
+    if Path(value).exists() or is_path(value) or not is_repo_id(repo):
         return value
     try:
-        return str(hub.download_model(repo, revision, allow_pickle=allow_pickle, where=where).folder)
+        return str(download_model(repo, revision, allow_pickle=allow_pickle, where=where).folder)
     except RebasinUserError as e:
         if "/" in repo:
             raise
@@ -122,8 +123,8 @@ def _model_folder(value: str, allow_pickle: bool, where: str = "MODEL") -> str:
 def _parse_options(items: Sequence[str]) -> dict[str, Any]:
     import yaml
 
-    from ..errors import StrategyOptionError
-    from ..recipe.limits import YamlLimitError, load_limited
+    from hf_rebasin.core.errors import StrategyOptionError
+    from hf_rebasin.recipe.limits import YamlLimitError, load_limited
 
     out: dict[str, Any] = {}
     for item in items:

@@ -10,21 +10,22 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import IncompatibleModelsError, PickleRefusedError, named
+from hf_rebasin.core.errors import IncompatibleModelsError, PickleRefusedError, named
 
 if TYPE_CHECKING:
-    from ..verify import VerifyReport
+    from pathlib import Path
 
-from .common import (
-    EXIT_INTERNAL,
-    EXIT_OK,
-    _model_folder,
-    _parse_options,
-    _quiet_libraries,
-)
+    import torch
+
+    from hf_rebasin.alignment.strategies import Alignment, Strategy
+    from hf_rebasin.alignment.verify import VerifyReport
+    from hf_rebasin.io.models import LoadedModel
+    from hf_rebasin.merging.basis import Gap
+
+from hf_rebasin.cli.common import EXIT_INTERNAL, EXIT_OK, _model_folder, _parse_options, quiet_libraries
 
 
-def _add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``verify`` command's arguments."""
     verify = sub.add_parser(
         "verify",
@@ -57,7 +58,7 @@ def _add_verify(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     verify.set_defaults(func=cmd_verify)
 
 
-def _add_align(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_align(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``align`` command's arguments."""
     al = sub.add_parser(
         "align",
@@ -97,7 +98,7 @@ def _add_align(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     al.set_defaults(func=cmd_align)
 
 
-def _add_embed(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_embed(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``embed`` command's arguments."""
     em = sub.add_parser(
         "embed",
@@ -125,7 +126,7 @@ def _add_embed(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     em.set_defaults(func=cmd_embed)
 
 
-def _add_lineage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_lineage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``lineage`` command's arguments."""
     li = sub.add_parser(
         "lineage",
@@ -200,9 +201,10 @@ def print_verify_report(console: Console, report: VerifyReport, model_desc: str,
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin verify``: load a folder, run a random allowed transform, report max |Δ|."""
-    _quiet_libraries()
-    from ..models import dtype_name, load_model
-    from ..verify import verify_model
+    quiet_libraries()
+    from hf_rebasin.alignment.verify import verify_model
+    from hf_rebasin.io.checkpoint import dtype_name
+    from hf_rebasin.io.models import load_model
 
     try:
         loaded = load_model(_model_folder(args.model, args.allow_pickle), allow_pickle=args.allow_pickle)
@@ -226,35 +228,18 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin align``: align B to A (folders or Hub ids), report distances, optionally write both."""
     from pathlib import Path
 
-    _quiet_libraries()
-    from ..basis import check_gaps, function_gap, write_pair
-    from ..models import check_compatible, load_model, resolve_device, to_device
-    from ..output import check_output
-    from ..recipe import strategy_spec
-    from ..run.widths import to_widest
-    from ..strategies import Pair
-    from ..strategies.base import relative_distance
+    quiet_libraries()
+    from hf_rebasin.alignment.strategies import Pair
+    from hf_rebasin.alignment.strategies.base import relative_distance
+    from hf_rebasin.io.models import resolve_device
+    from hf_rebasin.merging.basis import check_gaps, function_gap, write_pair
+    from hf_rebasin.recipe import strategy_spec
 
     given = {item.partition("=")[0].strip(): item for item in args.options}
     spec = strategy_spec(args.strategy, _parse_options(args.options), given)  # checked as a recipe's section
     strategy, options = spec.strategy, spec.options
     device = resolve_device(args.device, where="--device")
-    named = {"A": args.model_a, "B": args.model_b}
-    if args.output:  # before any download or load: a refused output costs nothing
-        check_output(
-            Path(args.output), False, inputs=[(f"MODEL_{k}", Path(v)) for k, v in named.items()], where="--output"
-        )
-    folders = {k: _model_folder(v, args.allow_pickle, where=f"MODEL_{k}") for k, v in named.items()}
-    inputs = [(f"MODEL_{k}", Path(v)) for k, v in folders.items()]
-    if args.output and folders != named:  # a download: its folder is an input too
-        check_output(Path(args.output), False, inputs=inputs, where="--output")
-    a, b = (load_model(folders[k], allow_pickle=args.allow_pickle) for k in ("A", "B"))
-    (a, b), embedded = to_widest([a, b], [f"MODEL_{k} {v!r}" for k, v in named.items()])
-    check_compatible(a, b)
-    for done in embedded:
-        console.print(f"note: {escape(done.note([f'MODEL_{k}' for k in named]))}", soft_wrap=True)
-    for loaded in (a, b):
-        to_device(loaded.model, device)
+    named, inputs, a, b = _align_inputs(args, console, device)
     pair = Pair(a.graph, a.model.state_dict(), b.model.state_dict(), a.model, b.model)
     with console.status(f"aligning with {strategy.name} on {device}…"):
         alignment = strategy.run(pair, options, None)
@@ -268,18 +253,7 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
         with console.status("checking that both models compute what they did…"):
             gaps = {"A": function_gap(a.model, alignment.sd_a, bool(alignment.untied))}
             gaps["B"] = function_gap(b.model, aligned, bool(alignment.untied))
-    table = Table(title=f"{strategy.name}: {strategy.paper}", title_justify="left")
-    table.add_column("")
-    table.add_column("value", justify="right")
-    table.add_row("‖A − B‖ / ‖A‖ before", f"{distance['before']:.4f}")
-    table.add_row("‖A − B‖ / ‖A‖ after", f"{distance['after']:.4f}")
-    table.add_row(
-        "seconds (of which in solvers)", f"{alignment.timings['total']:.2f} ({alignment.timings['solver']:.2f})"
-    )
-    table.add_row("function preserving", "yes" if alignment.exact else "[red]no[/] (experimental option)")
-    for label, gap in gaps.items():
-        table.add_row(f"max |Δ logits| of {label} as written", f"{gap.max_abs_diff:.2e} (≤ {gap.tolerance:.0e})")
-    console.print(table)
+    console.print(_align_table(strategy, alignment, distance, gaps))
     for note in alignment.notes:
         console.print(f"note: {escape(note)}", soft_wrap=True)
     if alignment.untied:
@@ -306,17 +280,65 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+def _align_inputs(
+    args: argparse.Namespace, console: Console, device: torch.device
+) -> tuple[dict[str, str], list[tuple[str, Path]], LoadedModel, LoadedModel]:
+    """``align``'s MODEL_A and MODEL_B as given, their folders as inputs of ``--output``, and both
+    models loaded in one shape on ``device``. ``--output`` is checked before any download or load,
+    and again with a downloaded folder among its inputs."""
+    from pathlib import Path
+
+    from hf_rebasin.alignment.widths import to_widest
+    from hf_rebasin.io.models import check_compatible, load_model, to_device
+    from hf_rebasin.io.output import check_output
+
+    named = {"A": args.model_a, "B": args.model_b}
+    if args.output:  # before any download or load: a refused output costs nothing
+        check_output(
+            Path(args.output), False, inputs=[(f"MODEL_{k}", Path(v)) for k, v in named.items()], where="--output"
+        )
+    folders = {k: _model_folder(v, args.allow_pickle, where=f"MODEL_{k}") for k, v in named.items()}
+    inputs = [(f"MODEL_{k}", Path(v)) for k, v in folders.items()]
+    if args.output and folders != named:  # a download: its folder is an input too
+        check_output(Path(args.output), False, inputs=inputs, where="--output")
+    a, b = (load_model(folders[k], allow_pickle=args.allow_pickle) for k in ("A", "B"))
+    (a, b), embedded = to_widest([a, b], [f"MODEL_{k} {v!r}" for k, v in named.items()])
+    check_compatible(a, b)
+    for done in embedded:
+        console.print(f"note: {escape(done.note([f'MODEL_{k}' for k in named]))}", soft_wrap=True)
+    for loaded in (a, b):
+        to_device(loaded.model, device)
+    return named, inputs, a, b
+
+
+def _align_table(strategy: Strategy, alignment: Alignment, distance: dict[str, float], gaps: dict[str, Gap]) -> Table:
+    """``align``'s report: distances before and after, time, whether it preserves function and,
+    for what is written, each model's max |Δ logits|."""
+    table = Table(title=f"{strategy.name}: {strategy.paper}", title_justify="left")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("‖A − B‖ / ‖A‖ before", f"{distance['before']:.4f}")
+    table.add_row("‖A − B‖ / ‖A‖ after", f"{distance['after']:.4f}")
+    table.add_row(
+        "seconds (of which in solvers)", f"{alignment.timings['total']:.2f} ({alignment.timings['solver']:.2f})"
+    )
+    table.add_row("function preserving", "yes" if alignment.exact else "[red]no[/] (experimental option)")
+    for label, gap in gaps.items():
+        table.add_row(f"max |Δ logits| of {label} as written", f"{gap.max_abs_diff:.2e} (≤ {gap.tolerance:.0e})")
+    return table
+
+
 def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin lineage``: every pair's verdict, its evidence, optionally written to a folder."""
     import json
     from pathlib import Path
 
-    _quiet_libraries()
-    from ..lineage.pairs import check_count, lineage_of
-    from ..lineage.table import evidence_table, verdict_table
-    from ..models import load_model
-    from ..output import check_output
-    from ..run.widths import differ_in_width
+    quiet_libraries()
+    from hf_rebasin.alignment.widths import differ_in_width
+    from hf_rebasin.io.models import load_model
+    from hf_rebasin.io.output import check_output
+    from hf_rebasin.lineage.pairs import check_count, lineage_of
+    from hf_rebasin.lineage.table import evidence_table, verdict_table
 
     check_count(len(args.models))
     named_inputs = [(f"MODEL {i + 1}", Path(m)) for i, m in enumerate(args.models)]
@@ -338,8 +360,8 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
             console.print(evidence_table(record, pair))
             console.print(f"next: {escape(pair.next_step)}", soft_wrap=True)
     if args.output:
-        from ..lineage.plot import plot_lineage
-        from ..output import output_folder, write_text
+        from hf_rebasin.io.output import output_folder, write_text
+        from hf_rebasin.lineage.plot import plot_lineage
 
         inputs = [(f"MODEL {i + 1}", Path(f)) for i, f in enumerate(folders)]
         with output_folder(Path(args.output), overwrite=False, inputs=inputs, where="--output") as tmp:
@@ -354,12 +376,12 @@ def cmd_embed(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin embed``: MODEL written into WIDE's shape, checked, with a card."""
     from pathlib import Path
 
-    _quiet_libraries()
+    quiet_libraries()
 
-    from ..basis import write_embedded
-    from ..embed import embed_model
-    from ..models import load_model, read_config
-    from ..output import check_output
+    from hf_rebasin.alignment.widths import embed_model
+    from hf_rebasin.io.models import load_model, read_config
+    from hf_rebasin.io.output import check_output
+    from hf_rebasin.merging.basis import write_embedded
 
     refs = {"MODEL": args.model, "--like": args.like}
     check_output(Path(args.output), False, inputs=[(k, Path(v)) for k, v in refs.items()], where="--output")

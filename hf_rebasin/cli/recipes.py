@@ -12,23 +12,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..names import KINDS
+from hf_rebasin.core.names import KINDS
 
 if TYPE_CHECKING:
-    from ..run import RunResult
-    from ..scores import Transport
+    from hf_rebasin.evaluation.scores import Transport
+    from hf_rebasin.run import RunResult
 
-from .common import (
-    DEMO_OUTPUT,
-    EXIT_OK,
-    EXIT_USER,
-    _quiet_datasets,
-    _quiet_libraries,
-    _run_options,
-)
+from hf_rebasin.cli.common import DEMO_OUTPUT, EXIT_OK, EXIT_USER, quiet_datasets, quiet_libraries, run_options
 
 
-def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``run`` command's arguments."""
     run = sub.add_parser(
         "run",
@@ -39,11 +32,11 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ),
     )
     run.add_argument("recipe", metavar="RECIPE.yaml", help="the recipe file")
-    _run_options(run, "write the result here instead of `output.dir`")
+    run_options(run, "write the result here instead of `output.dir`")
     run.set_defaults(func=cmd_run, command_line=None)
 
 
-def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``demo`` command's arguments."""
     demo = sub.add_parser(
         "demo",
@@ -55,11 +48,11 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "recipes/demo.yaml; the result goes to ./rebasin-demo."
         ),
     )
-    _run_options(demo, f"result folder (default ./{DEMO_OUTPUT})", output=DEMO_OUTPUT)
+    run_options(demo, f"result folder (default ./{DEMO_OUTPUT})", output=DEMO_OUTPUT)
     demo.set_defaults(func=cmd_demo)
 
 
-def _add_zoo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_zoo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``zoo`` command's arguments."""
     zoo = sub.add_parser(
         "zoo",
@@ -85,7 +78,7 @@ def _add_zoo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     zoo.set_defaults(func=cmd_zoo)
 
 
-def _add_push(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_push(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``push`` command's arguments."""
     push = sub.add_parser(
         "push",
@@ -103,7 +96,7 @@ def _add_push(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     push.set_defaults(func=cmd_push)
 
 
-def _add_schema(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_schema(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``schema`` command's arguments."""
     schema = sub.add_parser("schema", help="print the JSON Schema of recipe files (for editors)")
     schema.set_defaults(func=cmd_schema)
@@ -149,7 +142,7 @@ def _stage_reporter(bars: Any) -> Any:
 
 def print_run_summary(console: Console, result: RunResult) -> None:
     """The final table: one row per curve (both barriers, loss at ½), then what was written."""
-    from ..evaluate import Curve
+    from hf_rebasin.evaluation.evaluate import Curve
 
     if result.curves:
         table = Table(title="loss barriers (nats)", title_justify="left")
@@ -253,11 +246,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin run RECIPE.yaml`` (or ``hf-rebasin RECIPE.yaml``): validate, plan or run a recipe."""
     from pathlib import Path
 
-    from ..recipe import load_recipe
-    from ..recipe.jobs import get_job
+    from hf_rebasin.recipe import load_recipe
+    from hf_rebasin.recipe.jobs import get_job
 
     recipe = load_recipe(args.recipe)  # before torch is imported: a refused recipe answers at once
-    from ..run import build_plan, run_recipe
+    from hf_rebasin.run import build_plan, run_recipe
 
     output = Path(args.output) if args.output else None
     if args.dry_run:
@@ -267,16 +260,16 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         if planned.memory is not None and not args.no_memory_check:
             planned.memory.check()  # the numbers, and exit 2, as the run would stop
         if get_job(recipe.job).lineage_preview:  # what the models are to each other, when it is cheap
-            _quiet_libraries()
-            from ..lineage.preview import preview_lines
+            quiet_libraries()
+            from hf_rebasin.run.lineage_preview import preview_lines
 
             with console.status("lineage…"):
                 lines = preview_lines(planned)
             for line in lines:
                 console.print(escape(line), soft_wrap=True)
         return EXIT_OK
-    _quiet_libraries()
-    _quiet_datasets()
+    quiet_libraries()
+    quiet_datasets()
     with _progress_bars(console) as bars:
         result = run_recipe(
             recipe,
@@ -297,15 +290,15 @@ def cmd_push(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin push DIR --repo R``: upload a finished output folder as one commit (retrying a push)."""
     from pathlib import Path
 
-    from .. import hub
-    from ..errors import ModelNotFoundError
+    from hf_rebasin.core.errors import ModelNotFoundError
+    from hf_rebasin.io.hub.push import push_folder
 
     folder = Path(args.folder)
     if not (folder / "rebasin.json").is_file():
         raise ModelNotFoundError(f"FOLDER: {str(folder)!r} is not an hf-rebasin output folder (no rebasin.json)")
-    _quiet_libraries()
+    quiet_libraries()
     with console.status(f"pushing {folder} to {args.repo}…"):
-        result = hub.push_folder(
+        result = push_folder(
             folder,
             args.repo,
             private=args.private or None,
@@ -320,7 +313,7 @@ def cmd_push(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin demo``: the shipped recipes/demo.yaml, written to ./rebasin-demo by default."""
-    from ..resources import resource
+    from hf_rebasin.core.resources import resource
 
     args.recipe = str(resource("recipes", "demo.yaml"))
     args.command_line = "hf-rebasin demo"
@@ -329,9 +322,9 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
 def cmd_zoo(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin zoo KIND SEED...``: the zoo folders (trained on first use), one per line."""
-    _quiet_libraries()
-    from ..recipe import ModelRef
-    from ..run import resolve_model
+    quiet_libraries()
+    from hf_rebasin.recipe import ModelRef
+    from hf_rebasin.run import resolve_model
 
     with _progress_bars(Console(stderr=True, highlight=False)) as bars:  # stdout: the folders only
         folders = [
@@ -351,7 +344,7 @@ def cmd_schema(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin schema``: the recipe JSON Schema on stdout (plain, so it can be redirected)."""
     import json
 
-    from ..recipe import recipe_json_schema
+    from hf_rebasin.recipe import recipe_json_schema
 
     sys.stdout.write(json.dumps(recipe_json_schema(), indent=2, ensure_ascii=False) + "\n")
     return EXIT_OK

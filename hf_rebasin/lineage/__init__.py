@@ -3,11 +3,13 @@
 `compare` gives one pair's verdict (same basis, related up to symmetry, independent) with its
 statistic, p-value and the evidence per layer and space; `pairs.lineage_of` every pair of several
 models, as ``lineage.json`` holds it (`record`); `table` and `plot` show it.
+
+Imports `core`, `symmetry`, `io`, `alignment` and below; never the recipe, the run or the CLI.
 """
 
 from __future__ import annotations
 
-from .compare import NULL_SIMILARITY, PairLineage, Verdict, compare
-from .record import SpaceRecord
+from hf_rebasin.lineage.compare import NULL_SIMILARITY, PairLineage, Verdict, compare
+from hf_rebasin.lineage.record import SpaceRecord
 
 __all__ = ["NULL_SIMILARITY", "PairLineage", "SpaceRecord", "Verdict", "compare"]

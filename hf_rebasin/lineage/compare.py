@@ -33,18 +33,15 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .. import glu
-from ..canonical import canonicalize
-from ..experts import center_routers
-from ..features.lowrank import LowRankViews
-from ..solvers import lap_sparse
-from ..strategies.engines.descent import view_graph
-from ..strategies.engines.orthogonal import permutation_start, rotate, space_order
-from ..symmetry import AxisMap, ExpertMap, HeadMap, Space, SpaceMap, SymmetryGraph, Transform
-from ..tensors import LazyState
-from .datamaps import LineageData, data_maps
-from .record import SpaceRecord
-from .stats import (
+from hf_rebasin.alignment.experts import center_routers
+from hf_rebasin.alignment.features.lowrank import LowRankViews
+from hf_rebasin.alignment.solvers import lap_sparse
+from hf_rebasin.alignment.strategies.engines.descent import view_graph
+from hf_rebasin.alignment.strategies.engines.orthogonal import permutation_start, rotate, space_order
+from hf_rebasin.core.lazy import LazyState
+from hf_rebasin.lineage.datamaps import LineageData, data_maps
+from hf_rebasin.lineage.record import SpaceRecord
+from hf_rebasin.lineage.stats import (
     RESIDUAL,
     SIGNAL_CAP,
     SIGNAL_SHARE,
@@ -57,6 +54,11 @@ from .stats import (
     space_of,
     z_score,
 )
+from hf_rebasin.symmetry import glu
+from hf_rebasin.symmetry.canonical import canonicalize
+from hf_rebasin.symmetry.graph import SymmetryGraph
+from hf_rebasin.symmetry.spaces import Space
+from hf_rebasin.symmetry.transforms import AxisMap, ExpertMap, HeadMap, SpaceMap, Transform
 
 __all__ = ["ALPHA", "NULL_SIMILARITY", "PairLineage", "Verdict", "compare", "describe_map"]
 
@@ -166,7 +168,7 @@ def compare(
     data: LineageData | None = None,
 ) -> PairLineage:
     """The lineage of B with respect to A (one family, one shape); see the module docstring. Lazy
-    states (`tensors.LazyState`) are read tensor by tensor, twice each: memory holds both models'
+    states (`LazyState`) are read tensor by tensor, twice each: memory holds both models'
     signals as factors and a few tensors, not the models. With ``data``, the alignment starts from
     maps fitted on the two models' activations (`datamaps`) instead of permutations of the signals."""
     clock: dict[str, float] = {}

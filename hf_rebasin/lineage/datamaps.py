@@ -34,17 +34,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..experts import solve_experts
-from ..features import activation_stats
-from ..features.activations import kept_positions, process_grid
-from ..features.lockstep import LockstepPlan, lockstep_plan, lockstep_stats
-from ..features.moments import CrossMoments, ExpertMoments
-from ..models import LoadedModel, output_config, running
-from ..offload import empty_model
-from ..solvers import lap_sparse
-from ..strategies.engines.descent import Views, solve_heads, solve_plain
-from ..symmetry import ExpertSpace, HeadSpace, Space, SymmetryGraph, Transform
-from ..tensors import is_lazy
+from hf_rebasin.alignment.experts import solve_experts
+from hf_rebasin.alignment.features import activation_stats
+from hf_rebasin.alignment.features.batches import kept_positions, process_grid
+from hf_rebasin.alignment.features.lockstep import LockstepPlan, lockstep_plan, lockstep_stats
+from hf_rebasin.alignment.features.moments import CrossMoments, ExpertMoments
+from hf_rebasin.alignment.solvers import lap_sparse
+from hf_rebasin.alignment.strategies.engines.descent import Views, solve_heads, solve_plain
+from hf_rebasin.core.lazy import is_lazy
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.io.offload import empty_model
+from hf_rebasin.io.rebuild import output_config, running
+from hf_rebasin.symmetry.graph import SymmetryGraph
+from hf_rebasin.symmetry.spaces import ExpertSpace, HeadSpace, Space
+from hf_rebasin.symmetry.transforms import Transform
 
 __all__ = ["LineageData", "data_bytes", "data_maps", "data_tokens", "space_stats_bytes"]
 

@@ -7,17 +7,17 @@ import time
 from collections.abc import Callable, Sequence
 from itertools import combinations
 
-from ..errors import IncompatibleModelsError, RebasinUserError
-from ..models import LoadedModel, check_compatible
-from ..names import DEFAULT_LINEAGE_STRATEGY
-from ..run.memory import OVERHEAD, InsufficientMemoryError, available_memory
-from ..run.widths import to_widest
-from ..strategies.base import AlignmentData
-from ..symmetry import Space
-from .compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, PairLineage, compare
-from .datamaps import LineageData, data_bytes, data_tokens
-from .record import LineageRecord, ModelRef, PairRecord, next_step
-from .stats import SIGNAL_CAP, SIGNAL_SHARE, is_matrix, signal_rank
+from hf_rebasin.alignment.strategies.base import AlignmentData
+from hf_rebasin.alignment.widths import to_widest
+from hf_rebasin.core.errors import IncompatibleModelsError, RebasinUserError
+from hf_rebasin.core.memory import OVERHEAD, InsufficientMemoryError, available_memory
+from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
+from hf_rebasin.io.models import LoadedModel, check_compatible
+from hf_rebasin.lineage.compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, PairLineage, compare
+from hf_rebasin.lineage.datamaps import LineageData, data_bytes, data_tokens
+from hf_rebasin.lineage.record import LineageRecord, ModelRef, PairRecord, next_step
+from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE, is_matrix, signal_rank
+from hf_rebasin.symmetry.spaces import Space
 
 __all__ = ["check_comparable", "check_count", "check_memory", "lineage_bytes", "lineage_of"]
 

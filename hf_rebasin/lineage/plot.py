@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .record import LineageRecord
+from hf_rebasin.lineage.record import LineageRecord
 
 __all__ = ["plot_lineage"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from .. import __version__
+from hf_rebasin import __version__
 
 __all__ = ["LineageRecord", "ModelRef", "PairRecord", "SpaceRecord", "next_step"]
 

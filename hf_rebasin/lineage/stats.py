@@ -23,8 +23,9 @@ import torch
 from scipy.stats import norm
 from torch import Tensor
 
-from ..features.lowrank import LowRank
-from ..symmetry import Fused, Space, SymmetryGraph, split_ref
+from hf_rebasin.alignment.features.lowrank import LowRank
+from hf_rebasin.symmetry.graph import SymmetryGraph
+from hf_rebasin.symmetry.spaces import Fused, Space, split_ref
 
 __all__ = [
     "RESIDUAL",

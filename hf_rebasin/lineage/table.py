@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from .record import LineageRecord, PairRecord
+from hf_rebasin.lineage.record import LineageRecord, PairRecord
 
 __all__ = ["evidence_table", "p_text", "verdict_table"]
 

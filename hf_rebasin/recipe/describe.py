@@ -6,18 +6,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..datafiles import check_files
-from ..errors import DataError
-from ..names import BUILTIN_DATASETS
-from ..zoo import is_trained, zoo_folder
-from .sections import AlignedRecipe, DataSpec, Evaluate, yamlish
+from hf_rebasin.core.errors import DataError
+from hf_rebasin.core.names import BUILTIN_DATASETS
+from hf_rebasin.evaluation.zoo.catalogue import is_trained, zoo_folder
+from hf_rebasin.io.datafiles import check_files
+from hf_rebasin.recipe.data import DataSpec
+from hf_rebasin.recipe.evaluate import Evaluate
+from hf_rebasin.recipe.sections import AlignedRecipe
+from hf_rebasin.recipe.strategy import yamlish
 
 __all__ = ["curve_lines", "data_line", "describe", "describe_auto"]
 
 
 def describe(recipe: AlignedRecipe, output: Path | None = None) -> list[str]:
     """The plan of ``recipe``, one line each; ``output`` is ``--output`` when given (nothing is loaded)."""
-    from .jobs import get_job  # the jobs' modules import this one
+    from hf_rebasin.recipe.jobs import get_job  # the jobs' modules import this one
 
     roles = recipe.roles()
     out = [f"recipe: {recipe.source}", f"job: {recipe.job}", "models:"]

@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from ..files import file_kind
-from .problems import Problem, RecipeError
-from .sections import MAX_YAML_VALUES
+from hf_rebasin.io.files import file_kind
+from hf_rebasin.recipe.problems import Problem, RecipeError
+from hf_rebasin.recipe.sections import MAX_YAML_VALUES
 
 __all__ = [
     "MAX_ECHOED_COMMENTS",

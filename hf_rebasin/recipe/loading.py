@@ -16,11 +16,13 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from ..strategies import REGISTRY
-from .jobs import JOBS
-from .limits import YamlLimitError, load_limited, read_recipe_file
-from .problems import Lines, Problem, RecipeError, problem_of
-from .sections import MAX_ZOO_SEED, AlignedRecipe, RecipeBase, StrategySection, StrategySpec
+from hf_rebasin.alignment.strategies import REGISTRY
+from hf_rebasin.recipe.jobs import JOBS
+from hf_rebasin.recipe.limits import YamlLimitError, load_limited, read_recipe_file
+from hf_rebasin.recipe.problems import Lines, Problem, RecipeError, problem_of
+from hf_rebasin.recipe.refs import MAX_ZOO_SEED
+from hf_rebasin.recipe.sections import AlignedRecipe, RecipeBase
+from hf_rebasin.recipe.strategy import StrategySection, StrategySpec
 
 __all__ = ["load_recipe", "loads_recipe", "parse_recipe", "recipe_json_schema", "strategy_spec"]
 
@@ -70,7 +72,7 @@ def strategy_spec(name: str, options: Mapping[str, Any], given: Mapping[str, str
     values, "did you mean"), naming the option as it was typed (``given``: key -> ``--set`` item)."""
     from pydantic import TypeAdapter
 
-    from ..errors import StrategyOptionError
+    from hf_rebasin.core.errors import StrategyOptionError
 
     try:
         return TypeAdapter(StrategySection).validate_python({**options, "name": name})

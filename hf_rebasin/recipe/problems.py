@@ -11,9 +11,10 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
-from ..errors import RebasinUserError
-from ..strategies import REGISTRY
-from .sections import SECTIONS, quoted
+from hf_rebasin.alignment.strategies import REGISTRY
+from hf_rebasin.core.errors import RebasinUserError
+from hf_rebasin.recipe.common import quoted
+from hf_rebasin.recipe.strategy import SECTIONS
 
 __all__ = ["Lines", "Problem", "RecipeError", "problem_of"]
 

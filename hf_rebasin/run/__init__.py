@@ -3,16 +3,18 @@
 `run_recipe` is the entry point; `plan` gives the lines of ``--dry-run``. The modules hold one
 stage each (`plan`, `load`, `stages`, `record`, one per job under `jobs`); none prints: the CLI
 passes a ``progress(stage, done, total)`` callback and prints the `RunResult`.
+Imports every stage below it (the recipe, lineage, evaluation, merging, alignment, io, symmetry,
+core); only the CLI imports the run.
 """
 
 from __future__ import annotations
 
-from ..record import RunRecord
-from .clock import Progress
-from .pipeline import run_recipe
-from .plan import Plan, build_plan, plan
-from .resolve import ResolvedModel, resolve_model
-from .result import RunResult
+from hf_rebasin.evaluation.record import RunRecord
+from hf_rebasin.run.clock import Progress
+from hf_rebasin.run.pipeline import run_recipe
+from hf_rebasin.run.plan import Plan, build_plan, plan
+from hf_rebasin.run.resolve import ResolvedModel, resolve_model
+from hf_rebasin.run.result import RunResult
 
 __all__ = [
     "Plan",

@@ -7,16 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import cache
-from ..layout import support_files
-from ..models import LoadedModel
-from ..recipe import Recipe
-from ..record import CacheStats
-from ..strategies import Alignment, Pair, get_strategy
-from ..symmetry import SymmetryGraph
-from .clock import Progress, noop
-from .data import BatchSpec
-from .resolve import ResolvedModel
+from hf_rebasin.alignment import cache
+from hf_rebasin.alignment.strategies import Alignment, Pair, get_strategy
+from hf_rebasin.evaluation.record import CacheStats
+from hf_rebasin.io.layout import support_files
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.recipe import Recipe
+from hf_rebasin.run.clock import Progress, noop
+from hf_rebasin.run.data import BatchSpec
+from hf_rebasin.run.resolve import ResolvedModel
+from hf_rebasin.symmetry.graph import SymmetryGraph
 
 __all__ = ["CacheUse", "RunCache"]
 

@@ -10,17 +10,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import hub
-from ..errors import DataError, IncompatibleModelsError, UnsupportedArchitectureError
-from ..evaldata import check_files
-from ..evaluate import task_of_class
-from ..files import read_config
-from ..lora import adapter_config, is_adapter
-from ..recipe import DataSpec, FineTuneRef, ModelRef, Recipe
-from ..remote_code import refuse_remote_code
-from ..roles import Roles, TransportRoles
-from .resolve import PlannedModel
-from .tokenizers import check_tokenizers
+from hf_rebasin.core.errors import DataError, IncompatibleModelsError, UnsupportedArchitectureError
+from hf_rebasin.core.roles import Roles, TransportRoles
+from hf_rebasin.evaluation.evaldata import check_files
+from hf_rebasin.evaluation.evaluate import task_of_class
+from hf_rebasin.io.files import read_config
+from hf_rebasin.io.hub.client import HubError
+from hf_rebasin.io.hub.push import has_token
+from hf_rebasin.io.remote_code import refuse_remote_code
+from hf_rebasin.merging.lora import adapter_config, is_adapter
+from hf_rebasin.recipe import DataSpec, FineTuneRef, ModelRef, Recipe
+from hf_rebasin.run.resolve import PlannedModel
+from hf_rebasin.run.tokenizers import check_tokenizers
 
 __all__ = [
     "check_adapter",
@@ -171,8 +172,8 @@ def check_task_of_folder(recipe: Recipe, folder: Path) -> None:
 def check_push_token(recipe: Recipe) -> None:
     """A push needs a token: refused before any work is done, not after an hour of it."""
     push = recipe.output.push_to_hub
-    if push is not None and not hub.has_token():
-        raise hub.HubError(
+    if push is not None and not has_token():
+        raise HubError(
             f"`output.push_to_hub`: pushing to {push.repo!r} needs a token: set HF_TOKEN or run `hf auth login` "
             "(checked before any work is done)"
         )

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ..tensors import give_back_freed
+from hf_rebasin.core.lazy import give_back_freed
 
 __all__ = ["STAGES", "Progress", "StageClock", "noop"]
 

@@ -11,10 +11,10 @@ from typing import Any
 
 from torch import Tensor
 
-from ..errors import DataError, ModelNotFoundError
-from ..evaldata import classification_batches, load_records, text_batches
-from ..evaluate import Metric, Task, load_metric
-from ..recipe import DataSpec, Recipe
+from hf_rebasin.core.errors import DataError, ModelNotFoundError
+from hf_rebasin.evaluation.evaldata import classification_batches, load_records, text_batches
+from hf_rebasin.evaluation.evaluate import Metric, Task, load_metric
+from hf_rebasin.recipe import DataSpec, Recipe
 
 __all__ = ["MAX_BLOCK", "TEXT_TASKS", "BatchSpec", "batches", "metrics", "processor"]
 

@@ -8,7 +8,6 @@ reading from disk can stand in for a loaded model where no forward pass is neede
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -18,37 +17,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import IncompatibleModelsError, UnsupportedArchitectureError, named
-from ..evaluate import Task, task_of
-from ..lora import LoraAdapter, apply_adapter, is_adapter, read_adapter
-from ..models import (
-    WRITABLE_DTYPES,
-    LoadedModel,
-    check_compatible,
-    check_same_shapes,
-    dtype_name,
-    load_model,
-    rebuild,
-    resolve_device,
-    to_device,
-)
-from ..output import check_inputs
-from ..recipe import Recipe
-from ..recipe.jobs import get_job
-from ..record import DtypeEntry
-from ..roles import MergeRoles, Roles, TransportRoles
-from ..strategies import AlignmentData
-from ..transport import check_shared
-from .alignment_cache import RunCache
-from .checks import check_adapter, check_remote_code, check_tokenizers, read_paths, task_mismatch
-from .clock import Progress, StageClock, noop
-from .data import BatchSpec, batches, metrics, processor
-from .plan import Plan, gate, memory_estimate, streamed
-from .resolve import PlannedModel, resolve_model, untrained_zoo
-from .score import Scorer
-from .widths import to_widest, widths
+from hf_rebasin.alignment.strategies import AlignmentData
+from hf_rebasin.alignment.widths import to_widest, widths
+from hf_rebasin.core.errors import IncompatibleModelsError, UnsupportedArchitectureError, named
+from hf_rebasin.core.roles import MergeRoles, Roles, TransportRoles
+from hf_rebasin.evaluation.evaluate import Task, task_of
+from hf_rebasin.evaluation.record import DtypeEntry
+from hf_rebasin.io.checks import check_same_shapes
+from hf_rebasin.io.models import LoadedModel, check_compatible, load_model, resolve_device, to_device
+from hf_rebasin.io.output import check_inputs
+from hf_rebasin.io.rebuild import rebuild
+from hf_rebasin.merging.lora import LoraAdapter, apply_adapter, is_adapter, read_adapter
+from hf_rebasin.merging.transport import check_shared
+from hf_rebasin.recipe import Recipe
+from hf_rebasin.run.alignment_cache import RunCache
+from hf_rebasin.run.checks import check_adapter, check_remote_code, check_tokenizers, read_paths, task_mismatch
+from hf_rebasin.run.clock import Progress, StageClock, noop
+from hf_rebasin.run.data import BatchSpec, batches, metrics, processor
+from hf_rebasin.run.dtypes import OutputDtype, output_dtype
+from hf_rebasin.run.plan import Plan, gate, memory_estimate, streamed
+from hf_rebasin.run.resolve import PlannedModel, resolve_model, untrained_zoo
+from hf_rebasin.run.score import Scorer
 
-__all__ = ["LOAD_STAGE", "AlignInput", "OutputDtype", "Workspace", "load_workspace", "weights"]
+__all__ = ["LOAD_STAGE", "AlignInput", "Workspace", "load_workspace", "weights"]
 
 LOAD_STAGE = "loading models"
 
@@ -66,15 +57,6 @@ class AlignInput:
     spec: BatchSpec  # the alignment cache keys on this very spec
     batches: list[dict[str, Tensor]]
     data: AlignmentData
-
-
-@dataclass(frozen=True)
-class OutputDtype:
-    """The dtype the output is written in, and the tensors written in a dtype of their own (a bf16
-    model's float32 norms, kept as stored). float32 and none kept for jobs that write no model."""
-
-    dtype: torch.dtype = torch.float32
-    kept: Mapping[str, torch.dtype] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -142,35 +124,13 @@ def load_workspace(
         if isinstance(inputs, TransportRoles):
             notes.extend(plan.adapter_notes if plan.adapter_notes is not None else check_adapter(recipe, inputs))
         models, adapter = _load_models(recipe, inputs, dev, report)
-        notes.extend(
-            ignored_note(str(m.ref), lm.ignored) for m, lm in zip(inputs.all, models.all, strict=True) if lm.ignored
-        )
-        notes.extend(lm.embedded for lm in models.all if lm.embedded)
-        if isinstance(models, TransportRoles) and models.finetune.embedded and is_adapter(models.finetune.path):
-            notes.append(
-                "the LoRA adapter was merged into its narrower base and moved as a full fine-tune: the output is a "
-                "full model of the target's shape, not an adapter (its factors have the narrow base's widths)"
-            )
-        sources = [lm.source for lm in models.all if lm.source is not None]
-        if sources:
-            on = sources[0].device
-            where = f"; tensor math on {on}" + (
-                " (MPS has no float64: forward passes only on mps)" if dev.type == "mps" else ""
-            )
-            notes.append(
-                "weights streamed: read from the safetensors files one tensor at a time and written the same way "
-                f"(a {recipe.job} without evaluation needs no model whole in memory){where}"
-            )
+        notes.extend(_loading_notes(recipe, inputs, models, dev))
         written, dtype_entry = output_dtype(recipe, models, adapter, notes)
         task, align_task = _tasks(recipe, models)
         ev = recipe.evaluate
         proc = processor(inputs.reference.path, task) if (recipe.data is not None or ev is not None) else None
         align = _alignment_data(recipe, base_dir, align_task, proc, models.reference)
-        eval_spec = BatchSpec.for_evaluation(recipe, task)
-        eval_batches = None
-        if ev is not None and eval_spec is not None:
-            config = (models.finetune if isinstance(models, TransportRoles) else models.reference).model.config
-            eval_batches = batches(ev.data, eval_spec, base_dir, proc, config, where="evaluate.data")
+        eval_batches = _eval_batches(recipe, task, base_dir, proc, models)
     return Workspace(
         plan=plan,
         inputs=inputs,
@@ -190,6 +150,31 @@ def load_workspace(
         progress=report,
         adapter=adapter,
     )
+
+
+def _loading_notes(
+    recipe: Recipe, inputs: Roles[PlannedModel], models: Roles[LoadedModel], dev: torch.device
+) -> list[str]:
+    """What loading did that the record must say: tensors the files hold but loading dropped,
+    models embedded into a wider shape, an adapter merged as a full fine-tune, weights streamed."""
+    notes = [ignored_note(str(m.ref), lm.ignored) for m, lm in zip(inputs.all, models.all, strict=True) if lm.ignored]
+    notes.extend(lm.embedded for lm in models.all if lm.embedded)
+    if isinstance(models, TransportRoles) and models.finetune.embedded and is_adapter(models.finetune.path):
+        notes.append(
+            "the LoRA adapter was merged into its narrower base and moved as a full fine-tune: the output is a "
+            "full model of the target's shape, not an adapter (its factors have the narrow base's widths)"
+        )
+    sources = [lm.source for lm in models.all if lm.source is not None]
+    if sources:
+        on = sources[0].device
+        where = f"; tensor math on {on}" + (
+            " (MPS has no float64: forward passes only on mps)" if dev.type == "mps" else ""
+        )
+        notes.append(
+            "weights streamed: read from the safetensors files one tensor at a time and written the same way "
+            f"(a {recipe.job} without evaluation needs no model whole in memory){where}"
+        )
+    return notes
 
 
 def ignored_note(model: str, ignored: Mapping[str, str]) -> str:
@@ -330,55 +315,6 @@ def _load_finetune(
     return ft, None
 
 
-def output_dtype(
-    recipe: Recipe, models: Roles[LoadedModel], adapter: LoraAdapter | None, notes: list[str]
-) -> tuple[OutputDtype, DtypeEntry]:
-    """The dtype the output is written in with the tensors written in a dtype of their own, and
-    ``rebasin.json``'s ``dtype`` entry.
-
-    ``output.dtype`` when set (every floating tensor); else the reference model's stored dtypes
-    (merge: A; transport: the target B, or for an adapter the adapter's own), tensor by tensor, so a
-    bf16 model stays bf16 and its float32 norms stay float32. Inputs stored in different dtypes
-    follow the reference, with a note. The work itself always runs in float32.
-    """
-    names = models.names
-    inputs = {role: dtype_name(lm.stored_dtype) for role, lm in zip(names, models.all, strict=True)}
-    own: dict[str, torch.dtype] = {}
-    if not get_job(recipe.job).writes_model:
-        return OutputDtype(), DtypeEntry(inputs=inputs)
-    if recipe.output.dtype is not None:
-        chosen, source = getattr(torch, recipe.output.dtype), "output.dtype"
-    elif adapter is not None:
-        chosen, source = adapter.dtype, "finetuned"
-    else:
-        chosen, source = models.reference.stored_dtype, names[0]
-        own = models.reference.own_dtypes(chosen)
-        transport = isinstance(models, TransportRoles)
-        written = (models.target, models.finetune) if isinstance(models, TransportRoles) else models.all
-        if len({lm.stored_dtype for lm in written}) > 1:
-            shown = ", ".join(f"{role} {name}" for role, name in inputs.items() if role != "base")
-            who = "the target B's" if transport else "model A's (the reference)"
-            notes.append(
-                f"the inputs are stored in different dtypes ({shown}): the output is written in "
-                f"{dtype_name(chosen)}, {who}; set `output.dtype` to choose another"
-            )
-    if chosen not in WRITABLE_DTYPES:
-        notes.append(
-            f"{names[0]} is stored in {dtype_name(chosen)}, which hf-rebasin does not write: written as float32"
-        )
-        chosen = torch.float32
-    kept = {name: dtype_name(dtype) for name, dtype in sorted(own.items())}
-    entry = DtypeEntry(inputs=inputs, output=dtype_name(chosen), source=source, kept=kept)
-    if own:
-        counts = Counter(kept.values())
-        shown = ", ".join(f"{n} tensor{'s' * (n > 1)} in {d}" for d, n in sorted(counts.items()))
-        notes.append(
-            f"{names[0]} stores its tensors in more than one dtype: written as stored ({shown}, the rest in "
-            f"{dtype_name(chosen)}; listed in rebasin.json's dtype.kept); set `output.dtype` to write one dtype"
-        )
-    return OutputDtype(chosen, own), entry
-
-
 def _tasks(recipe: Recipe, models: Roles[LoadedModel]) -> tuple[Task, Task]:
     """The task of the evaluation data and that of the alignment data: a transport is scored on
     the fine-tune's task (its head may be new) while alignment data go through the bases."""
@@ -416,3 +352,16 @@ def _alignment_data(recipe: Recipe, base_dir: Path, task: Task, proc: Any, refer
     special = frozenset(int(t) for t in getattr(proc, "all_special_ids", []) or [])
     data = AlignmentData(made, special, description=f"{recipe.data.dataset} ({recipe.data.split})")
     return AlignInput(spec, made, data)
+
+
+def _eval_batches(
+    recipe: Recipe, task: Task, base_dir: Path, proc: Any, models: Roles[LoadedModel]
+) -> list[dict[str, Tensor]] | None:
+    """``evaluate.data`` batched once (None without ``evaluate``); a transport's for the fine-tune,
+    whose task and head it is scored on."""
+    ev = recipe.evaluate
+    eval_spec = BatchSpec.for_evaluation(recipe, task)
+    if ev is None or eval_spec is None:
+        return None
+    config = (models.finetune if isinstance(models, TransportRoles) else models.reference).model.config
+    return batches(ev.data, eval_spec, base_dir, proc, config, where="evaluate.data")

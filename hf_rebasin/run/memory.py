@@ -12,21 +12,27 @@ Torch-free: the dry run prints it without importing torch.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import RebasinUserError
-from ..files import read_config, read_header
-from ..gate import safetensors_files
-from ..recipe import Recipe
-from ..schemas import SAFETENSORS_DTYPES
-from ..strategies import get_strategy
+from hf_rebasin.alignment.strategies import get_strategy
+from hf_rebasin.core.memory import GIB, OVERHEAD, InsufficientMemoryError, available_memory, resident
+from hf_rebasin.io.files import read_config, read_header
+from hf_rebasin.io.gate import safetensors_files
+from hf_rebasin.io.schemas import SAFETENSORS_DTYPES
+from hf_rebasin.recipe import Recipe
 
-__all__ = ["InsufficientMemoryError", "MemoryEstimate", "ModelFootprint", "available_memory", "estimate", "footprint"]
+__all__ = [
+    "OVERHEAD",
+    "InsufficientMemoryError",
+    "MemoryEstimate",
+    "ModelFootprint",
+    "available_memory",
+    "estimate",
+    "footprint",
+    "resident",
+]
 
-GIB = 1024**3
-OVERHEAD = 1 * GIB  # Python with torch, transformers and datasets imported, before any model
 STREAM_COPIES = 6  # float32 copies of the largest tensor a streamed step holds (inputs, maps, float64 sum)
 # a tensor of vocabulary rows (an embedding, an LM head) is merged, saved and summed in blocks of
 # rows; whole only in a forward pass, which holds it as stored and in float32
@@ -37,10 +43,6 @@ LEARNED_COPIES = 3  # learned matching: B under the dense maps and the interpola
 _FLOATING = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _FLOATING |= {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 _WIDTHS = ("intermediate_size", "n_inner", "hidden_size", "n_embd", "d_model")
-
-
-class InsufficientMemoryError(RebasinUserError, MemoryError):
-    """The run's estimated peak memory exceeds what the machine has available."""
 
 
 @dataclass(frozen=True)
@@ -132,41 +134,6 @@ def footprint(folder: Path) -> ModelFootprint | None:
         largest, mixed = max(largest, stacked), max(mixed, stacked)
     width = max(_width(config), experts[0] * experts[1])  # a layer's expert units: one space
     return ModelFootprint(params, nbytes, dtype, largest, width, hidden, max(1, layers), mixed, experts)
-
-
-def available_memory() -> int | None:
-    """Bytes this process can still use: the kernel's MemAvailable, lowered to the cgroup's limit."""
-    found: list[int] = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit.isdigit():
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
-            found.append(int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    if not found and hasattr(os, "sysconf"):
-        try:
-            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError):
-            pass
-    return min(found) if found else None
-
-
-def resident() -> int:
-    """This process's resident memory now: already in use, so not part of what is available."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def _gib(n: int) -> str:

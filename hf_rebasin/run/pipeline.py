@@ -7,15 +7,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import hub
-from ..output import claim_output, output_folder
-from ..recipe import Recipe
-from ..recipe.jobs import get_job
-from .clock import Progress
-from .load import Workspace, load_workspace
-from .plan import Plan, build_plan
-from .record import RunRecord, dataset_entries, model_entries, recipe_record, write_record
-from .result import JobOutput, RunResult
+from hf_rebasin.io.hub.push import PushError, push_folder
+from hf_rebasin.io.output import claim_output, output_folder
+from hf_rebasin.recipe import Recipe
+from hf_rebasin.recipe.jobs import get_job
+from hf_rebasin.run.clock import Progress
+from hf_rebasin.run.load import Workspace, load_workspace
+from hf_rebasin.run.plan import Plan, build_plan
+from hf_rebasin.run.record import RunRecord, dataset_entries, model_entries, recipe_record, write_record
+from hf_rebasin.run.result import JobOutput, RunResult
 
 __all__ = ["run_job", "run_recipe"]
 
@@ -88,10 +88,10 @@ def push(plan: Plan, report: Progress) -> tuple[Any, str | None]:
     report(stage, 0, 1)
     message = push.commit_message or f"hf-rebasin {recipe.job} with {recipe.strategy.name} ({Path(recipe.source).name})"
     try:
-        result = hub.push_folder(
+        result = push_folder(
             plan.output, push.repo, private=push.private, revision=push.revision, commit_message=message
         )
-    except hub.PushError as e:
+    except PushError as e:
         return None, str(e)
     report(stage, 1, 1)
     return result, None

@@ -14,14 +14,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..files import read_config
-from ..gate import check_folder
-from ..output import check_output
-from ..recipe import ModelRef, Recipe
-from ..recipe.describe import describe
-from ..recipe.jobs import get_job
-from ..roles import Roles, TransportRoles
-from .checks import (
+from hf_rebasin.core.roles import Roles, TransportRoles
+from hf_rebasin.io.files import read_config
+from hf_rebasin.io.gate import check_folder
+from hf_rebasin.io.output import check_output
+from hf_rebasin.recipe import ModelRef, Recipe
+from hf_rebasin.recipe.describe import describe
+from hf_rebasin.recipe.jobs import get_job
+from hf_rebasin.run.checks import (
     check_adapter,
     check_data_files,
     check_push_token,
@@ -31,8 +31,8 @@ from .checks import (
     read_paths,
     task_folder,
 )
-from .memory import MemoryEstimate, estimate
-from .resolve import PlannedModel, resolve_model
+from hf_rebasin.run.memory import MemoryEstimate, estimate
+from hf_rebasin.run.resolve import PlannedModel, resolve_model
 
 __all__ = ["Plan", "build_plan", "download_line", "gate", "memory_estimate", "plan", "streamed", "streams"]
 
@@ -74,7 +74,7 @@ class Plan:
 
     def width_lines(self) -> list[str]:
         """Models of different widths (read from config.json): what the run will embed."""
-        from .widths import config_widths
+        from hf_rebasin.alignment.widths import config_widths
 
         found = [config_widths(_folder(m)) for m in self.all]
         known = [w for w in found if w is not None]
@@ -117,7 +117,7 @@ def streamed(recipe: Recipe, models: Roles[PlannedModel]) -> bool:
     (config.json says so: an adapter, or a fine-tune with a head of its own, is loaded whole)."""
     if not streams(recipe):
         return False
-    from .widths import differ_in_width
+    from hf_rebasin.alignment.widths import differ_in_width
 
     if differ_in_width([_folder(m) for m in models.all]):  # the narrower ones are embedded in memory
         return False

@@ -1,6 +1,6 @@
 """``rebasin.json`` built from a run and written with its card.
 
-The record's types (`RunRecord` and its parts) live in `hf_rebasin.record`, torch-free, so the card
+The record's types (`RunRecord` and its parts) live in `hf_rebasin.evaluation.record`, torch-free, so the card
 reads the same types; here they are filled from the recipe and the resolved models. Local paths
 are recorded relative to the recipe's folder: the record is published with the model and must
 not show the user's own folder layout.
@@ -16,14 +16,16 @@ from typing import Any
 
 import yaml
 
-from ..card import leaves_folder, read_license, render_card
-from ..evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS
-from ..output import write_json, write_text
-from ..recipe import Recipe
-from ..recipe.limits import echoed_recipe_text
-from ..record import CacheStats, DatasetEntry, DtypeEntry, Findings, ModelEntry, RunRecord
-from ..roles import Roles, TransportRoles
-from .resolve import PlannedModel
+from hf_rebasin.core.roles import Roles, TransportRoles
+from hf_rebasin.evaluation.evaldata import BUILTIN_DATASETS, LOCAL_BUILDERS
+from hf_rebasin.evaluation.record import CacheStats, DatasetEntry, DtypeEntry, Findings, ModelEntry, RunRecord
+from hf_rebasin.io.output import write_json, write_text
+from hf_rebasin.recipe import Recipe
+from hf_rebasin.recipe.limits import echoed_recipe_text
+from hf_rebasin.run.card import render_card
+from hf_rebasin.run.card.metadata import read_license
+from hf_rebasin.run.card.text import leaves_folder
+from hf_rebasin.run.resolve import PlannedModel
 
 __all__ = [
     "CacheStats",

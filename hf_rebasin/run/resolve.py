@@ -6,12 +6,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import hub, train
-from ..errors import ModelNotFoundError, named
-from ..files import resolve_folder
-from ..lora import is_adapter
-from ..recipe import ModelRef, Recipe
-from .clock import Progress, noop
+from hf_rebasin.core.errors import ModelNotFoundError, named
+from hf_rebasin.evaluation.zoo import train
+from hf_rebasin.io.files import resolve_folder
+from hf_rebasin.io.hub.client import offline
+from hf_rebasin.io.hub.download import Download, download_model, plan_download
+from hf_rebasin.io.hub.resolve import cached_model, resolve_revision
+from hf_rebasin.merging.lora import is_adapter
+from hf_rebasin.recipe import ModelRef, Recipe
+from hf_rebasin.run.clock import Progress, noop
 
 __all__ = ["PlannedModel", "ResolvedModel", "resolve_model", "untrained_zoo"]
 
@@ -24,7 +27,7 @@ class ResolvedModel:
     commit: str | None = None
     files: tuple[str, ...] | None = None  # a Hub model resolved without download: the files of its commit
     cached: bool = False  # a Hub model taken from the local Hugging Face cache (HF_HUB_OFFLINE=1)
-    download: hub.Download | None = None  # a Hub model resolved without download: what the run fetches
+    download: Download | None = None  # a Hub model resolved without download: what the run fetches
 
 
 @dataclass(frozen=True)
@@ -95,17 +98,17 @@ def _resolve(
     if ref.zoo is not None:
         return ResolvedModel(_zoo(ref, fetch, progress or noop))
     if ref.source == "hub":
-        if hub.offline():  # no network: the snapshot the cache holds, in a dry run too
-            snap = hub.cached_model(ref.model, ref.revision, allow_pickle=allow_pickle, where=where)
+        if offline():  # no network: the snapshot the cache holds, in a dry run too
+            snap = cached_model(ref.model, ref.revision, allow_pickle=allow_pickle, where=where)
             return ResolvedModel(snap.folder, snap.commit, cached=True)
         if not fetch:
-            commit, files = hub.resolve_revision(ref.model, ref.revision, where=where)
+            commit, files = resolve_revision(ref.model, ref.revision, where=where)
             # the exact files and their advertised bytes; a sharded repo's small index JSON is read
             # (into the cache) to list its shards, the only file a dry run downloads
-            download = hub.plan_download(ref.model, ref.revision, commit, files, allow_pickle=allow_pickle, where=where)
+            download = plan_download(ref.model, ref.revision, commit, files, allow_pickle=allow_pickle, where=where)
             return ResolvedModel(None, commit, tuple(files), download=download)
         pinned = (checked.commit, checked.files) if checked and checked.commit and checked.files is not None else None
-        snap = hub.download_model(ref.model, ref.revision, allow_pickle=allow_pickle, where=where, resolved=pinned)
+        snap = download_model(ref.model, ref.revision, allow_pickle=allow_pickle, where=where, resolved=pinned)
         return ResolvedModel(snap.folder, snap.commit)
     folder = Path(ref.model)
     if not folder.exists() and not folder.is_symlink():

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..evaluate import Curve
-from ..record import Findings
-from ..scores import Preservation, Score, Transport, Universe
+from hf_rebasin.evaluation.evaluate import Curve
+from hf_rebasin.evaluation.record import Findings
+from hf_rebasin.evaluation.scores import Preservation, Score, Transport, Universe
 
 __all__ = ["JobOutput", "RunResult"]
 
@@ -29,7 +29,7 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
-    pushed: Any = None  # hub.PushResult when output.push_to_hub succeeded
+    pushed: Any = None  # hub.push.PushResult when output.push_to_hub succeeded
     push_error: str | None = None  # why the push failed (the local folder is complete)
 
     @property

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..evaluate import Metric, Task, evaluate_loss
-from ..models import rebuilt
+from hf_rebasin.evaluation.evaluate import Metric, Task, evaluate_loss
+from hf_rebasin.io.rebuild import rebuilt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -26,7 +26,7 @@ class Scorer:
     their own): each state dict is rounded to it (and back to float32, where the scoring runs)
     first, so a score is that of the weights the user gets, not of the float32 weights before the
     cast. float32 changes nothing. The scorer keeps its copy for that rounding only: what is
-    written reads the workspace's `run.load.OutputDtype`."""
+    written reads the workspace's `run.dtypes.OutputDtype`."""
 
     def __init__(
         self,

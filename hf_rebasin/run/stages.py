@@ -10,21 +10,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..adapters import get_adapter
-from ..errors import RebasinUserError
-from ..evaluate import Curve, Metric, Task, barrier, lambdas, loss_curve
-from ..models import LoadedModel, rebuilt, running
-from ..record import Findings
-from ..roles import MergeRoles, letter
-from ..scores import Preservation
-from ..strategies import Alignment, Pair, align, get_strategy
-from ..strategies.options import sampler_for
-from ..sublayers import is_per_sublayer
-from ..verify import check_preserved, example_inputs, logits_gap, tolerance
-from .alignment_cache import CacheUse
-from .clock import Progress
-from .load import Workspace, weights
-from .result import RunResult
+from hf_rebasin.alignment.strategies import Alignment, Pair, align, get_strategy
+from hf_rebasin.alignment.strategies.options import sampler_for
+from hf_rebasin.alignment.verify import check_preserved, example_inputs, logits_gap, tolerance
+from hf_rebasin.core.errors import RebasinUserError
+from hf_rebasin.core.roles import MergeRoles, letter
+from hf_rebasin.evaluation.evaluate import Curve, Metric, Task, barrier, lambdas, loss_curve
+from hf_rebasin.evaluation.record import Findings
+from hf_rebasin.evaluation.scores import Preservation
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.io.rebuild import rebuilt, running
+from hf_rebasin.run.alignment_cache import CacheUse
+from hf_rebasin.run.clock import Progress
+from hf_rebasin.run.load import Workspace, weights
+from hf_rebasin.run.result import RunResult
+from hf_rebasin.symmetry.adapters import get_adapter
+from hf_rebasin.symmetry.sublayers import is_per_sublayer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

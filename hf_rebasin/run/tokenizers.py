@@ -12,11 +12,11 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import IncompatibleModelsError, TokenizerError, named
-from ..files import read_config
-from ..recipe import Recipe
-from ..vocab import load_tokenizer, tokenizer_difference
-from .resolve import PlannedModel
+from hf_rebasin.core.errors import IncompatibleModelsError, TokenizerError, named
+from hf_rebasin.io.files import read_config
+from hf_rebasin.io.vocab import load_tokenizer, tokenizer_difference
+from hf_rebasin.recipe import Recipe
+from hf_rebasin.run.resolve import PlannedModel
 
 __all__ = ["check_ids_fit", "check_tokenizers", "embedding_rows", "largest_id"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..sections import AlignedRecipe
+from hf_rebasin.recipe.sections import AlignedRecipe
 
 __all__ = ["JOBS", "CardPart", "Job", "discover", "get_job"]
 

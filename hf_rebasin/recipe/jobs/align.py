@@ -10,9 +10,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from ..sections import AlignedRecipe, ModelsRecipe
-from . import CardPart, Job
-from .merge import PRESERVED_PAIR, PRESERVED_SENTENCE, models_not_roles
+from hf_rebasin.recipe.jobs import CardPart, Job
+from hf_rebasin.recipe.jobs.merge import PRESERVED_PAIR, PRESERVED_SENTENCE, models_not_roles
+from hf_rebasin.recipe.sections import AlignedRecipe, ModelsRecipe
 
 __all__ = ["JOB", "AlignRecipe", "folder_name"]
 

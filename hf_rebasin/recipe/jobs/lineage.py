@@ -10,10 +10,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from ...names import DEFAULT_LINEAGE_STRATEGY
-from ..sections import AlignedRecipe, ModelsRecipe
-from . import CardPart, Job
-from .merge import models_not_roles
+from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
+from hf_rebasin.recipe.jobs import CardPart, Job
+from hf_rebasin.recipe.jobs.merge import models_not_roles
+from hf_rebasin.recipe.sections import AlignedRecipe, ModelsRecipe
 
 __all__ = ["JOB", "LineageRecipe"]
 

@@ -9,9 +9,10 @@ from typing import ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..describe import curve_lines
-from ..sections import DEFAULT_WEIGHT, AlignedRecipe, Merge, ModelsRecipe
-from . import CardPart, Job
+from hf_rebasin.recipe.describe import curve_lines
+from hf_rebasin.recipe.jobs import CardPart, Job
+from hf_rebasin.recipe.sections import AlignedRecipe, ModelsRecipe
+from hf_rebasin.recipe.weights import DEFAULT_WEIGHT, Merge
 
 __all__ = [
     "ALIGNED_WHY",

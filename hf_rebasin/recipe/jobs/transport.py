@@ -10,18 +10,13 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ...roles import TransportRoles
-from ..describe import data_line, describe_auto
-from ..sections import (
-    AlignedRecipe,
-    AutoAlpha,
-    FineTuneRef,
-    ModelRef,
-    _alpha_schema,
-    _auto_alpha,
-    _number,
-)
-from . import CardPart, Job
+from hf_rebasin.core.roles import TransportRoles
+from hf_rebasin.recipe.common import is_number
+from hf_rebasin.recipe.describe import data_line, describe_auto
+from hf_rebasin.recipe.jobs import CardPart, Job
+from hf_rebasin.recipe.refs import FineTuneRef, ModelRef
+from hf_rebasin.recipe.sections import AlignedRecipe
+from hf_rebasin.recipe.weights import AutoAlpha, alpha_schema, parse_auto_alpha
 
 __all__ = ["DEFAULT_TRANSPORT_STRATEGY", "JOB", "TransportRecipe"]
 
@@ -57,7 +52,7 @@ class TransportRecipe(AlignedRecipe):
         description="scale α of the task vector (default 1); a list is swept and reported, the first "
         "saved; `auto` (or {auto: [α, ...], support_budget: nats}) sweeps and saves the α whose task gain is worth "
         "its support cost (needs `evaluate.support`)",
-        json_schema_extra=_alpha_schema,
+        json_schema_extra=alpha_schema,
     )
 
     misplaced: ClassVar[Mapping[str, str]] = {
@@ -85,9 +80,9 @@ class TransportRecipe(AlignedRecipe):
         if value is None:
             return 1.0
         if value == "auto" or isinstance(value, (Mapping, AutoAlpha)):
-            return value if isinstance(value, AutoAlpha) else _auto_alpha(value)
+            return value if isinstance(value, AutoAlpha) else parse_auto_alpha(value)
         values = value if isinstance(value, list) else [value]
-        if not values or not all(_number(v) and abs(v) < 1e6 for v in values):
+        if not values or not all(is_number(v) and abs(v) < 1e6 for v in values):
             raise PydanticCustomError(
                 "weight",
                 "must be a number (the scale of the task vector, e.g. 1.0), a list of them, or `auto` "

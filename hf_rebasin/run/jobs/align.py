@@ -7,19 +7,20 @@ from pathlib import Path
 
 from torch import Tensor
 
-from ...basis import Gap, check_gaps, function_gap, mergekit_config, written_dtype
-from ...export import copy_support_files, save_merged_model
-from ...models import LoadedModel, dtype_name
-from ...output import write_text
-from ...recipe.jobs.align import folder_name, mergekit_method
-from ...record import Findings
-from ...roles import MergeRoles
-from ...scores import WrittenGap
-from ...strategies.base import relative_distance
-from ..load import Workspace
-from ..result import JobOutput
-from ..stages import align_others, job_result, options_as_run
-from .barrier import aligned_preservation, alignment_diagnostics, save_diagnostics
+from hf_rebasin.alignment.strategies.base import relative_distance
+from hf_rebasin.core.roles import MergeRoles
+from hf_rebasin.evaluation.record import Findings
+from hf_rebasin.evaluation.scores import WrittenGap
+from hf_rebasin.io.checkpoint import dtype_name
+from hf_rebasin.io.export import copy_support_files, save_merged_model
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.io.output import write_text
+from hf_rebasin.merging.basis import Gap, check_gaps, function_gap, mergekit_config, written_dtype
+from hf_rebasin.recipe.jobs.align import folder_name, mergekit_method
+from hf_rebasin.run.jobs.barrier import aligned_preservation, alignment_diagnostics, save_diagnostics
+from hf_rebasin.run.load import Workspace
+from hf_rebasin.run.result import JobOutput
+from hf_rebasin.run.stages import align_others, job_result, options_as_run
 
 __all__ = ["run"]
 

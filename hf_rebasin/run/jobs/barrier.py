@@ -7,18 +7,18 @@ from typing import Any
 
 from torch import Tensor
 
-from ...diagnostics import feature_similarity
-from ...evaluate import Curve
-from ...models import LoadedModel
-from ...output import write_text
-from ...record import Findings
-from ...report import markdown_table, metric_names, plot_alignment, plot_curves, plot_learning
-from ...roles import MergeRoles
-from ...scores import Preservation, Score, Universe
-from ...strategies import Alignment
-from ..load import Workspace
-from ..result import JobOutput
-from ..stages import align_others, check_inputs, curves, job_result, options_as_run, preservation
+from hf_rebasin.alignment.diagnostics import feature_similarity
+from hf_rebasin.alignment.strategies import Alignment
+from hf_rebasin.core.roles import MergeRoles
+from hf_rebasin.evaluation.evaluate import Curve
+from hf_rebasin.evaluation.record import Findings
+from hf_rebasin.evaluation.report import markdown_table, metric_names, plot_alignment, plot_curves, plot_learning
+from hf_rebasin.evaluation.scores import Preservation, Score, Universe
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.io.output import write_text
+from hf_rebasin.run.load import Workspace
+from hf_rebasin.run.result import JobOutput
+from hf_rebasin.run.stages import align_others, check_inputs, curves, job_result, options_as_run, preservation
 
 __all__ = ["alignment_diagnostics", "findings_of", "run", "save_curves", "save_diagnostics", "title"]
 

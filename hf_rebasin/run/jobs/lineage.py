@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...lineage.pairs import lineage_of
-from ...lineage.plot import plot_lineage
-from ...names import DEFAULT_LINEAGE_STRATEGY
-from ...output import write_text
-from ...recipe.jobs.lineage import LineageRecipe
-from ...record import Findings
-from ...roles import MergeRoles
-from ..load import Workspace
-from ..result import JobOutput
-from ..stages import job_result
+from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
+from hf_rebasin.core.roles import MergeRoles
+from hf_rebasin.evaluation.record import Findings
+from hf_rebasin.io.output import write_text
+from hf_rebasin.lineage.pairs import lineage_of
+from hf_rebasin.lineage.plot import plot_lineage
+from hf_rebasin.recipe.jobs.lineage import LineageRecipe
+from hf_rebasin.run.load import Workspace
+from hf_rebasin.run.result import JobOutput
+from hf_rebasin.run.stages import job_result
 
 __all__ = ["run"]
 

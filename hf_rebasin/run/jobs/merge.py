@@ -8,18 +8,18 @@ from typing import Any
 
 from torch import Tensor
 
-from ...export import copy_support_files, save_merged_model
-from ...merge import merge_state_dicts
-from ...models import LoadedModel
-from ...recipe.jobs.merge import MergeRecipe
-from ...roles import MergeRoles
-from ...scores import Preservation, Score, Universe
-from ...strategies import Alignment, get_strategy
-from ...universe import universe_merge
-from ..load import Workspace, weights
-from ..result import JobOutput
-from ..stages import align_others, check_inputs, curves, job_result, preservation, writing
-from .barrier import aligned_preservation, findings_of, save_curves
+from hf_rebasin.alignment.strategies import Alignment, get_strategy
+from hf_rebasin.core.roles import MergeRoles
+from hf_rebasin.evaluation.scores import Preservation, Score, Universe
+from hf_rebasin.io.export import copy_support_files, save_merged_model
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.merging.interpolate import merge_state_dicts
+from hf_rebasin.merging.universe import universe_merge
+from hf_rebasin.recipe.jobs.merge import MergeRecipe
+from hf_rebasin.run.jobs.barrier import aligned_preservation, findings_of, save_curves
+from hf_rebasin.run.load import Workspace, weights
+from hf_rebasin.run.result import JobOutput
+from hf_rebasin.run.stages import align_others, check_inputs, curves, job_result, preservation, writing
 
 __all__ = ["run"]
 

@@ -8,7 +8,6 @@ and ``alpha: auto`` saves the α that `choose_alpha` picks from them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,29 +15,30 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from ...export import copy_support_files, save_merged_model
-from ...lora import canonical_blocker, lora_graph, save_adapter, transport_adapter
-from ...models import LoadedModel
-from ...output import write_text
-from ...recipe.jobs.transport import TransportRecipe
-from ...record import Findings
-from ...report import plot_tradeoff, tradeoff, tradeoff_table
-from ...roles import TransportRoles
-from ...scores import AdapterSummary, Choice, Transport
-from ...strategies import Alignment, Pair, align, get_strategy
-from ...sublayers import is_per_sublayer, per_sublayer
-from ...symmetry import SymmetryGraph
-from ...transport import add_task_vector, move_finetune
-from ..data import BatchSpec, batches
-from ..load import Workspace, weights
-from ..result import JobOutput
-from ..stages import check_inputs, job_result, options_as_run, preservation, timed_align, writing
-from .barrier import save_diagnostics
+from hf_rebasin.alignment.strategies import Alignment, Pair, align, get_strategy
+from hf_rebasin.core.roles import TransportRoles
+from hf_rebasin.evaluation.record import Findings
+from hf_rebasin.evaluation.report import plot_tradeoff, tradeoff, tradeoff_table
+from hf_rebasin.evaluation.scores import AdapterSummary, Choice, Transport
+from hf_rebasin.io.export import copy_support_files, save_merged_model
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.io.output import write_text
+from hf_rebasin.merging.lora import canonical_blocker, lora_graph, save_adapter, transport_adapter
+from hf_rebasin.merging.transport import add_task_vector, move_finetune
+from hf_rebasin.recipe.jobs.transport import TransportRecipe
+from hf_rebasin.run.auto_alpha import choose_alpha
+from hf_rebasin.run.data import BatchSpec, batches
+from hf_rebasin.run.jobs.barrier import save_diagnostics
+from hf_rebasin.run.load import Workspace, weights
+from hf_rebasin.run.result import JobOutput
+from hf_rebasin.run.stages import check_inputs, job_result, options_as_run, preservation, timed_align, writing
+from hf_rebasin.symmetry.graph import SymmetryGraph
+from hf_rebasin.symmetry.sublayers import is_per_sublayer, per_sublayer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["Choice", "choose_alpha", "run"]
+__all__ = ["Choice", "run"]
 
 
 def own(ws: Workspace) -> TransportRecipe:
@@ -251,83 +251,6 @@ def _base_score(
     sd_a, sd_ft = weights(models.base), weights(models.finetune)
     sd = {n: sd_ft[n] if n in moved.carried else sd_a[n] for n in moved.names}
     return ws.score(moved.template, sd, False, data, ws.task)
-
-
-def choose_alpha(
-    alphas: Sequence[float], gains: Sequence[float], costs: Sequence[float], budget: float | None = None
-) -> Choice:
-    """The α ``alpha: auto`` saves, from each α's task gain (L_task(B) − L_task(θ)) and support cost
-    (L_sup(θ) − L_sup(B)). Only an α with a positive gain is eligible, and with ``budget`` only
-    one whose cost is at most the budget:
-
-    - ``budget``: the eligible α with the largest gain ("budget");
-    - else an eligible α at no cost (cost ≤ 0) beats any that costs: the largest gain among them
-      ("no-cost"); otherwise the largest gain per nat of cost, gain / cost ("ratio");
-    - no α eligible: the α with the smallest support cost ("fallback"), and ``reason`` says what
-      to change. An α whose gain or cost is not finite is never picked unless all are.
-
-    Ties go to the larger gain, then the smaller cost, then the smaller α.
-    """
-    if not (len(alphas) == len(gains) == len(costs)) or not alphas:
-        raise ValueError(f"{len(alphas)} alphas, {len(gains)} gains and {len(costs)} costs: give one of each per α")
-    n = range(len(alphas))
-    finite = [i for i in n if math.isfinite(gains[i]) and math.isfinite(costs[i])]
-    gaining = [i for i in finite if gains[i] > 0]
-    eligible = [i for i in gaining if budget is None or costs[i] <= budget]
-
-    def pick(candidates: list[int], *key: Any) -> int:
-        return min(candidates, key=lambda i: (*(k(i) for k in key), -gains[i], costs[i], alphas[i]))
-
-    def choice(i: int, rule: str, reason: str) -> Choice:
-        return Choice(
-            alpha=float(alphas[i]),
-            index=i,
-            rule=rule,
-            gain=float(gains[i]),
-            cost=float(costs[i]),
-            reason=reason,
-            support_budget=budget,
-        )
-
-    if eligible and budget is not None:
-        i = pick(eligible)
-        return choice(
-            i,
-            "budget",
-            f"the largest task gain ({gains[i]:.4f} nats) whose support cost ({costs[i]:+.4f}) fits the budget "
-            f"of {budget:g} nats",
-        )
-    free = [i for i in eligible if costs[i] <= 0]
-    if free:
-        i = pick(free)
-        return choice(
-            i, "no-cost", f"a task gain of {gains[i]:.4f} nats at no support cost ({costs[i]:+.4f}), the largest such"
-        )
-    if eligible:
-        i = pick(eligible, lambda j: -gains[j] / costs[j])
-        return choice(
-            i,
-            "ratio",
-            f"the best task gain per nat of support cost: {gains[i]:.4f} nats gained for {costs[i]:.4f} nats of "
-            f"support cost ({gains[i] / costs[i]:.2f} per nat)",
-        )
-    i = pick(finite or list(n), lambda j: costs[j] if j in finite else math.inf)
-    if not gaining:
-        why = "no α of the grid lowers the task loss below B's"
-        fix = (
-            "the transport does not help this fine-tune on this target: try another strategy (generalized-orthogonal "
-            "rotates the residual stream) or keep B"
-        )
-    else:
-        cheapest = min(gaining, key=lambda j: costs[j])
-        why = (
-            f"no α that lowers the task loss keeps the support cost within the budget of {budget:g} nats "
-            f"(the cheapest, α = {alphas[cheapest]:g}, costs {costs[cheapest]:+.4f})"
-        )
-        fix = f"raise `alpha.support_budget` to {costs[cheapest]:.4g} or more, or add smaller α to `alpha.auto`"
-    return choice(
-        i, "fallback", f"{why}: saved the α of the smallest support cost ({costs[i]:+.4f}, gain {gains[i]:+.4f}); {fix}"
-    )
 
 
 def _saved_alpha(ws: Workspace, points: Mapping[str, Any] | None) -> tuple[float, Choice | None]:

@@ -1,0 +1,197 @@
+"""Lazy state dicts: tensors computed when read, in blocks of rows where they can be.
+
+A `LazyState` is a state dict that holds nothing: each tensor is computed when it is read and
+dropped by the caller. A checkpoint on disk (`hf_rebasin.io.tensors.CheckpointSource`) is one;
+derived states (a canonical form, a transformed model, a merge) are `LazyState`s over other
+`LazyState`s, so a whole run of a data-free strategy flows tensor by tensor from the input files
+into the files written. Every stage reads models through this type; torch only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ROW_BLOCK_ELEMENTS",
+    "WORK_DTYPE",
+    "LazyState",
+    "RowReader",
+    "dtype_of",
+    "give_back_freed",
+    "is_lazy",
+    "row_blocks",
+    "shape_of",
+]
+
+WORK_DTYPE = torch.float32  # what floating tensors are read as: every computation runs in float32
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None (macOS, Windows, musl)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
+def give_back_freed() -> None:
+    """Return the free pages of the C heap to the operating system (glibc's ``malloc_trim(0)``).
+
+    A streamed run frees thousands of 1–32 MB tensors; glibc keeps them in its heap, fragmented,
+    and the resident size grew to several times what was live (TinyLlama weight matching: a
+    3.8 GB heap holding 0.2 GB). Called between stages and spaces, not per tensor: trimming also
+    costs the page faults of reusing those pages, which per tensor doubled the time of a merge.
+    Elsewhere than glibc it does nothing.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+RowReader = Callable[[int, int], Tensor]  # rows [start, stop) of one tensor, computed without the others
+
+
+class LazyState(Mapping[str, Tensor]):
+    """A state dict computed on read: ``state[name]`` builds the tensor, nothing is kept.
+
+    Names, shapes and dtypes are known without computing a tensor, so checks and plans that need
+    only shapes cost nothing. Reading the same name twice computes it twice: callers that need a
+    tensor more than once keep it themselves for as long as they need it.
+
+    ``rows(name)`` says whether a block of a tensor's first-axis rows can be computed alone, and
+    how: a checkpoint reads their bytes, and a derived state can when every stage maps each row
+    on its own (an embedding, whose vocabulary axis no symmetry maps). Without it, a 151936×1024
+    embedding is computed whole, in float32, by every stage that reads it; `row_blocks` reads
+    it a block at a time where every state in the chain allows.
+    """
+
+    def __init__(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        dtypes: Mapping[str, torch.dtype],
+        read: Callable[[str], Tensor],
+        *,
+        aliases: Mapping[str, str] | None = None,
+        rows: Callable[[str], RowReader | None] | None = None,
+    ) -> None:
+        self._shapes = dict(shapes)
+        self._dtypes = dict(dtypes)
+        self._read = read
+        self._rows = rows
+        self.aliases: dict[str, str] = dict(aliases or {})  # tied names -> the name that holds the data
+
+    def shape(self, name: str) -> torch.Size:
+        return torch.Size(self._shapes[name])
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype ``state[name]`` has (float32 for the floating tensors of a checkpoint)."""
+        return self._dtypes[name]
+
+    def numel(self, name: str) -> int:
+        return math.prod(self._shapes[name])
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._shapes:
+            raise KeyError(name)
+        if math.prod(self._shapes[name]) > ROW_BLOCK_ELEMENTS:
+            read = self.rows(name)
+            if read is not None:  # whole, but each stage of the chain holds one block of rows, not a copy
+                return _assembled(read, self._shapes[name])
+        return self._read(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def rows(self, name: str) -> RowReader | None:
+        """How to compute rows ``[start, stop)`` of tensor ``name`` alone, or None where only the
+        whole tensor can be (a stage that mixes its rows, or a scalar)."""
+        if self._rows is None or name not in self._shapes or not self._shapes[name]:
+            return None
+        return self._rows(name)
+
+    def derive(
+        self,
+        read: Callable[[str], Tensor],
+        *,
+        dtypes: Mapping[str, torch.dtype] | None = None,
+        rows: Callable[[str], RowReader | None] | None = None,
+    ) -> LazyState:
+        """A state with the same names and shapes whose tensors ``read`` computes (from this one);
+        ``rows`` as `rows` (None: no tensor in blocks)."""
+        return LazyState(
+            self._shapes, dtypes if dtypes is not None else self._dtypes, read, aliases=self.aliases, rows=rows
+        )
+
+
+ROW_BLOCK_ELEMENTS = 1 << 23  # values per block of rows (32 MB in float32)
+
+
+def _rows_per_block(shape: Sequence[int], elements: int) -> int:
+    """Rows of ``shape`` that hold about ``elements`` values (one at least)."""
+    return max(1, elements * shape[0] // max(1, math.prod(shape)))
+
+
+def _assembled(read: RowReader, shape: Sequence[int]) -> Tensor:
+    """A whole tensor filled from its blocks of rows. A forward pass needs an embedding or LM head
+    whole; built whole through canonical form and a rotation it took three float32 copies at once
+    (the peak of a streamed generalized-orthogonal run at the Qwen3-0.6B shape), built from blocks one."""
+    step = _rows_per_block(shape, ROW_BLOCK_ELEMENTS)
+    out: Tensor | None = None
+    for start in range(0, shape[0], step):
+        block = read(start, min(start + step, shape[0]))
+        if out is None:
+            out = torch.empty(tuple(shape), dtype=block.dtype, device=block.device)
+        out[start : start + block.shape[0]] = block
+        del block
+    assert out is not None
+    return out
+
+
+def row_blocks(
+    states: Sequence[Mapping[str, Tensor]], name: str, *, elements: int | None = None
+) -> Iterator[list[Tensor]]:
+    """Tensor ``name`` of every state, as ``[one per state]`` lists of matching row blocks, in
+    order: in blocks of about ``elements`` values where it is larger than that and every state
+    computes its rows alone (`LazyState.rows`), else whole, in one list. For work that is a sum
+    over rows or row-wise (saving, merging, sums over an axis the first one is not): the same
+    values as the whole tensors, without holding them (``elements``: `ROW_BLOCK_ELEMENTS`)."""
+    elements = ROW_BLOCK_ELEMENTS if elements is None else elements
+    shape = shape_of(states[0], name)
+    numel = math.prod(shape)
+    readers = [s.rows(name) if isinstance(s, LazyState) else None for s in states]
+    if numel <= elements or any(r is None for r in readers):
+        yield [s[name] for s in states]
+        return
+    step = _rows_per_block(shape, elements)
+    for start in range(0, shape[0], step):
+        stop = min(start + step, shape[0])
+        yield [r(start, stop) for r in readers if r is not None]
+
+
+def is_lazy(state: Mapping[str, Tensor]) -> bool:
+    return isinstance(state, LazyState)
+
+
+def shape_of(state: Mapping[str, Tensor], name: str) -> torch.Size:
+    """A tensor's shape without computing a lazy one."""
+    return state.shape(name) if isinstance(state, LazyState) else state[name].shape
+
+
+def dtype_of(state: Mapping[str, Tensor], name: str) -> torch.dtype:
+    """A tensor's dtype (as read) without computing a lazy one."""
+    return state.dtype(name) if isinstance(state, LazyState) else state[name].dtype

@@ -1,0 +1,326 @@
+"""A zoo of tiny trained models: GPT-2 (and wider twins), causal LMs of other families (Qwen3, Gemma, Gemma-2,
+Gemma-3, Pythia, OLMo-2, Phi-3), BERT and masked LMs of other encoder families (DistilBERT,
+XLM-RoBERTa, ModernBERT) on Shakespeare characters; ViT (and a wider twin), DINOv2 and SigLIP on
+8×8 digits.
+
+Re-basin needs pairs of models that compute the same kind of function from different seeds.
+These are trained by the project's own code (no Hub, no network) in about a minute each on one
+CPU thread, cached on disk, and saved exactly as ``save_pretrained`` writes models (safetensors),
+so every other part of hf-rebasin reads them like any user's folder. The seed sets both the
+initialisation and the data order.
+
+This module holds the entry points: `cached_model` (trained on first use, then reused), the
+trainer of every kind, `training_record` and `held_out_batches`, and the models trained on top of
+another zoo model (the GPT-2's fine-tune, LoRA adapter and next release, the domain fine-tunes):
+those start from `cached_model`'s base and `cached_model` trains them, so they live beside it. How
+each family trained from scratch is built and trained lives in `causal`, `masked` and `images`,
+their transformers configs in `families`, and the loop every kind shares in `loop`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hf_rebasin.core.errors import ModelNotFoundError, UnsupportedArchitectureError
+from hf_rebasin.core.names import KINDS as KINDS  # `X as X`: re-exported, the runner and scripts read train.X
+from hf_rebasin.core.names import Kind
+from hf_rebasin.core.resources import cache_root as cache_root
+from hf_rebasin.evaluation import data
+from hf_rebasin.evaluation.zoo.catalogue import (
+    DEFAULT_CONFIGS,
+    TRAINING_FILE,
+    CausalLMTrainConfig,
+    DomainFineTuneConfig,
+    GPT2FineTuneConfig,
+    GPT2LoraConfig,
+    GPT2NextConfig,
+    GPT2TrainConfig,
+    ImageTrainConfig,
+    MaskedLMTrainConfig,
+    TrainConfig,
+    ViTTrainConfig,
+    check_kind,
+    is_trained,
+    zoo_folder,
+)
+from hf_rebasin.evaluation.zoo.catalogue import train_steps as train_steps
+from hf_rebasin.evaluation.zoo.causal import run_text, train_tiny_causal_lm, train_tiny_gpt2
+from hf_rebasin.evaluation.zoo.images import train_tiny_image_classifier, train_tiny_vit
+from hf_rebasin.evaluation.zoo.loop import TASKS, Progress
+from hf_rebasin.evaluation.zoo.masked import masked_lm_batches, train_tiny_bert, train_tiny_masked_lm
+
+
+def _finetune_data(
+    seed: int, plays: tuple[str, ...] | None, eval_tokens: int, *, base_kind: str = "gpt2", corpus: str = "shakespeare"
+) -> tuple[Path, Any, Tensor, Tensor]:
+    """(base folder, its tokenizer, train blocks, held-out blocks) for training on top of the zoo
+    model ``base_kind`` of ``seed``, on ``corpus`` (`data.corpus_text`). The tokenizer is the
+    base's (characters it never saw become ``<unk>``), so the result shares every tensor shape
+    with its base, as a task vector needs."""
+    from transformers import PreTrainedTokenizerFast
+
+    base = cached_model(base_kind, seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
+    block = _block(base)
+    train = data.text_blocks(tokenizer, data.corpus_text(corpus, plays, split="train"), block)
+    held_out = data.corpus_text(corpus, plays, split="test")
+    test = data.text_blocks(tokenizer, held_out, block, max_tokens=eval_tokens)
+    return base, tokenizer, train, test
+
+
+def _block(folder: Path) -> int:
+    """The context length of a zoo model: GPT-2's ``n_positions``, BERT's ``max_position_embeddings``."""
+    config = json.loads((folder / "config.json").read_text())
+    return int(config["n_positions"] if "n_positions" in config else config["max_position_embeddings"])
+
+
+def _train_further(
+    kind: Kind,
+    seed: int,
+    cfg: GPT2FineTuneConfig | GPT2NextConfig,
+    out_dir: Path,
+    *,
+    reorder: int | None,
+    progress: Progress | None,
+    threads: int | None,
+) -> Path:
+    """Train the zoo GPT-2 of ``seed`` further on ``cfg.plays`` (a fine-tune, or a re-release);
+    ``reorder`` seeds a shuffle of the blocks first, so they come in another order than before."""
+    from transformers import GPT2LMHeadModel
+
+    base, tokenizer, train, test = _finetune_data(seed, cfg.plays, cfg.eval_tokens)
+    if reorder is not None:
+        train = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(reorder))]
+    return run_text(
+        kind,
+        seed,
+        cfg,
+        out_dir,
+        lambda: GPT2LMHeadModel.from_pretrained(str(base)),
+        tokenizer,
+        train,
+        test,
+        progress=progress,
+        threads=threads,
+    )
+
+
+def finetune_tiny_gpt2(
+    seed: int,
+    out_dir: Path,
+    config: GPT2FineTuneConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Fine-tune the zoo GPT-2 of ``seed`` (trained first if needed) on other plays; save it."""
+    cfg = config or GPT2FineTuneConfig()
+    return _train_further("gpt2-ft", seed, cfg, out_dir, reorder=None, progress=progress, threads=threads)
+
+
+def lora_tiny_gpt2(
+    seed: int,
+    out_dir: Path,
+    config: GPT2LoraConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Train a PEFT LoRA adapter on the zoo GPT-2 of ``seed`` (trained first if needed); save it.
+
+    The folder is a standard adapter (``adapter_config.json``, ``adapter_model.safetensors``) whose
+    ``base_model_name_or_path`` is ``zoo:gpt2-seed<seed>``, the way a recipe names its base.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ModelNotFoundError(
+            "the zoo's LoRA adapters are trained with peft: pip install 'hf-rebasin[peft]'"
+        ) from None
+    from transformers import GPT2LMHeadModel
+
+    cfg = config or GPT2LoraConfig()
+    base, tokenizer, train, test = _finetune_data(seed, cfg.plays, cfg.eval_tokens)
+
+    def build() -> Any:
+        lora = LoraConfig(
+            r=cfg.rank,
+            lora_alpha=cfg.lora_alpha,
+            target_modules=list(cfg.target_modules),
+            fan_in_fan_out=True,  # GPT-2's Conv1D stores weights as [in, out]
+            lora_dropout=0.0,
+        )
+        return get_peft_model(GPT2LMHeadModel.from_pretrained(str(base)), lora)
+
+    folder = run_text(
+        "gpt2-lora", seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads
+    )
+    adapter_config = folder / "adapter_config.json"
+    written = json.loads(adapter_config.read_text())
+    written["base_model_name_or_path"] = f"zoo:gpt2-seed{seed}"
+    adapter_config.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+def finetune_on_domain(
+    kind: Kind,
+    seed: int,
+    out_dir: Path,
+    config: DomainFineTuneConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Fine-tune the zoo model ``config.base`` of ``seed`` (trained first if needed) on the text of
+    ``config.corpus``, with the base's tokenizer and context; save it."""
+    from transformers import AutoModelForCausalLM
+
+    default = DEFAULT_CONFIGS[check_kind(kind)]
+    if not isinstance(default, DomainFineTuneConfig):
+        raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by finetune_on_domain")
+    cfg = config or default
+    base, tokenizer, train, test = _finetune_data(seed, None, cfg.eval_tokens, base_kind=cfg.base, corpus=cfg.corpus)
+    return run_text(
+        kind,
+        seed,
+        cfg,
+        out_dir,
+        lambda: AutoModelForCausalLM.from_pretrained(str(base)),
+        tokenizer,
+        train,
+        test,
+        progress=progress,
+        threads=threads,
+    )
+
+
+def next_tiny_gpt2(
+    seed: int,
+    out_dir: Path,
+    config: GPT2NextConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Continue the pretraining of the zoo GPT-2 of ``seed`` (trained first if needed); save it."""
+    cfg = config or GPT2NextConfig()
+    reorder = seed + cfg.data_seed
+    return _train_further("gpt2-next", seed, cfg, out_dir, reorder=reorder, progress=progress, threads=threads)
+
+
+_TRAINERS: dict[Kind, Callable[..., Path]] = {
+    **{
+        kind: functools.partial(train_tiny_gpt2, kind=kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, GPT2TrainConfig)
+    },
+    **{
+        kind: functools.partial(train_tiny_vit, kind=kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, ViTTrainConfig)
+    },
+    "gpt2-ft": finetune_tiny_gpt2,
+    "gpt2-lora": lora_tiny_gpt2,
+    "gpt2-next": next_tiny_gpt2,
+    "bert": train_tiny_bert,
+    **{
+        kind: functools.partial(train_tiny_causal_lm, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, CausalLMTrainConfig)
+    },
+    **{
+        kind: functools.partial(train_tiny_masked_lm, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, MaskedLMTrainConfig)
+    },
+    **{
+        kind: functools.partial(train_tiny_image_classifier, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, ImageTrainConfig)
+    },
+    **{
+        kind: functools.partial(finetune_on_domain, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, DomainFineTuneConfig)
+    },
+}
+
+
+def cached_model(
+    kind: str,
+    seed: int,
+    cache_dir: Path | None = None,
+    *,
+    config: TrainConfig | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """The folder of zoo model ``kind`` trained from ``seed``: trained on first use, reused after.
+
+    Lives in ``<cache_dir>/<kind>-seed<seed>-<config hash>``; ``cache_dir`` defaults to
+    ``cache_root() / "zoo"``. Training writes to a temporary sibling folder that is renamed into
+    place when complete, so an interrupted run leaves no half-written model behind and two
+    processes racing for the same model both end with one complete folder.
+    """
+    final = zoo_folder(kind, seed, cache_dir, config=config)
+    if is_trained(final):
+        return final
+    cfg = config if config is not None else DEFAULT_CONFIGS[check_kind(kind)]
+    zoo = final.parent
+    zoo.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=zoo))
+    try:
+        _TRAINERS[check_kind(kind)](seed, tmp, cfg, progress=progress)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not is_trained(final):  # not a finished twin from another process
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def training_record(folder: Path) -> dict[str, Any]:
+    """What ``training.json`` in a zoo folder says: kind, seed, config, time, held-out loss."""
+    path = Path(folder) / TRAINING_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{str(path)!r} not found: {str(folder)!r} is not a zoo model folder")
+    record: dict[str, Any] = json.loads(path.read_text())
+    return record
+
+
+def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tensor]]:
+    """The held-out evaluation batches of a zoo model (text or digits it was not trained on).
+
+    A masked LM's are masked-LM batches whose masks come from ``EVAL_MASK_SEED``: the batches its
+    ``training.json`` loss was computed on, the same at every call.
+    """
+    record = training_record(folder)
+    kind = check_kind(record["kind"])
+    if TASKS.get(kind) == "image-classification":
+        images, labels = data.digits_dataset("test")
+        return list(data.image_batches(images, labels, batch_size))
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = record["config"]  # every text kind names its plays (or another corpus) and eval_tokens
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    plays = tuple(cfg["plays"]) if "plays" in cfg else None
+    text = data.corpus_text(cfg.get("corpus", "shakespeare"), plays, split="test")
+    if "block_size" in cfg:  # the blocks it was trained on (XLM-R's positions are 2 more)
+        block = int(cfg["block_size"])
+    else:  # trained on top of the zoo GPT-2: its context
+        block = _block(cached_model("gpt2", int(record["seed"])) if kind == "gpt2-lora" else Path(folder))
+    blocks = data.text_blocks(tokenizer, text, block, max_tokens=cfg["eval_tokens"])
+    if TASKS.get(kind) == "masked-lm":
+        return masked_lm_batches(blocks, tokenizer, batch_size)
+    return list(data.batches(blocks, batch_size, pad_token_id=int(tokenizer.pad_token_id)))

@@ -1,0 +1,251 @@
+"""Loading models from local folders with their stock transformers class.
+
+Checks happen before transformers sees the files (`io.checks`), so that a user mistake becomes a
+typed error that names the file or the tensor instead of a load report and a RuntimeError.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from hf_rebasin.core.errors import CheckpointError, ConfigError, IncompatibleModelsError, RebasinUserError
+from hf_rebasin.core.names import DEVICE_PATTERN
+from hf_rebasin.io.checkpoint import Checkpoint, checkpoint_shapes
+from hf_rebasin.io.checks import check_checkpoint, check_finite, check_same_shapes
+from hf_rebasin.io.configs import config_dtype, model_class, read_config, require_config
+from hf_rebasin.io.gate import check_folder
+from hf_rebasin.io.renames import Renamer
+from hf_rebasin.io.tensors import CheckpointSource, checkpoint_entries
+from hf_rebasin.symmetry.adapters import get_adapter
+from hf_rebasin.symmetry.graph import SymmetryGraph
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model (float32 for every computation), its symmetry graph and folder.
+
+    ``stored_dtype`` is the dtype of its floating weights on disk: what an output written from
+    it is cast back to (a bf16 Hub model stays bf16), read without loading a weight; ``stored_dtypes``
+    has each floating tensor's own (float32 norms beside bf16 matrices). ``ignored``: tensors of
+    the files that stock ``from_pretrained`` drops on load (legacy buffers), with the reason. A *streamed*
+    model has a ``source`` (its tensors read from disk when used) and a ``model`` whose parameters
+    are on the meta device: its class, config and shapes, for `offload.offloaded` forward passes.
+    ``expert_layout``: how its files store a mixture of experts' expert tensors (``per-expert`` or
+    ``fused``, `Checkpoint.expert_layout`), the layout an output written from it keeps.
+    ``embedded``: set when the run wrote it into a wider model's shape (models of different widths).
+    """
+
+    model: PreTrainedModel
+    graph: SymmetryGraph
+    path: Path
+    stored_dtype: torch.dtype = torch.float32
+    source: CheckpointSource | None = None
+    ignored: dict[str, str] = field(default_factory=dict)  # checkpoint key -> why loading drops it
+    stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # model name -> dtype on disk (floating)
+    expert_layout: str | None = None  # a mixture of experts' files: "per-expert" or "fused" (None: no experts)
+    embedded: str | None = None  # written into a wider model's shape for this run: what grew (`run.widths`)
+
+    def own_dtypes(self, main: torch.dtype) -> dict[str, torch.dtype]:
+        """The tensors stored in a dtype other than ``main`` (that hf-rebasin writes), to write them as stored."""
+        return {name: d for name, d in self.stored_dtypes.items() if d != main and d in WRITABLE_DTYPES}
+
+    @property
+    def weights(self) -> Mapping[str, Tensor]:
+        """Its tensors by name: read from disk one at a time when streamed, else the module's."""
+        return self.source if self.source is not None else self.model.state_dict()
+
+
+# dtypes an output is written in; another stored dtype (float8) is written as float32
+WRITABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    allow_pickle: bool = False,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    stream: bool = False,
+    device: torch.device | None = None,
+) -> LoadedModel:
+    """Load a model folder with its stock class, after checking every tensor against the config.
+
+    ``trust_remote_code`` accepts a folder whose files name their own code (the code is never run:
+    the stock class of the model_type is used). ``stream`` loads no weight: the model reads its
+    tensors from its safetensors files when they are used (see `LoadedModel`), onto ``device``; a
+    pickle checkpoint, or one that transformers converts while loading (other than by stacking
+    experts stored one by one), is loaded whole instead.
+    """
+    from hf_rebasin.io.remote_code import refuse_remote_code
+
+    folder = Path(path)
+    require_config(folder)  # the folder and its config.json named first when they are missing
+    check_folder(folder, allow_pickle=allow_pickle)  # every file loading reads, before any is read
+    refuse_remote_code(folder, trusted=trust_remote_code)
+    config = read_config(folder)
+    spec = get_adapter(getattr(config, "model_type", None))
+    try:
+        cls = model_class(config)
+    except ConfigError as e:
+        raise ConfigError(f"{str(folder)!r}: {e}") from None
+    checkpoint = checkpoint_shapes(folder, allow_pickle)
+    names, ignored = check_checkpoint(folder, cls, config, checkpoint)
+    if stream and checkpoint.files and all(f.endswith(".safetensors") for f in checkpoint.files.values()):
+        streamed = _streamed(folder, cls, config, checkpoint, names, device)
+        if streamed is not None:
+            streamed.ignored = ignored
+            check_finite(folder, streamed.weights, names, checkpoint)
+            return streamed
+    model = _from_pretrained(folder, cls, dtype, checkpoint)
+    check_finite(folder, model.state_dict(), names, checkpoint)
+    state_dict = model.state_dict()
+    graph = spec.graph(model.config, state_dict.keys())
+    graph.check(state_dict, source=str(folder))
+    return _loaded(model, graph, folder, checkpoint, names, ignored=ignored)
+
+
+def _from_pretrained(
+    folder: Path, cls: type[PreTrainedModel], dtype: torch.dtype, checkpoint: Checkpoint
+) -> PreTrainedModel:
+    """``cls.from_pretrained`` on a checked folder, in eval mode: its load report read again, as a
+    second line of defence behind `check_checkpoint`, so that a tensor it missed is still an error."""
+    prev = logging.getLogger("transformers").level
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        loaded: Any = cls.from_pretrained(str(folder), dtype=dtype, trust_remote_code=False, output_loading_info=True)
+        model: PreTrainedModel = loaded[0]
+        info: dict[str, Any] = loaded[1]
+    except RuntimeError as e:  # size mismatches under renamed keys
+        raise CheckpointError(f"{str(folder)!r}: the weights do not match config.json: {e}") from None
+    finally:
+        logging.getLogger("transformers").setLevel(prev)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = [k for k in info.get("missing_keys", ()) if k not in tied]
+    if missing or info.get("mismatched_keys"):
+        first = missing[0] if missing else info["mismatched_keys"][0]
+        raise CheckpointError(
+            f"{str(folder)!r}: tensor {first!r} is missing from the checkpoint or does not match config.json"
+        )
+    unexpected = sorted(set(info.get("unexpected_keys", ()) or ()) - checkpoint.dropped)
+    if unexpected:  # a second line of defence behind check_checkpoint
+        raise CheckpointError(
+            f"{str(folder)!r}: the checkpoint holds tensor {unexpected[0]!r}, which a {cls.__name__} with this "
+            "config.json does not have"
+        )
+    model.eval()
+    return model
+
+
+def _loaded(
+    model: PreTrainedModel,
+    graph: SymmetryGraph,
+    folder: Path,
+    checkpoint: Checkpoint,
+    names: Mapping[str, str],
+    **extra: Any,
+) -> LoadedModel:
+    """The `LoadedModel` of a checked checkpoint: the dtypes and the expert layout its files store."""
+    stored = checkpoint.stored_dtype(checkpoint.keys_of(names)) or config_dtype(folder) or torch.float32
+    return LoadedModel(
+        model,
+        graph,
+        folder,
+        stored,
+        stored_dtypes=checkpoint.floating(names),
+        expert_layout=checkpoint.expert_layout,
+        **extra,
+    )
+
+
+def _streamed(
+    folder: Path,
+    cls: type[PreTrainedModel],
+    config: Any,
+    checkpoint: Checkpoint,
+    names: Mapping[str, str],
+    device: torch.device | None,
+) -> LoadedModel | None:
+    """The model as a tensor source over its files and a meta-device module; None when
+    transformers would convert tensors while loading (renaming and the stacking of experts stored
+    one by one are followed here)."""
+    from hf_rebasin.io.offload import empty_model
+
+    model = empty_model(cls, config)
+    if Renamer(model).converts(checkpoint.shapes):
+        return None
+    files = sorted({folder / f for f in checkpoint.files.values()})
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    meta = model.state_dict()
+    order = list(meta)
+    aliases = {alias: source for alias, source in tied.items() if alias in order and alias not in names}
+    source = CheckpointSource(
+        folder,
+        checkpoint_entries(files),
+        {n: k for n, k in names.items() if n not in checkpoint.stacks},
+        aliases=aliases,
+        order=order,
+        device=device,
+        stacks=checkpoint.stacks,
+    )
+    spec = get_adapter(getattr(config, "model_type", None))
+    graph = spec.graph(model.config, order)
+    graph.check(meta, source=str(folder))  # shapes only: the parameters are on meta
+    return _loaded(model, graph, folder, checkpoint, names, source=source)
+
+
+def to_device(model: Any, device: torch.device) -> None:
+    """``model.to(device)`` in place (transformers' typing of ``.to`` does not take a device)."""
+    model.to(device)
+
+
+def resolve_device(name: str | None, where: str = "`device`") -> torch.device:
+    """``auto`` is CUDA when there is one, else the CPU; a device asked for but absent is a user error."""
+    name = name or "auto"
+    if not DEVICE_PATTERN.fullmatch(name):
+        raise RebasinUserError(f"{where}: {name!r} is not a device; allowed: auto, cpu, cuda, cuda:N, mps")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RebasinUserError(f"{where}: {name!r} was asked for, but no CUDA device is available here")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise RebasinUserError(f"{where}: 'mps' was asked for, but MPS is not available here")
+    return torch.device(name)
+
+
+def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
+    """``b`` can be aligned to ``a``: same model type, class and tensor shapes."""
+    type_a, type_b = a.model.config.model_type, b.model.config.model_type
+    cls_a, cls_b = type(a.model).__name__, type(b.model).__name__
+    if type_a != type_b or cls_a != cls_b:
+        raise IncompatibleModelsError(
+            f"{str(b.path)!r} is a {cls_b} (model_type {type_b!r}) but the reference {str(a.path)!r} is a "
+            f"{cls_a} (model_type {type_a!r}): only models of one architecture can be aligned"
+        )
+    check_same_shapes(a.weights, b.weights, repr(str(a.path)), repr(str(b.path)))
+    tied_a = dict(getattr(a.model, "all_tied_weights_keys", None) or {})
+    tied_b = dict(getattr(b.model, "all_tied_weights_keys", None) or {})
+    if set(tied_a) != set(tied_b):
+        # the merge and the alignment work in A's form: a tensor tied in A but not in B would drop B's copy
+        name = sorted(set(tied_a) ^ set(tied_b))[0]
+        tied, untied = (a, b) if name in tied_a else (b, a)
+        source = (tied_a if name in tied_a else tied_b)[name]
+
+        def setting(lm: LoadedModel) -> str:
+            value = getattr(lm.model.config.get_text_config(), "tie_word_embeddings", None)
+            return f"tie_word_embeddings: {str(value).lower()}"
+
+        raise IncompatibleModelsError(
+            f"tensor {name!r} is tied to {source!r} in {str(tied.path)!r} ({setting(tied)}) but stored on its own "
+            f"in {str(untied.path)!r} ({setting(untied)}); aligned in one form, the other model's {name} would be "
+            "lost. Align models that tie their weights alike (save both with the same tie_word_embeddings)"
+        )

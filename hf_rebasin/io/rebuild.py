@@ -1,0 +1,65 @@
+"""Models of a template's stock class rebuilt from transformed state dicts, to run or to write.
+
+A state dict in memory is loaded into a fresh model of the template's class; a `LazyState` runs
+in a meta-device module that reads each submodule's tensors when it runs (`io.offload`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from hf_rebasin.core.lazy import LazyState
+from hf_rebasin.io.models import to_device
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def output_config(template: PreTrainedModel, untie: bool) -> Any:
+    """A copy of ``template``'s config for a model built from transformed weights: with a tied LM
+    head stored apart when ``untie`` (canonical forms)."""
+    config = copy.deepcopy(template.config)
+    if untie:
+        config.tie_word_embeddings = False
+    return config
+
+
+def rebuild(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], *, untie: bool = False) -> PreTrainedModel:
+    """A fresh model of the same stock class holding ``state_dict`` (untied when asked), in
+    ``model``'s dtype (the caller casts for writing)."""
+    new = type(model)(output_config(model, untie))
+    new.load_state_dict(state_dict, strict=True)
+    new.to(dtype=next(model.parameters()).dtype)  # type: ignore[call-arg]  # transformers wraps .to
+    return new.eval()
+
+
+@contextmanager
+def running(
+    template: PreTrainedModel, state: Mapping[str, Tensor], *, untie: bool = False, device: torch.device | None = None
+) -> Iterator[PreTrainedModel]:
+    """A model of ``template``'s class that computes with ``state``, for forward passes: rebuilt in
+    memory beside ``template``, or for a `LazyState`, a meta-device module that reads each
+    submodule's tensors when it runs (`offload.offloaded`, on ``device``)."""
+    from hf_rebasin.io.offload import empty_model, offloaded
+
+    if not isinstance(state, LazyState):
+        yield rebuilt(template, state, untie)
+        return
+    with offloaded(
+        empty_model(type(template), output_config(template, untie)), state, device or torch.device("cpu")
+    ) as model:
+        yield model  # type: ignore[misc]  # offloaded yields the module it was given
+
+
+def rebuilt(template: PreTrainedModel, sd: Mapping[str, Tensor], untie: bool) -> PreTrainedModel:
+    """`rebuild` on ``template``'s device: a model of its class holding ``sd`` (a tied head stored
+    apart when ``untie``), ready to run beside it."""
+    model = rebuild(template, dict(sd), untie=untie)
+    to_device(model, next(template.parameters()).device)
+    return model
