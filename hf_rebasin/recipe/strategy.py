@@ -78,6 +78,8 @@ def yamlish(value: Any) -> str:
 
 
 def needs_data_message(spec: StrategySpec, at: str | None = None) -> PydanticCustomError:
+    """The error of a strategy whose options need alignment data in a recipe that has none: it names
+    the options that asked for it, so the user sees which to drop if they have no data."""
     given = {k: getattr(spec, k) for k in sorted(spec.model_fields_set - {"name"})}
     with_opts = f" with {', '.join(f'{k}: {yamlish(v)}' for k, v in given.items())}" if given else ""
     return PydanticCustomError(

@@ -35,6 +35,7 @@ def endpoint() -> str:
 
 
 def token_hint() -> str:
+    """What to do about a missing or refused token, for every message that needs one."""
     return "set HF_TOKEN or run `hf auth login` (a private or gated repo needs a token with access)"
 
 

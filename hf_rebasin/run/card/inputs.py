@@ -56,6 +56,7 @@ _SOURCE_WORDS = {"hub": "Hub dataset", "local": "local files", "builtin": "built
 
 
 def data_source(entry: DatasetEntry) -> dict[str, str]:
+    """One data set of the run as the card lists it: a Hub data set linked, a local or built-in one named."""
     name, source = entry.dataset, entry.source
     details = [f"split `{entry.split}`"] if entry.split else []
     if source in _SOURCE_WORDS:

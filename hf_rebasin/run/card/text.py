@@ -53,6 +53,7 @@ def _fence(text: str) -> str:
 
 
 def redact(text: str) -> str:
+    """``text`` with anything shaped like a Hub token masked: a card is published."""
     return _TOKEN.sub("hf_***", text)
 
 
