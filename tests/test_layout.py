@@ -161,3 +161,6 @@ def test_the_tests_mirror_the_stages() -> None:
         "test_imports.py",
         "test_layout.py",
     }
+    names = [p.name for p in tests.glob("**/test_*.py")]
+    # every folder is on the path (tests import each other's builders by module name): names are unique
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
