@@ -69,6 +69,7 @@ def run_recipe(recipe: Path, folder: Path) -> dict[str, Any]:
 
 def tensor_digests(out: Path) -> dict[str, str]:
     """``files.<file>.<tensor>`` → SHA-256 of the tensor's bytes, for every safetensors file written."""
+    import torch
     from safetensors import safe_open
 
     digests = {}
@@ -76,15 +77,9 @@ def tensor_digests(out: Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as f:
             for name in sorted(f.keys()):
                 tensor = f.get_tensor(name).contiguous()
-                data = tensor.view(-1).view(torch_uint8()).numpy().tobytes() if tensor.numel() else b""
+                data = tensor.view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
                 digests[f"files.{path.relative_to(out)}.{name}"] = hashlib.sha256(data).hexdigest()
     return digests
-
-
-def torch_uint8() -> Any:
-    import torch
-
-    return torch.uint8
 
 
 def differences(before: dict[str, Any], after: dict[str, Any], tol: float) -> list[str]:

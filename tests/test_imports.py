@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -53,32 +52,25 @@ def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
 
 
 def test_every_module_imports_on_its_own() -> None:
-    # before each module every hf_rebasin module is dropped from sys.modules, so each import finds its
-    # own dependencies (third-party libraries stay loaded: that is only speed); two interpreters share
-    # the modules, so the test takes half the time on two cores
-    def code(names: list[str]) -> str:
-        return textwrap.dedent(
-            f"""
-            import importlib, json, sys, traceback
-            failed = {{}}
-            for name in {names!r}:
-                for loaded in [m for m in sys.modules if m == "hf_rebasin" or m.startswith("hf_rebasin.")]:
-                    del sys.modules[loaded]
-                try:
-                    importlib.import_module(name)
-                except BaseException:
-                    failed[name] = traceback.format_exc(limit=-3)
-            print(json.dumps(failed))
-            """
-        )
-
-    names = sorted(_modules())
-    with ThreadPoolExecutor(2) as pool:
-        procs = list(pool.map(_python, [code(names[0::2]), code(names[1::2])]))
-    failed = {}
-    for proc in procs:
-        assert proc.returncode == 0, proc.stderr
-        failed.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    # one interpreter; before each module every hf_rebasin module is dropped from sys.modules, so
+    # each import finds its own dependencies (third-party libraries stay loaded: that is only speed)
+    code = textwrap.dedent(
+        f"""
+        import importlib, json, sys, traceback
+        failed = {{}}
+        for name in {sorted(_modules())!r}:
+            for loaded in [m for m in sys.modules if m == "hf_rebasin" or m.startswith("hf_rebasin.")]:
+                del sys.modules[loaded]
+            try:
+                importlib.import_module(name)
+            except BaseException:
+                failed[name] = traceback.format_exc(limit=-3)
+        print(json.dumps(failed))
+        """
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    failed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not failed, "\n\n".join(f"{name}:\n{trace}" for name, trace in failed.items())
 
 

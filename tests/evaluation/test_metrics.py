@@ -13,6 +13,7 @@ import torch
 import transformers as T
 import yaml
 from PIL import Image
+from test_train_eval import TINY_VIT
 
 from helpers import assert_user_error, run_cli
 from hf_rebasin.evaluation import data
@@ -98,8 +99,7 @@ def test_metric_that_does_not_load_is_a_user_error(tmp_path: Path, env: dict[str
 def _quick_vits(tmp_path: Path) -> list[str]:
     """Two ViTs of the zoo's kind trained for a few steps (a second, not the zoo's minute): for checks
     that need a digits classifier's predictions, not a good one."""
-    quick = train.ViTTrainConfig(steps=3, batch_size=8, hidden_size=16, num_hidden_layers=1, intermediate_size=16)
-    return [str(train.cached_model("vit", seed, tmp_path / "zoo", config=quick)) for seed in (0, 1)]
+    return [str(train.cached_model("vit", seed, tmp_path / "zoo", config=TINY_VIT)) for seed in (0, 1)]
 
 
 def test_metric_that_fails_on_the_predictions_is_a_user_error(tmp_path: Path, env: dict[str, str]) -> None:

@@ -324,10 +324,10 @@ class _Training:
     def train_step(self, progress: Progress | None) -> None:
         """One step on the next training batch, counted towards the next score."""
         rate = self.settings.lr * _lr_factor(self.step, self.steps, self.settings.warmup)
-        batch = self.train[self.step % len(self.train)]
-        loss = self.steppers.step(self.run, batch, rate, self.rng)
+        i = self.step % len(self.train)
+        loss = self.steppers.step(self.run, self.train[i], rate, self.rng)
         self.step += 1
-        self.seen += self.sizes[(self.step - 1) % len(self.train)][0]
+        self.seen += self.sizes[i][0]
         self.running, self.since = self.running + float(loss.detach()), self.since + 1
         if progress is not None:
             progress("learned matching", self.step, self.steps)
