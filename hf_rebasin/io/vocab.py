@@ -16,7 +16,17 @@ from typing import Any
 
 from hf_rebasin.core.errors import TokenizerError
 
-__all__ = ["TOKENIZER_FILES", "has_tokenizer", "load_tokenizer", "tokenizer_difference", "tokenizer_files"]
+__all__ = [
+    "LOADER_EXTRAS",
+    "TOKENIZER_FILES",
+    "differ_in_vocabulary",
+    "has_tokenizer",
+    "load_tokenizer",
+    "merge_rule",
+    "model_json",
+    "tokenizer_difference",
+    "tokenizer_files",
+]
 
 # the files from which transformers builds a tokenizer; a folder with none of them has no tokenizer
 TOKENIZER_FILES = (
@@ -43,7 +53,7 @@ def tokenizer_files(folder: Path) -> list[str]:
 
 
 # what a tokenizer loader may read besides `TOKENIZER_FILES`
-_LOADER_EXTRAS = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+LOADER_EXTRAS = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 
 def gate_tokenizer_files(folder: Path) -> None:
@@ -53,7 +63,7 @@ def gate_tokenizer_files(folder: Path) -> None:
     from hf_rebasin.io.gate import check_file
 
     root = model_root(resolve_folder(folder))
-    for name in (*TOKENIZER_FILES, *_LOADER_EXTRAS):
+    for name in (*TOKENIZER_FILES, *LOADER_EXTRAS):
         if os.path.lexists(Path(folder) / name):
             check_file(Path(folder) / name, root)
 
@@ -114,7 +124,7 @@ def _specials(tokenizer: Any) -> dict[str, tuple[str, int | None]]:
     return out
 
 
-def _model_json(tokenizer: Any) -> Mapping[str, Any]:
+def model_json(tokenizer: Any) -> Mapping[str, Any]:
     """The ``model`` section of the fast tokenizer's tokenizer.json (type, merges), {} if none."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -126,7 +136,8 @@ def _model_json(tokenizer: Any) -> Mapping[str, Any]:
     return model if isinstance(model, Mapping) else {}
 
 
-def _merge(rule: Any) -> str:
+def merge_rule(rule: Any) -> str:
+    """A BPE merge rule as one string (tokenizer.json writes either "a b" or ["a", "b"])."""
     return " ".join(map(str, rule)) if isinstance(rule, Sequence) and not isinstance(rule, str) else str(rule)
 
 
@@ -151,13 +162,34 @@ def tokenizer_difference(a: Any, b: Any, name_a: str = "A", name_b: str = "B") -
             shown_a = f"{sa[0]!r} (id {sa[1]})" if sa else "not set"
             shown_b = f"{sb[0]!r} (id {sb[1]})" if sb else "not set"
             return f"the {role} token is {shown_a} in {name_a} but {shown_b} in {name_b}"
-    model_a, model_b = _model_json(a), _model_json(b)
+    model_a, model_b = model_json(a), model_json(b)
     if model_a.get("type") != model_b.get("type"):
         return f"the tokenizer model is {model_a.get('type')!r} in {name_a} but {model_b.get('type')!r} in {name_b}"
     merges_a, merges_b = list(model_a.get("merges") or []), list(model_b.get("merges") or [])
     for i, (ma, mb) in enumerate(zip(merges_a, merges_b, strict=False)):
-        if _merge(ma) != _merge(mb):
-            return f"BPE merge rule {i} is {_merge(ma)!r} in {name_a} but {_merge(mb)!r} in {name_b}"
+        if merge_rule(ma) != merge_rule(mb):
+            return f"BPE merge rule {i} is {merge_rule(ma)!r} in {name_a} but {merge_rule(mb)!r} in {name_b}"
     if len(merges_a) != len(merges_b):
         return f"{name_a} has {len(merges_a)} BPE merge rules and {name_b} {len(merges_b)}"
     return None
+
+
+def differ_in_vocabulary(folders: Sequence[Path | None]) -> bool:
+    """Whether the models in ``folders`` may have other tokens at their rows: other embedding sizes
+    or other tokenizer files (read as bytes: cheap, and files that differ only in how they were
+    written count as different, which only costs the in-memory path). Unknown folders: no."""
+    from hf_rebasin.io.files import read_config
+
+    seen: set[tuple[Any, ...]] = set()
+    for folder in folders:
+        if folder is None or not (Path(folder) / "config.json").is_file():
+            continue
+        config = read_config(Path(folder))
+        nested = config.get("text_config")
+        text = nested if isinstance(nested, dict) else {}
+        files = tuple(
+            (Path(folder) / name).read_bytes() if (Path(folder) / name).is_file() else None
+            for name in ("tokenizer.json", "tokenizer_config.json", "added_tokens.json", "vocab.json", "vocab.txt")
+        )
+        seen.add((config.get("vocab_size"), text.get("vocab_size"), files))
+    return len(seen) > 1

@@ -38,6 +38,7 @@ from hf_rebasin.run.dtypes import OutputDtype, output_dtype
 from hf_rebasin.run.plan import Plan, gate, memory_estimate, streamed
 from hf_rebasin.run.resolve import PlannedModel, resolve_model, untrained_zoo
 from hf_rebasin.run.score import Scorer
+from hf_rebasin.run.vocabulary import RunVocabulary, to_rows
 
 __all__ = ["LOAD_STAGE", "AlignInput", "Workspace", "load_workspace", "weights"]
 
@@ -80,6 +81,7 @@ class Workspace:
     base_dir: Path
     progress: Progress
     adapter: LoraAdapter | None = None  # transport: the fine-tune is this LoRA adapter (merged into A)
+    rows: RunVocabulary | None = None  # the vocabularies, where they differ (`run.vocabulary`)
 
     @property
     def recipe(self) -> Recipe:
@@ -123,12 +125,13 @@ def load_workspace(
     with clock.stage("load"):
         if isinstance(inputs, TransportRoles):
             notes.extend(plan.adapter_notes if plan.adapter_notes is not None else check_adapter(recipe, inputs))
-        models, adapter = _load_models(recipe, inputs, dev, report)
+        models, adapter, rows = _load_models(recipe, inputs, dev, report)
         notes.extend(_loading_notes(recipe, inputs, models, dev))
+        notes.extend(rows.notes() if rows is not None else [])
         written, dtype_entry = output_dtype(recipe, models, adapter, notes)
         task, align_task = _tasks(recipe, models)
         ev = recipe.evaluate
-        proc = processor(inputs.reference.path, task) if (recipe.data is not None or ev is not None) else None
+        proc = _processor(inputs, task, rows) if (recipe.data is not None or ev is not None) else None
         align = _alignment_data(recipe, base_dir, align_task, proc, models.reference)
         eval_batches = _eval_batches(recipe, task, base_dir, proc, models)
     return Workspace(
@@ -149,7 +152,17 @@ def load_workspace(
         base_dir=base_dir,
         progress=report,
         adapter=adapter,
+        rows=rows,
     )
+
+
+def _processor(inputs: Roles[PlannedModel], task: Task, rows: RunVocabulary | None) -> Any:
+    """The reference's tokenizer or processor; where the vocabularies differ and the output's
+    tokens are the first working rows, the output's tokenizer (a fine-tune's chat tokens encode)."""
+    out = rows.output if rows is not None else None
+    if rows is not None and out is not None and out.rows[: out.tokens] == tuple(range(out.tokens)):
+        return rows.tokenizer()
+    return processor(inputs.reference.path, task)
 
 
 def _loading_notes(
@@ -229,8 +242,9 @@ def _load(
 
 def _load_models(
     recipe: Recipe, inputs: Roles[PlannedModel], dev: torch.device, report: Progress
-) -> tuple[Roles[LoadedModel], LoraAdapter | None]:
-    """Every model on ``dev``, each checked against the reference (a fine-tune: against its base)."""
+) -> tuple[Roles[LoadedModel], LoraAdapter | None, RunVocabulary | None]:
+    """Every model on ``dev`` in one vocabulary layout (rows matched by token where the vocabularies
+    differ), each checked against the reference (a fine-tune: against its base)."""
     total = len(inputs.all)
     done: list[LoadedModel] = []
     stream = streamed(recipe, inputs)
@@ -253,19 +267,26 @@ def _load_models(
     reference = placed(lambda: loaded(inputs.reference))
     if isinstance(inputs, MergeRoles):
         others = [placed(partial(loaded, m)) for m in inputs.others]
-        every, _ = to_widest([reference, *others], [_named(m) for m in inputs.all])
+        every, rows = to_rows(
+            recipe, [_named(m) for m in inputs.all], [reference, *others], [m.path for m in inputs.all]
+        )
+        every, _ = to_widest(every, [_named(m) for m in inputs.all])
         for lm in every[1:]:
             check_compatible(every[0], lm)
-        return MergeRoles(every[0], tuple(every[1:])), None
+        return MergeRoles(every[0], tuple(every[1:])), None, rows
     base = placed(partial(loaded, inputs.base))
     finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe, stream=stream, device=on)
     placed(lambda: finetune)
+    folders = [inputs.reference.path, inputs.base.path, inputs.base.path if adapter else inputs.finetune.path]
     where = [_named(m) for m in (inputs.reference, inputs.base, inputs.finetune)]
+    (reference, base, finetune), rows = to_rows(recipe, where, [reference, base, finetune], folders)
+    if adapter is None:
+        check_finetune(base, finetune)
     if transport_widths(reference, base, where):
         (reference, base, finetune), _ = to_widest([reference, base, finetune], where, into=0)
         adapter = None  # its factors are the narrow base's: moved as the full fine-tune it merges into
     check_compatible(reference, base)
-    return TransportRoles(reference, base, finetune), adapter
+    return TransportRoles(reference, base, finetune), adapter, rows
 
 
 def _named(m: PlannedModel) -> str:
@@ -308,11 +329,15 @@ def _load_finetune(
             f"base {str(base.path)!r} is a {type(base.model).__name__} (model_type {type_a!r}): a fine-tune keeps "
             "the architecture of the base it was trained from"
         )
+    return ft, None
+
+
+def check_finetune(base: LoadedModel, ft: LoadedModel) -> None:
+    """A full fine-tune's tensors against its base's, once both have one vocabulary layout."""
     sd_base, sd_ft = weights(base), weights(ft)
     check_shared(sd_base, sd_ft, "`finetuned.model`")
     if type(ft.model) is type(base.model) and sd_ft.keys() != sd_base.keys():
         check_same_shapes(sd_base, sd_ft, "the base", "the fine-tune")
-    return ft, None
 
 
 def _tasks(recipe: Recipe, models: Roles[LoadedModel]) -> tuple[Task, Task]:

@@ -3,6 +3,7 @@ preservation check, and loss curves along λ."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
@@ -229,7 +230,7 @@ def curves(
         al, aligned = primary, aligned_b
         if curve_name != name:
             al = align_pair(ws, models, 0, curve_name, get_strategy(curve_name).parse(None))
-            aligned = al.aligned_b()
+            al, (aligned,) = filled(ws, al, [al.aligned_b()])
         with ws.clock.stage("evaluate"):
             found[curve_name] = curve(
                 models.reference.model, al, aligned, ws.eval_batches, ws.task, ev.points, curve_name, ws.progress,
@@ -237,6 +238,18 @@ def curves(
             )  # fmt: skip
             barriers[curve_name] = barrier(found[curve_name].lambdas, found[curve_name].losses)
     return found, barriers
+
+
+def filled(
+    ws: Workspace, primary: Alignment, aligned: list[dict[str, Tensor]]
+) -> tuple[Alignment, list[dict[str, Tensor]]]:
+    """A and the aligned models with the rows each lacks filled in A's basis, where the models'
+    vocabularies differ (`merging.rows`); as they are otherwise. After the preservation check:
+    that compares each model with itself, its own rows only."""
+    if ws.rows is None:
+        return primary, aligned
+    states = ws.rows.fill_merge([primary.sd_a, *aligned])
+    return dataclasses.replace(primary, sd_a=states[0]), states[1:]
 
 
 def job_result(

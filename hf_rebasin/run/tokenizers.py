@@ -14,7 +14,7 @@ from typing import Any
 
 from hf_rebasin.core.errors import IncompatibleModelsError, TokenizerError, named
 from hf_rebasin.io.files import read_config
-from hf_rebasin.io.vocab import load_tokenizer, tokenizer_difference
+from hf_rebasin.io.vocab import load_tokenizer, merge_rule, model_json, tokenizer_difference
 from hf_rebasin.recipe import Recipe
 from hf_rebasin.run.resolve import PlannedModel
 
@@ -25,11 +25,23 @@ _ALLOW = "`allow_different_tokenizers: true`"
 
 def largest_id(tokenizer: Any) -> tuple[str, int] | None:
     """``(token, id)`` of the largest id the tokenizer can produce: its vocabulary with added tokens,
-    and its special tokens; None for an empty tokenizer."""
-    pairs = list(tokenizer.get_vocab().items())
+    and its special tokens; None for an empty tokenizer. Added tokens that are not special are
+    left out when they come after every other id: placeholders a tokenizer lists past the
+    embedding (mergekit's "unused" tokens), which a merge leaves out of its output."""
+    placeholders = _placeholders(tokenizer)
+    pairs = [(t, i) for t, i in tokenizer.get_vocab().items() if i not in placeholders]
     pairs.extend(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=False))
     found = [(str(token), int(i)) for token, i in pairs if isinstance(i, int) and not isinstance(i, bool)]
     return max(found, key=lambda p: (p[1], p[0]), default=None)
+
+
+def _placeholders(tokenizer: Any) -> set[int]:
+    """Ids of the non-special added tokens above the last regular or special token's id."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    added = {int(i) for i, t in decoder.items() if not getattr(t, "special", False)}
+    others = [int(i) for t, i in tokenizer.get_vocab().items() if int(i) not in added]
+    top = max(others, default=-1)
+    return {i for i in added if i > top}
 
 
 def embedding_rows(folder: Path, where: str) -> tuple[int, str] | None:
@@ -113,6 +125,11 @@ def _compare(recipe: Recipe, first: PlannedModel, reference: Any | None, m: Plan
     if reference is None:
         return None
     diff = tokenizer_difference(reference, other, f"`{first.where}`", f"`{m.where}`")
+    if diff is not None and same_text(reference, other):
+        return (
+            f"the tokenizer of `{m.where}` reads text as `{first.where}`'s does but their vocabularies differ "
+            f"({diff}): rows are matched by token"
+        )
     if diff is not None and not recipe.allow_different_tokenizers:
         raise IncompatibleModelsError(
             f"`{m.where}`: the tokenizer of {m.ref} differs from that of {first.ref} (`{first.where}`): {diff}. "
@@ -122,6 +139,26 @@ def _compare(recipe: Recipe, first: PlannedModel, reference: Any | None, m: Plan
     return diff and (
         f"the tokenizers differ (allowed by {_ALLOW}): {diff}; token ids may mean different things in the models "
         "combined"
+    )
+
+
+def same_text(a: Any, b: Any) -> bool:
+    """Whether two tokenizers cut text alike, whatever tokens either adds: the same model (BPE,
+    Unigram, WordPiece) whose merges agree as far as the shorter list goes, and every regular token
+    both have at the same id. A chat fine-tune's added tokens, a release that extends the
+    vocabulary or special tokens given new roles pass; another tokenizer does not."""
+    model_a, model_b = model_json(a), model_json(b)
+    if model_a.get("type") != model_b.get("type"):
+        return False
+    merges_a, merges_b = list(model_a.get("merges") or []), list(model_b.get("merges") or [])
+    n = min(len(merges_a), len(merges_b))
+    if [merge_rule(x) for x in merges_a[:n]] != [merge_rule(x) for x in merges_b[:n]]:
+        return False
+    added_a = set(getattr(a, "added_tokens_encoder", {}) or {})
+    added_b = set(getattr(b, "added_tokens_encoder", {}) or {})
+    vocab_b = b.get_vocab()
+    return all(
+        vocab_b[t] == i for t, i in a.get_vocab().items() if t in vocab_b and t not in added_a and t not in added_b
     )
 
 

@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 from hf_rebasin.recipe.describe import curve_lines
 from hf_rebasin.recipe.jobs import CardPart, Job
 from hf_rebasin.recipe.sections import AlignedRecipe, ModelsRecipe
+from hf_rebasin.recipe.tokenizer import MERGE_SOURCES, TokenizerSection, model_index
 from hf_rebasin.recipe.weights import DEFAULT_WEIGHT, Merge
 
 __all__ = [
@@ -48,6 +49,10 @@ class MergeRecipe(ModelsRecipe, AlignedRecipe):
     merge: Merge = Field(
         default_factory=lambda: Merge(weight=DEFAULT_WEIGHT), validate_default=True, description="merge weights"
     )
+    tokenizer: TokenizerSection = Field(
+        default_factory=lambda: TokenizerSection(source=None, pad_to_multiple_of=None),
+        description="the output's vocabulary where the models' vocabularies differ",
+    )
 
     misplaced: ClassVar[Mapping[str, str]] = models_not_roles("merge")
 
@@ -62,6 +67,19 @@ class MergeRecipe(ModelsRecipe, AlignedRecipe):
                 {"n": len(value.weight), "m": len(models), "at": "weight"},
             )
         return value
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _merge_source(cls, value: TokenizerSection, info: ValidationInfo) -> TokenizerSection:
+        source, models = value.source, info.data.get("models")
+        i = model_index(source) if source is not None else None
+        if source is None or source in MERGE_SOURCES or (i is not None and (models is None or i < len(models))):
+            return value
+        raise PydanticCustomError(
+            "recipe",
+            "a merge takes its tokenizer from base, union or models[i] (i below the number of models), not {s!r}",
+            {"s": source, "at": "source"},
+        )
 
 
 def universe_lines(recipe: MergeRecipe) -> list[str]:

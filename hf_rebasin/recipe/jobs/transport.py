@@ -16,6 +16,7 @@ from hf_rebasin.recipe.describe import data_line, describe_auto
 from hf_rebasin.recipe.jobs import CardPart, Job
 from hf_rebasin.recipe.refs import FineTuneRef, ModelRef
 from hf_rebasin.recipe.sections import AlignedRecipe
+from hf_rebasin.recipe.tokenizer import TRANSPORT_SOURCES, TokenizerSection
 from hf_rebasin.recipe.weights import AutoAlpha, alpha_schema, parse_auto_alpha
 
 __all__ = ["DEFAULT_TRANSPORT_STRATEGY", "JOB", "TransportRecipe"]
@@ -55,6 +56,12 @@ class TransportRecipe(AlignedRecipe):
         json_schema_extra=alpha_schema,
     )
 
+    tokenizer: TokenizerSection = Field(
+        default_factory=lambda: TokenizerSection(source=None, pad_to_multiple_of=None),
+        description="the output's vocabulary where the models' vocabularies differ (default: the target's tokens "
+        "plus the fine-tune's)",
+    )
+
     misplaced: ClassVar[Mapping[str, str]] = {
         "models": "job: transport names `base`, `finetuned` and `target` instead of `models`",
         "merge": "job: transport scales the task vector with `alpha`, not `merge.weight`: remove `merge`",
@@ -62,6 +69,17 @@ class TransportRecipe(AlignedRecipe):
     default_strategy: ClassVar[str | None] = DEFAULT_TRANSPORT_STRATEGY
     residual_maps: ClassVar[str] = "per-sublayer"
     scores_support: ClassVar[bool] = True
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _transport_source(cls, value: TokenizerSection) -> TokenizerSection:
+        if value.source is None or value.source in TRANSPORT_SOURCES:
+            return value
+        raise PydanticCustomError(
+            "recipe",
+            "a transport takes its tokenizer from finetuned, target or union, not {s!r}",
+            {"s": value.source, "at": "source"},
+        )
 
     @field_validator("base", "finetuned", "target", mode="before")
     @classmethod

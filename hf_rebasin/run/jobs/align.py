@@ -3,6 +3,7 @@ written as a stock model folder in A's basis (A in canonical form where the stra
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from torch import Tensor
@@ -55,10 +56,18 @@ def run(ws: Workspace) -> JobOutput:
     result = job_result(ws, findings, {}, saved_model=False, written=f"models in one basis ({folders}) and report")
 
     def save(folder: Path) -> None:
+        rows = ws.rows
         for i, (loaded, state) in enumerate(zip(models.all, states, strict=True)):
+            if rows is not None:  # each in its own vocabulary: its tokens at its ids
+                own = rows.own(i)
+                loaded = dataclasses.replace(loaded, model=rows.output_template(loaded.model, own))
+                state = rows.output_state(state, own)
             _save_model(loaded, state, untie, folder / folder_name(i))
         dtype = dtype_name(written_dtype(models.reference))
-        write_text(folder / "mergekit.yaml", _mergekit(len(models.all), dtype))
+        config = _mergekit(len(models.all), dtype)
+        if rows is not None:  # the folders' vocabularies differ: mergekit matches their rows by token
+            config += "tokenizer:\n  source: base\n"
+        write_text(folder / "mergekit.yaml", config)
         save_diagnostics(folder, findings.diagnostics)
 
     return JobOutput(result, save)
@@ -81,7 +90,7 @@ def _save_model(loaded: LoadedModel, state: dict[str, Tensor], untie: bool, fold
     dtype = written_dtype(loaded)
     cpu = {k: v.detach().cpu() for k, v in state.items()}
     save_merged_model(
-        loaded.model.cpu(),
+        loaded.model if loaded.model.device.type == "meta" else loaded.model.cpu(),
         cpu,
         folder,
         untie=untie,

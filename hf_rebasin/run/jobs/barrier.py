@@ -18,7 +18,15 @@ from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.output import write_text
 from hf_rebasin.run.load import Workspace
 from hf_rebasin.run.result import JobOutput
-from hf_rebasin.run.stages import align_others, check_inputs, curves, job_result, options_as_run, preservation
+from hf_rebasin.run.stages import (
+    align_others,
+    check_inputs,
+    curves,
+    filled,
+    job_result,
+    options_as_run,
+    preservation,
+)
 
 __all__ = ["alignment_diagnostics", "findings_of", "run", "save_curves", "save_diagnostics", "title"]
 
@@ -30,8 +38,9 @@ def run(ws: Workspace) -> JobOutput:
     alignments = align_others(ws, models)
     aligned = [al.aligned_b() for al in alignments]
     preserved = aligned_preservation(ws, models, alignments, aligned)
-    found, barriers = curves(ws, models, alignments[0], aligned[0])
-    findings = findings_of(ws, alignments[0], preserved, found, barriers)
+    primary, aligned = filled(ws, alignments[0], aligned)
+    found, barriers = curves(ws, models, primary, aligned[0])
+    findings = findings_of(ws, primary, preserved, found, barriers)
     result = job_result(ws, findings, found, saved_model=False, written="report")
     return JobOutput(result, lambda folder: save_curves(ws, folder, found, barriers, findings.diagnostics))
 

@@ -9,6 +9,7 @@ from typing import Any
 from torch import Tensor
 
 from hf_rebasin.alignment.strategies import Alignment, get_strategy
+from hf_rebasin.core.errors import IncompatibleModelsError
 from hf_rebasin.core.roles import MergeRoles
 from hf_rebasin.evaluation.scores import Preservation, Score, Universe
 from hf_rebasin.io.export import copy_support_files, save_merged_model
@@ -19,7 +20,7 @@ from hf_rebasin.recipe.jobs.merge import MergeRecipe
 from hf_rebasin.run.jobs.barrier import aligned_preservation, findings_of, save_curves
 from hf_rebasin.run.load import Workspace, weights
 from hf_rebasin.run.result import JobOutput
-from hf_rebasin.run.stages import align_others, check_inputs, curves, job_result, preservation, writing
+from hf_rebasin.run.stages import align_others, check_inputs, curves, filled, job_result, preservation, writing
 
 __all__ = ["run"]
 
@@ -39,11 +40,17 @@ def run(ws: Workspace) -> JobOutput:
     primary = alignments[0]
     aligned = [al.aligned_b() for al in alignments]
     preserved = aligned_preservation(ws, models, alignments, aligned)
+    primary, aligned = filled(ws, primary, aligned)
     found, barriers = curves(ws, models, primary, aligned[0])
     mix = own(ws).merge.weights(len(models.all))
     universe: Universe | None = None
     learned: dict[str, Any] | None = None  # the universe's Dirichlet refinement: the curve of the maps merged
     if own(ws).merge.universe is not None:
+        if ws.rows is not None:
+            raise IncompatibleModelsError(
+                "`merge.universe`: the models' vocabularies differ (see the notes), and the universe merge does not "
+                "match rows by token yet; merge them pairwise onto the reference (remove `merge.universe`)"
+            )
         merged, universe, learned, preserved = _universe(ws, models, alignments, mix, preserved, bool(primary.untied))
     else:
         merged = merge_state_dicts([primary.sd_a, *aligned], mix)
@@ -76,7 +83,8 @@ def _scores(
         scores[name] = Score(**ws.score(a.model, merged, untie, ws.eval_batches, ws.task))
         naive = ev.plain  # the plain average, unless it is ours
         if naive and not get_strategy(name).identity:
-            plain = merge_state_dicts([weights(lm) for lm in models.all], mix)
+            states = [weights(lm) for lm in models.all]
+            plain = merge_state_dicts(ws.rows.fill_merge(states) if ws.rows is not None else states, mix)
             scores[naive[0]] = Score(**ws.score(a.model, plain, False, ws.eval_batches, ws.task))
     if universe is not None and universe.reference is not None:
         ws.notes.append(
@@ -132,10 +140,12 @@ def _universe(
 
 
 def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie: bool, folder: Path) -> None:
-    """The merged model in A's class, then A's tokenizer and other files as they were."""
+    """The merged model in A's class, then A's tokenizer and other files as they were (where the
+    vocabularies differ: the output's rows, tokenizer and token ids)."""
+    rows = ws.rows
     save_merged_model(
-        a.model,
-        merged,
+        rows.output_template(a.model) if rows is not None else a.model,
+        rows.output_state(merged) if rows is not None else merged,
         folder,
         untie=untie,
         max_shard_size=ws.recipe.output.max_shard_size,
@@ -145,3 +155,5 @@ def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie:
         expert_layout=a.expert_layout,
     )
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained
+    if rows is not None:
+        rows.write(folder)

@@ -8,6 +8,7 @@ and ``alpha: auto`` saves the α that `choose_alpha` picks from them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from hf_rebasin.alignment.strategies import Alignment, Pair, align, get_strategy
+from hf_rebasin.core.errors import IncompatibleModelsError
 from hf_rebasin.core.roles import TransportRoles
 from hf_rebasin.evaluation.record import Findings
 from hf_rebasin.evaluation.report import plot_tradeoff, tradeoff, tradeoff_table
@@ -73,10 +75,16 @@ def run(ws: Workspace) -> JobOutput:
     `choose_alpha` picks from the trade-off."""
     models = ws.models
     assert isinstance(models, TransportRoles)  # the recipe's job
+    if ws.adapter is not None and ws.rows is not None:
+        raise IncompatibleModelsError(
+            "`finetuned.model`: a LoRA adapter moves onto a target whose vocabulary is its base's; this target's "
+            "differs (see the notes). Merge the adapter into its base (`model.merge_and_unload()`) and transport the "
+            "full fine-tune"
+        )
     graph = _graph(ws, models)
     alignment = _align_base_to_target(ws, models, graph)
     with ws.clock.stage("align"):
-        moved = move_task_vector(models, alignment, graph)
+        moved = filled(ws, move_task_vector(models, alignment, graph), alignment)
     _note_carried(ws, models, moved)
     naive = _naive(ws, models)
     inputs = check_inputs(models.target, [ws.eval_batches if not moved.carried else None, ws.align_batches], ws.device)
@@ -185,7 +193,17 @@ def _naive(ws: Workspace, models: TransportRoles[LoadedModel]) -> Moved | None:
         return None
     b, a = models.target, models.base
     plain = align(naive[0], Pair(b.graph, weights(b), weights(a)))
-    return move_task_vector(models, plain, b.graph)
+    return filled(ws, move_task_vector(models, plain, b.graph), plain)
+
+
+def filled(ws: Workspace, moved: Moved, alignment: Alignment) -> Moved:
+    """``moved`` with the rows a model lacks settled, where the vocabularies differ: a token the
+    base lacks carries no task vector (the target's row stays, or the fine-tune's comes whole), a
+    token the target lacks starts from the moved base's row (`merging.rows`)."""
+    if ws.rows is None:
+        return moved
+    target, tau = ws.rows.fill_transport(moved.target, moved.tau, alignment.aligned_b())
+    return dataclasses.replace(moved, target=target, tau=tau)
 
 
 def _scores(ws: Workspace, models: TransportRoles[LoadedModel], moved: Moved, naive: Moved | None) -> dict[str, Any]:
@@ -312,10 +330,12 @@ def _save(
     and, with support data, the trade-off (tradeoff.png, tradeoff.md). Writes only: every finding
     was made before."""
     recipe = own(ws)
+    rows = ws.rows
     if adapter is None:
+        theta = moved.theta(alpha)
         save_merged_model(
-            moved.template,
-            moved.theta(alpha),
+            rows.output_template(moved.template) if rows is not None else moved.template,
+            rows.output_state(theta) if rows is not None else theta,
             folder,
             untie=moved.untie,
             max_shard_size=recipe.output.max_shard_size,
@@ -337,6 +357,8 @@ def _save(
             dtype=ws.output_dtype.dtype,
         )
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained: B's files as they were
+    if rows is not None:
+        rows.write(folder)
     save_diagnostics(folder, alignment.diagnostics)
     save_tradeoff(ws, transport, alpha, folder)
 

@@ -1,0 +1,53 @@
+"""The `tokenizer` section: which vocabulary the output has when the models' vocabularies differ.
+
+mergekit's ``tokenizer_source`` under another key: ``base`` (the reference's tokens: A in a merge),
+``union`` (every model's tokens, the reference's ids first), a model of the recipe (``models[1]``:
+its tokens at its ids), and for a transport ``finetuned`` (the target's tokens plus the fine-tune's:
+a chat fine-tune keeps its chat tokens and template) or ``target``. Rows are matched by token, so
+models with the same vocabulary give the same output whatever the source.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator
+
+from hf_rebasin.recipe.common import Section
+
+__all__ = ["MERGE_SOURCES", "TRANSPORT_SOURCES", "TokenizerSection", "model_index"]
+
+MERGE_SOURCES = ("base", "union")  # and models[i]
+TRANSPORT_SOURCES = ("finetuned", "target", "union")
+_MODEL = re.compile(r"models\[(\d+)\]")
+
+
+def model_index(source: str) -> int | None:
+    """``i`` of a ``models[i]`` source, None for a named one."""
+    m = _MODEL.fullmatch(source)
+    return int(m.group(1)) if m else None
+
+
+class TokenizerSection(Section):
+    """The output's vocabulary (``source``) and its row count (``pad_to_multiple_of``)."""
+
+    source: str | None = Field(
+        None,
+        description="whose tokens the output has: merge: base (the reference's, default), union, or models[i]; "
+        "transport: finetuned (the target's tokens plus the fine-tune's, default), target, or union. A token one "
+        "model lacks takes that model's row from the reference (else the mean of the models that have it) before "
+        "averaging, as in mergekit, so a token only one model has keeps that model's row",
+    )
+    pad_to_multiple_of: int | None = Field(
+        None, ge=1, description="round the output's embedding rows up to a multiple of this (new rows: the mean row)"
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _known(cls, value: str | None) -> str | None:
+        if value is None or value in (*MERGE_SOURCES, *TRANSPORT_SOURCES) or model_index(value) is not None:
+            return value
+        raise ValueError(
+            f"unknown tokenizer source {value!r}: use base, union or models[i] (merge), finetuned, target or union "
+            "(transport)"
+        )

@@ -1,0 +1,313 @@
+"""A run's vocabularies: the models' rows matched by token, the working layout they are loaded
+into, the output's rows and the tokenizer written with them.
+
+Built once at load when the models' vocabularies differ (added tokens, an extended release,
+padding rows); None when they agree, and then nothing here runs. The jobs call it at three
+points: after alignment (`fill_merge` / `fill_transport`: rows a model lacks, in the common
+basis), before writing (`output_state`, `output_template`: the output's rows and config) and when
+writing (`write`: tokenizer files, generation config).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from hf_rebasin.core.errors import TokenizerError, named
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.io.rows import (
+    OutputRows,
+    RowLayout,
+    reindex,
+    remap_token_ids,
+    vocab_field,
+    vocab_tensors,
+    working_layout,
+)
+from hf_rebasin.io.tokens import Vocabulary, compare_vocabularies, read_vocabulary
+from hf_rebasin.io.vocab import LOADER_EXTRAS, TOKENIZER_FILES, load_tokenizer
+from hf_rebasin.merging.interpolate import StorageKey, storage_key
+from hf_rebasin.merging.rows import fill_merge, fill_transport
+from hf_rebasin.recipe.tokenizer import model_index
+
+__all__ = ["RunVocabulary", "embedding_rows_of", "run_vocabulary", "to_rows"]
+
+
+def embedding_rows_of(model: Any) -> int | None:
+    """Rows of a text model's input embedding (None: a model without token embeddings)."""
+    try:
+        emb = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
+    weight = getattr(emb, "weight", None)
+    if not hasattr(emb, "num_embeddings") or weight is None or weight.dim() != 2:
+        return None
+    return int(weight.shape[0])
+
+
+@dataclass
+class RunVocabulary:
+    """The models' vocabularies in a run where they differ (module docstring)."""
+
+    layout: RowLayout
+    vocabularies: tuple[Vocabulary, ...]
+    tokenizers: tuple[Any, ...]
+    folders: tuple[Path, ...]
+    names: tuple[str, ...]  # how notes name the models
+    output: OutputRows
+    source: str  # the recipe's tokenizer.source as resolved
+    written_from: int | None  # the model whose tokenizer files the output has as they are (None: built)
+    chat_from: int | None = None  # a transport's fine-tune: its chat template goes with a built tokenizer
+    tensors: dict[str, int] = field(default_factory=dict)  # the working model's vocabulary tensors -> axis
+
+    def present(self) -> list[Tensor]:
+        return [self.layout.present(i) for i in range(len(self.vocabularies))]
+
+    def notes(self) -> list[str]:
+        """What the record says: each model against the reference, and the output's vocabulary."""
+        ref = self.vocabularies[0]
+        out = [
+            f"vocabularies: {compare_vocabularies(ref, v).describe(self.names[0], self.names[i])}"
+            for i, v in enumerate(self.vocabularies[1:], start=1)
+        ]
+        out.append(self.output_line())
+        return out
+
+    def output_line(self) -> str:
+        rows = len(self.output.rows)
+        built = (
+            f"{self.names[self.written_from]}'s tokenizer files as they are"
+            if self.written_from is not None
+            else f"{self.names[0]}'s tokenizer with {self.output.tokens - self.layout.reference:,} tokens added"
+        )
+        return (
+            f"output vocabulary (tokenizer.source: {self.source}): {self.output.tokens:,} tokens in {rows:,} embedding "
+            f"rows; {built}; rows matched by token, a row a model lacks taken from "
+            + (
+                "the base (or carried from the fine-tune)"
+                if self.chat_from is not None
+                else "the reference (else the mean)"
+            )
+        )
+
+    def fill_merge(self, states: Sequence[Mapping[str, Tensor]]) -> list[dict[str, Tensor]]:
+        return fill_merge(states, self.present(), self.tensors)
+
+    def fill_transport(
+        self, target: Mapping[str, Tensor], tau: Mapping[str, Tensor], moved_base: Mapping[str, Tensor]
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        t, b, f = self.present()
+        return fill_transport(target, tau, moved_base, (t, b, f), self.tensors)
+
+    def own(self, i: int) -> OutputRows:
+        """Model ``i``'s own rows (its tokens at its ids, its padding): an aligned model written
+        in its own vocabulary."""
+        return OutputRows.of_model(self.layout, self.vocabularies[i], i)
+
+    def output_state(self, state: Mapping[str, Tensor], rows: OutputRows | None = None) -> dict[str, Tensor]:
+        """``state`` (working rows) with the output's rows (or ``rows``); tied names stay one tensor."""
+        chosen = rows if rows is not None else self.output
+        out: dict[str, Tensor] = {}
+        done: dict[StorageKey, Tensor] = {}
+        for name, t in state.items():
+            if name in self.tensors:
+                key = storage_key(t)
+                if key not in done:
+                    done[key] = chosen.take(t, self.tensors[name])
+                out[name] = done[key]
+            else:
+                out[name] = t
+        return out
+
+    def output_template(self, model: Any, rows: OutputRows | None = None) -> Any:
+        """A meta-device model of ``model``'s class with the output's (or ``rows``') row count and token ids."""
+        from hf_rebasin.io.offload import empty_model
+
+        chosen = rows if rows is not None else self.output
+        config = copy.deepcopy(model.config)
+        found = vocab_field(config)
+        if found is not None:
+            owner, name = found
+            setattr(owner, name, len(chosen.rows))
+            for key, value in remap_token_ids(vars(owner), self.layout.keys, self.output_row(chosen)).items():
+                setattr(owner, key, value)
+        return empty_model(type(model), config)
+
+    def output_row(self, rows: OutputRows | None = None) -> dict[str, int]:
+        """Token text → its row in the output (or in ``rows``)."""
+        chosen, keys = rows if rows is not None else self.output, self.layout.keys
+        return {keys[w]: r for r, w in enumerate(chosen.rows[: chosen.tokens]) if w >= 0 and keys[w]}  # type: ignore[misc]
+
+    def tokenizer(self) -> Any:
+        """The output's tokenizer, in memory: a model's own, or the reference's with tokens added."""
+        if self.written_from is not None:
+            return self.tokenizers[self.written_from]
+        return _built(self)
+
+    def write(self, folder: Path) -> None:
+        """The output's tokenizer files and generation config into ``folder`` (the reference's
+        support files are there already), checked: every token loads at the row that was carried."""
+        for name in (*TOKENIZER_FILES, *LOADER_EXTRAS):
+            if os.path.lexists(folder / name):
+                (folder / name).unlink()
+        if self.written_from is not None:
+            source = self.folders[self.written_from]
+            for name in (*TOKENIZER_FILES, *LOADER_EXTRAS, "special_tokens_map.json"):
+                if (source / name).is_file():
+                    shutil.copyfile(source / name, folder / name)
+        else:
+            _built(self).save_pretrained(str(folder))
+        _remap_generation_config(folder / "generation_config.json", self.layout.keys, self.output_row())
+        self._check_written(folder)
+
+    def _check_written(self, folder: Path) -> None:
+        written = load_tokenizer(folder)
+        got = read_vocabulary(written, len(self.output.rows)).keys[: self.output.tokens]
+        want = tuple(self.layout.keys[w] if w >= 0 else None for w in self.output.rows[: self.output.tokens])
+        wrong = [r for r, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+        if wrong:
+            r = wrong[0]
+            raise TokenizerError(
+                f"the output's tokenizer does not give row {r} the token whose row was written there ({want[r]!r}, "
+                f"tokenizer: {got[r]!r}); set `tokenizer.source` to a model's own vocabulary"
+            )
+
+
+def _remap_generation_config(path: Path, old: Sequence[str | None], rows: Mapping[str, int]) -> None:
+    """generation_config.json's token ids (eos, pad, bos) at the output's rows."""
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text(encoding="utf-8"))
+    moved = remap_token_ids(data, old, rows)
+    if moved != {k: data[k] for k in moved}:
+        data.update(moved)
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _built(v: RunVocabulary) -> Any:
+    """The reference's tokenizer with the output's other tokens added at their rows."""
+    from tokenizers import AddedToken
+
+    tok = load_tokenizer(v.folders[0])
+    assert tok is not None  # the run's vocabularies were read from it
+    layout = v.layout
+    for r, w in enumerate(v.output.rows[layout.reference : v.output.tokens], start=layout.reference):
+        m = next(i for i, s in enumerate(layout.sources) if s[w] >= 0)
+        row = layout.sources[m][w]
+        info = (getattr(v.tokenizers[m], "added_tokens_decoder", None) or {}).get(row)
+        if info is not None:
+            content = str(info.content)
+            tok.add_tokens([info], special_tokens=bool(getattr(info, "special", False)))
+        else:
+            key = layout.keys[w] or ""
+            content = key.encode("latin-1").decode("utf-8", errors="replace")
+            tok.add_tokens([AddedToken(content, normalized=False)])
+        got = tok.convert_tokens_to_ids(content)
+        if got != r:
+            raise TokenizerError(
+                f"cannot build the output's tokenizer: token {content!r} of {v.names[m]} lands at id {got}, not at its "
+                f"row {r} (the reference's tokenizer has gaps in its ids); set `tokenizer.source` to one model's "
+                "vocabulary"
+            )
+    if v.chat_from is not None:
+        template = getattr(v.tokenizers[v.chat_from], "chat_template", None)
+        if template:
+            tok.chat_template = template
+    return tok
+
+
+def _source_rows(
+    job: str, source: str | None, layout: RowLayout, vocabularies: Sequence[Vocabulary], pad_to: int | None
+) -> tuple[str, OutputRows, list[int]]:
+    """The output's rows for the recipe's source, and the models whose own files may hold them."""
+    if job == "transport":
+        source = source or "finetuned"
+        if source == "target":
+            return source, OutputRows.reference(layout, pad_to), [0]
+        if source == "union":
+            return source, OutputRows.union(layout, pad_to), [2, 0, 1]
+        return source, OutputRows.union(layout, pad_to, only=[2]), [2, 0]
+    source = source or "base"
+    i = model_index(source)
+    if i is not None:
+        return source, OutputRows.of_model(layout, vocabularies[i], i, pad_to), [i]
+    if source == "union":
+        return source, OutputRows.union(layout, pad_to), list(range(len(vocabularies)))
+    return source, OutputRows.reference(layout, pad_to), [0]
+
+
+def _own_layout(layout: RowLayout, v: Vocabulary, i: int, out: OutputRows) -> bool:
+    """Whether model ``i``'s tokenizer describes ``out`` as it is: its tokens at the output's rows."""
+    if v.rowless or v.tokens != out.tokens:
+        return False
+    own = OutputRows.of_model(layout, v, i)
+    return own.rows[: v.tokens] == out.rows[: out.tokens]
+
+
+def run_vocabulary(
+    job: str,
+    source: str | None,
+    pad_to: int | None,
+    folders: Sequence[Path],
+    names: Sequence[str],
+    models: Sequence[Any],
+) -> RunVocabulary | None:
+    """The run's vocabularies when they differ (None when every model has the same tokens at the
+    same rows, or some model has no tokenizer or no token embedding: then rows pair by index)."""
+    rows = [embedding_rows_of(m) for m in models]
+    tokenizers = [load_tokenizer(f) for f in folders]
+    if any(r is None for r in rows) or any(t is None for t in tokenizers):
+        return None
+    vocabularies = [read_vocabulary(t, r) for t, r in zip(tokenizers, rows, strict=True)]  # type: ignore[arg-type]
+    if all(v.keys == vocabularies[0].keys for v in vocabularies[1:]) and not pad_to:
+        return None
+    layout = working_layout(vocabularies)
+    resolved, out, candidates = _source_rows(job, source, layout, vocabularies, pad_to)
+    written = next((i for i in candidates if _own_layout(layout, vocabularies[i], i, out)), None)
+    if written is None and vocabularies[0].rowless:
+        raise TokenizerError(
+            f"{names[0]}: its tokenizer has {len(vocabularies[0].rowless)} tokens without an embedding row "
+            f"(such as {vocabularies[0].rowless[0][0]!r}, id {vocabularies[0].rowless[0][1]}), so the output's "
+            "tokenizer cannot be built from it; set `tokenizer.source` to a model whose tokens all have rows"
+        )
+    return RunVocabulary(
+        layout=layout,
+        vocabularies=tuple(vocabularies),
+        tokenizers=tuple(tokenizers),
+        folders=tuple(folders),
+        names=tuple(names),
+        output=out,
+        source=resolved,
+        written_from=written,
+        chat_from=2 if job == "transport" else None,
+    )
+
+
+def to_rows(
+    recipe: Any, names: Sequence[str], models: list[LoadedModel], folders: Sequence[Path]
+) -> tuple[list[LoadedModel], RunVocabulary | None]:
+    """``models`` in one vocabulary layout (as they are where their vocabularies agree): the run's
+    recipe (its ``tokenizer`` section, if its job has one), the models' names and folders."""
+    section = getattr(recipe, "tokenizer", None)
+    source = section.source if section is not None else None
+    pad_to = section.pad_to_multiple_of if section is not None else None
+    with named("`tokenizer`", unless_named=True):
+        rows = run_vocabulary(recipe.job, source, pad_to, folders, names, [lm.model for lm in models])
+    if rows is None:
+        return models, None
+    out = [
+        lm
+        if rows.layout.unchanged(i) and embedding_rows_of(lm.model) == rows.layout.rows
+        else reindex(lm, rows.layout, i, rows.vocabularies[i])
+        for i, lm in enumerate(models)
+    ]
+    rows.tensors = vocab_tensors(out[0].model)
+    return out, rows

@@ -1,0 +1,66 @@
+"""Models whose vocabularies differ as Hub relatives' do, built as mergekit's own tokenizer tests
+build them: a tiny Llama with a 64-token BPE vocabulary (``base``), the same with two ChatML tokens
+added and two embedding rows more (``chatml``), and one whose tokenizer lists four placeholder tokens
+past its 64 rows (``padded``). Each is a folder stock transformers loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tokenizers
+import torch
+import transformers as T
+
+CHATML = ["<|im_start|>", "<|im_end|>"]
+UNUSED = [f"<UNUSED_{i}>" for i in range(4)]
+
+
+def vocab_tokenizer(vocab_size: int, added: list[str] | None = None) -> T.PreTrainedTokenizerFast:
+    """mergekit's test tokenizer: ``<unk> <s> </s> _tok_3 …`` as a BPE model, then ``added``."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"_tok_{i}" for i in range(3, vocab_size)]
+    data = {
+        "version": "1.0",
+        "model": {"type": "BPE", "vocab": dict(zip(tokens, range(vocab_size), strict=True)), "merges": []},
+        "added_tokens": [],
+    }
+    backend = tokenizers.Tokenizer.from_str(json.dumps(data))
+    tok = T.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.add_tokens(list(added or []))
+    return tok
+
+
+def tiny_llama(rows: int, seed: int) -> T.LlamaForCausalLM:
+    """mergekit's ``make_picollama`` in spirit: a 2-layer Llama of ``rows`` embedding rows, untied."""
+    torch.manual_seed(seed)
+    config = T.LlamaConfig(
+        vocab_size=rows,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+    )
+    return T.LlamaForCausalLM(config).eval()
+
+
+def save_case(folder: Path, rows: int, added: list[str], seed: int) -> Path:
+    """One case saved: the model (float32 safetensors) and its tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_llama(rows, seed).save_pretrained(str(folder))
+    vocab_tokenizer(64, added).save_pretrained(str(folder))
+    return folder
+
+
+def mergekit_cases(root: Path) -> dict[str, Path]:
+    """mergekit's three: ``base`` (64 tokens, 64 rows), ``chatml`` (66 tokens, 66 rows), ``padded``
+    (68 tokens listed, 64 rows: the four placeholders have none)."""
+    return {
+        "base": save_case(root / "base", 64, [], 0),
+        "chatml": save_case(root / "chatml", 66, CHATML, 1),
+        "padded": save_case(root / "padded", 64, UNUSED, 2),
+    }
