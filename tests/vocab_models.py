@@ -31,13 +31,14 @@ def vocab_tokenizer(vocab_size: int, added: list[str] | None = None) -> T.PreTra
 
 
 def tiny_llama(rows: int, seed: int) -> T.LlamaForCausalLM:
-    """mergekit's ``make_picollama`` in spirit: a 2-layer Llama of ``rows`` embedding rows, untied."""
+    """mergekit's ``make_picollama`` in spirit, smaller (its merges are stored as test references):
+    a 1-layer Llama of ``rows`` embedding rows, untied."""
     torch.manual_seed(seed)
     config = T.LlamaConfig(
         vocab_size=rows,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
         tie_word_embeddings=False,

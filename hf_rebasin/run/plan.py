@@ -67,6 +67,7 @@ class Plan:
         lines.append("downloads:")
         lines.extend(f"  {name}: {download_line(m)}" for name, m in zip(self.models.names, self.all, strict=True))
         lines.extend(self.width_lines())
+        lines.extend(self.vocabulary_lines())
         if self.memory is not None:
             lines.extend(self.memory.lines())
         lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
@@ -85,6 +86,22 @@ class Plan:
             shown = ", ".join(f"{k} {v}" for k, v in (w or {}).items() if v is not None) or "unknown until downloaded"
             lines.append(f"  {name}: {shown}")
         return lines
+
+    def vocabulary_lines(self) -> list[str]:
+        """Vocabularies that differ (tokenizers and config.json read, no weight): what each model
+        adds or lacks against the reference, and the output's vocabulary."""
+        from hf_rebasin.io.vocab import differ_in_vocabulary
+        from hf_rebasin.run.tokenizers import embedding_rows
+        from hf_rebasin.run.vocabulary import planned_vocabulary
+
+        folders = [_folder(m) for m in self.all]
+        if any(f is None or not m.ready for f, m in zip(folders, self.all, strict=True)):
+            return []  # not downloaded or trained yet: the run says it when it loads them
+        if not differ_in_vocabulary(folders):
+            return []
+        rows = [(embedding_rows(f, m.where) or (None, ""))[0] for f, m in zip(folders, self.all, strict=True) if f]
+        names = [f"{m.ref.label or m.ref.model} (`{m.where}`)" for m in self.all]
+        return planned_vocabulary(self.recipe, [f for f in folders if f], names, rows)
 
 
 def download_line(m: PlannedModel) -> str:

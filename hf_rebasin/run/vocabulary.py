@@ -38,7 +38,7 @@ from hf_rebasin.merging.interpolate import StorageKey, storage_key
 from hf_rebasin.merging.rows import fill_merge, fill_transport
 from hf_rebasin.recipe.tokenizer import model_index
 
-__all__ = ["RunVocabulary", "embedding_rows_of", "run_vocabulary", "to_rows"]
+__all__ = ["RunVocabulary", "embedding_rows_of", "planned_vocabulary", "run_vocabulary", "to_rows"]
 
 
 def embedding_rows_of(model: Any) -> int | None:
@@ -258,12 +258,16 @@ def run_vocabulary(
     pad_to: int | None,
     folders: Sequence[Path],
     names: Sequence[str],
-    models: Sequence[Any],
+    rows: Sequence[int | None],
 ) -> RunVocabulary | None:
     """The run's vocabularies when they differ (None when every model has the same tokens at the
-    same rows, or some model has no tokenizer or no token embedding: then rows pair by index)."""
-    rows = [embedding_rows_of(m) for m in models]
-    tokenizers = [load_tokenizer(f) for f in folders]
+    same rows, or some model has no tokenizer or no token embedding: then rows pair by index).
+    ``rows``: each model's embedding rows (None: no token embedding), from the loaded model or,
+    before any weight is read (the dry run), from config.json."""
+    try:
+        tokenizers = [load_tokenizer(f) for f in folders]
+    except TokenizerError:  # one that does not load was allowed (`allow_different_tokenizers`): rows by index
+        return None
     if any(r is None for r in rows) or any(t is None for t in tokenizers):
         return None
     vocabularies = [read_vocabulary(t, r) for t, r in zip(tokenizers, rows, strict=True)]  # type: ignore[arg-type]
@@ -291,6 +295,19 @@ def run_vocabulary(
     )
 
 
+def planned_vocabulary(
+    recipe: Any, folders: Sequence[Path], names: Sequence[str], rows: Sequence[int | None]
+) -> list[str]:
+    """What the dry run says about the vocabularies (nothing where they agree), from the tokenizers
+    and config.json alone: each model against the reference, and the output's vocabulary."""
+    section = getattr(recipe, "tokenizer", None)
+    source = section.source if section is not None else None
+    pad_to = section.pad_to_multiple_of if section is not None else None
+    with named("`tokenizer`", unless_named=True):
+        found = run_vocabulary(recipe.job, source, pad_to, folders, names, rows)
+    return found.notes() if found is not None else []
+
+
 def to_rows(
     recipe: Any, names: Sequence[str], models: list[LoadedModel], folders: Sequence[Path]
 ) -> tuple[list[LoadedModel], RunVocabulary | None]:
@@ -300,7 +317,9 @@ def to_rows(
     source = section.source if section is not None else None
     pad_to = section.pad_to_multiple_of if section is not None else None
     with named("`tokenizer`", unless_named=True):
-        rows = run_vocabulary(recipe.job, source, pad_to, folders, names, [lm.model for lm in models])
+        rows = run_vocabulary(
+            recipe.job, source, pad_to, folders, names, [embedding_rows_of(lm.model) for lm in models]
+        )
     if rows is None:
         return models, None
     out = [

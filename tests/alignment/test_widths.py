@@ -192,7 +192,6 @@ def test_a_transport_onto_a_narrower_target_is_refused(tmp_path: Path) -> None:
     ("case", "sizes", "reason"),
     [
         ("llama-gqa", dict(num_hidden_layers=3, intermediate_size=64), "depth"),
-        ("llama-gqa", dict(vocab_size=tiny.V + 8, intermediate_size=64), "vocabulary"),
         ("mixtral", dict(num_local_experts=6, intermediate_size=64), "number of experts"),
         ("llama-gqa", dict(head_dim=12), "rotary"),
         ("bert-mlm", dict(hidden_size=48, num_attention_heads=6), "post-norm"),

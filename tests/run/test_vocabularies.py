@@ -1,0 +1,217 @@
+"""Models whose vocabularies differ, as Hub relatives' do (added chat tokens, an extended release,
+padding rows, placeholders past the embedding), through every job that writes a model.
+
+Each result is checked against a computation that does not use hf-rebasin: mergekit 0.1.5's merge
+of the same models (stored by benchmarks/bench_vocab_mergekit.py --golden), rows read back from the
+safetensors of the inputs by token, and the output loaded with stock ``AutoTokenizer`` and
+``AutoModelForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file
+
+from helpers import run_main
+from hf_rebasin.recipe import load_recipe
+from hf_rebasin.run.pipeline import run_recipe
+from hf_rebasin.symmetry.adapters import graph_for
+from lm_folders import write_recipe
+from vocab_models import CHATML, mergekit_cases, tiny_llama, vocab_tokenizer
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "vocab_mergekit"
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _merge(root: Path, cases: dict[str, Path], source: str, strategy: str = "vanilla") -> Path:
+    body = {
+        "job": "merge",
+        "models": [str(cases[k]) for k in ("base", "padded", "chatml")],
+        "strategy": strategy,
+        "merge": {"weight": [1 / 3, 1 / 3, 1 / 3]},
+        "tokenizer": {"source": source},
+        "output": {"dir": f"out-{source}"},
+    }
+    run_recipe(load_recipe(write_recipe(root, body)))
+    return root / f"out-{source}"
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return mergekit_cases(tmp_path_factory.mktemp("cases"))
+
+
+@pytest.mark.parametrize("source", ["union", "base"])
+def test_merges_agree_with_mergekit_on_its_own_cases(source: str, cases: dict[str, Path], tmp_path: Path) -> None:
+    meta = json.loads((GOLDEN / "mergekit.json").read_text(encoding="utf-8"))
+    digest = hashlib.sha256(b"".join((cases[k] / "model.safetensors").read_bytes() for k in ("base", "padded", "chatml")))
+    assert digest.hexdigest() == meta["inputs_sha256"], (
+        "the test models changed: store mergekit's merges again with `python benchmarks/bench_vocab_mergekit.py --golden`"
+    )
+    out = _merge(tmp_path, cases, source)
+    tok = T.AutoTokenizer.from_pretrained(str(out))
+    expected = meta["sources"][source]
+    assert dict(tok.get_vocab()) == expected["vocab"]
+    assert sorted(str(t.content) for t in tok.added_tokens_decoder.values()) == expected["added"]
+    assert T.AutoConfig.from_pretrained(str(out)).vocab_size == expected["vocab_size"]
+    theirs, ours = load_file(str(GOLDEN / f"{source}.safetensors")), _tensors(out)
+    assert sorted(ours) == sorted(theirs)
+    for name, t in theirs.items():
+        torch.testing.assert_close(ours[name], t, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_token_only_one_model_has_keeps_that_models_row(cases: dict[str, Path], tmp_path: Path) -> None:
+    out = _merge(tmp_path, cases, "union")
+    chat, base, padded, merged = (_tensors(p) for p in (cases["chatml"], cases["base"], cases["padded"], out))
+    tok = T.AutoTokenizer.from_pretrained(str(out))
+    for token in CHATML:  # only the ChatML model has them: its row, whatever the weights
+        i = tok.convert_tokens_to_ids(token)
+        assert i in (64, 65)
+        for name in (EMBED, HEAD):
+            assert torch.equal(merged[name][i], chat[name][i])
+    mean = (base[EMBED][:64] + padded[EMBED][:64] + chat[EMBED][:64]) / 3  # shared tokens: the plain mean
+    torch.testing.assert_close(merged[EMBED][:64], mean, rtol=0, atol=1e-6)
+    model = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert tok("<|im_start|><|im_end|>")["input_ids"] == [64, 65]  # the added tokens encode to their rows
+    ids = torch.tensor([tok.convert_tokens_to_ids(["<|im_start|>", "_tok_5", "_tok_9", "<|im_end|>"])])
+    assert ids.tolist() == [[64, 5, 9, 65]]
+    generated = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=2)
+    assert generated.shape == (1, 8) and int(generated.max()) < model.config.vocab_size == len(tok) == 66
+
+
+def test_the_tokenizer_of_a_model_of_the_recipe(cases: dict[str, Path], tmp_path: Path) -> None:
+    out = _merge(tmp_path, cases, "models[2]")
+    assert (out / "tokenizer.json").read_bytes() == (cases["chatml"] / "tokenizer.json").read_bytes()
+    assert _tensors(out)[EMBED].shape == (66, 16)
+
+
+def _chat_transport(root: Path, target_rows: int, target_added: list[str]) -> dict[str, Path]:
+    """base (64), its ChatML fine-tune (66 rows, trained rows moved a little) and a target that is
+    the base with its units and residual features permuted (``target_rows`` rows: extra rows are
+    new tokens of the target's own, ``target_added``)."""
+    base = tiny_llama(64, 0)
+    base.save_pretrained(str(root / "base"))
+    vocab_tokenizer(64).save_pretrained(str(root / "base"))
+    ft = tiny_llama(64, 0)
+    ft.resize_token_embeddings(66)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in ft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    ft.save_pretrained(str(root / "ft"))
+    vocab_tokenizer(64, CHATML).save_pretrained(str(root / "ft"))
+    sd = base.state_dict()
+    graph = graph_for(base.config, sd.keys())
+    moved = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(3)))
+    target = tiny_llama(target_rows, 7)
+    with torch.no_grad():
+        for name, t in moved.items():
+            target.state_dict()[name][: t.shape[0]].copy_(t)
+    target.save_pretrained(str(root / "target"))
+    vocab_tokenizer(64, target_added).save_pretrained(str(root / "target"))
+    return {"base": root / "base", "ft": root / "ft", "target": root / "target"}
+
+
+def _transport(root: Path, folders: dict[str, Path], **extra: object) -> Path:
+    body = {
+        "job": "transport",
+        "base": str(folders["base"]),
+        "finetuned": str(folders["ft"]),
+        "target": str(folders["target"]),
+        "strategy": "weight-matching",
+        "output": {"dir": "out"},
+        **extra,
+    }
+    run_recipe(load_recipe(write_recipe(root, body)))
+    return root / "out"
+
+
+def test_a_chat_fine_tune_moves_onto_a_permuted_base_with_its_chat_tokens(tmp_path: Path) -> None:
+    folders = _chat_transport(tmp_path, 64, [])
+    out = _transport(tmp_path, folders)
+    tok = T.AutoTokenizer.from_pretrained(str(out))
+    assert tok.convert_tokens_to_ids(CHATML) == [64, 65]
+    model = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ft = T.AutoModelForCausalLM.from_pretrained(str(folders["ft"])).eval()
+    ids = torch.tensor([[1, 64, 5, 7, 65, 9, 64, 3]])
+    with torch.no_grad():  # the target is the base permuted, so B + τ is the fine-tune permuted: same function
+        gap = (model(ids).logits - ft(ids).logits).abs().max()
+    assert float(gap) < 1e-4
+    assert model.config.vocab_size == 66 == len(tok)
+
+
+def test_an_extended_release_keeps_its_new_rows_and_gets_the_task_vector_on_the_shared_ones(tmp_path: Path) -> None:
+    new = ["<ctl_0>", "<ctl_1>", "<ctl_2>", "<ctl_3>"]
+    folders = _chat_transport(tmp_path, 68, new)
+    out = _transport(tmp_path, folders)
+    tok = T.AutoTokenizer.from_pretrained(str(out))
+    assert tok.convert_tokens_to_ids(new) == [64, 65, 66, 67]  # the target's ids stay
+    assert tok.convert_tokens_to_ids(CHATML) == [68, 69]  # the fine-tune's tokens come after them
+    written, target, ft = _tensors(out), _tensors(folders["target"]), _tensors(folders["ft"])
+    assert written[EMBED].shape[0] == 70
+    assert torch.equal(written[EMBED][64:68], target[EMBED][64:68])  # its own new rows, untouched
+    model = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ft_model = T.AutoModelForCausalLM.from_pretrained(str(folders["ft"])).eval()
+    ours = torch.tensor([[1, 68, 5, 7, 69, 9]])
+    theirs = torch.tensor([[1, 64, 5, 7, 65, 9]])  # the same text in the fine-tune's ids
+    with torch.no_grad():
+        a, b = model(ours).logits, ft_model(theirs).logits
+    torch.testing.assert_close(a[..., :64], b[..., :64], rtol=0, atol=1e-4)  # shared tokens: B + τ is A_ft
+    torch.testing.assert_close(a[..., 68:], b[..., 64:], rtol=0, atol=1e-4)  # chat tokens: carried whole
+    assert ft[EMBED].shape[0] == 66
+
+
+def test_padding_rows_past_the_tokens_merge_and_load(tmp_path: Path) -> None:
+    """Qwen2's shape: more embedding rows than tokens (here 72 rows for 64), merged with a model of
+    64 rows: the output keeps the reference's rows and its tokens' rows are the plain mean."""
+    padded = tiny_llama(72, 0)
+    padded.save_pretrained(str(tmp_path / "a"))
+    vocab_tokenizer(64).save_pretrained(str(tmp_path / "a"))
+    plain = tiny_llama(64, 1)
+    plain.save_pretrained(str(tmp_path / "b"))
+    vocab_tokenizer(64).save_pretrained(str(tmp_path / "b"))
+    body = {"job": "merge", "models": ["./a", "./b"], "strategy": "vanilla", "output": {"dir": "out"}}
+    run_recipe(load_recipe(write_recipe(tmp_path, body)))
+    a, b, out = _tensors(tmp_path / "a"), _tensors(tmp_path / "b"), _tensors(tmp_path / "out")
+    assert out[EMBED].shape == (72, 16)
+    torch.testing.assert_close(out[EMBED][:64], (a[EMBED][:64] + b[EMBED][:64]) / 2, rtol=0, atol=1e-6)
+    assert torch.equal(out[EMBED][64:], a[EMBED][64:])  # padding only A has: A's rows
+    model = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert model.generate(torch.tensor([[1, 5]]), max_new_tokens=3, do_sample=False, pad_token_id=2).shape == (1, 5)
+
+
+def test_the_dry_run_reports_the_vocabularies_before_any_weight_is_read(cases: dict[str, Path], tmp_path: Path) -> None:
+    body = {
+        "job": "merge",
+        "models": [str(cases["base"]), str(cases["chatml"])],
+        "strategy": "vanilla",
+        "tokenizer": {"source": "union"},
+        "output": {"dir": "out"},
+    }
+    proc = run_main(str(write_recipe(tmp_path, body)), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "has 2 tokens that" in text and "'<|im_start|>', '<|im_end|>'" in text
+    assert "output vocabulary (tokenizer.source: union): 66 tokens in 66 embedding rows" in text
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_reference_whose_tokens_have_no_rows_is_refused_and_nothing_is_written(
+    cases: dict[str, Path], tmp_path: Path
+) -> None:
+    body = {"job": "merge", "models": [str(cases["padded"]), str(cases["base"])], "output": {"dir": "out"}}
+    proc = run_main(str(write_recipe(tmp_path, {**body, "strategy": "vanilla"})))
+    assert proc.returncode == 2
+    assert "'<UNUSED_3>' with id 67" in proc.stderr and "64 rows" in proc.stderr
+    assert "not trained from this base" not in proc.stderr
+    assert not (tmp_path / "out").exists()
