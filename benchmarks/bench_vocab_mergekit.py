@@ -175,7 +175,7 @@ def main() -> None:
             found = compare(read_output(root / f"ours-{source}"), theirs)
             theirs_all[source] = theirs
             print(
-                f"{source:7} {str(found['tokens']):>24} {str(found['vocab_size']):>12} {found['same_vocab']!s:>10} "
+                f"{source:7} {found['tokens']!s:>24} {found['vocab_size']!s:>12} {found['same_vocab']!s:>10} "
                 f"{found['same_added']!s:>10} {found['tensors']:>7} {found['max_abs_diff']:>9.2g} {t_ours:>7.1f} "
                 f"{t_theirs:>10.1f}" + (f"  missing: {found['missing']}" if found["missing"] else "")
             )

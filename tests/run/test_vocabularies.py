@@ -54,7 +54,9 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("source", ["union", "base"])
 def test_merges_agree_with_mergekit_on_its_own_cases(source: str, cases: dict[str, Path], tmp_path: Path) -> None:
     meta = json.loads((GOLDEN / "mergekit.json").read_text(encoding="utf-8"))
-    digest = hashlib.sha256(b"".join((cases[k] / "model.safetensors").read_bytes() for k in ("base", "padded", "chatml")))
+    digest = hashlib.sha256(
+        b"".join((cases[k] / "model.safetensors").read_bytes() for k in ("base", "padded", "chatml"))
+    )
     assert digest.hexdigest() == meta["inputs_sha256"], (
         "the test models changed: store mergekit's merges again with `python benchmarks/bench_vocab_mergekit.py --golden`"
     )
