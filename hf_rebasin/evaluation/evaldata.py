@@ -266,11 +266,12 @@ def builtin_records(
     files = [k for k in ("data_files", "data_dir", "revision") if (given or {}).get(k) is not None]
     if files:
         raise DataError(f"the built-in data set {dataset!r} reads no files: remove `{'`, `'.join(files)}`")
-    splits = ("train", "test", "all") if dataset == "shakespeare" else ("train", "test")
+    plays_set = dataset in ("shakespeare", "shakespeare-chatml")
+    splits = ("train", "test", "all") if plays_set else ("train", "test")
     if split not in splits:
         hint = "; use `max_examples` to read fewer" if "[" in split else ""
         raise DataError(f"the built-in data set {dataset!r} has splits {', '.join(splits)}, not {split!r}{hint}")
-    if dataset == "shakespeare":
+    if plays_set:
         plays = [p.strip() for p in name.split(",") if p.strip()] if name else list(data.DEFAULT_PLAYS)
         unknown = sorted(set(plays) - set(data.available_plays()))
         if unknown or not plays:
@@ -278,7 +279,7 @@ def builtin_records(
                 f"`name`: unknown play(s) {', '.join(unknown) or '(none given)'}; "
                 f"available: {', '.join(data.available_plays())}"
             )
-        texts = [data.shakespeare_text([play], split=split) for play in plays]  # type: ignore[arg-type]
+        texts = [data.corpus_text(dataset, [play], split=split) for play in plays]  # type: ignore[arg-type]
         return datasets.Dataset.from_dict({"text": texts, "play": plays})
     if name is not None:
         raise DataError(f"the built-in data set {dataset!r} has no configurations: remove `name`")

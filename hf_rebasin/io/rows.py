@@ -30,8 +30,11 @@ __all__ = [
     "TOKEN_ID_FIELDS",
     "OutputRows",
     "RowLayout",
+    "embedding_rows_of",
     "reindex",
     "remap_token_ids",
+    "shared_layout",
+    "to_shared_rows",
     "vocab_field",
     "vocab_tensors",
     "working_layout",
@@ -145,6 +148,53 @@ class OutputRows:
         if bool((idx < 0).any()):
             out[idx < 0] = t[idx[: self.tokens].clamp(min=0)].mean(0).to(t.dtype)
         return out.movedim(0, axis)
+
+
+def embedding_rows_of(model: Any) -> int | None:
+    """Rows of a text model's input embedding (None: a model without token embeddings)."""
+    try:
+        emb = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
+    weight = getattr(emb, "weight", None)
+    if not hasattr(emb, "num_embeddings") or weight is None or weight.dim() != 2:
+        return None
+    return int(weight.shape[0])
+
+
+def shared_layout(vocabularies: Sequence[Vocabulary]) -> RowLayout:
+    """Rows of the tokens every model has, in the reference's order: what a comparison of the
+    models reads (lineage: a new release is judged on the rows it shares with the old one)."""
+    rows = [v.row_of() for v in vocabularies]
+    keys = tuple(k for k in vocabularies[0].keys if k is not None and all(k in r for r in rows))
+    sources = tuple(tuple(r[k] for k in keys) for r in rows)
+    return RowLayout(keys, sources, len(keys), (), ())
+
+
+def to_shared_rows(models: Sequence[LoadedModel]) -> tuple[list[LoadedModel], str | None]:
+    """``models`` (in memory) keeping only the rows of the tokens they all have, matched by token,
+    and a note saying what was left out; as they are (and None) where their vocabularies agree or
+    one has no tokenizer or token embedding."""
+    from hf_rebasin.io.tokens import compare_vocabularies, read_vocabulary
+    from hf_rebasin.io.vocab import load_tokenizer
+
+    rows = [embedding_rows_of(lm.model) for lm in models]
+    tokenizers = [load_tokenizer(lm.path) if r is not None else None for lm, r in zip(models, rows, strict=True)]
+    if any(t is None for t in tokenizers):
+        return list(models), None
+    vocabularies = [read_vocabulary(t, r) for t, r in zip(tokenizers, rows, strict=True)]  # type: ignore[arg-type]
+    if all(v.keys == vocabularies[0].keys for v in vocabularies[1:]):
+        return list(models), None
+    layout = shared_layout(vocabularies)
+    out = [
+        lm if layout.unchanged(i) and rows[i] == layout.rows else reindex(lm, layout, i, vocabularies[i])
+        for i, lm in enumerate(models)
+    ]
+    differences = "; ".join(
+        compare_vocabularies(vocabularies[0], v).describe("model 1", f"model {i + 1}")
+        for i, v in enumerate(vocabularies[1:], start=1)
+    )
+    return out, f"compared on the {layout.rows:,} tokens every model has, rows matched by token ({differences})"
 
 
 def vocab_tensors(model: Any) -> dict[str, int]:

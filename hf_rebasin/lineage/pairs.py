@@ -13,6 +13,7 @@ from hf_rebasin.core.errors import IncompatibleModelsError, RebasinUserError
 from hf_rebasin.core.memory import OVERHEAD, InsufficientMemoryError, available_memory
 from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
 from hf_rebasin.io.models import LoadedModel, check_compatible
+from hf_rebasin.io.rows import to_shared_rows
 from hf_rebasin.lineage.compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, PairLineage, compare
 from hf_rebasin.lineage.datamaps import LineageData, data_bytes, data_tokens
 from hf_rebasin.lineage.record import LineageRecord, ModelRef, PairRecord, next_step
@@ -114,13 +115,16 @@ def lineage_of(
     data: AlignmentData | None = None,
 ) -> LineageRecord:
     """Every pair's verdict (A against B, A against C, B against C, …), as ``lineage.json`` holds it.
-    Models of different widths are first written into the widest one's shape (exactly). With
+    Models of different widths are first written into the widest one's shape (exactly), models
+    whose vocabularies differ (added tokens, an extended release) compared on the tokens they all
+    have (``settings["vocabulary"]`` says so). With
     ``data`` (batches every model reads), each alignment starts from maps fitted on activations."""
     start = time.perf_counter()
     names = [f"model {i + 1} ({g})" for i, g in enumerate(given)]
     check_comparable(models, names)
     check_memory(models, data_tokens=0 if data is None else data_tokens(data.batches, models[0].model.config))
-    same, embedded = to_widest(list(models), names)
+    rows, vocabulary = to_shared_rows(list(models))  # a new release is judged on the tokens it shares
+    same, embedded = to_widest(rows, names)
     for lm in same[1:]:
         check_compatible(same[0], lm)
     grown = {e.index: e.note(names) for e in embedded}
@@ -153,6 +157,8 @@ def lineage_of(
         "data": "none" if data is None else data.description or "given",
         "data_tokens": tokens,
     }
+    if vocabulary is not None:
+        settings["vocabulary"] = vocabulary
     return LineageRecord(models=refs, settings=settings, pairs=pairs, seconds={"total": time.perf_counter() - start})
 
 

@@ -26,6 +26,7 @@ from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.rows import (
     OutputRows,
     RowLayout,
+    embedding_rows_of,
     reindex,
     remap_token_ids,
     vocab_field,
@@ -38,19 +39,7 @@ from hf_rebasin.merging.interpolate import StorageKey, storage_key
 from hf_rebasin.merging.rows import fill_merge, fill_transport
 from hf_rebasin.recipe.tokenizer import model_index
 
-__all__ = ["RunVocabulary", "embedding_rows_of", "planned_vocabulary", "run_vocabulary", "to_rows"]
-
-
-def embedding_rows_of(model: Any) -> int | None:
-    """Rows of a text model's input embedding (None: a model without token embeddings)."""
-    try:
-        emb = model.get_input_embeddings()
-    except (NotImplementedError, AttributeError):
-        return None
-    weight = getattr(emb, "weight", None)
-    if not hasattr(emb, "num_embeddings") or weight is None or weight.dim() != 2:
-        return None
-    return int(weight.shape[0])
+__all__ = ["RunVocabulary", "planned_vocabulary", "run_vocabulary", "to_rows"]
 
 
 @dataclass
@@ -313,6 +302,8 @@ def to_rows(
 ) -> tuple[list[LoadedModel], RunVocabulary | None]:
     """``models`` in one vocabulary layout (as they are where their vocabularies agree): the run's
     recipe (its ``tokenizer`` section, if its job has one), the models' names and folders."""
+    if recipe.job == "lineage":  # compared on the tokens they share (`lineage.pairs.lineage_of`)
+        return models, None
     section = getattr(recipe, "tokenizer", None)
     source = section.source if section is not None else None
     pad_to = section.pad_to_multiple_of if section is not None else None

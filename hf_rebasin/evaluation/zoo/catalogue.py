@@ -100,6 +100,26 @@ class GPT2FineTuneConfig:
 
 
 @dataclass(frozen=True)
+class ChatFineTuneConfig:
+    """A chat fine-tune of a zoo GPT-2 (``base``, the same seed): ChatML's ``<|im_start|>`` and
+    ``<|im_end|>`` added to its tokenizer as special tokens and the embeddings resized (new rows at
+    the mean of the old, as transformers' ``resize_token_embeddings`` does), then trained on the
+    speeches of ``plays`` as ChatML turns (`data.chatml_dialogue`), the way the PEFT guide "LoRA
+    with additional tokens" trains a chat model. The base and the fine-tune have vocabularies that
+    differ by those two tokens."""
+
+    base: str = "gpt2"
+    corpus: str = "shakespeare-chatml"
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-3
+    warmup: int = 20
+    weight_decay: float = 0.0
+    plays: tuple[str, ...] = ("the-merry-wives-of-windsor", "twelfth-night", "much-ado-about-nothing")
+    eval_tokens: int = 65536
+
+
+@dataclass(frozen=True)
 class GPT2LoraConfig:
     """A PEFT LoRA adapter on the zoo GPT-2 of the same seed, trained on the fine-tune's plays.
 
@@ -358,6 +378,7 @@ TrainConfig = (
     | MaskedLMTrainConfig
     | ImageTrainConfig
     | DomainFineTuneConfig
+    | ChatFineTuneConfig
 )
 DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
     "gpt2": GPT2TrainConfig(),
@@ -478,6 +499,9 @@ DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
     # a ModernBERT masked LM, and a ViT of the same size (4 layers, width 128) trained longer on the digits
     "bench-gpt2": SubwordLMTrainConfig(),
     "bench-gpt2-ft": DomainFineTuneConfig(),
+    # chat fine-tunes (two ChatML tokens added): of the tiny GPT-2, and of bench-gpt2 at its rate
+    "gpt2-chat": ChatFineTuneConfig(),
+    "bench-gpt2-chat": ChatFineTuneConfig(base="bench-gpt2", steps=1000, lr=5e-4, warmup=50),
     "bench-modernbert": SubwordMaskedLMTrainConfig(),
     "bench-vit": ImageTrainConfig(
         family="vit", hidden_size=128, num_layers=4, intermediate_size=512, steps=4000, lr=1e-3, weight_decay=0.05

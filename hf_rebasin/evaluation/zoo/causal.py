@@ -21,6 +21,7 @@ from hf_rebasin.evaluation.zoo.catalogue import (
     DEFAULT_CONFIGS,
     BertTrainConfig,
     CausalLMTrainConfig,
+    ChatFineTuneConfig,
     DomainFineTuneConfig,
     GPT2FineTuneConfig,
     GPT2LoraConfig,
@@ -77,7 +78,8 @@ def run_text(
     | GPT2LoraConfig
     | GPT2NextConfig
     | CausalLMTrainConfig
-    | DomainFineTuneConfig,
+    | DomainFineTuneConfig
+    | ChatFineTuneConfig,
     out_dir: Path,
     build: Callable[[], Any],
     tokenizer: Any,

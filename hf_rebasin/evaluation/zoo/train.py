@@ -39,6 +39,7 @@ from hf_rebasin.evaluation.zoo.catalogue import (
     DEFAULT_CONFIGS,
     TRAINING_FILE,
     CausalLMTrainConfig,
+    ChatFineTuneConfig,
     DomainFineTuneConfig,
     GPT2FineTuneConfig,
     GPT2LoraConfig,
@@ -203,6 +204,40 @@ def finetune_on_domain(
     )
 
 
+def finetune_chat(
+    kind: Kind,
+    seed: int,
+    out_dir: Path,
+    config: ChatFineTuneConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """`ChatFineTuneConfig`: the zoo GPT-2 ``config.base`` of ``seed`` with ChatML's tokens added
+    (embeddings resized), fine-tuned on dialogue-formatted plays; saved with its tokenizer."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    default = DEFAULT_CONFIGS[check_kind(kind)]
+    if not isinstance(default, ChatFineTuneConfig):
+        raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by finetune_chat")
+    cfg = config or default
+    base = cached_model(cfg.base, seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(data.CHATML_TOKENS)})
+    block = _block(base)
+    train = data.text_blocks(tokenizer, data.corpus_text(cfg.corpus, cfg.plays, split="train"), block)
+    test = data.text_blocks(
+        tokenizer, data.corpus_text(cfg.corpus, cfg.plays, split="test"), block, max_tokens=cfg.eval_tokens
+    )
+
+    def build() -> Any:
+        model = AutoModelForCausalLM.from_pretrained(str(base))
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        return model
+
+    return run_text(kind, seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads)
+
+
 def next_tiny_gpt2(
     seed: int,
     out_dir: Path,
@@ -251,6 +286,11 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
         kind: functools.partial(finetune_on_domain, kind)
         for kind, config in DEFAULT_CONFIGS.items()
         if isinstance(config, DomainFineTuneConfig)
+    },
+    **{
+        kind: functools.partial(finetune_chat, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, ChatFineTuneConfig)
     },
 }
 

@@ -36,6 +36,8 @@ def run(ws: Workspace) -> JobOutput:
             f"each alignment started from maps fitted on both models' activations ({record.settings['data_tokens']:,} "
             f"tokens of {record.settings['data']}), then refined on their weights' learned directions"
         )
+    if "vocabulary" in record.settings:
+        ws.notes.append(f"vocabularies differ: {record.settings['vocabulary']}")
     ws.notes.extend(f"{given[p.a]} vs {given[p.b]}: {p.verdict} ({p.next_step})" for p in record.pairs)
     result = job_result(ws, findings, {}, saved_model=False, written="lineage report")
     null = float(record.settings["null_similarity"])
