@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from hf_rebasin.core.errors import TokenizerError, named
+from hf_rebasin.core.errors import IncompatibleModelsError, TokenizerError, named
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.rows import (
     OutputRows,
@@ -38,6 +38,7 @@ from hf_rebasin.io.vocab import LOADER_EXTRAS, TOKENIZER_FILES, load_tokenizer
 from hf_rebasin.merging.interpolate import StorageKey, storage_key
 from hf_rebasin.merging.rows import fill_merge, fill_transport
 from hf_rebasin.recipe.tokenizer import model_index
+from hf_rebasin.run.tokenizers import same_text
 
 __all__ = ["RunVocabulary", "planned_vocabulary", "run_vocabulary", "to_rows"]
 
@@ -56,6 +57,7 @@ class RunVocabulary:
     written_from: int | None  # the model whose tokenizer files the output has as they are (None: built)
     chat_from: int | None = None  # a transport's fine-tune: its chat template goes with a built tokenizer
     tensors: dict[str, int] = field(default_factory=dict)  # the working model's vocabulary tensors -> axis
+    cut_alike: bool = True  # every tokenizer cuts text as the reference's does (`tokenizers.same_text`)
 
     def present(self) -> list[Tensor]:
         return [self.layout.present(i) for i in range(len(self.vocabularies))]
@@ -281,6 +283,7 @@ def run_vocabulary(
         source=resolved,
         written_from=written,
         chat_from=2 if job == "transport" else None,
+        cut_alike=all(same_text(tokenizers[0], t) for t in tokenizers[1:]),
     )
 
 
@@ -313,6 +316,12 @@ def to_rows(
         )
     if rows is None:
         return models, None
+    if not rows.cut_alike and getattr(recipe, "data", None) is not None:
+        raise IncompatibleModelsError(
+            "`data`: the models' tokenizers cut text differently (allowed by `allow_different_tokenizers`), so the "
+            "same text is other tokens in each model and the activations the strategy compares would not be of one "
+            "input; use a data-free strategy (weight-matching, generalized-orthogonal) and remove `data`"
+        )
     out = [
         lm
         if rows.layout.unchanged(i) and embedding_rows_of(lm.model) == rows.layout.rows
