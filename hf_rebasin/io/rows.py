@@ -187,7 +187,7 @@ def to_shared_rows(models: Sequence[LoadedModel]) -> tuple[list[LoadedModel], st
         return list(models), None
     layout = shared_layout(vocabularies)
     out = [
-        lm if layout.unchanged(i) and rows[i] == layout.rows else reindex(lm, layout, i, vocabularies[i])
+        lm if layout.unchanged(i) and rows[i] == layout.rows else reindex(_in_memory(lm), layout, i, vocabularies[i])
         for i, lm in enumerate(models)
     ]
     differences = "; ".join(
@@ -195,6 +195,15 @@ def to_shared_rows(models: Sequence[LoadedModel]) -> tuple[list[LoadedModel], st
         for i, v in enumerate(vocabularies[1:], start=1)
     )
     return out, f"compared on the {layout.rows:,} tokens every model has, rows matched by token ({differences})"
+
+
+def _in_memory(lm: LoadedModel) -> LoadedModel:
+    """``lm`` loaded whole where it was streamed (its rows are re-indexed in memory)."""
+    if lm.source is None:
+        return lm
+    from hf_rebasin.io.models import load_model
+
+    return load_model(lm.path)
 
 
 def vocab_tensors(model: Any) -> dict[str, int]:

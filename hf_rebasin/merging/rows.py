@@ -8,10 +8,13 @@ takes the reference's row in the models that lack it; otherwise the mean of the 
 it. So a row absent from a model contributes, in that model's share of the average, the row of the
 reference (or the mean of those that have it), never zero.
 
-A transport (θ = B + α·π(τ)) has its own rule, by what a task vector means: a token the base lacks
-has no task vector (τ = 0 there): the target keeps its own row, or where it has none takes the
-fine-tune's, moved whole (a chat fine-tune's ``<|im_start|>``); a token the target lacks starts
-from the moved base's row and receives τ.
+A transport (θ = B + α·π(τ)) has its own rule, by what a task vector means. A token the fine-tune
+added (the base lacks it) was started, as ``resize_token_embeddings`` starts it, from the mean of
+the base's rows: its task vector is its row's change from that mean, π(row) − mean(π(base)), and
+it lands on the target's row for it, or where the target has none on the target's own mean row
+(the target resized the same way). Where the target is the base with its features moved, that is
+the fine-tune's row moved, exactly (the means are over the rows base and target share). A token the target lacks but the base has starts from the moved
+base's row and receives τ; a token the fine-tune lacks carries no task vector.
 """
 
 from __future__ import annotations
@@ -89,11 +92,21 @@ def fill_transport(
             continue
         t, d = _rows(target[name], axis).clone(), _rows(tau[name], axis).clone()
         b = _rows(moved_base[name], axis)
-        only_ft = (~has_b & has_f).to(t.device)
-        from_ft = only_ft & ~has_t.to(t.device)  # τ there is π(fine-tune)'s row: carried whole
-        t[from_ft] = d[from_ft].to(t.dtype)
-        from_base = (has_b & ~has_t).to(t.device)
+        dev = t.device
+        shared = (has_b & has_t).to(dev)  # the means are taken over the rows base and target share
+        added = (~has_b & has_f).to(dev)  # the fine-tune's own tokens: τ there is π(fine-tune)'s row
+        d[added] = (d[added] - _mean(b, shared).to(d.dtype)).to(d.dtype)  # its change from a mean row
+        fresh = added & ~has_t.to(dev)
+        t[fresh] = _mean(t, shared).to(t.dtype)  # the target's own mean row, as resizing starts it
+        from_base = (has_b & ~has_t).to(dev)
         t[from_base] = b[from_base].to(t.dtype)
-        d[(~has_b | ~has_f).to(d.device)] = 0  # no task vector where either end has no row
+        d[(has_b & ~has_f).to(dev) | (~has_b & ~has_f).to(dev)] = 0  # no task vector where the fine-tune has no row
         new_target[name], new_tau[name] = t.movedim(0, axis), d.movedim(0, axis)
     return _retie([new_target], [target])[0], _retie([new_tau], [tau])[0]
+
+
+def _mean(rows: Tensor, mask: Tensor) -> Tensor:
+    """The mean of the rows ``mask`` marks (zeros when none)."""
+    if not bool(mask.any()):
+        return torch.zeros_like(rows[0])
+    return rows[mask].to(torch.float64).mean(0).to(rows.dtype)
