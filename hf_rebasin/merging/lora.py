@@ -50,11 +50,14 @@ __all__ = [
     "ADAPTER_CONFIG",
     "LoraAdapter",
     "LoraModule",
+    "adapter_config",
+    "adapter_from",
     "apply_adapter",
     "canonical_blocker",
     "is_adapter",
     "lora_graph",
     "read_adapter",
+    "read_tensors",
     "save_adapter",
     "transport_adapter",
 ]
@@ -158,8 +161,9 @@ def is_adapter(folder: Path) -> bool:
     return (Path(folder) / ADAPTER_CONFIG).is_file()
 
 
-def adapter_config(folder: Path, where: str = "finetuned") -> dict[str, Any]:
-    """``adapter_config.json``, checked to be a LoRA adapter hf-rebasin can transport."""
+def adapter_config(folder: Path, where: str = "finetuned", *, tokens: bool = False) -> dict[str, Any]:
+    """``adapter_config.json``, checked to be a LoRA adapter hf-rebasin can transport (``tokens``:
+    trainable tokens too, which `lora_vocab` merges into the base before the adapter moves)."""
     path = Path(folder) / ADAPTER_CONFIG
     with named(f"`{where}`"):
         config: dict[str, Any] = read_json(path)  # through the gate: confined, regular, typed
@@ -169,7 +173,7 @@ def adapter_config(folder: Path, where: str = "finetuned") -> dict[str, Any]:
             f"`{where}`: {str(path)!r} is a PEFT {kind} adapter; hf-rebasin transports LoRA adapters (peft_type LORA)"
         )
     for key, what in UNSUPPORTED.items():
-        if config.get(key):
+        if config.get(key) and not (tokens and key == "trainable_token_indices"):
             raise CheckpointError(
                 f"`{where}`: {str(path)!r} sets {key}: {config[key]!r} ({what}); hf-rebasin transports plain LoRA "
                 "updates only: train the adapter without it, or merge it into the base and transport the full model"
@@ -185,7 +189,8 @@ def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> An
     return default
 
 
-def _read_tensors(folder: Path, allow_pickle: bool, where: str) -> dict[str, Tensor]:
+def read_tensors(folder: Path, allow_pickle: bool, where: str) -> dict[str, Tensor]:
+    """An adapter's tensors by file key, read through the gate (safetensors, or a pickle when allowed), all finite."""
     from safetensors.torch import load_file
 
     path = folder / ADAPTER_WEIGHTS
@@ -314,8 +319,13 @@ def read_adapter(
 ) -> LoraAdapter:
     """Read a LoRA adapter and check every factor against ``model`` (the base it was trained on)."""
     folder = Path(folder)
-    config = adapter_config(folder, where)
-    tensors = _read_tensors(folder, allow_pickle, where)
+    return adapter_from(folder, adapter_config(folder, where), read_tensors(folder, allow_pickle, where), model, where)
+
+
+def adapter_from(
+    folder: Path, config: dict[str, Any], tensors: Mapping[str, Tensor], model: nn.Module, where: str
+) -> LoraAdapter:
+    """An adapter's config and tensors checked against ``model``, every factor and whole tensor."""
     state = model.state_dict()
     alpha = float(config.get("lora_alpha", 8))
     rslora = bool(config.get("use_rslora"))

@@ -122,7 +122,7 @@ def check_adapter(recipe: Recipe, models: TransportRoles[PlannedModel]) -> list[
         or (folder / "config.json").is_file()
     ):
         return []
-    config = adapter_config(folder, "finetuned.model")
+    config = adapter_config(folder, "finetuned.model", tokens=True)  # trainable tokens: merged at load
     named = config.get("base_model_name_or_path")
     base = models.base.ref
     if not named or _same_base(str(named), base, models.base.folder):

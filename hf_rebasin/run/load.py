@@ -28,6 +28,7 @@ from hf_rebasin.io.models import LoadedModel, check_compatible, load_model, reso
 from hf_rebasin.io.output import check_inputs
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.merging.lora import LoraAdapter, apply_adapter, is_adapter, read_adapter
+from hf_rebasin.merging.lora_vocab import finetune_with_tokens
 from hf_rebasin.merging.transport import check_shared
 from hf_rebasin.recipe import Recipe
 from hf_rebasin.run.alignment_cache import RunCache
@@ -318,6 +319,9 @@ def _load_finetune(
     """A transport's fine-tune, checked against its base: a full model of the same model type (its
     head may differ: a classifier trained on A's features), or a LoRA adapter merged into A."""
     if is_adapter(folder) and not (folder / "config.json").is_file():
+        grown = finetune_with_tokens(base, folder, allow_pickle=recipe.allow_pickle)
+        if grown is not None:
+            return grown, None
         adapter = read_adapter(folder, base.model, allow_pickle=recipe.allow_pickle, where="finetuned.model")
         merged = rebuild(base.model, apply_adapter(adapter, weights(base)))
         return LoadedModel(merged, base.graph, folder, adapter.dtype), adapter

@@ -217,3 +217,63 @@ def test_a_reference_whose_tokens_have_no_rows_is_refused_and_nothing_is_written
     assert "'<UNUSED_3>' with id 67" in proc.stderr and "64 rows" in proc.stderr
     assert "not trained from this base" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mode", ["modules_to_save", "trainable_tokens"])
+def test_a_lora_adapter_trained_with_new_tokens_moves_as_peft_merges_it(mode: str, tmp_path: Path) -> None:
+    """The PEFT guide's "LoRA with additional tokens": the base resized, the adapter saving the
+    embedding and LM head whole (or the new rows as trainable tokens). Moved onto the base permuted,
+    the output computes what PEFT's own ``merge_and_unload`` of the adapter computes."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    folders = _chat_transport(tmp_path, 64, [])  # base and target (the base permuted); ft replaced below
+    model = tiny_llama(64, 0)
+    model.resize_token_embeddings(66)
+    extra = (
+        {"modules_to_save": ["embed_tokens", "lm_head"]}
+        if mode == "modules_to_save"
+        else {"trainable_token_indices": {"embed_tokens": [64, 65]}}
+    )
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **extra))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(str(adapter))
+    vocab_tokenizer(64, CHATML).save_pretrained(str(adapter))
+    out = _transport(tmp_path, {**folders, "ft": adapter})
+    resized = T.AutoModelForCausalLM.from_pretrained(str(folders["base"]))
+    resized.resize_token_embeddings(66)
+    merged = PeftModel.from_pretrained(resized, str(adapter)).merge_and_unload().eval()
+    ours = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.tensor([[1, 64, 5, 7, 65, 9]])
+    with torch.no_grad():
+        gap = (ours(ids).logits[..., :64] - merged(ids).logits[..., :64]).abs().max()
+    assert float(gap) < 1e-4
+    assert T.AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids(CHATML) == [64, 65]
+    record = json.loads((out / "rebasin.json").read_text(encoding="utf-8"))
+    assert any("trained with new tokens" in n for n in record["notes"])
+
+
+def test_an_adapter_with_new_rows_but_no_tokenizer_is_refused_with_the_reason(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    folders = _chat_transport(tmp_path, 64, [])
+    model = tiny_llama(64, 0)
+    model.resize_token_embeddings(66)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens"]))
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    body = {
+        "job": "transport",
+        "base": "./base",
+        "finetuned": "./adapter",
+        "target": "./target",
+        "output": {"dir": "o"},
+    }
+    proc = run_main(str(write_recipe(tmp_path, {**body, "strategy": "weight-matching"})))
+    assert proc.returncode == 2
+    assert "66 embedding rows" in proc.stderr and "tokenizer.save_pretrained" in proc.stderr
+    assert "not trained from this base" not in proc.stderr
+    assert not (tmp_path / "o").exists()
