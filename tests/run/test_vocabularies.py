@@ -260,7 +260,7 @@ def test_a_lora_adapter_trained_with_new_tokens_moves_as_peft_merges_it(mode: st
 def test_an_adapter_with_new_rows_but_no_tokenizer_is_refused_with_the_reason(tmp_path: Path) -> None:
     from peft import LoraConfig, get_peft_model
 
-    folders = _chat_transport(tmp_path, 64, [])
+    _chat_transport(tmp_path, 64, [])  # base and target folders
     model = tiny_llama(64, 0)
     model.resize_token_embeddings(66)
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens"]))
