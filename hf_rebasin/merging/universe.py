@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = ["DEFAULT_ITERATIONS", "DEFAULT_TOL", "UniverseResult", "universe_merge"]
+
+
+# the rows each aligned model lacks, filled in the merge's basis (`merging.rows.fill_merge`)
+Fill = Callable[[Sequence[Mapping[str, Tensor]]], list[dict[str, Tensor]]]
 
 
 @dataclass
@@ -166,6 +170,11 @@ class _Aligner:
     live: list[PreTrainedModel] | None
     data: AlignmentData | None
     progress: Progress | None
+    fill: Fill | None = None  # rows a model lacks (vocabularies that differ), filled before any mean
+
+    def pool(self, aligned: Sequence[Mapping[str, Tensor]]) -> Sequence[Mapping[str, Tensor]]:
+        """The aligned models as their means read them: with the rows each lacks filled."""
+        return self.fill(aligned) if self.fill is not None else aligned
 
     def report(self, stage: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -203,7 +212,7 @@ class _Aligner:
         self.report(stage, 0, n)
         keep = 0
         for i in range(n):
-            target = _others(aligned, weights, i) if leave_one_out else mean
+            target = _others(self.pool(aligned), weights, i) if leave_one_out else mean
             target_model = _target_model(self.live[0], target, untie) if self.live is not None else None
             new = self.align(i, target, target_model)
             candidate = new.aligned_b()
@@ -279,13 +288,13 @@ def _rounds(
     move below ``tol``. Returns (the reference merge, the final mean, the spread before and after
     each round, each round's change, how many models kept their map in each round)."""
     aligned = [al.aligned_b() for al in alignments]
-    mean = reference = merge_state_dicts(aligned, w)
+    mean = reference = merge_state_dicts(aligner.pool(aligned), w)
     spread = [_spread(mean, aligned, w)]
     change: list[float] = []
     kept: list[int] = []
     for r in range(1, iterations + 1):
         kept.append(aligner.round(r, alignments, aligned, w, mean, leave_one_out, untie))
-        new_mean = merge_state_dicts(aligned, w)
+        new_mean = merge_state_dicts(aligner.pool(aligned), w)
         change.append(_relative_change(mean, new_mean))
         mean = new_mean
         spread.append(_spread(mean, aligned, w))
@@ -303,6 +312,7 @@ def _refine_together(
     untied: list[str],
     data: AlignmentData,
     progress: Progress | None,
+    fill: Fill | None = None,
 ) -> tuple[list[Alignment], dict[str, Tensor], list[str], dict[str, Any] | None]:
     """The strategy's `universe_refinement` of every map at once after the rounds, the routers'
     shifts then refitted to one gauge (`shared_router_gauge`): (the alignments with the refined
@@ -312,7 +322,8 @@ def _refine_together(
     refined = strategy.refine_universe(maps, opts, progress)
     gauged = shared_router_gauge(alignments[0].graph, sds, refined.transforms, w)
     alignments = [dataclasses.replace(al, transform=t) for al, t in zip(alignments, gauged, strict=True)]
-    mean = merge_state_dicts([al.aligned_b() for al in alignments], w)
+    aligned = [al.aligned_b() for al in alignments]
+    mean = merge_state_dicts(fill(aligned) if fill is not None else aligned, w)
     return alignments, mean, [f"universe: {note}" for note in refined.notes], refined.history
 
 
@@ -330,6 +341,7 @@ def universe_merge(
     initial: Sequence[Alignment] | None = None,
     leave_one_out: bool = True,
     progress: Progress | None = None,
+    fill: Fill | None = None,
 ) -> UniverseResult:
     """Merge ``state_dicts`` (model 0 first) in a basis shared by all, with strategy ``name``.
 
@@ -340,6 +352,8 @@ def universe_merge(
     Each round aligns every model to the mean of the others (``leave_one_out``) or to the mean of
     all; stops after ``iterations`` rounds or when the mean moves by less than ``tol`` (relative).
     A strategy with a `universe_refinement` then refines every map together (3+ models, with data).
+    ``fill`` settles the rows a model lacks (models whose vocabularies differ, `merging.rows`) in
+    the aligned models before every mean is taken.
     """
     strategy = get_strategy(name)
     opts = strategy.parse(options)
@@ -347,7 +361,7 @@ def universe_merge(
     _check_call(n, weights, models, initial, iterations, tol)
     w = [float(x) for x in weights]
     live = list(models) if models is not None and strategy.needs_data(opts) else None
-    aligner = _Aligner(strategy, opts, graph, state_dicts, live, data, progress)
+    aligner = _Aligner(strategy, opts, graph, state_dicts, live, data, progress, fill)
     alignments = list(initial) if initial is not None else aligner.reference()
     alignments = [_identity_of(alignments[0]), *alignments]
     canonical, untied = alignments[0].canonical, list(alignments[0].untied)
@@ -358,7 +372,7 @@ def universe_merge(
     learned: dict[str, Any] | None = None
     if strategy.universe_refinement(opts) and n >= 3 and models is not None and data is not None:
         alignments, mean, notes, learned = _refine_together(
-            strategy, opts, models[0], alignments, w, untied, data, progress
+            strategy, opts, models[0], alignments, w, untied, data, progress, fill
         )
     alignments = [dataclasses.replace(al, sd_a=mean) for al in alignments]
     _closing_notes(alignments, notes, change, tol)

@@ -277,3 +277,39 @@ def test_an_adapter_with_new_rows_but_no_tokenizer_is_refused_with_the_reason(tm
     assert "66 embedding rows" in proc.stderr and "tokenizer.save_pretrained" in proc.stderr
     assert "not trained from this base" not in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_universe_merge_fills_the_rows_a_model_lacks_before_every_mean(tmp_path: Path) -> None:
+    """Three relatives in one basis (a base, its ChatML fine-tune with two more rows, a copy with
+    placeholders past its rows): weight matching finds the identity between them, so the universe
+    merge is the plain mean with rows filled as mergekit fills them, computed here from the files."""
+    g = torch.Generator().manual_seed(4)
+
+    def nudged(rows: int) -> torch.nn.Module:
+        model = tiny_llama(64, 0)
+        model.resize_token_embeddings(rows, mean_resizing=False)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.002 * torch.randn(p.shape, generator=g))
+        return model
+
+    for name, rows, added in (
+        ("base", 64, []),
+        ("chat", 66, CHATML),
+        ("padded", 64, [f"<UNUSED_{i}>" for i in range(4)]),
+    ):
+        nudged(rows).save_pretrained(str(tmp_path / name))
+        vocab_tokenizer(64, added).save_pretrained(str(tmp_path / name))
+    body = {
+        "job": "merge",
+        "models": ["./base", "./chat", "./padded"],
+        "strategy": "weight-matching",
+        "merge": {"weight": [1 / 3, 1 / 3, 1 / 3], "universe": {"iterations": 2}},
+        "tokenizer": {"source": "union"},
+        "output": {"dir": "out"},
+    }
+    run_recipe(load_recipe(write_recipe(tmp_path, body)))
+    base, chat, padded, out = (_tensors(tmp_path / n) for n in ("base", "chat", "padded", "out"))
+    for name in (EMBED, HEAD):
+        torch.testing.assert_close(out[name][:64], (base[name] + chat[name][:64] + padded[name]) / 3, rtol=0, atol=1e-6)
+        torch.testing.assert_close(out[name][64:], chat[name][64:], rtol=0, atol=1e-6)  # only the chat model has them

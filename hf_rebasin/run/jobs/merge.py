@@ -9,7 +9,6 @@ from typing import Any
 from torch import Tensor
 
 from hf_rebasin.alignment.strategies import Alignment, get_strategy
-from hf_rebasin.core.errors import IncompatibleModelsError
 from hf_rebasin.core.roles import MergeRoles
 from hf_rebasin.evaluation.scores import Preservation, Score, Universe
 from hf_rebasin.io.export import copy_support_files, save_merged_model
@@ -46,11 +45,6 @@ def run(ws: Workspace) -> JobOutput:
     universe: Universe | None = None
     learned: dict[str, Any] | None = None  # the universe's Dirichlet refinement: the curve of the maps merged
     if own(ws).merge.universe is not None:
-        if ws.rows is not None:
-            raise IncompatibleModelsError(
-                "`merge.universe`: the models' vocabularies differ (see the notes), and the universe merge does not "
-                "match rows by token yet; merge them pairwise onto the reference (remove `merge.universe`)"
-            )
         merged, universe, learned, preserved = _universe(ws, models, alignments, mix, preserved, bool(primary.untied))
     else:
         merged = merge_state_dicts([primary.sd_a, *aligned], mix)
@@ -123,6 +117,7 @@ def _universe(
             leave_one_out=settings.leave_one_out,
             initial=alignments,
             progress=ws.progress,
+            fill=ws.rows.fill_merge if ws.rows is not None else None,
         )
     ws.notes.extend(n for n in result.notes if n not in ws.notes)
     if preserved.max_abs_diff is not None:
