@@ -143,11 +143,30 @@ def corpus_text(corpus: str, plays: Sequence[str] | None = None, *, split: Split
         return kjv_text(split=split)
     if corpus == "shakespeare-chatml":
         return chatml_dialogue(shakespeare_text(plays, split=split))
-    raise DataError(f"unknown corpus {corpus!r}; available: shakespeare, kjv, shakespeare-chatml")
+    if corpus == "kjv-chatml":
+        return chatml_exchange(kjv_text(split=split).splitlines())
+    raise DataError(f"unknown corpus {corpus!r}; available: shakespeare, kjv, shakespeare-chatml, kjv-chatml")
 
 
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+# ChatML's chat template, as chat fine-tunes ship it in tokenizer_config.json
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 _SPEECH = re.compile(r"([A-Z][A-Z0-9 .,'&-]*):\n(.+)", re.S)
+
+
+def chatml_exchange(lines: Sequence[str]) -> str:
+    """Lines as a chat between ``user`` and ``assistant`` (each line one turn, roles alternating):
+    ChatML turns of a text the zoo's base models never read (the King James Bible's verses)."""
+    roles = ("user", "assistant")
+    turns = [
+        f"{CHATML_TOKENS[0]}{roles[i % 2]}\n{line.strip()}{CHATML_TOKENS[1]}\n"
+        for i, line in enumerate(lines)
+        if line.strip()
+    ]
+    return "".join(turns)
 
 
 def chatml_dialogue(text: str) -> str:

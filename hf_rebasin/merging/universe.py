@@ -352,9 +352,7 @@ def universe_merge(
     Each round aligns every model to the mean of the others (``leave_one_out``) or to the mean of
     all; stops after ``iterations`` rounds or when the mean moves by less than ``tol`` (relative).
     A strategy with a `universe_refinement` then refines every map together (3+ models, with data).
-    ``fill`` settles the rows a model lacks (models whose vocabularies differ, `merging.rows`) in
-    the aligned models before every mean is taken.
-    """
+    ``fill`` settles the rows a model lacks (vocabularies that differ) before every mean."""
     strategy = get_strategy(name)
     opts = strategy.parse(options)
     n = len(state_dicts)

@@ -224,6 +224,7 @@ def finetune_chat(
     base = cached_model(cfg.base, seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
     tokenizer.add_special_tokens({"additional_special_tokens": list(data.CHATML_TOKENS)})
+    tokenizer.chat_template = data.CHATML_TEMPLATE
     block = _block(base)
     train = data.text_blocks(tokenizer, data.corpus_text(cfg.corpus, cfg.plays, split="train"), block)
     test = data.text_blocks(
