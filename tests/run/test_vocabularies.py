@@ -313,3 +313,34 @@ def test_a_universe_merge_fills_the_rows_a_model_lacks_before_every_mean(tmp_pat
     for name in (EMBED, HEAD):
         torch.testing.assert_close(out[name][:64], (base[name] + chat[name][:64] + padded[name]) / 3, rtol=0, atol=1e-6)
         torch.testing.assert_close(out[name][64:], chat[name][64:], rtol=0, atol=1e-6)  # only the chat model has them
+
+
+def test_a_chat_fine_tune_of_a_padded_base_moves_onto_a_padded_target(tmp_path: Path) -> None:
+    """Qwen2's shape: 72 embedding rows for 64 tokens. The fine-tune's two chat tokens take two of
+    the padding rows (ids 64, 65); the output keeps the target's 72 rows, loads and generates."""
+    base = tiny_llama(72, 0)
+    base.save_pretrained(str(tmp_path / "base"))
+    vocab_tokenizer(64).save_pretrained(str(tmp_path / "base"))
+    ft = tiny_llama(72, 0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in ft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    ft.save_pretrained(str(tmp_path / "ft"))
+    vocab_tokenizer(64, CHATML).save_pretrained(str(tmp_path / "ft"))
+    sd = base.state_dict()
+    graph = graph_for(base.config, sd.keys())
+    target = tiny_llama(72, 7)
+    target.load_state_dict(graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(3))))
+    target.save_pretrained(str(tmp_path / "target"))
+    vocab_tokenizer(64).save_pretrained(str(tmp_path / "target"))
+    out = _transport(tmp_path, {"base": tmp_path / "base", "ft": tmp_path / "ft", "target": tmp_path / "target"})
+    model = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    tok = T.AutoTokenizer.from_pretrained(str(out))
+    assert model.config.vocab_size == 72 and tok.convert_tokens_to_ids(CHATML) == [64, 65]
+    ft_model = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ft")).eval()
+    ids = torch.tensor([[1, 64, 5, 7, 65, 9]])
+    with torch.no_grad():
+        gap = (model(ids).logits[..., :66] - ft_model(ids).logits[..., :66]).abs().max()
+    assert float(gap) < 1e-4  # the target is the base moved: the fine-tune's function on every token
+    assert model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=2).shape == (1, 9)
