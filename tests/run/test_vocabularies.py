@@ -344,3 +344,23 @@ def test_a_chat_fine_tune_of_a_padded_base_moves_onto_a_padded_target(tmp_path: 
         gap = (model(ids).logits[..., :66] - ft_model(ids).logits[..., :66]).abs().max()
     assert float(gap) < 1e-4  # the target is the base moved: the fine-tune's function on every token
     assert model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=2).shape == (1, 9)
+
+
+def test_models_of_other_widths_and_vocabularies_merge_into_the_wide_shape_and_the_union(tmp_path: Path) -> None:
+    narrow = tiny_llama(64, 0)
+    narrow.save_pretrained(str(tmp_path / "n"))
+    vocab_tokenizer(64).save_pretrained(str(tmp_path / "n"))
+    config = tiny_llama(66, 1).config
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 32, 8, 4
+    config.head_dim, config.intermediate_size = 4, 48
+    torch.manual_seed(1)
+    T.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "w"))
+    vocab_tokenizer(64, CHATML).save_pretrained(str(tmp_path / "w"))
+    body = {"job": "merge", "models": ["./n", "./w"], "strategy": "weight-matching", "tokenizer": {"source": "union"}}
+    result = run_recipe(load_recipe(write_recipe(tmp_path, {**body, "output": {"dir": "out"}})))
+    assert any("embedded into the shape of" in n for n in result.notes)
+    model = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert (model.config.hidden_size, model.config.vocab_size) == (32, 66)
+    wide, out = _tensors(tmp_path / "w"), _tensors(tmp_path / "out")
+    # the chat rows only the wide model has: its own, its residual features permuted into A's basis
+    assert torch.equal(out[EMBED][64:].sort(-1).values, wide[EMBED][64:].sort(-1).values)
