@@ -227,6 +227,89 @@ def widened_cases(seeds: list[int], data: AlignmentData | None = None) -> Iterat
         yield case
 
 
+def _extended(seed: int, folder: Path) -> Path:
+    """The zoo GPT-2 of ``seed`` re-released with 4 new tokens (rows at the mean of the old): a
+    release that extends its vocabulary, written with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = cached_model("gpt2", seed)
+    model, tok = AutoModelForCausalLM.from_pretrained(str(source)), AutoTokenizer.from_pretrained(str(source))
+    tok.add_tokens([f"<ctl_{i}>" for i in range(4)])
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[-4:] = emb[:-4].mean(0)
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+def _moved(lm: LoadedModel, seed: int) -> LoadedModel:
+    """``lm`` with a random permutation of every space (its tokenizer's folder kept)."""
+    sd = lm.model.state_dict()
+    moved = lm.graph.apply(sd, lm.graph.random_transform("permutation", torch.Generator().manual_seed(seed)))
+    model = copy.deepcopy(lm.model)
+    model.load_state_dict(moved)
+    return LoadedModel(model=model, graph=lm.graph, path=lm.path)
+
+
+def vocabulary_cases(seeds: list[int], data: AlignmentData | None = None) -> Iterator[Case]:
+    """Pairs whose vocabularies differ, judged on the tokens both have (`lineage_of`): a chat
+    fine-tune (ChatML added) and a release with 4 more tokens against their base (plain, and the
+    chat fine-tune permuted), and chat fine-tunes against other seeds' bases."""
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="lineage-vocab-"))
+    for seed in seeds[:2]:
+        base, chat = _load("gpt2", seed), _load("gpt2-chat", seed)
+        extended = load_model(_extended(seed, tmp / f"extended-{seed}"))
+        yield _pair(base, chat, "related", "chat fine-tune", "gpt2", f"seed {seed}, ChatML added", "same basis", data)
+        how = f"seed {seed}, ChatML added, permuted"
+        yield _pair(base, _moved(chat, seed), "related", "chat fine-tune", "gpt2", how, "related up to symmetry", data)
+        how = f"seed {seed}, 4 tokens added"
+        yield _pair(base, extended, "related", "extended vocabulary", "gpt2", how, "same basis", data)
+        for other in (s for s in seeds[:3] if s != seed):
+            how = f"base seed {other}, chat fine-tune of seed {seed}"
+            yield _pair(
+                _load("gpt2", other),
+                chat,
+                "independent",
+                "chat fine-tune of another seed",
+                "gpt2",
+                how,
+                "independent",
+                data,
+            )
+    bench, bench_chat = _load("bench-gpt2", 0), _load("bench-gpt2-chat", 0)
+    how = "seed 0, ChatML added, KJV exchange"
+    yield _pair(bench, bench_chat, "related", "chat fine-tune", "bench-gpt2", how, "same basis", data)
+    how = "base seed 1, chat fine-tune of seed 0"
+    yield _pair(
+        _load("bench-gpt2", 1),
+        bench_chat,
+        "independent",
+        "chat fine-tune of another seed",
+        "bench-gpt2",
+        how,
+        "independent",
+        data,
+    )
+
+
+def _pair(
+    a: LoadedModel, b: LoadedModel, label: str, group: str, kind: str, how: str, expect: str, data: AlignmentData | None
+) -> Case:
+    start = time.perf_counter()
+    record = lineage_of([a, b], ["A", "B"], data=data)
+    p = record.pairs[0]
+    case = Case(label, group, kind, how, expect)
+    case.verdict, case.statistic, case.raw_statistic, case.log10_p = p.verdict, p.statistic, p.raw_statistic, p.log10_p
+    case.seconds, case.blind, case.passes = time.perf_counter() - start, 0.0, p.passes  # shapes differ: no baseline
+    spaces = [e.similarity for e in p.spaces if e.counted]
+    case.space_min, case.space_max = min(spaces), max(spaces)
+    return case
+
+
 def independent_cases(seeds: list[int]) -> Iterator[tuple[Case, LoadedModel, State, State]]:
     for kind in TINY + BENCH:
         kind_seeds = seeds if kind in TINY else [0, 1, 2]
@@ -320,10 +403,19 @@ def main(argv: list[str] | None = None) -> None:
         metavar="BATCHES",
         help="start every alignment from activations on this many batches",
     )
+    parser.add_argument("--vocabularies", action="store_true", help="only the pairs whose vocabularies differ")
     args = parser.parse_args(argv)
     assert all(k in DEFAULT_CONFIGS for k in TINY + BENCH)
     cases: list[Case] = []
     made: dict[str, AlignmentData] = {}
+    if args.vocabularies:
+        for case in vocabulary_cases(args.seeds, probe_data("gpt2", args.data, made) if args.data else None):
+            cases.append(case)
+            print(
+                f"{case.label:11s} {case.kind:12s} {case.how:50s} {case.verdict:24s} {case.statistic:6.3f}", flush=True
+            )
+        print(summary(cases))
+        return
     pairs = itertools.chain(related_cases(args.seeds), independent_cases(args.seeds), shared_init_cases(args.seeds))
     for case, lm, a, b in pairs:
         cases.append(_score(case, lm, a, b, probe_data(case.kind, args.data, made) if args.data else None))
@@ -332,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     cases.extend(widened_cases(args.seeds, probe_data("gpt2", args.data, made) if args.data else None))
+    cases.extend(vocabulary_cases(args.seeds, probe_data("gpt2", args.data, made) if args.data else None))
     out = args.out or cache_root() / "lineage-bench" / ("results-data.json" if args.data else "results.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([asdict(c) for c in cases], indent=1))
