@@ -14,7 +14,9 @@ loaded back with stock ``AutoModelForCausalLM``, and scored by this script alone
   token is ``<|im_end|>`` (the fine-tune learned when a speech ends; the target never saw the token);
 - support: loss on the target's own held-out text (what it forgets).
 
-``vanilla`` is the naive transport: B + τ, the chat rows copied as they are.
+``vanilla`` is the naive transport: B + τ, the chat rows copied as they are. ``--lora`` moves
+``bench-gpt2-chat-lora`` instead: the same fine-tune as a PEFT LoRA adapter whose new tokens are
+trainable tokens (the fine-tune row is PEFT's own ``merge_and_unload`` of it on its resized base).
 
     python benchmarks/bench_transport_chat.py                      # bench zoo, pairs 0:1 (trains it first)
     python benchmarks/bench_transport_chat.py --tiny --pairs 0:1   # the tiny zoo (gpt2, gpt2-chat): a minute
@@ -84,16 +86,28 @@ def transported(root: Path, base: str, chat: str, target: str, strategy: str) ->
     return root / strategy, time.perf_counter() - start
 
 
-def pair(seed_a: int, seed_b: int, tiny: bool) -> list[dict[str, Any]]:
+def _peft_merged(adapter: Path, base: Path, rows: int) -> Any:
+    """PEFT's own merge of a LoRA adapter with trainable tokens, on its base resized to ``rows``."""
+    from peft import PeftModel
+
+    model = _model(base)
+    model.resize_token_embeddings(rows)
+    return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+
+
+def pair(seed_a: int, seed_b: int, tiny: bool, lora: bool = False) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
     from hf_rebasin.evaluation.zoo.train import cached_model, held_out_batches
 
     base_kind, chat_kind = ("gpt2", "gpt2-chat") if tiny else ("bench-gpt2", "bench-gpt2-chat")
+    chat_kind = "bench-gpt2-chat-lora" if lora else chat_kind
     chat, target = cached_model(chat_kind, seed_a), cached_model(base_kind, seed_b)
     dialogues, support = held_out_batches(chat, 32), held_out_batches(target, 32)
-    end = int(AutoTokenizer.from_pretrained(str(chat)).convert_tokens_to_ids("<|im_end|>"))
-    rows = [{"model": "fine-tune A_ft", **score(_model(chat), dialogues, support, end)}]
+    tok = AutoTokenizer.from_pretrained(str(chat))
+    end = int(tok.convert_tokens_to_ids("<|im_end|>"))
+    ft = _peft_merged(chat, cached_model(base_kind, seed_a), len(tok)) if lora else _model(chat)
+    rows = [{"model": "fine-tune A_ft" + (" (LoRA)" if lora else ""), **score(ft, dialogues, support, end)}]
     target_row = {"model": "target B", **score(_model(target), _own(dialogues, end), support, end)}
     rows.append(target_row)
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,11 +138,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", nargs="+", default=["0:1"])
     parser.add_argument("--tiny", action="store_true", help="the tiny zoo (gpt2, gpt2-chat) instead of the bench zoo")
+    parser.add_argument("--lora", action="store_true", help="the chat fine-tune as a LoRA adapter (bench zoo)")
     args = parser.parse_args()
     rows = []
     for p in args.pairs:
         a, b = (int(x) for x in p.split(":"))
-        rows.extend(pair(a, b, args.tiny))
+        rows.extend(pair(a, b, args.tiny, args.lora))
     print("| pair | model | dialogue loss | gap closed | `<|im_end|>` at turn ends | support loss | s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:

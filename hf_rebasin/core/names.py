@@ -130,6 +130,7 @@ Kind = Literal[
     "bench-qwen3",
     "bench-gemma2",
     "bench-gpt2-chat",
+    "bench-gpt2-chat-lora",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 

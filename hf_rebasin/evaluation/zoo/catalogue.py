@@ -120,6 +120,27 @@ class ChatFineTuneConfig:
 
 
 @dataclass(frozen=True)
+class ChatLoraConfig:
+    """The chat fine-tune as a PEFT LoRA adapter, the PEFT guide's "LoRA with additional tokens":
+    ChatML's two tokens added and the base resized, LoRA on attention and MLP projections, the new
+    tokens' rows trained as PEFT trainable tokens (``trainable_token_indices``; GPT-2's LM head is
+    tied, so they are its rows too). The adapter is saved with its tokenizer."""
+
+    base: str = "bench-gpt2"
+    corpus: str = "kjv-chatml"
+    steps: int = 1000
+    batch_size: int = 16
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    rank: int = 16
+    lora_alpha: int = 32
+    target_modules: tuple[str, ...] = ("c_attn", "c_proj", "c_fc")
+    plays: tuple[str, ...] = ()
+    eval_tokens: int = 65536
+
+
+@dataclass(frozen=True)
 class GPT2LoraConfig:
     """A PEFT LoRA adapter on the zoo GPT-2 of the same seed, trained on the fine-tune's plays.
 
@@ -379,6 +400,7 @@ TrainConfig = (
     | ImageTrainConfig
     | DomainFineTuneConfig
     | ChatFineTuneConfig
+    | ChatLoraConfig
 )
 DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
     "gpt2": GPT2TrainConfig(),
@@ -504,6 +526,7 @@ DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
     # the bench one on the King James Bible as a user / assistant exchange (a domain bench-gpt2 never read,
     # as bench-gpt2-ft's): its task vector moves the base a long way, as a real chat fine-tune's does
     "bench-gpt2-chat": ChatFineTuneConfig(base="bench-gpt2", corpus="kjv-chatml", steps=1000, lr=5e-4, warmup=50),
+    "bench-gpt2-chat-lora": ChatLoraConfig(),
     "bench-modernbert": SubwordMaskedLMTrainConfig(),
     "bench-vit": ImageTrainConfig(
         family="vit", hidden_size=128, num_layers=4, intermediate_size=512, steps=4000, lr=1e-3, weight_decay=0.05

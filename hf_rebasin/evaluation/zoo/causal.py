@@ -22,6 +22,7 @@ from hf_rebasin.evaluation.zoo.catalogue import (
     BertTrainConfig,
     CausalLMTrainConfig,
     ChatFineTuneConfig,
+    ChatLoraConfig,
     DomainFineTuneConfig,
     GPT2FineTuneConfig,
     GPT2LoraConfig,
@@ -79,7 +80,8 @@ def run_text(
     | GPT2NextConfig
     | CausalLMTrainConfig
     | DomainFineTuneConfig
-    | ChatFineTuneConfig,
+    | ChatFineTuneConfig
+    | ChatLoraConfig,
     out_dir: Path,
     build: Callable[[], Any],
     tokenizer: Any,

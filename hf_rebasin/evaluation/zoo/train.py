@@ -40,6 +40,7 @@ from hf_rebasin.evaluation.zoo.catalogue import (
     TRAINING_FILE,
     CausalLMTrainConfig,
     ChatFineTuneConfig,
+    ChatLoraConfig,
     DomainFineTuneConfig,
     GPT2FineTuneConfig,
     GPT2LoraConfig,
@@ -239,6 +240,53 @@ def finetune_chat(
     return run_text(kind, seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads)
 
 
+def lora_chat(
+    kind: Kind,
+    seed: int,
+    out_dir: Path,
+    config: ChatLoraConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """`ChatLoraConfig`: a LoRA adapter with ChatML's tokens as trainable tokens on the zoo GPT-2
+    ``config.base`` of ``seed``, resized; saved as an adapter with its tokenizer."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    cfg = config or ChatLoraConfig()
+    base = cached_model(cfg.base, seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(data.CHATML_TOKENS)})
+    tokenizer.chat_template = data.CHATML_TEMPLATE
+    block = _block(base)
+    train = data.text_blocks(tokenizer, data.corpus_text(cfg.corpus, cfg.plays, split="train"), block)
+    test = data.text_blocks(
+        tokenizer, data.corpus_text(cfg.corpus, cfg.plays, split="test"), block, max_tokens=cfg.eval_tokens
+    )
+    new_ids = tokenizer.convert_tokens_to_ids(list(data.CHATML_TOKENS))
+
+    def build() -> Any:
+        model = AutoModelForCausalLM.from_pretrained(str(base))
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        lora = LoraConfig(
+            r=cfg.rank,
+            lora_alpha=cfg.lora_alpha,
+            target_modules=list(cfg.target_modules),
+            fan_in_fan_out=True,  # GPT-2's Conv1D stores weights as [in, out]
+            lora_dropout=0.0,
+            trainable_token_indices={"wte": list(new_ids)},
+        )
+        return get_peft_model(model, lora)
+
+    folder = run_text(kind, seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads)
+    adapter_config = folder / "adapter_config.json"
+    written = json.loads(adapter_config.read_text())
+    written["base_model_name_or_path"] = f"zoo:{cfg.base}-seed{seed}"
+    adapter_config.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
 def next_tiny_gpt2(
     seed: int,
     out_dir: Path,
@@ -288,6 +336,7 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
         for kind, config in DEFAULT_CONFIGS.items()
         if isinstance(config, DomainFineTuneConfig)
     },
+    "bench-gpt2-chat-lora": functools.partial(lora_chat, "bench-gpt2-chat-lora"),
     **{
         kind: functools.partial(finetune_chat, kind)
         for kind, config in DEFAULT_CONFIGS.items()
@@ -360,7 +409,10 @@ def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tenso
     if "block_size" in cfg:  # the blocks it was trained on (XLM-R's positions are 2 more)
         block = int(cfg["block_size"])
     else:  # trained on top of the zoo GPT-2: its context
-        block = _block(cached_model("gpt2", int(record["seed"])) if kind == "gpt2-lora" else Path(folder))
+        on = {"gpt2-lora": "gpt2", "bench-gpt2-chat-lora": cfg.get("base", "bench-gpt2")}.get(
+            kind
+        )  # an adapter: its base's
+        block = _block(cached_model(on, int(record["seed"])) if on else Path(folder))
     blocks = data.text_blocks(tokenizer, text, block, max_tokens=cfg["eval_tokens"])
     if TASKS.get(kind) == "masked-lm":
         return masked_lm_batches(blocks, tokenizer, batch_size)
