@@ -32,6 +32,14 @@ if TYPE_CHECKING:
 __all__ = ["adapter_rows", "finetune_with_tokens", "merged_with_tokens", "trainable_tokens"]
 
 _TOKENS = re.compile(r"(.+)\.token_adapter\.trainable_tokens_delta")
+# where the base was resized, PEFT saves the resized embedding (and a tied head) beside the tokens
+_BASE_LAYER = ".token_adapter.base_layer."
+
+
+def _name(key: str) -> str:
+    """An adapter file key as the base model's state-dict name (a resized layer: its weight)."""
+    name = key[len(PREFIX) :] if key.startswith(PREFIX) else key
+    return name.replace(_BASE_LAYER, ".")
 
 
 def trainable_tokens(config: Mapping[str, Any], tensors: Mapping[str, Tensor]) -> dict[str, tuple[list[int], Tensor]]:
@@ -45,6 +53,8 @@ def trainable_tokens(config: Mapping[str, Any], tensors: Mapping[str, Tensor]) -
         module = m.group(1)
         if isinstance(given, Mapping):
             ids = next((v for k, v in given.items() if module == k or module.endswith(f".{k}")), None)
+            if ids is None and len(given) == 1:  # a tied LM head: PEFT saves its rows with the embedding's ids
+                ids = next(iter(given.values()))
         else:
             ids = given
         if not isinstance(ids, list) or len(ids) != t.shape[0]:
@@ -60,11 +70,7 @@ def adapter_rows(folder: Path, model: nn.Module, allow_pickle: bool = False, whe
     config, tensors = adapter_config(folder, where, tokens=True), read_tensors(folder, allow_pickle, where)
     names = vocab_tensors(model)
     rows = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[operator]
-    found = [
-        int(t.shape[0])
-        for key, t in tensors.items()
-        if (key[len(PREFIX) :] if key.startswith(PREFIX) else key) in names and t.dim() == 2
-    ]
+    found = [int(t.shape[0]) for key, t in tensors.items() if _name(key) in names and t.dim() == 2]
     found += [max(ids) + 1 for ids, _ in trainable_tokens(config, tensors).values() if ids]
     top = max(found, default=rows)
     return top if top > rows else None
@@ -102,7 +108,11 @@ def merged_with_tokens(folder: Path, model: nn.Module, *, allow_pickle: bool = F
     if rows is None and not tokens:
         return None
     base = _resized(model, rows) if rows is not None else model
-    plain = {k: v for k, v in tensors.items() if not _TOKENS.fullmatch(k[len(PREFIX) :] if k.startswith(PREFIX) else k)}
+    plain = {
+        PREFIX + _name(k) if _BASE_LAYER in k else k: v
+        for k, v in tensors.items()
+        if not _TOKENS.fullmatch(k[len(PREFIX) :] if k.startswith(PREFIX) else k)
+    }
     lora_config = {k: v for k, v in config.items() if k != "trainable_token_indices"}
     adapter = adapter_from(folder, lora_config, plain, base, where)
     state = apply_adapter(adapter, base.state_dict())
