@@ -345,14 +345,13 @@ def universe_merge(
 ) -> UniverseResult:
     """Merge ``state_dicts`` (model 0 first) in a basis shared by all, with strategy ``name``.
 
-    ``graph`` is the models' symmetry graph (original form; orthogonal strategies canonicalize
-    themselves). ``models`` are the live models behind the state dicts, needed by activation-based
-    strategies (head-perm, ``learned: true``) together with ``data``. ``initial`` are alignments
-    of models 1.. to model 0 already computed (the reference merge); they are computed when None.
-    Each round aligns every model to the mean of the others (``leave_one_out``) or to the mean of
-    all; stops after ``iterations`` rounds or when the mean moves by less than ``tol`` (relative).
-    A strategy with a `universe_refinement` then refines every map together (3+ models, with data).
-    ``fill`` settles the rows a model lacks (vocabularies that differ) before every mean."""
+    ``graph``: the models' symmetry graph (original form). ``models``: the live models, which
+    activation-based strategies need with ``data``. ``initial``: alignments of models 1.. to model 0
+    (the reference merge), computed when None.
+    Each round aligns every model to the mean of the others (``leave_one_out``) or of all, for
+    ``iterations`` rounds or until the mean moves by less than ``tol`` (relative); a strategy's
+    `universe_refinement` then refines every map together (3+ models, with data). ``fill`` settles
+    the rows a model lacks (vocabularies that differ) before every mean."""
     strategy = get_strategy(name)
     opts = strategy.parse(options)
     n = len(state_dicts)
