@@ -18,6 +18,7 @@ import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "OutputRows",
     "RowLayout",
     "embedding_rows_of",
+    "read_vocabularies",
     "reindex",
     "remap_token_ids",
     "shared_layout",
@@ -171,18 +173,32 @@ def shared_layout(vocabularies: Sequence[Vocabulary]) -> RowLayout:
     return RowLayout(keys, sources, len(keys), (), ())
 
 
+def read_vocabularies(folders: Sequence[Path], rows: Sequence[int | None]) -> tuple[list[Any], list[Vocabulary]] | None:
+    """The tokenizers of ``folders`` and the vocabularies they give embeddings of ``rows`` rows;
+    None where a model has no token embedding (rows None) or no tokenizer. A tokenizer that does
+    not load is the caller's `TokenizerError`."""
+    from hf_rebasin.io.tokens import read_vocabulary
+    from hf_rebasin.io.vocab import load_tokenizer
+
+    if any(r is None for r in rows):
+        return None
+    tokenizers = [load_tokenizer(f) for f in folders]
+    if any(t is None for t in tokenizers):
+        return None
+    return tokenizers, [read_vocabulary(t, r) for t, r in zip(tokenizers, rows, strict=True)]  # type: ignore[arg-type]
+
+
 def to_shared_rows(models: Sequence[LoadedModel]) -> tuple[list[LoadedModel], str | None]:
     """``models`` (in memory) keeping only the rows of the tokens they all have, matched by token,
     and a note saying what was left out; as they are (and None) where their vocabularies agree or
     one has no tokenizer or token embedding."""
-    from hf_rebasin.io.tokens import compare_vocabularies, read_vocabulary
-    from hf_rebasin.io.vocab import load_tokenizer
+    from hf_rebasin.io.tokens import compare_vocabularies
 
     rows = [embedding_rows_of(lm.model) for lm in models]
-    tokenizers = [load_tokenizer(lm.path) if r is not None else None for lm, r in zip(models, rows, strict=True)]
-    if any(t is None for t in tokenizers):
+    found = read_vocabularies([lm.path for lm in models], rows)
+    if found is None:
         return list(models), None
-    vocabularies = [read_vocabulary(t, r) for t, r in zip(tokenizers, rows, strict=True)]  # type: ignore[arg-type]
+    vocabularies = found[1]
     if all(v.keys == vocabularies[0].keys for v in vocabularies[1:]):
         return list(models), None
     layout = shared_layout(vocabularies)

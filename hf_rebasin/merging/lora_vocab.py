@@ -36,10 +36,13 @@ _TOKENS = re.compile(r"(.+)\.token_adapter\.trainable_tokens_delta")
 _BASE_LAYER = ".token_adapter.base_layer."
 
 
+def _stripped(key: str) -> str:
+    return key[len(PREFIX) :] if key.startswith(PREFIX) else key
+
+
 def _name(key: str) -> str:
     """An adapter file key as the base model's state-dict name (a resized layer: its weight)."""
-    name = key[len(PREFIX) :] if key.startswith(PREFIX) else key
-    return name.replace(_BASE_LAYER, ".")
+    return _stripped(key).replace(_BASE_LAYER, ".")
 
 
 def trainable_tokens(config: Mapping[str, Any], tensors: Mapping[str, Tensor]) -> dict[str, tuple[list[int], Tensor]]:
@@ -47,7 +50,7 @@ def trainable_tokens(config: Mapping[str, Any], tensors: Mapping[str, Tensor]) -
     given = config.get("trainable_token_indices")
     out: dict[str, tuple[list[int], Tensor]] = {}
     for key, t in tensors.items():
-        m = _TOKENS.fullmatch(key[len(PREFIX) :] if key.startswith(PREFIX) else key)
+        m = _TOKENS.fullmatch(_stripped(key))
         if not m:
             continue
         module = m.group(1)
@@ -68,6 +71,11 @@ def trainable_tokens(config: Mapping[str, Any], tensors: Mapping[str, Tensor]) -
 def adapter_rows(folder: Path, model: nn.Module, allow_pickle: bool = False, where: str = "finetuned") -> int | None:
     """The embedding rows the adapter was trained with, where more than ``model``'s (None: as many)."""
     config, tensors = adapter_config(folder, where, tokens=True), read_tensors(folder, allow_pickle, where)
+    return _rows(config, tensors, model)
+
+
+def _rows(config: Mapping[str, Any], tensors: Mapping[str, Tensor], model: nn.Module) -> int | None:
+    """`adapter_rows` of an adapter already read."""
     names = vocab_tensors(model)
     rows = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[operator]
     found = [int(t.shape[0]) for key, t in tensors.items() if _name(key) in names and t.dim() == 2]
@@ -104,14 +112,14 @@ def merged_with_tokens(folder: Path, model: nn.Module, *, allow_pickle: bool = F
     adapter of ``model``'s own rows without trainable tokens (read as any adapter)."""
     config, tensors = adapter_config(folder, where, tokens=True), read_tensors(folder, allow_pickle, where)
     tokens = trainable_tokens(config, tensors)
-    rows = adapter_rows(folder, model, allow_pickle, where)
+    rows = _rows(config, tensors, model)
     if rows is None and not tokens:
         return None
     base = _resized(model, rows) if rows is not None else model
     plain = {
         PREFIX + _name(k) if _BASE_LAYER in k else k: v
         for k, v in tensors.items()
-        if not _TOKENS.fullmatch(k[len(PREFIX) :] if k.startswith(PREFIX) else k)
+        if not _TOKENS.fullmatch(_stripped(k))
     }
     lora_config = {k: v for k, v in config.items() if k != "trainable_token_indices"}
     adapter = adapter_from(folder, lora_config, plain, base, where)

@@ -268,10 +268,9 @@ def _load_models(
     reference = placed(lambda: loaded(inputs.reference))
     if isinstance(inputs, MergeRoles):
         others = [placed(partial(loaded, m)) for m in inputs.others]
-        every, rows = to_rows(
-            recipe, [_named(m) for m in inputs.all], [reference, *others], [m.path for m in inputs.all]
-        )
-        every, _ = to_widest(every, [_named(m) for m in inputs.all])
+        names = [m.named for m in inputs.all]
+        every, rows = to_rows(recipe, names, [reference, *others], [m.path for m in inputs.all])
+        every, _ = to_widest(every, names)
         for lm in every[1:]:
             check_compatible(every[0], lm)
         return MergeRoles(every[0], tuple(every[1:])), None, rows
@@ -279,7 +278,7 @@ def _load_models(
     finetune, adapter = _load_finetune(base, inputs.finetune.path, recipe, stream=stream, device=on)
     placed(lambda: finetune)
     folders = [inputs.reference.path, inputs.base.path, inputs.base.path if adapter else inputs.finetune.path]
-    where = [_named(m) for m in (inputs.reference, inputs.base, inputs.finetune)]
+    where = [m.named for m in (inputs.reference, inputs.base, inputs.finetune)]
     (reference, base, finetune), rows = to_rows(recipe, where, [reference, base, finetune], folders)
     if adapter is None:
         check_finetune(base, finetune)
@@ -288,11 +287,6 @@ def _load_models(
         adapter = None  # its factors are the narrow base's: moved as the full fine-tune it merges into
     check_compatible(reference, base)
     return TransportRoles(reference, base, finetune), adapter, rows
-
-
-def _named(m: PlannedModel) -> str:
-    """How width notes and refusals name a model: as the recipe gives it, with its field."""
-    return f"{m.ref.label or m.ref.model} (`{m.where}`)"
 
 
 def transport_widths(target: LoadedModel, base: LoadedModel, where: list[str]) -> bool:

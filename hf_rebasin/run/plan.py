@@ -100,7 +100,7 @@ class Plan:
         if not differ_in_vocabulary(folders):
             return []
         rows = [(embedding_rows(f, m.where) or (None, ""))[0] for f, m in zip(folders, self.all, strict=True) if f]
-        names = [f"{m.ref.label or m.ref.model} (`{m.where}`)" for m in self.all]
+        names = [m.named for m in self.all]
         return planned_vocabulary(self.recipe, [f for f in folders if f], names, rows)
 
 

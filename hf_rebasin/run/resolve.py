@@ -43,6 +43,11 @@ class PlannedModel:
         return self.resolved.folder
 
     @property
+    def named(self) -> str:
+        """How notes and refusals name it: as the recipe gives it, with its field."""
+        return f"{self.ref.label or self.ref.model} (`{self.where}`)"
+
+    @property
     def path(self) -> Path:
         """The folder, once known (a fetched model, or a local one)."""
         if self.resolved.folder is None:

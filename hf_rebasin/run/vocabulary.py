@@ -27,6 +27,7 @@ from hf_rebasin.io.rows import (
     OutputRows,
     RowLayout,
     embedding_rows_of,
+    read_vocabularies,
     reindex,
     remap_token_ids,
     vocab_field,
@@ -151,7 +152,7 @@ class RunVocabulary:
                 (folder / name).unlink()
         if self.written_from is not None:
             source = self.folders[self.written_from]
-            for name in (*TOKENIZER_FILES, *LOADER_EXTRAS, "special_tokens_map.json"):
+            for name in (*TOKENIZER_FILES, *LOADER_EXTRAS):
                 if (source / name).is_file():
                     shutil.copyfile(source / name, folder / name)
         else:
@@ -256,12 +257,12 @@ def run_vocabulary(
     ``rows``: each model's embedding rows (None: no token embedding), from the loaded model or,
     before any weight is read (the dry run), from config.json."""
     try:
-        tokenizers = [load_tokenizer(f) for f in folders]
+        found = read_vocabularies(folders, rows)
     except TokenizerError:  # one that does not load was allowed (`allow_different_tokenizers`): rows by index
         return None
-    if any(r is None for r in rows) or any(t is None for t in tokenizers):
+    if found is None:
         return None
-    vocabularies = [read_vocabulary(t, r) for t, r in zip(tokenizers, rows, strict=True)]  # type: ignore[arg-type]
+    tokenizers, vocabularies = found
     if all(v.keys == vocabularies[0].keys for v in vocabularies[1:]) and not pad_to:
         return None
     layout = working_layout(vocabularies)
@@ -292,12 +293,19 @@ def planned_vocabulary(
 ) -> list[str]:
     """What the dry run says about the vocabularies (nothing where they agree), from the tokenizers
     and config.json alone: each model against the reference, and the output's vocabulary."""
+    found = _of_recipe(recipe, folders, names, rows)
+    return found.notes() if found is not None else []
+
+
+def _of_recipe(
+    recipe: Any, folders: Sequence[Path], names: Sequence[str], rows: Sequence[int | None]
+) -> RunVocabulary | None:
+    """`run_vocabulary` with the recipe's job and ``tokenizer`` section (if its job has one)."""
     section = getattr(recipe, "tokenizer", None)
     source = section.source if section is not None else None
     pad_to = section.pad_to_multiple_of if section is not None else None
     with named("`tokenizer`", unless_named=True):
-        found = run_vocabulary(recipe.job, source, pad_to, folders, names, rows)
-    return found.notes() if found is not None else []
+        return run_vocabulary(recipe.job, source, pad_to, folders, names, rows)
 
 
 def to_rows(
@@ -307,13 +315,7 @@ def to_rows(
     recipe (its ``tokenizer`` section, if its job has one), the models' names and folders."""
     if recipe.job == "lineage":  # compared on the tokens they share (`lineage.pairs.lineage_of`)
         return models, None
-    section = getattr(recipe, "tokenizer", None)
-    source = section.source if section is not None else None
-    pad_to = section.pad_to_multiple_of if section is not None else None
-    with named("`tokenizer`", unless_named=True):
-        rows = run_vocabulary(
-            recipe.job, source, pad_to, folders, names, [embedding_rows_of(lm.model) for lm in models]
-        )
+    rows = _of_recipe(recipe, folders, names, [embedding_rows_of(lm.model) for lm in models])
     if rows is None:
         return models, None
     if not rows.cut_alike and getattr(recipe, "data", None) is not None:

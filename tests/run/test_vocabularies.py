@@ -97,15 +97,15 @@ def test_the_tokenizer_of_a_model_of_the_recipe(cases: dict[str, Path], tmp_path
     assert _tensors(out)[EMBED].shape == (66, 16)
 
 
-def _chat_transport(root: Path, target_rows: int, target_added: list[str]) -> dict[str, Path]:
-    """base (64), its ChatML fine-tune (66 rows, trained rows moved a little) and a target that is
-    the base with its units and residual features permuted (``target_rows`` rows: extra rows are
-    new tokens of the target's own, ``target_added``)."""
-    base = tiny_llama(64, 0)
+def _chat_transport(root: Path, target_rows: int, target_added: list[str], rows: int = 64) -> dict[str, Path]:
+    """base (64 tokens in ``rows`` rows), its ChatML fine-tune (at least 66 rows, trained rows moved
+    a little) and a target that is the base with its units and residual features permuted
+    (``target_rows`` rows: extra rows are new tokens of the target's own, ``target_added``)."""
+    base = tiny_llama(rows, 0)
     base.save_pretrained(str(root / "base"))
     vocab_tokenizer(64).save_pretrained(str(root / "base"))
-    ft = tiny_llama(64, 0)
-    ft.resize_token_embeddings(66)
+    ft = tiny_llama(rows, 0)
+    ft.resize_token_embeddings(max(rows, 66))
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for p in ft.parameters():
@@ -318,27 +318,12 @@ def test_a_universe_merge_fills_the_rows_a_model_lacks_before_every_mean(tmp_pat
 def test_a_chat_fine_tune_of_a_padded_base_moves_onto_a_padded_target(tmp_path: Path) -> None:
     """Qwen2's shape: 72 embedding rows for 64 tokens. The fine-tune's two chat tokens take two of
     the padding rows (ids 64, 65); the output keeps the target's 72 rows, loads and generates."""
-    base = tiny_llama(72, 0)
-    base.save_pretrained(str(tmp_path / "base"))
-    vocab_tokenizer(64).save_pretrained(str(tmp_path / "base"))
-    ft = tiny_llama(72, 0)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(1)
-        for p in ft.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    ft.save_pretrained(str(tmp_path / "ft"))
-    vocab_tokenizer(64, CHATML).save_pretrained(str(tmp_path / "ft"))
-    sd = base.state_dict()
-    graph = graph_for(base.config, sd.keys())
-    target = tiny_llama(72, 7)
-    target.load_state_dict(graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(3))))
-    target.save_pretrained(str(tmp_path / "target"))
-    vocab_tokenizer(64).save_pretrained(str(tmp_path / "target"))
-    out = _transport(tmp_path, {"base": tmp_path / "base", "ft": tmp_path / "ft", "target": tmp_path / "target"})
+    folders = _chat_transport(tmp_path, 72, [], rows=72)
+    out = _transport(tmp_path, folders)
     model = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     tok = T.AutoTokenizer.from_pretrained(str(out))
     assert model.config.vocab_size == 72 and tok.convert_tokens_to_ids(CHATML) == [64, 65]
-    ft_model = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ft")).eval()
+    ft_model = T.AutoModelForCausalLM.from_pretrained(str(folders["ft"])).eval()
     ids = torch.tensor([[1, 64, 5, 7, 65, 9]])
     with torch.no_grad():
         gap = (model(ids).logits[..., :66] - ft_model(ids).logits[..., :66]).abs().max()

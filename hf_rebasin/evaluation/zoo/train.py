@@ -205,6 +205,21 @@ def finetune_on_domain(
     )
 
 
+def _chat_data(cfg: ChatFineTuneConfig | ChatLoraConfig, seed: int) -> tuple[Path, Any, Tensor, Tensor]:
+    """(base folder, its tokenizer with ChatML's tokens and chat template, train blocks, held-out
+    blocks) of a chat fine-tune of the zoo model ``cfg.base`` of ``seed``."""
+    from transformers import PreTrainedTokenizerFast
+
+    base = cached_model(cfg.base, seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(data.CHATML_TOKENS)})
+    tokenizer.chat_template = data.CHATML_TEMPLATE
+    block = _block(base)
+    train = data.text_blocks(tokenizer, data.corpus_text(cfg.corpus, cfg.plays, split="train"), block)
+    held_out = data.corpus_text(cfg.corpus, cfg.plays, split="test")
+    return base, tokenizer, train, data.text_blocks(tokenizer, held_out, block, max_tokens=cfg.eval_tokens)
+
+
 def finetune_chat(
     kind: Kind,
     seed: int,
@@ -216,21 +231,13 @@ def finetune_chat(
 ) -> Path:
     """`ChatFineTuneConfig`: the zoo GPT-2 ``config.base`` of ``seed`` with ChatML's tokens added
     (embeddings resized), fine-tuned on dialogue-formatted plays; saved with its tokenizer."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     default = DEFAULT_CONFIGS[check_kind(kind)]
     if not isinstance(default, ChatFineTuneConfig):
         raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by finetune_chat")
     cfg = config or default
-    base = cached_model(cfg.base, seed)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
-    tokenizer.add_special_tokens({"additional_special_tokens": list(data.CHATML_TOKENS)})
-    tokenizer.chat_template = data.CHATML_TEMPLATE
-    block = _block(base)
-    train = data.text_blocks(tokenizer, data.corpus_text(cfg.corpus, cfg.plays, split="train"), block)
-    test = data.text_blocks(
-        tokenizer, data.corpus_text(cfg.corpus, cfg.plays, split="test"), block, max_tokens=cfg.eval_tokens
-    )
+    base, tokenizer, train, test = _chat_data(cfg, seed)
 
     def build() -> Any:
         model = AutoModelForCausalLM.from_pretrained(str(base))
@@ -252,18 +259,10 @@ def lora_chat(
     """`ChatLoraConfig`: a LoRA adapter with ChatML's tokens as trainable tokens on the zoo GPT-2
     ``config.base`` of ``seed``, resized; saved as an adapter with its tokenizer."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     cfg = config or ChatLoraConfig()
-    base = cached_model(cfg.base, seed)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
-    tokenizer.add_special_tokens({"additional_special_tokens": list(data.CHATML_TOKENS)})
-    tokenizer.chat_template = data.CHATML_TEMPLATE
-    block = _block(base)
-    train = data.text_blocks(tokenizer, data.corpus_text(cfg.corpus, cfg.plays, split="train"), block)
-    test = data.text_blocks(
-        tokenizer, data.corpus_text(cfg.corpus, cfg.plays, split="test"), block, max_tokens=cfg.eval_tokens
-    )
+    base, tokenizer, train, test = _chat_data(cfg, seed)
     new_ids = tokenizer.convert_tokens_to_ids(list(data.CHATML_TOKENS))
 
     def build() -> Any:
