@@ -337,7 +337,6 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     from hf_rebasin.alignment.widths import differ_in_width
     from hf_rebasin.io.models import load_model
     from hf_rebasin.io.output import check_output
-    from hf_rebasin.io.vocab import differ_in_vocabulary
     from hf_rebasin.lineage.pairs import check_count, lineage_of
     from hf_rebasin.lineage.table import evidence_table, verdict_table
 
@@ -346,8 +345,7 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     if args.output:  # before any download or load: a refused output costs nothing
         check_output(Path(args.output), False, inputs=named_inputs, where="--output")
     folders = [_model_folder(m, args.allow_pickle, where=f"MODEL {i + 1}") for i, m in enumerate(args.models)]
-    # widths that differ are embedded in memory, vocabularies that differ matched by token in memory
-    stream = not differ_in_width([Path(f) for f in folders]) and not differ_in_vocabulary([Path(f) for f in folders])
+    stream = not differ_in_width([Path(f) for f in folders])  # widths that differ are embedded in memory
     loaded = []
     for i, folder in enumerate(folders):
         with named(f"MODEL {i + 1}"):

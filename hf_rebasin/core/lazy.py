@@ -23,6 +23,7 @@ __all__ = [
     "LazyState",
     "RowReader",
     "dtype_of",
+    "gather_rows",
     "give_back_freed",
     "is_lazy",
     "row_blocks",
@@ -88,6 +89,8 @@ class LazyState(Mapping[str, Tensor]):
         self._read = read
         self._rows = rows
         self.aliases: dict[str, str] = dict(aliases or {})  # tied names -> the name that holds the data
+        # where its tensors are computed (a checkpoint's: the run's device; a state derived from it says so)
+        self.device: torch.device = getattr(self, "device", torch.device("cpu"))
 
     def shape(self, name: str) -> torch.Size:
         return torch.Size(self._shapes[name])
@@ -133,9 +136,11 @@ class LazyState(Mapping[str, Tensor]):
     ) -> LazyState:
         """A state with the same names and shapes whose tensors ``read`` computes (from this one);
         ``rows`` as `rows` (None: no tensor in blocks)."""
-        return LazyState(
+        out = LazyState(
             self._shapes, dtypes if dtypes is not None else self._dtypes, read, aliases=self.aliases, rows=rows
         )
+        out.device = self.device
+        return out
 
 
 ROW_BLOCK_ELEMENTS = 1 << 23  # values per block of rows (32 MB in float32)
@@ -195,3 +200,71 @@ def shape_of(state: Mapping[str, Tensor], name: str) -> torch.Size:
 def dtype_of(state: Mapping[str, Tensor], name: str) -> torch.dtype:
     """A tensor's dtype (as read) without computing a lazy one."""
     return state.dtype(name) if isinstance(state, LazyState) else state[name].dtype
+
+
+ROW_GAP = 64  # stored rows skipped rather than read in two pieces (`gather_rows`)
+
+
+def gather_rows(
+    state: LazyState, picks: Mapping[str, Tensor], fill: Callable[[str], Tensor] | None = None
+) -> LazyState:
+    """``state`` with the first-axis rows of the tensors in ``picks`` chosen anew: row ``r`` of the
+    result is row ``picks[name][r]`` of ``state[name]``, or where that is -1 ``fill(name)`` (a row;
+    zeros without). Every other tensor as it is. A vocabulary matched by token this way is computed
+    a block of rows at a time, each block reading only the rows it needs: a 32,768-row embedding
+    re-indexed from a 32,000-row one never holds both whole."""
+    shapes = {n: tuple(state.shape(n)) for n in state}
+    for name, idx in picks.items():
+        shapes[name] = (len(idx), *shapes[name][1:])
+
+    def read(name: str) -> Tensor:
+        return picked_rows(state, name, picks[name], fill) if name in picks else state[name]
+
+    def rows(name: str) -> RowReader | None:
+        if name not in picks:
+            return state.rows(name)
+        return lambda start, stop: picked_rows(state, name, picks[name][start:stop], fill)
+
+    out = LazyState(shapes, {n: state.dtype(n) for n in state}, read, aliases=state.aliases, rows=rows)
+    out.device = state.device
+    return out
+
+
+def picked_rows(
+    state: Mapping[str, Tensor], name: str, idx: Tensor, fill: Callable[[str], Tensor] | None = None
+) -> Tensor:
+    """Rows ``idx`` of ``state[name]`` (-1: ``fill(name)``, else zeros), read in runs of nearby
+    rows where ``state`` reads rows alone, else from the whole tensor read once."""
+    reader = state.rows(name) if isinstance(state, LazyState) else None
+    whole = None if reader is not None else state[name]
+    have = idx >= 0
+    out: Tensor | None = None
+    for lo, hi in _runs(idx[have]):
+        src = reader(lo, hi) if reader is not None else whole[lo:hi]  # type: ignore[index]
+        if out is None:
+            out = torch.zeros((len(idx), *src.shape[1:]), dtype=src.dtype, device=src.device)
+        sel = have & (idx >= lo) & (idx < hi)
+        out[sel.to(out.device)] = src[(idx[sel] - lo).to(src.device)]
+        del src
+    if out is None:
+        shape = (len(idx), *shape_of(state, name)[1:])
+        device = whole.device if whole is not None else getattr(state, "device", torch.device("cpu"))
+        out = torch.zeros(shape, dtype=dtype_of(state, name), device=device)
+    if fill is not None and not bool(have.all()):
+        out[(~have).to(out.device)] = fill(name).to(out)
+    return out
+
+
+def _runs(ids: Tensor) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges covering ``ids``, split where more than `ROW_GAP` rows lie between two."""
+    if ids.numel() == 0:
+        return []
+    u = torch.unique(ids).tolist()
+    out, lo, last = [], u[0], u[0]
+    for i in u[1:]:
+        if i - last > ROW_GAP:
+            out.append((lo, last + 1))
+            lo = i
+        last = i
+    out.append((lo, last + 1))
+    return out

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from hf_rebasin.core.errors import CheckpointError, ConfigError, IncompatibleModelsError, RebasinUserError
+from hf_rebasin.core.lazy import LazyState
 from hf_rebasin.core.names import DEVICE_PATTERN
 from hf_rebasin.io.checkpoint import Checkpoint, checkpoint_shapes
 from hf_rebasin.io.checks import check_checkpoint, check_finite, check_same_shapes
@@ -49,7 +50,7 @@ class LoadedModel:
     graph: SymmetryGraph
     path: Path
     stored_dtype: torch.dtype = torch.float32
-    source: CheckpointSource | None = None
+    source: LazyState | None = None  # a checkpoint's tensors (`CheckpointSource`), or a view of them
     ignored: dict[str, str] = field(default_factory=dict)  # checkpoint key -> why loading drops it
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # model name -> dtype on disk (floating)
     expert_layout: str | None = None  # a mixture of experts' files: "per-expert" or "fused" (None: no experts)

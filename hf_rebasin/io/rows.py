@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_rebasin.core.lazy import gather_rows
 from hf_rebasin.io.models import LoadedModel, to_device
 from hf_rebasin.io.tokens import Vocabulary
 
@@ -189,7 +190,7 @@ def read_vocabularies(folders: Sequence[Path], rows: Sequence[int | None]) -> tu
 
 
 def to_shared_rows(models: Sequence[LoadedModel]) -> tuple[list[LoadedModel], str | None]:
-    """``models`` (in memory) keeping only the rows of the tokens they all have, matched by token,
+    """``models`` (streamed ones stay streamed) keeping only the rows of the tokens they all have, matched by token,
     and a note saying what was left out; as they are (and None) where their vocabularies agree or
     one has no tokenizer or token embedding."""
     from hf_rebasin.io.tokens import compare_vocabularies
@@ -203,7 +204,7 @@ def to_shared_rows(models: Sequence[LoadedModel]) -> tuple[list[LoadedModel], st
         return list(models), None
     layout = shared_layout(vocabularies)
     out = [
-        lm if layout.unchanged(i) and rows[i] == layout.rows else reindex(_in_memory(lm), layout, i, vocabularies[i])
+        lm if layout.unchanged(i) and rows[i] == layout.rows else reindex(lm, layout, i, vocabularies[i])
         for i, lm in enumerate(models)
     ]
     differences = "; ".join(
@@ -211,15 +212,6 @@ def to_shared_rows(models: Sequence[LoadedModel]) -> tuple[list[LoadedModel], st
         for i, v in enumerate(vocabularies[1:], start=1)
     )
     return out, f"compared on the {layout.rows:,} tokens every model has, rows matched by token ({differences})"
-
-
-def _in_memory(lm: LoadedModel) -> LoadedModel:
-    """``lm`` loaded whole where it was streamed (its rows are re-indexed in memory)."""
-    if lm.source is None:
-        return lm
-    from hf_rebasin.io.models import load_model
-
-    return load_model(lm.path)
 
 
 def vocab_tensors(model: Any) -> dict[str, int]:
@@ -261,18 +253,11 @@ def remap_token_ids(values: Mapping[str, Any], old: Sequence[str | None], new_ro
 
 
 def reindex(lm: LoadedModel, layout: RowLayout, i: int, vocabulary: Vocabulary) -> LoadedModel:
-    """Model ``i`` with its vocabulary rows at the working rows (zeros where it has no row)."""
-    if lm.source is not None:
-        raise AssertionError("a streamed model cannot be re-indexed: the loader keeps these runs in memory")
+    """Model ``i`` with its vocabulary rows at the working rows (zeros where it has no row); a
+    streamed model stays streamed, its rows gathered from its files a block at a time."""
     names = vocab_tensors(lm.model)
     idx = torch.tensor(layout.sources[i], dtype=torch.long)
     have = idx >= 0
-    state = dict(lm.model.state_dict())
-    for name, axis in names.items():
-        t = state[name].movedim(axis, 0)
-        out = t.new_zeros((layout.rows, *t.shape[1:]))
-        out[have.to(t.device)] = t[idx[have].to(t.device)]
-        state[name] = out.movedim(0, axis)
     config = copy.deepcopy(lm.model.config)
     found = vocab_field(config)
     if found is not None:
@@ -281,11 +266,29 @@ def reindex(lm: LoadedModel, layout: RowLayout, i: int, vocabulary: Vocabulary) 
         rows = {k: w for w, k in enumerate(layout.keys) if k is not None and have[w]}
         for key, value in remap_token_ids(vars(owner), vocabulary.keys, rows).items():
             setattr(owner, key, value)
+    if lm.source is not None:
+        from hf_rebasin.io.offload import empty_model
+
+        if any(axis != 0 for axis in names.values()):
+            raise AssertionError("a streamed model's vocabulary rows are gathered on the first axis only")
+        model = empty_model(type(lm.model), config)
+        source = gather_rows(lm.source, dict.fromkeys(names, idx))
+        return _with_graph(dataclasses.replace(lm, model=model, source=source))
+    state = dict(lm.model.state_dict())
+    for name, axis in names.items():
+        t = state[name].movedim(axis, 0)
+        out = t.new_zeros((layout.rows, *t.shape[1:]))
+        out[have.to(t.device)] = t[idx[have].to(t.device)]
+        state[name] = out.movedim(0, axis)
     model = type(lm.model)(config)
     model.load_state_dict(state, strict=True)
     model.to(dtype=next(lm.model.parameters()).dtype)  # type: ignore[call-arg]
     to_device(model, next(lm.model.parameters()).device)
+    return _with_graph(dataclasses.replace(lm, model=model.eval()))
+
+
+def _with_graph(lm: LoadedModel) -> LoadedModel:
+    """``lm`` with the symmetry graph of its (re-shaped) model."""
     from hf_rebasin.symmetry.adapters import graph_for
 
-    graph = graph_for(model.config, model.state_dict().keys())
-    return dataclasses.replace(lm, model=model.eval(), graph=graph)
+    return dataclasses.replace(lm, graph=graph_for(lm.model.config, lm.model.state_dict().keys()))

@@ -19,11 +19,13 @@ base's row and receives τ; a token the fine-tune lacks carries no task vector.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from hf_rebasin.core.lazy import LazyState, RowReader, picked_rows, row_blocks
 from hf_rebasin.merging.interpolate import StorageKey, storage_key
 
 __all__ = ["fill_merge", "fill_transport"]
@@ -35,27 +37,57 @@ def _rows(t: Tensor, axis: int) -> Tensor:
 
 def fill_merge(
     states: Sequence[Mapping[str, Tensor]], present: Sequence[Tensor], names: Mapping[str, int]
-) -> list[dict[str, Tensor]]:
+) -> list[dict[str, Tensor]] | list[LazyState]:
     """``states`` (model 0 the reference, all in one basis) with the rows each lacks filled:
     the reference's where it has the row, else the mean of the models that have it. ``present[i]``:
     model i's rows of its own (bool over the vocabulary axis); ``names``: the tensors with that axis
-    and which axis it is."""
+    and which axis it is. Streamed states stay streamed, filled a block of rows at a time."""
+    have = torch.stack(list(present))  # [models, vocabulary]
+    if all(isinstance(s, LazyState) for s in states):
+        return [_lazy_merge(states, have, names, i) for i in range(len(states))]  # type: ignore[arg-type]
     out = [dict(s) for s in states]
     for name, axis in names.items():
         if any(name not in s for s in states):
             continue
-        rows = [_rows(s[name], axis).clone() for s in states]
-        have = torch.stack([p.to(rows[0].device) for p in present])  # [models, vocabulary]
-        count = have.sum(0)
-        total = sum(r * _expand(h, r).to(r.dtype) for r, h in zip(rows, have, strict=True))
-        mean = total / _expand(count.clamp(min=1), rows[0]).to(rows[0].dtype)
-        fill = torch.where(_expand(have[0], rows[0]), rows[0], mean)
-        for i, r in enumerate(rows):
-            missing = ~have[i]
-            if bool(missing.any()):
-                r[missing] = fill[missing].to(r.dtype)
+        filled = _merge_rows([_rows(s[name], axis) for s in states], have)
+        for i, r in enumerate(filled):
             out[i][name] = r.movedim(0, axis)
     return _retie(out, states)
+
+
+def _merge_rows(rows: Sequence[Tensor], have: Tensor) -> list[Tensor]:
+    """Every model's rows (vocabulary first) with those it lacks filled (`fill_merge`)."""
+    rows = [r.clone() for r in rows]
+    have = have.to(rows[0].device)
+    count = have.sum(0)
+    total = sum(r * _expand(h, r).to(r.dtype) for r, h in zip(rows, have, strict=True))
+    mean = total / _expand(count.clamp(min=1), rows[0]).to(rows[0].dtype)
+    fill = torch.where(_expand(have[0], rows[0]), rows[0], mean)
+    for i, r in enumerate(rows):
+        missing = ~have[i]
+        if bool(missing.any()):
+            r[missing] = fill[missing].to(r.dtype)
+    return rows
+
+
+def _lazy_merge(states: Sequence[LazyState], have: Tensor, names: Mapping[str, int], i: int) -> LazyState:
+    """Model ``i`` of `fill_merge` over streamed states: each block of rows from the same block of
+    every model."""
+    todo = {n for n, axis in names.items() if axis == 0 and all(n in s for s in states)}
+    if len(todo) != sum(all(n in s for s in states) for n in names):
+        raise AssertionError("streamed vocabulary rows are filled on the first axis only")
+
+    def block(name: str, start: int, stop: int) -> Tensor:
+        rows = [picked_rows(s, name, torch.arange(start, stop)) for s in states]
+        return _merge_rows(rows, have[:, start:stop])[i]
+
+    def read(name: str) -> Tensor:
+        return block(name, 0, states[i].shape(name)[0]) if name in todo else states[i][name]
+
+    def rows(name: str) -> RowReader | None:
+        return (lambda start, stop: block(name, start, stop)) if name in todo else states[i].rows(name)
+
+    return states[i].derive(read, rows=rows)
 
 
 def _expand(mask: Tensor, like: Tensor) -> Tensor:
@@ -81,28 +113,95 @@ def fill_transport(
     moved_base: Mapping[str, Tensor],
     present: tuple[Tensor, Tensor, Tensor],
     names: Mapping[str, int],
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+) -> tuple[Mapping[str, Tensor], Mapping[str, Tensor]]:
     """``(target, τ)`` with the rows the models lack settled (module docstring): ``tau`` is
     π(fine-tune) − π(base) with zeros where a model has no row, ``moved_base`` is π(base), and
-    ``present`` the rows of their own of (target, base, fine-tune)."""
+    ``present`` the rows of their own of (target, base, fine-tune). Streamed states stay streamed."""
+    if isinstance(target, LazyState) and isinstance(tau, LazyState) and isinstance(moved_base, LazyState):
+        return _lazy_transport(target, tau, moved_base, present, names)
     new_target, new_tau = dict(target), dict(tau)
-    has_t, has_b, has_f = present
     for name, axis in names.items():
         if name not in target or name not in tau:
             continue
-        t, d = _rows(target[name], axis).clone(), _rows(tau[name], axis).clone()
-        b = _rows(moved_base[name], axis)
-        dev = t.device
-        shared = (has_b & has_t).to(dev)  # the means are taken over the rows base and target share
-        added = (~has_b & has_f).to(dev)  # the fine-tune's own tokens: τ there is π(fine-tune)'s row
-        d[added] = (d[added] - _mean(b, shared).to(d.dtype)).to(d.dtype)  # its change from a mean row
-        fresh = added & ~has_t.to(dev)
-        t[fresh] = _mean(t, shared).to(t.dtype)  # the target's own mean row, as resizing starts it
-        from_base = (has_b & ~has_t).to(dev)
-        t[from_base] = b[from_base].to(t.dtype)
-        d[(has_b & ~has_f).to(dev) | (~has_b & ~has_f).to(dev)] = 0  # no task vector where the fine-tune has no row
+        t, d, b = _rows(target[name], axis), _rows(tau[name], axis), _rows(moved_base[name], axis)
+        shared = present[1] & present[0]  # the means are taken over the rows base and target share
+        means = _mean(b, shared.to(b.device)), _mean(t, shared.to(t.device))
+        t, d = _transport_rows(t, d, b, present, means)
         new_target[name], new_tau[name] = t.movedim(0, axis), d.movedim(0, axis)
     return _retie([new_target], [target])[0], _retie([new_tau], [tau])[0]
+
+
+def _transport_rows(
+    t: Tensor, d: Tensor, b: Tensor, present: tuple[Tensor, Tensor, Tensor], means: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """Target and τ rows (vocabulary first) settled as `fill_transport` says; ``means``: the
+    moved base's and the target's mean rows over the rows they share."""
+    t, d = t.clone(), d.clone()
+    dev = t.device
+    has_t, has_b, has_f = (p.to(dev) for p in present)
+    added = ~has_b & has_f  # the fine-tune's own tokens: τ there is π(fine-tune)'s row
+    d[added] = (d[added] - means[0].to(d)).to(d.dtype)  # its change from a mean row
+    t[added & ~has_t] = means[1].to(t)  # the target's own mean row, as resizing starts it
+    from_base = has_b & ~has_t
+    t[from_base] = b[from_base.to(b.device)].to(t)
+    d[~has_f] = 0  # no task vector where the fine-tune has no row
+    return t, d
+
+
+def _lazy_transport(
+    target: LazyState,
+    tau: LazyState,
+    moved_base: LazyState,
+    present: tuple[Tensor, Tensor, Tensor],
+    names: Mapping[str, int],
+) -> tuple[LazyState, LazyState]:
+    """`fill_transport` over streamed states, a block of rows at a time (the two mean rows taken
+    once per tensor, a block at a time)."""
+    todo = {n for n, axis in names.items() if axis == 0 and n in target and n in tau}
+    if len(todo) != sum(n in target and n in tau for n in names):
+        raise AssertionError("streamed vocabulary rows are settled on the first axis only")
+    shared = present[0] & present[1]
+
+    @functools.cache
+    def means(name: str) -> tuple[Tensor, Tensor]:
+        return _streamed_mean(moved_base, name, shared), _streamed_mean(target, name, shared)
+
+    def block(name: str, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        rows = torch.arange(start, stop)
+        t, d, b = (picked_rows(s, name, rows) for s in (target, tau, moved_base))
+        return _transport_rows(t, d, b, (present[0][rows], present[1][rows], present[2][rows]), means(name))
+
+    def derived(state: LazyState, k: int) -> LazyState:
+        def read(name: str) -> Tensor:
+            return block(name, 0, state.shape(name)[0])[k] if name in todo else state[name]
+
+        def rows(name: str) -> RowReader | None:
+            return (lambda start, stop: block(name, start, stop)[k]) if name in todo else state.rows(name)
+
+        return state.derive(read, rows=rows)
+
+    return derived(target, 0), derived(tau, 1)
+
+
+def _streamed_mean(state: LazyState, name: str, mask: Tensor) -> Tensor:
+    """The mean of the rows ``mask`` marks of a streamed tensor, a block at a time (float64 sum)."""
+    total: Tensor | None = None
+    for start, block in _blocks(state, name):
+        m = mask[start : start + block.shape[0]].to(block.device)
+        part = block[m].to(torch.float64).sum(0)
+        total = part if total is None else total + part
+    count = int(mask.sum())
+    if total is None or not count:
+        return torch.zeros(state.shape(name)[1:], dtype=state.dtype(name))
+    return (total / count).to(state.dtype(name))
+
+
+def _blocks(state: LazyState, name: str) -> Iterator[tuple[int, Tensor]]:
+    """``(first row, block)`` of ``state[name]`` in blocks of rows (`row_blocks`)."""
+    start = 0
+    for (block,) in row_blocks([state], name):
+        yield start, block
+        start += block.shape[0]
 
 
 def _mean(rows: Tensor, mask: Tensor) -> Tensor:

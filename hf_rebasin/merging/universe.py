@@ -56,7 +56,7 @@ __all__ = ["DEFAULT_ITERATIONS", "DEFAULT_TOL", "UniverseResult", "universe_merg
 
 
 # the rows each aligned model lacks, filled in the merge's basis (`merging.rows.fill_merge`)
-Fill = Callable[[Sequence[Mapping[str, Tensor]]], list[dict[str, Tensor]]]
+Fill = Callable[[Sequence[Mapping[str, Tensor]]], list[Mapping[str, Tensor]]]
 
 
 @dataclass

@@ -138,10 +138,6 @@ def streamed(recipe: Recipe, models: Roles[PlannedModel]) -> bool:
 
     if differ_in_width([_folder(m) for m in models.all]):  # the narrower ones are embedded in memory
         return False
-    from hf_rebasin.io.vocab import differ_in_vocabulary
-
-    if differ_in_vocabulary([_folder(m) for m in models.all]):  # rows matched by token, in memory
-        return False
     if not isinstance(models, TransportRoles):
         return True
 

@@ -241,13 +241,13 @@ def curves(
 
 
 def filled(
-    ws: Workspace, primary: Alignment, aligned: list[dict[str, Tensor]]
-) -> tuple[Alignment, list[dict[str, Tensor]]]:
+    ws: Workspace, primary: Alignment, aligned: Sequence[Mapping[str, Tensor]]
+) -> tuple[Alignment, list[Mapping[str, Tensor]]]:
     """A and the aligned models with the rows each lacks filled in A's basis, where the models'
     vocabularies differ (`merging.rows`); as they are otherwise. After the preservation check:
     that compares each model with itself, its own rows only."""
     if ws.rows is None:
-        return primary, aligned
+        return primary, list(aligned)
     states = ws.rows.fill_merge([primary.sd_a, *aligned])
     return dataclasses.replace(primary, sd_a=states[0]), states[1:]
 

@@ -11,6 +11,7 @@ writing (`write`: tokenizer files, generation config).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import shutil
@@ -19,9 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from hf_rebasin.core.errors import IncompatibleModelsError, TokenizerError, named
+from hf_rebasin.core.lazy import LazyState, gather_rows, picked_rows
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.rows import (
     OutputRows,
@@ -90,12 +93,12 @@ class RunVocabulary:
             )
         )
 
-    def fill_merge(self, states: Sequence[Mapping[str, Tensor]]) -> list[dict[str, Tensor]]:
-        return fill_merge(states, self.present(), self.tensors)
+    def fill_merge(self, states: Sequence[Mapping[str, Tensor]]) -> list[Mapping[str, Tensor]]:
+        return list(fill_merge(states, self.present(), self.tensors))
 
     def fill_transport(
         self, target: Mapping[str, Tensor], tau: Mapping[str, Tensor], moved_base: Mapping[str, Tensor]
-    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    ) -> tuple[Mapping[str, Tensor], Mapping[str, Tensor]]:
         t, b, f = self.present()
         return fill_transport(target, tau, moved_base, (t, b, f), self.tensors)
 
@@ -104,9 +107,12 @@ class RunVocabulary:
         in its own vocabulary."""
         return OutputRows.of_model(self.layout, self.vocabularies[i], i)
 
-    def output_state(self, state: Mapping[str, Tensor], rows: OutputRows | None = None) -> dict[str, Tensor]:
-        """``state`` (working rows) with the output's rows (or ``rows``); tied names stay one tensor."""
+    def output_state(self, state: Mapping[str, Tensor], rows: OutputRows | None = None) -> Mapping[str, Tensor]:
+        """``state`` (working rows) with the output's rows (or ``rows``); tied names stay one tensor,
+        a streamed state stays streamed."""
         chosen = rows if rows is not None else self.output
+        if isinstance(state, LazyState):
+            return _lazy_output(state, chosen, self.tensors)
         out: dict[str, Tensor] = {}
         done: dict[StorageKey, Tensor] = {}
         for name, t in state.items():
@@ -171,6 +177,29 @@ class RunVocabulary:
                 f"the output's tokenizer does not give row {r} the token whose row was written there ({want[r]!r}, "
                 f"tokenizer: {got[r]!r}); set `tokenizer.source` to a model's own vocabulary"
             )
+
+
+def _lazy_output(state: LazyState, rows: OutputRows, names: Mapping[str, int]) -> LazyState:
+    """`RunVocabulary.output_state` of a streamed state: its output rows gathered a block at a time,
+    a new padding row the mean token row (taken once per tensor, a block at a time)."""
+    if any(axis != 0 for axis in names.values()):
+        raise AssertionError("a streamed model's vocabulary rows are gathered on the first axis only")
+    idx = torch.tensor(rows.rows, dtype=torch.long)
+    tokens = idx[: rows.tokens].clamp(min=0)
+
+    @functools.cache
+    def mean_row(name: str) -> Tensor:
+        total: Tensor | None = None
+        for start in range(0, len(tokens), ROWS_AT_ONCE):
+            part = picked_rows(state, name, tokens[start : start + ROWS_AT_ONCE]).to(torch.float64).sum(0)
+            total = part if total is None else total + part
+        assert total is not None  # an output has tokens
+        return (total / len(tokens)).to(state.dtype(name))
+
+    return gather_rows(state, {n: idx for n in names if n in state}, mean_row)
+
+
+ROWS_AT_ONCE = 4096  # rows summed at a time for a streamed mean row
 
 
 def _remap_generation_config(path: Path, old: Sequence[str | None], rows: Mapping[str, int]) -> None:

@@ -19,31 +19,20 @@ import pytest
 import torch
 import transformers as T
 import yaml
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 import tiny
 from hf_rebasin.alignment.verify import example_inputs
-from hf_rebasin.cli import main
 from hf_rebasin.core import lazy
 from hf_rebasin.core.errors import CheckpointError
 from hf_rebasin.io import export, tensors
 from hf_rebasin.io.models import load_model
 from hf_rebasin.io.offload import offloaded
-from hf_rebasin.run import load as run_load
 from hf_rebasin.symmetry.adapters import get_adapter
+from streamed import both_ways, notes_of, run_cli, safetensors_of
 
 STRATEGIES = ("vanilla", "weight-matching", "transfusion", "generalized-orthogonal")
 ARCHS = ("llama", "gpt2", "vit")  # rotary + GQA; Conv1D, fused q|k|v and a tied head; LayerNorm encoder
-
-
-def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder's safetensors files, read by the safetensors library."""
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +58,7 @@ def test_checkpoint_source_reads_what_safetensors_reads(pairs: dict[str, tuple[P
     loaded = load_model(folder, stream=True)
     source = loaded.source
     assert source is not None
-    stored = _safetensors(folder)
+    stored = safetensors_of(folder)
     model = T.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     assert list(source) == list(model.state_dict())  # the module's names, tied head included
     assert source.aliases == {"lm_head.weight": "transformer.wte.weight"}
@@ -102,7 +91,7 @@ def test_written_safetensors_are_read_by_the_safetensors_library(tmp_path: Path)
         tmp_path / "x.safetensors", entries, lambda k: made[k].float() if k == "bf16" else made[k], done=produced.append
     )
     assert produced == list(made)
-    back = _safetensors(tmp_path)
+    back = safetensors_of(tmp_path)
     assert back.keys() == made.keys()
     for k, v in made.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
@@ -119,7 +108,7 @@ def test_a_produced_tensor_of_the_wrong_shape_is_refused(tmp_path: Path) -> None
 def test_non_finite_weights_are_refused_when_streamed(tmp_path: Path) -> None:
     model = tiny.llama(0)
     model.save_pretrained(str(tmp_path))
-    sd = _safetensors(tmp_path)
+    sd = safetensors_of(tmp_path)
     sd["model.layers.1.mlp.up_proj.weight"][3, 4] = math.nan
     save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*NaN"):
@@ -170,59 +159,21 @@ def _recipe(root: Path, name: str, models: tuple[Path, Path], strategy: str, **o
     return path
 
 
-def _run(recipe: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, *, stream: bool) -> tuple[int, str]:
-    monkeypatch.setattr(run_load, "streamed", lambda _recipe, _models: stream)
-    capsys.readouterr()
-    code = main([str(recipe)])
-    return code, " ".join(capsys.readouterr().err.split())
-
-
-def _both_ways(
-    body: dict[str, Any], root: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, *, exact: bool = True
-) -> tuple[Path, Path]:
-    """The recipe ``body`` run in memory, then streamed: (memory output, streamed output), each
-    checked to hold the same tensors, dtypes included (``exact=False``: within a bf16 step of each
-    other, for solutions computed from sums in another order)."""
-    out = []
-    for stream in (False, True):
-        name = "streamed" if stream else "memory"
-        output = {**body.get("output", {}), "dir": str(root / name)}
-        recipe = root / f"{name}.yaml"
-        recipe.write_text(yaml.safe_dump({**body, "output": output, "cache": False}), encoding="utf-8")
-        code, err = _run(recipe, capsys, monkeypatch, stream=stream)
-        assert code == 0, err
-        out.append(root / name)
-    want, got = _safetensors(out[0]), _safetensors(out[1])
-    assert got.keys() == want.keys()
-    for k, t in want.items():
-        assert got[k].dtype == t.dtype, k
-        if exact:
-            assert torch.equal(got[k], t), k
-        else:
-            step = 2**-7 * float(t.float().abs().max())  # bf16 keeps 8 significant bits
-            assert float((got[k].float() - t.float()).abs().max()) <= step, k
-    return out[0], out[1]
-
-
-def _notes(folder: Path) -> str:
-    return " ".join(json.loads((folder / "rebasin.json").read_text())["notes"])
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_streamed_merge_writes_what_the_in_memory_merge_writes(
     arch: str, strategy: str, pairs: dict[str, tuple[Path, Path]], tmp_path: Path, capsys: Any, monkeypatch: Any
 ) -> None:
     body = {"job": "merge", "models": [str(m) for m in pairs[arch]], "strategy": strategy}
-    memory, streamed = _both_ways({**body, "output": {"max_shard_size": 15_000}}, tmp_path, capsys, monkeypatch)
+    memory, streamed = both_ways({**body, "output": {"max_shard_size": 15_000}}, tmp_path, capsys, monkeypatch)
     files = sorted(p.name for p in memory.iterdir() if p.name not in ("README.md", "rebasin.json"))
     assert sorted(p.name for p in streamed.iterdir() if p.name not in ("README.md", "rebasin.json")) == files
     assert "model.safetensors.index.json" in files  # sharded like save_pretrained shards
-    assert {t.dtype for t in _safetensors(streamed).values()} == {torch.bfloat16}
+    assert {t.dtype for t in safetensors_of(streamed).values()} == {torch.bfloat16}
     for f in ("config.json", "model.safetensors.index.json"):
         assert json.loads((streamed / f).read_text()) == json.loads((memory / f).read_text()), f
     record = json.loads((streamed / "rebasin.json").read_text())
-    assert "weights streamed" in _notes(streamed) and "weights streamed" not in _notes(memory)
+    assert "weights streamed" in notes_of(streamed) and "weights streamed" not in notes_of(memory)
     assert record["function_preserved"]["max_abs_diff"] <= record["function_preserved"]["tolerance"]
     # the stock class loads it, in bf16, with the merged weights
     cls = T.AutoModelForImageClassification if arch == "vit" else T.AutoModelForCausalLM
@@ -244,7 +195,7 @@ def test_streamed_preservation_check_catches_a_broken_alignment(
         return aligned.derive(lambda k: aligned[k] * 1.5 if k == name else aligned[k])
 
     monkeypatch.setattr(Alignment, "aligned_b", broken)
-    code, err = _run(_recipe(tmp_path, "out", pairs["llama"], "weight-matching"), capsys, monkeypatch, stream=True)
+    code, err = run_cli(_recipe(tmp_path, "out", pairs["llama"], "weight-matching"), capsys, monkeypatch, stream=True)
     assert code == 1 and "function not preserved" in err, err
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
@@ -266,18 +217,18 @@ def test_interrupted_streamed_write_leaves_no_partial_output(
         real(path, *args, **kwargs)
 
     monkeypatch.setattr(export, "write_safetensors", interrupted)
-    code, err = _run(recipe, capsys, monkeypatch, stream=True)
+    code, err = run_cli(recipe, capsys, monkeypatch, stream=True)
     assert code == 130 and "nothing was written" in err, err
     assert len(calls) == 2 and calls[0].name.startswith("model-00001-of-")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.yaml"]
 
     monkeypatch.setattr(export, "write_safetensors", real)
-    code, err = _run(recipe, capsys, monkeypatch, stream=True)
+    code, err = run_cli(recipe, capsys, monkeypatch, stream=True)
     assert code == 0, err
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     calls.clear()
     monkeypatch.setattr(export, "write_safetensors", interrupted)
-    code, err = _run(recipe, capsys, monkeypatch, stream=True)
+    code, err = run_cli(recipe, capsys, monkeypatch, stream=True)
     assert code == 130 and "unchanged" in err, err
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.yaml"]
@@ -344,9 +295,11 @@ def test_streamed_head_perm_writes_what_the_in_memory_head_perm_writes(
         "strategy": {"name": "head-perm", **options},
         "data": {"dataset": "text", "data_files": str(corpus), "max_tokens": 1500},
     }
-    memory, streamed = _both_ways(body, tmp_path, capsys, monkeypatch)
-    assert ("collected layer by layer" in _notes(streamed)) == (options.get("residual") == "identity"), _notes(streamed)
-    assert "layer by layer" not in _notes(memory)
+    memory, streamed = both_ways(body, tmp_path, capsys, monkeypatch)
+    assert ("collected layer by layer" in notes_of(streamed)) == (options.get("residual") == "identity"), notes_of(
+        streamed
+    )
+    assert "layer by layer" not in notes_of(memory)
 
 
 @pytest.fixture(scope="module")
@@ -376,13 +329,13 @@ def test_streamed_transport_writes_what_the_in_memory_transport_writes(
         "strategy": strategy,
         "alpha": 0.8,
     }
-    memory, streamed = _both_ways(body, tmp_path, capsys, monkeypatch)
-    got = _safetensors(streamed)
+    memory, streamed = both_ways(body, tmp_path, capsys, monkeypatch)
+    got = safetensors_of(streamed)
     assert {t.dtype for t in got.values()} == {torch.bfloat16}
     assert json.loads((streamed / "config.json").read_text()) == json.loads((memory / "config.json").read_text())
-    assert "weights streamed" in _notes(streamed)
+    assert "weights streamed" in notes_of(streamed)
     if strategy == "vanilla":  # B + α·τ, computed here from the files with plain torch
-        sd = {role: _safetensors(folder) for role, folder in transport_folders.items()}
+        sd = {role: safetensors_of(folder) for role, folder in transport_folders.items()}
         for k, t in got.items():
             tau = sd["finetuned"][k].float() - sd["base"][k].float()
             assert torch.equal(t, (sd["target"][k].float() + 0.8 * tau).to(torch.bfloat16)), k
@@ -537,14 +490,14 @@ def test_an_embedding_is_read_merged_and_written_in_blocks_of_rows(
     key = "transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
     reads = _embedding_reads(monkeypatch, pairs[arch], key)
     exact = strategy != "generalized-orthogonal"  # its Procrustes solutions move with a view's last bits
-    _both_ways({**body, "output": {"max_shard_size": 15_000}}, tmp_path, capsys, monkeypatch, exact=exact)
+    both_ways({**body, "output": {"max_shard_size": 15_000}}, tmp_path, capsys, monkeypatch, exact=exact)
     blocks = [n for n in reads if n < vocab]
     assert blocks and max(blocks) <= 7, reads
     whole_blocked = reads.count(vocab)
     reads.clear()
     monkeypatch.setattr(lazy, "ROW_BLOCK_ELEMENTS", 1 << 30)  # never in blocks
     (tmp_path / "whole").mkdir()
-    _both_ways({**body, "output": {"max_shard_size": 15_000}}, tmp_path / "whole", capsys, monkeypatch)
+    both_ways({**body, "output": {"max_shard_size": 15_000}}, tmp_path / "whole", capsys, monkeypatch)
     assert reads and all(n == vocab for n in reads)
     # what stays whole: the forward passes of the check (an embedding lookup reads its table)
     assert whole_blocked < reads.count(vocab), (whole_blocked, reads.count(vocab))

@@ -61,7 +61,7 @@ def run(ws: Workspace) -> JobOutput:
             if rows is not None:  # each in its own vocabulary: its tokens at its ids
                 own = rows.own(i)
                 loaded = dataclasses.replace(loaded, model=rows.output_template(loaded.model, own))
-                state = rows.output_state(state, own)
+                state = dict(rows.output_state(state, own))  # the align job holds its models in memory
             _save_model(loaded, state, untie, folder / folder_name(i))
         dtype = dtype_name(written_dtype(models.reference))
         config = _mergekit(len(models.all), dtype)

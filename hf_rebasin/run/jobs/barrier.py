@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ def run(ws: Workspace) -> JobOutput:
     models = ws.models
     assert isinstance(models, MergeRoles)  # the recipe's job
     alignments = align_others(ws, models)
-    aligned = [al.aligned_b() for al in alignments]
+    aligned: list[Mapping[str, Tensor]] = [al.aligned_b() for al in alignments]
     preserved = aligned_preservation(ws, models, alignments, aligned)
     primary, aligned = filled(ws, alignments[0], aligned)
     found, barriers = curves(ws, models, primary, aligned[0])
@@ -49,7 +50,7 @@ def aligned_preservation(
     ws: Workspace,
     models: MergeRoles[LoadedModel],
     alignments: list[Alignment],
-    aligned: list[dict[str, Tensor]],
+    aligned: Sequence[Mapping[str, Tensor]],
 ) -> Preservation:
     """``function_preserved`` of every aligned model, on real inputs when the run has data."""
     real = [ws.eval_batches, ws.align_batches]

@@ -3,6 +3,7 @@ recipe's weights (or a universe merge), score the result and save it as a model 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def run(ws: Workspace) -> JobOutput:
     assert isinstance(models, MergeRoles)  # the recipe's job
     alignments = align_others(ws, models)
     primary = alignments[0]
-    aligned = [al.aligned_b() for al in alignments]
+    aligned: list[Mapping[str, Tensor]] = [al.aligned_b() for al in alignments]
     preserved = aligned_preservation(ws, models, alignments, aligned)
     primary, aligned = filled(ws, primary, aligned)
     found, barriers = curves(ws, models, primary, aligned[0])
