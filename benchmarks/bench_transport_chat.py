@@ -4,7 +4,8 @@ The fine-tune is ``bench-gpt2-chat`` seed A (``bench-gpt2`` seed A with ``<|im_s
 ``<|im_end|>`` added, embeddings resized, fine-tuned on speeches of three comedies as ChatML
 turns); the target is ``bench-gpt2`` seed B, whose vocabulary lacks both tokens. Each strategy's
 transport is run as a recipe (``tokenizer.source: finetuned``, the default), the output folder
-loaded back with stock ``AutoModelForCausalLM``, and scored by this script alone:
+loaded back with stock ``AutoModelForCausalLM`` (an adapter output with PEFT, on the target resized
+to its rows, as PEFT's guide loads an adapter with new tokens), and scored by this script alone:
 
 - task: next-token loss on held-out dialogues (the fine-tune's tokenizer, which every output has),
   over the text tokens (the target cannot predict the chat tokens: they are left out of every
@@ -16,7 +17,8 @@ loaded back with stock ``AutoModelForCausalLM``, and scored by this script alone
 
 ``vanilla`` is the naive transport: B + τ, the chat rows copied as they are. ``--lora`` moves
 ``bench-gpt2-chat-lora`` instead: the same fine-tune as a PEFT LoRA adapter whose new tokens are
-trainable tokens (the fine-tune row is PEFT's own ``merge_and_unload`` of it on its resized base).
+trainable tokens (the fine-tune row is PEFT's own ``merge_and_unload`` of it on its resized base);
+each output is an adapter for the target, its embedding and LM head in ``modules_to_save``.
 
     python benchmarks/bench_transport_chat.py                      # bench zoo, pairs 0:1 (trains it first)
     python benchmarks/bench_transport_chat.py --tiny --pairs 0:1   # the tiny zoo (gpt2, gpt2-chat): a minute
@@ -25,6 +27,7 @@ trainable tokens (the fine-tune row is PEFT's own ``merge_and_unload`` of it on 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +43,19 @@ def _model(folder: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+
+
+def _output(folder: Path, target: Path) -> Any:
+    """A transport's output as a user loads it: a model, or an adapter for the target (the target
+    resized to the rows the record gives, then ``PeftModel.from_pretrained``)."""
+    if not (folder / "adapter_config.json").is_file():
+        return _model(folder)
+    from peft import PeftModel
+
+    record = json.loads((folder / "rebasin.json").read_text(encoding="utf-8"))
+    model = _model(target)
+    model.resize_token_embeddings(record["transport"]["adapter"]["embedding_rows"])
+    return PeftModel.from_pretrained(model, str(folder)).eval()
 
 
 def score(
@@ -120,7 +136,8 @@ def pair(seed_a: int, seed_b: int, tiny: bool, lora: bool = False) -> list[dict[
                 strategy,
             )
             name = "naive B + τ" if strategy == "vanilla" else strategy
-            rows.append({"model": name, "seconds": seconds, **score(_model(folder), dialogues, support, end)})
+            moved = _output(folder, target)
+            rows.append({"model": name, "seconds": seconds, **score(moved, dialogues, support, end)})
     gap = target_row["task"] - rows[0]["task"]
     for r in rows:
         r["pair"] = f"{seed_a}:{seed_b}"

@@ -146,7 +146,11 @@ class Choice(Block):
 
 
 class AdapterSummary(Block):
-    """``transport.adapter``: the LoRA adapter moved (the card's "What moved", library peft)."""
+    """``transport.adapter``: the LoRA adapter moved (the card's "What moved", library peft). An
+    adapter trained with new tokens also holds the output's embedding and LM head whole
+    (``modules_to_save``, with ``embedding_rows`` rows: the target is resized to them to load it)."""
+
+    _omit_none = frozenset({"modules_to_save", "embedding_rows", "trainable_tokens"})
 
     peft_type: str | None = None
     modules: int | None = None
@@ -156,6 +160,9 @@ class AdapterSummary(Block):
     full_tensors: list[str] = Field(default_factory=list)  # stored whole: target + π(saved − base)
     canonical: bool = False  # the factors took the norm scales (generalized-orthogonal)
     whole_biases: list[str] = Field(default_factory=list)  # biases that carry a folded β's shift
+    modules_to_save: list[str] | None = None  # written whole with the output's vocabulary rows
+    embedding_rows: int | None = None  # their rows: what the target is resized to before the adapter loads
+    trainable_tokens: bool | None = None  # the adapter trained token rows: written back as modules_to_save
 
 
 class Transport(Scores):

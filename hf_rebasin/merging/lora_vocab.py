@@ -5,7 +5,11 @@ adapter stores its embedding and LM head whole (``modules_to_save``) with more r
 checkpoint, or only the rows of chosen tokens (``trainable_token_indices``: PEFT's trainable
 tokens, each row's trained value). Such an adapter is merged into the base resized the same way
 (new rows at the mean of the old, where the adapter does not give them) and the fine-tune it makes
-is moved like any full fine-tune, its rows matched by token with the target's (`io.rows`).
+is moved like any full fine-tune, its rows matched by token with the target's (`io.rows`); a
+transport writes it back as an adapter for the target (`lora_tokens`).
+
+PEFT trains a copy of each module of ``modules_to_save``: on a model whose LM head is tied to its
+embedding (GPT-2), the two copies part, and the merged fine-tune is untied where they differ.
 """
 
 from __future__ import annotations
@@ -23,17 +27,29 @@ from hf_rebasin.core.errors import CheckpointError, IncompatibleModelsError
 from hf_rebasin.io.models import LoadedModel, to_device
 from hf_rebasin.io.rows import embedding_rows_of, vocab_field, vocab_tensors
 from hf_rebasin.io.vocab import has_tokenizer
-from hf_rebasin.merging.lora import PREFIX, adapter_config, adapter_from, apply_adapter, read_tensors
+from hf_rebasin.merging.interpolate import StorageKey, storage_key
+from hf_rebasin.merging.lora import PREFIX, LoraAdapter, adapter_config, adapter_from, apply_adapter, read_tensors
 from hf_rebasin.symmetry.adapters import graph_for
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["adapter_rows", "finetune_with_tokens", "merged_with_tokens", "trainable_tokens"]
+__all__ = [
+    "adapter_rows",
+    "finetune_with_tokens",
+    "merged_with_tokens",
+    "saved_tensors",
+    "state_name",
+    "tokens_note",
+    "trainable_tokens",
+]
 
 _TOKENS = re.compile(r"(.+)\.token_adapter\.trainable_tokens_delta")
 # where the base was resized, PEFT saves the resized embedding (and a tied head) beside the tokens
 _BASE_LAYER = ".token_adapter.base_layer."
+# beside a resized embedding PEFT also saves the wrapper's own keys: a module_to_save's trained copy
+# (``X.modules_to_save.weight``, the same tensor as ``X.weight``) and the base's (``X.original_module.weight``)
+_COPY, _ORIGINAL = ".modules_to_save.", ".original_module."
 
 
 def _stripped(key: str) -> str:
@@ -43,6 +59,23 @@ def _stripped(key: str) -> str:
 def _name(key: str) -> str:
     """An adapter file key as the base model's state-dict name (a resized layer: its weight)."""
     return _stripped(key).replace(_BASE_LAYER, ".")
+
+
+def state_name(key: str) -> str:
+    """An adapter file key as the state-dict name of the base tensor it stores or adapts the module
+    of (a resized layer, a whole base weight saved beside its factors: the weight)."""
+    return _name(key).replace(".base_layer.", ".")
+
+
+def saved_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """An adapter's tensors as PEFT loads them: a module_to_save's trained copy under its module's
+    own key (``X.weight``, which PEFT writes too), the wrapped base tensors left out (they are the
+    base's, which the run has)."""
+    out = {k: t for k, t in tensors.items() if _COPY not in k and _ORIGINAL not in k}
+    for key, t in tensors.items():
+        if _COPY in key:
+            out.setdefault(key.replace(_COPY, "."), t)
+    return out
 
 
 def trainable_tokens(config: Mapping[str, Any], tensors: Mapping[str, Tensor]) -> dict[str, tuple[list[int], Tensor]]:
@@ -110,7 +143,8 @@ def _resized(model: nn.Module, rows: int) -> nn.Module:
 def merged_with_tokens(folder: Path, model: nn.Module, *, allow_pickle: bool = False, where: str = "finetuned") -> Any:
     """The fine-tune an adapter with new tokens makes of ``model`` (resized first); None for an
     adapter of ``model``'s own rows without trainable tokens (read as any adapter)."""
-    config, tensors = adapter_config(folder, where, tokens=True), read_tensors(folder, allow_pickle, where)
+    config = adapter_config(folder, where, tokens=True)
+    tensors = saved_tensors(read_tensors(folder, allow_pickle, where))
     tokens = trainable_tokens(config, tensors)
     rows = _rows(config, tensors, model)
     if rows is None and not tokens:
@@ -123,7 +157,8 @@ def merged_with_tokens(folder: Path, model: nn.Module, *, allow_pickle: bool = F
     }
     lora_config = {k: v for k, v in config.items() if k != "trainable_token_indices"}
     adapter = adapter_from(folder, lora_config, plain, base, where)
-    state = apply_adapter(adapter, base.state_dict())
+    apart = _parted(adapter, base.state_dict())
+    state = apply_adapter(adapter, {n: t.clone() if n in apart else t for n, t in base.state_dict().items()})
     for module, (ids, values) in tokens.items():
         weight = f"{module}.weight"
         if weight not in state:
@@ -135,7 +170,22 @@ def merged_with_tokens(folder: Path, model: nn.Module, *, allow_pickle: bool = F
                 state[name] = grown
     from hf_rebasin.io.rebuild import rebuild
 
-    return rebuild(base, state)  # type: ignore[arg-type]  # a transformers model: the caller's base
+    return rebuild(base, state, untie=bool(apart))  # type: ignore[arg-type]  # a transformers model: the caller's base
+
+
+def _parted(adapter: LoraAdapter, state: Mapping[str, Tensor]) -> set[str]:
+    """Names one tensor in the base (a tied LM head) that the adapter gives different values: PEFT
+    trained a copy of each (``modules_to_save``), so the fine-tune stores them apart."""
+    given = {name: t for name, t in adapter.full.values()}
+    groups: dict[StorageKey, list[str]] = {}
+    for name, t in state.items():
+        groups.setdefault(storage_key(t), []).append(name)
+    apart: set[str] = set()
+    for names in groups.values():
+        values = [given.get(n, state[n]) for n in names]
+        if any(n in given for n in names) and any(not torch.equal(values[0], v.to(values[0])) for v in values[1:]):
+            apart.update(names[1:])
+    return apart
 
 
 def finetune_with_tokens(base: LoadedModel, folder: Path, *, allow_pickle: bool = False) -> LoadedModel | None:
@@ -154,10 +204,15 @@ def finetune_with_tokens(base: LoadedModel, folder: Path, *, allow_pickle: bool 
             "tokenizer. Save the tokenizer the adapter was trained with beside it (`tokenizer.save_pretrained(folder)`)"
         )
     to_device(model, next(base.model.parameters()).device)
-    note = (
-        f"the LoRA adapter {str(folder)!r} was trained with new tokens ({rows} embedding rows, its base {before}; "
-        "modules_to_save or trainable tokens): merged into its base resized as for training and moved as a full "
-        "fine-tune; the output is a full model"
-    )
     graph = graph_for(model.config, model.state_dict().keys())
-    return LoadedModel(model, graph, folder, base.stored_dtype, embedded=note)
+    # what is written (an adapter for the target, or a full model) the transport decides and notes (`tokens_note`)
+    return LoadedModel(model, graph, folder, base.stored_dtype)
+
+
+def tokens_note(folder: Path, written: str) -> str:
+    """The run's note on an adapter trained with new tokens: how it was read, and ``written``, what
+    the output is and why."""
+    return (
+        f"the LoRA adapter {str(folder)!r} was trained with new tokens (modules_to_save or trainable tokens): "
+        f"read as the fine-tune it makes of its base resized as for training, moved as such; {written}"
+    )

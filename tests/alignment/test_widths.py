@@ -301,6 +301,7 @@ def test_a_lora_adapter_on_a_narrow_base_moves_onto_a_wider_target_as_a_full_mod
     assert (fixed_logits(stock_lm(out)) - fixed_logits(wrapped)).abs().max() <= 1e-4
     record = json.loads((out / "rebasin.json").read_text(encoding="utf-8"))
     assert any("moved as a full fine-tune" in n for n in record["notes"])
+    assert not any("trained with new tokens" in n for n in record["notes"])  # a plain adapter
 
 
 def test_job_align_writes_both_models_in_the_wide_shape(tmp_path: Path) -> None:

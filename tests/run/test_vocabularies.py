@@ -223,7 +223,8 @@ def test_a_reference_whose_tokens_have_no_rows_is_refused_and_nothing_is_written
 def test_a_lora_adapter_trained_with_new_tokens_moves_as_peft_merges_it(mode: str, tmp_path: Path) -> None:
     """The PEFT guide's "LoRA with additional tokens": the base resized, the adapter saving the
     embedding and LM head whole (or the new rows as trainable tokens). Moved onto the base permuted,
-    the output computes what PEFT's own ``merge_and_unload`` of the adapter computes."""
+    the output (an adapter for the target, loaded on it resized as the guide does) computes what
+    PEFT's own ``merge_and_unload`` of the adapter computes (more in test_adapter_tokens.py)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     folders = _chat_transport(tmp_path, 64, [])  # base and target (the base permuted); ft replaced below
@@ -247,7 +248,9 @@ def test_a_lora_adapter_trained_with_new_tokens_moves_as_peft_merges_it(mode: st
     resized = T.AutoModelForCausalLM.from_pretrained(str(folders["base"]))
     resized.resize_token_embeddings(66)
     merged = PeftModel.from_pretrained(resized, str(adapter)).merge_and_unload().eval()
-    ours = T.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    target = T.AutoModelForCausalLM.from_pretrained(str(folders["target"]))
+    target.resize_token_embeddings(len(T.AutoTokenizer.from_pretrained(str(out))))
+    ours = PeftModel.from_pretrained(target, str(out)).eval()
     ids = torch.tensor([[1, 64, 5, 7, 65, 9]])
     with torch.no_grad():
         gap = (ours(ids).logits[..., :64] - merged(ids).logits[..., :64]).abs().max()

@@ -40,6 +40,12 @@ def _moved(transport: Transport) -> list[str]:
                 f"`{_cell(str(name))}` (stored whole, `bias: lora_only`): B's bias plus the shift the update makes "
                 "through the norm's folded β"
             )
+        for module in adapter.modules_to_save or []:
+            lines.append(
+                f"`{_cell(str(module))}` (stored whole, `modules_to_save`, {adapter.embedding_rows} rows): the "
+                "output's vocabulary rows, B's rows plus α·π(τ) matched by token, the fine-tune's new tokens included"
+                + ("; its trainable tokens written back this way" if adapter.trainable_tokens else "")
+            )
     for name in transport.carried or []:
         lines.append(f"`{_cell(str(name))}` (only in the fine-tune): moved whole into B's basis")
     return lines

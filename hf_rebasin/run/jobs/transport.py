@@ -1,5 +1,6 @@
 """job: transport: align the old base A to the target B, move the task vector τ = A_ft − A into
-B's basis and save B + α·π(τ); for a LoRA fine-tune, the adapter with its factors moved.
+B's basis and save B + α·π(τ); for a LoRA fine-tune, the adapter with its factors moved (with new
+tokens, its embedding and LM head beside them: `run.lora_output`).
 
 In the alignment the target B is the reference (`Pair`'s first model): A is brought into B's basis.
 With support data the run weighs each α's task gain against its support cost (``tradeoff.png``),
@@ -16,26 +17,32 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from hf_rebasin.alignment.strategies import Alignment, Pair, align, get_strategy
+from hf_rebasin.alignment.strategies import Alignment, Pair, align
 from hf_rebasin.core.errors import IncompatibleModelsError
+from hf_rebasin.core.lazy import LazyState
 from hf_rebasin.core.roles import TransportRoles
 from hf_rebasin.evaluation.record import Findings
 from hf_rebasin.evaluation.report import plot_tradeoff, tradeoff, tradeoff_table
-from hf_rebasin.evaluation.scores import AdapterSummary, Choice, Transport
+from hf_rebasin.evaluation.scores import Choice, Transport
 from hf_rebasin.io.export import copy_support_files, save_merged_model
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.output import write_text
-from hf_rebasin.merging.lora import canonical_blocker, lora_graph, save_adapter, transport_adapter
 from hf_rebasin.merging.transport import add_task_vector, move_finetune
 from hf_rebasin.recipe.jobs.transport import TransportRecipe
 from hf_rebasin.run.auto_alpha import choose_alpha
 from hf_rebasin.run.data import BatchSpec, batches
 from hf_rebasin.run.jobs.barrier import save_diagnostics
 from hf_rebasin.run.load import Workspace, weights
+from hf_rebasin.run.lora_output import (
+    MovedAdapter,
+    adapter_graph,
+    adapter_input,
+    move_adapter,
+    save_moved_adapter,
+)
 from hf_rebasin.run.result import JobOutput
 from hf_rebasin.run.stages import check_inputs, job_result, options_as_run, preservation, timed_align, writing
 from hf_rebasin.symmetry.graph import SymmetryGraph
-from hf_rebasin.symmetry.sublayers import is_per_sublayer, per_sublayer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -81,7 +88,8 @@ def run(ws: Workspace) -> JobOutput:
             "differs (see the notes). Merge the adapter into its base (`model.merge_and_unload()`) and transport the "
             "full fine-tune"
         )
-    graph = _graph(ws, models)
+    lora = adapter_input(ws, models)  # None: a full model is written
+    graph = adapter_graph(ws, models, lora)
     alignment = _align_base_to_target(ws, models, graph)
     with ws.clock.stage("align"):
         moved = filled(ws, move_task_vector(models, alignment, graph), alignment)
@@ -95,14 +103,14 @@ def run(ws: Workspace) -> JobOutput:
         )
     scores = _scores(ws, models, moved, naive)
     saved_alpha, chosen = _saved_alpha(ws, scores.get("tradeoff"))
-    adapter = _move_adapter(ws, models, alignment, graph)
+    adapter = move_adapter(ws, models, alignment, graph, lora)
     transport = Transport(
         **scores,
         carried=sorted(moved.carried) or None,
         chosen=chosen,
         adapter=adapter.summary if adapter is not None else None,  # the card reads it (library_name: peft)
     )
-    saved_model = ws.adapter is None
+    saved_model = adapter is None
     canonical = alignment.canonical and saved_model
     untied = list(alignment.untied) if saved_model else []  # an adapter stores no head
     findings = Findings(
@@ -115,26 +123,15 @@ def run(ws: Workspace) -> JobOutput:
         transport=transport,
         diagnostics=dict(alignment.diagnostics),
     )
-    written = "transported model and report" if saved_model else "transported LoRA adapter (for the target) and report"
+    written = (
+        "transported model and report"
+        if adapter is None
+        else "transported LoRA adapter (for the target) and report"
+        if not adapter.vocab
+        else "transported LoRA adapter (for the target; embedding and LM head in modules_to_save), tokenizer and report"
+    )
     result = job_result(ws, findings, {}, saved_model=saved_model, written=written)
     return JobOutput(result, lambda folder: _save(ws, alignment, moved, adapter, transport, saved_alpha, folder))
-
-
-def _graph(ws: Workspace, models: TransportRoles[LoadedModel]) -> SymmetryGraph:
-    """B's graph; for an adapter that cannot follow the canonical form, limited to permutations."""
-    graph = models.target.graph
-    if ws.adapter is None:
-        return graph
-    canonical = get_strategy(ws.recipe.strategy.name).canonical
-    # a strategy that works in canonical form (generalized-orthogonal): an adapter follows it when
-    # its factors can take the norm scales (see lora.transport_adapter); otherwise permutations only
-    blocker = canonical_blocker(ws.adapter, graph, weights(models.base)) if canonical else "permutation strategy"
-    if blocker is None:
-        return graph
-    limited, demoted = lora_graph(graph)  # graph.fallbacks names the spaces limited to permutations
-    if demoted and canonical:
-        ws.notes.append(f"the adapter cannot follow the canonical form: {blocker}")
-    return limited
 
 
 def _align_base_to_target(ws: Workspace, models: TransportRoles[LoadedModel], graph: SymmetryGraph) -> Alignment:
@@ -163,15 +160,20 @@ def move_task_vector(models: TransportRoles[LoadedModel], alignment: Alignment, 
     b, a, a_ft = models.target, models.base, models.finetune
     sd_ft = weights(a_ft)
     new_head = type(a_ft.model) is not type(a.model)
-    ft_graph = a_ft.graph if new_head else None
+    # a head A ties that the fine-tune stores apart (PEFT trains a copy of each module it saves): its own τ
+    apart = set(a.graph.ties) - set(a_ft.graph.ties) if not new_head else set()
+    ft_graph = a_ft.graph if new_head or apart else None
     tau, carried = move_finetune(alignment, graph, sd_ft, ft_graph)  # carried: empty unless the head is new
+    target = alignment.sd_a  # B's tensors: B is the alignment's reference
+    if apart and not isinstance(target, LazyState):  # one tensor under two names would take one τ
+        target = {n: t.clone() if n in apart else t for n, t in target.items()}
     return Moved(
-        alignment.sd_a,  # B's tensors: B is the alignment's reference
+        target,
         tau,
         carried,
         list(sd_ft) if new_head else list(alignment.sd_a),
         a_ft.model if new_head else b.model,
-        bool(alignment.untied) and not new_head,
+        (bool(alignment.untied) or bool(apart)) and not new_head,
         (a_ft if new_head else b).expert_layout,
     )
 
@@ -288,35 +290,6 @@ def _saved_alpha(ws: Workspace, points: Mapping[str, Any] | None) -> tuple[float
     return chosen.alpha, chosen
 
 
-@dataclass(frozen=True)
-class MovedAdapter:
-    """A LoRA fine-tune's factors in B's basis, and what the record says of them."""
-
-    factors: dict[str, Tensor]
-    whole: dict[str, str]  # file key → B's tensor it scales from (see lora.save_adapter)
-    target: Mapping[str, Tensor]  # B's weights
-    summary: AdapterSummary
-
-
-def _move_adapter(
-    ws: Workspace, models: TransportRoles[LoadedModel], alignment: Alignment, graph: SymmetryGraph
-) -> MovedAdapter | None:
-    """The adapter's factors moved by π (None for a full fine-tune), before anything is written."""
-    if ws.adapter is None:
-        return None
-    sd_a, sd_b = weights(models.base), weights(models.target)
-    canonical = alignment.graph if alignment.canonical and graph is models.target.graph else None
-    if is_per_sublayer(alignment.graph):  # the adapter's factors follow their own sublayers' maps
-        graph = per_sublayer(graph)
-    factors, whole = transport_adapter(ws.adapter, graph, alignment.transform, sd_a, sd_b, canonical_graph=canonical)
-    summary = AdapterSummary(
-        **ws.adapter.summary(),
-        canonical=canonical is not None,  # factors took the norm scales (generalized-orthogonal)
-        whole_biases=sorted(whole.values()),  # biases that carry a folded β's shift, stored whole
-    )
-    return MovedAdapter(factors, whole, sd_b, summary)
-
-
 def _save(
     ws: Workspace,
     alignment: Alignment,
@@ -326,7 +299,8 @@ def _save(
     alpha: float,
     folder: Path,
 ) -> None:
-    """B + α·π(τ) for the saved α (or the moved adapter), then B's files, the alignment's plots
+    """B + α·π(τ) for the saved α (or the moved adapter), then B's files (and the output's
+    tokenizer, where the vocabularies differ), the alignment's plots
     and, with support data, the trade-off (tradeoff.png, tradeoff.md). Writes only: every finding
     was made before."""
     recipe = own(ws)
@@ -345,17 +319,7 @@ def _save(
             expert_layout=moved.expert_layout,
         )
     else:
-        assert ws.adapter is not None  # what `adapter` was moved from
-        save_adapter(
-            ws.adapter,
-            adapter.factors,
-            folder,
-            base_model=str(recipe.target),
-            alpha=alpha,
-            target=adapter.target,
-            whole=adapter.whole,
-            dtype=ws.output_dtype.dtype,
-        )
+        save_moved_adapter(ws, adapter, alpha, str(recipe.target), folder)
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained: B's files as they were
     if rows is not None:
         rows.write(folder)
