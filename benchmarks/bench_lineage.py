@@ -3,7 +3,9 @@ lineage` and by a symmetry-blind baseline (the cosine of raw weights, layer by l
 
 Related pairs (B descends from A): A itself under a random transform of every class its family
 allows (permutations; signed permutations; rotations of the residual stream in canonical form;
-gated units rescaled, signs included); fine-tunes (full at the zoo's low rate and at 10× it, a LoRA
+gated units rescaled, signs included); A with only some spaces moved (every layer's MLP units and
+one layer's heads; one layer's MLP units; gated units rescaled with attention untouched), which
+must be *related up to symmetry*, never *same basis*; fine-tunes (full at the zoo's low rate and at 10× it, a LoRA
 merged in, a domain fine-tune of the benchmark GPT-2), continued pretraining, merges that contain A,
 and A written into a wider shape; each plain and under a random rotation. Independent pairs: every
 pair of seeds of every kind, fine-tunes against the other seeds' bases, and one initialisation
@@ -96,6 +98,25 @@ def _rescaled(lm: LoadedModel, sd: Mapping[str, torch.Tensor], seed: int) -> Sta
     return glu.apply_unit_scales(lm.graph, dict(sd), scales)
 
 
+def _partly_moved(lm: LoadedModel, sd: Mapping[str, torch.Tensor], seed: int) -> Iterator[tuple[str, State]]:
+    """Copies in which only some spaces moved: no plain average of them with A is right."""
+    graph = lm.graph
+    drawn = graph.random_transform("permutation", torch.Generator().manual_seed(seed))
+    kinds = {n: getattr(sp, "kind", None) for n, sp in graph.spaces.items()}
+    mlps = sorted(n for n, k in kinds.items() if k == "mlp")
+    heads = sorted(n for n, k in kinds.items() if k == "attention")
+
+    def only(spaces: set[str]) -> State:
+        return graph.apply(dict(sd), {**graph.identity(), **{k: v for k, v in drawn.items() if k in spaces}})
+
+    if mlps and heads:
+        yield "MLP units permuted in every layer, the heads of the first layer only", only({*mlps, heads[0]})
+    if mlps:
+        yield f"one layer's MLP units permuted ({mlps[-1]})", only({mlps[-1]})
+    if graph.glus:
+        yield "gated units rescaled (±) in every layer, attention untouched", _rescaled(lm, sd, seed)
+
+
 def blind_similarity(sd_a: Mapping[str, torch.Tensor], sd_b: Mapping[str, torch.Tensor]) -> float:
     """The symmetry-blind baseline: cosine of the raw weight matrices, layer by layer (tensors
     grouped by the layer index in their names), median over layers."""
@@ -179,6 +200,8 @@ def related_cases(seeds: list[int]) -> Iterator[tuple[Case, LoadedModel, State, 
                     continue
                 b = _transformed(lm, sd, cls, 100 + i)
                 yield Case("related", "transform", kind, f"seed {seed}, {cls}", "related up to symmetry"), lm, sd, b
+            for how, b in _partly_moved(lm, sd, 20 + seed):
+                yield Case("related", "partly moved", kind, f"seed {seed}, {how}", "related up to symmetry"), lm, sd, b
             if lm.graph.glus:
                 b = _transformed(lm, _rescaled(lm, sd, 7), "orthogonal", 9)
                 how = f"seed {seed}, gated units rescaled (±), rotated"
@@ -356,6 +379,7 @@ def summary(cases: list[Case]) -> str:
     )
     right = sum(c.verdict == c.expect for c in cases) / len(cases)
     lines += ["", f"verdict exactly right (same basis / related up to symmetry / independent): {100 * right:.1f} %", ""]
+    lines += [*confusion(cases), ""]
     lines += [
         "| group | pairs | verdicts | statistic (min–max) | baseline (min–max) | seconds (median) |",
         "|---|---:|---|---|---|---:|",
@@ -376,6 +400,18 @@ def summary(cases: list[Case]) -> str:
             f"- {c.kind} {c.how}: {c.verdict} (expected {c.expect}, statistic {c.statistic:.3f})" for c in wrong
         ]
     return "\n".join(lines)
+
+
+VERDICTS = ("same basis", "related up to symmetry", "independent")
+
+
+def confusion(cases: list[Case]) -> list[str]:
+    """Rows: the verdict that is right; columns: the verdict given."""
+    lines = ["| right → given | " + " | ".join(VERDICTS) + " |", "|---|" + "---:|" * len(VERDICTS)]
+    for want in VERDICTS:
+        counts = [sum(c.expect == want and c.verdict == got for c in cases) for got in VERDICTS]
+        lines.append(f"| {want} | " + " | ".join(str(n) for n in counts) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

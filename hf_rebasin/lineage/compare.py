@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from scipy.stats import norm
 from torch import Tensor
 
 from hf_rebasin.alignment.experts import center_routers
@@ -148,12 +149,17 @@ def _near_identity_inner(m: HeadMap) -> bool:
     return True
 
 
-def prepared(graph: SymmetryGraph, state: Mapping[str, Tensor]) -> tuple[Mapping[str, Tensor], SymmetryGraph, bool]:
+def prepared(
+    graph: SymmetryGraph, state: Mapping[str, Tensor]
+) -> tuple[Mapping[str, Tensor], SymmetryGraph, bool, Mapping[str, Tensor]]:
     """Canonical form, routers centred, then canonical unit scaling of gated MLPs: what is left is
     orthogonal. A lazy state (a model read from its files) stays lazy. Also: whether a tied head
-    came apart (the form's model class must store it apart)."""
+    came apart (the form's model class must store it apart), and the unit scales applied (computed
+    as the gated MLPs are read), so that a comparison as stored can undo them."""
     canonical, cgraph, untied = canonicalize(graph, state)
-    return glu.balance(cgraph, center_routers(cgraph, canonical)), cgraph, bool(untied)
+    centered = center_routers(cgraph, canonical)
+    scales = glu.lazy_unit_scales(cgraph, centered)
+    return glu.apply_unit_scales(cgraph, centered, scales), cgraph, bool(untied), scales
 
 
 def compare(
@@ -174,8 +180,8 @@ def compare(
     clock: dict[str, float] = {}
     start = time.perf_counter()
     say = progress or (lambda _stage: None)
-    a, cgraph, untie = prepared(graph, sd_a)
-    b, _, _ = prepared(graph, sd_b)
+    a, cgraph, untie, scales_a = prepared(graph, sd_a)
+    b, _, _, scales_b = prepared(graph, sd_b)
     found = []
     for which, state in (("A", a), ("B", b)):
         found.append(signals(state, cgraph.ties, share=share, cap=cap, progress=_counting(say, f"signal of {which}")))
@@ -191,7 +197,8 @@ def compare(
     transform, passes = align_signals(cgraph, sig_a, sig_b, say, fitted=fitted)
     clock["align"] = time.perf_counter() - t
     t = time.perf_counter()
-    aligned, raw = _bulk_sums(cgraph, a, b, sig_a, sig_b, transform, _counting(say, "bulk similarity"))
+    stored = _as_stored(cgraph, scales_a), _as_stored(cgraph, scales_b)
+    aligned, raw = _bulk_sums(cgraph, a, b, sig_a, sig_b, transform, stored, _counting(say, "bulk similarity"))
     clock["evidence"] = time.perf_counter() - t
     spaces = _evidence(cgraph, transform, aligned, raw, null)
     result = _verdict(spaces)
@@ -266,9 +273,11 @@ def _bulk_sums(
     sig_a: Signals,
     sig_b: Signals,
     transform: Transform,
+    stored: tuple[Callable[[str, Tensor], Tensor], Callable[[str, Tensor], Tensor]],
     progress: Callable[[int, int], None],
 ) -> tuple[dict[str, SpaceSums], dict[str, SpaceSums]]:
-    """Each space's bulk sums, B aligned and B as stored, one matrix at a time."""
+    """Each space's bulk sums, B aligned and B as stored (each model's gated units in their own
+    scaling again: ``stored``), one matrix at a time."""
     last: dict[str, Tensor] = {}
 
     def bulk_b(name: str) -> Tensor:  # read once for both sums: the aligned one reads it first
@@ -286,11 +295,25 @@ def _bulk_sums(
         bulk_a = a[name] - sig_a.dense(name)
         space, rank = space_of(graph, name), sig_a.ranks[name]
         add_sums(aligned.setdefault(space, SpaceSums()), bulk_a, moved[name], rank)
-        add_sums(raw.setdefault(space, SpaceSums()), bulk_a, bulk_b(name), rank)
+        add_sums(raw.setdefault(space, SpaceSums()), stored[0](name, bulk_a), stored[1](name, bulk_b(name)), rank)
         del bulk_a
         last.clear()
         progress(i + 1, len(names))
     return aligned, raw
+
+
+def _as_stored(graph: SymmetryGraph, scales: Mapping[str, Tensor]) -> Callable[[str, Tensor], Tensor]:
+    """A tensor of the balanced form with its gated units scaled back as the model stores them:
+    two models whose units differ by scales (signs included) are equal once balanced, not as
+    stored, and a plain average of them mixes a unit with its rescaled or negated twin."""
+    if not graph.glus:
+        return lambda _name, t: t
+    inverse = {space: 1.0 / scales[space] for space in scales}  # every scale is known after the split
+
+    def undo(name: str, t: Tensor) -> Tensor:
+        return glu.apply_unit_scales(graph, {name: t}, inverse)[name]
+
+    return undo
 
 
 def _evidence(
@@ -318,23 +341,26 @@ def _evidence(
                 moved=moved,
                 map=words,
                 counted=counted,
+                gap_z=(sums.similarity - raw[space].similarity) * math.sqrt(max(sums.dof, 1.0)),
             )
         )
     out.sort(key=lambda e: (e.layer is not None, e.layer or 0, e.space))
-    return out
+    return _in_place(out)
 
 
 def _verdict(spaces: list[SpaceRecord]) -> PairLineage:
+    """Related when Stouffer's sum over the counted spaces passes (aligned, or as stored); *same
+    basis* only when every counted space is in place on its own test (`_in_place`): a claim about
+    every space is an intersection-union test, each space tested at ``ALPHA``, so the claim's
+    error rate is at most ``ALPHA`` without a correction for their number."""
     counted = [e for e in spaces if e.counted] or spaces
     z = combined_z([e.z for e in counted])
     raw_z = combined_z([e.raw_z for e in counted])
     log10_p, raw_log10_p = log10_sf(z), log10_sf(raw_z)
     alpha = math.log10(ALPHA)
     verdict: Verdict = "independent"
-    if raw_log10_p < alpha:
-        verdict = "same basis"
-    elif log10_p < alpha:
-        verdict = "related up to symmetry"
+    if raw_log10_p < alpha or log10_p < alpha:
+        verdict = "same basis" if all(e.in_place for e in counted) else "related up to symmetry"
     return PairLineage(
         verdict=verdict,
         statistic=statistics.median(e.similarity for e in counted),
@@ -345,3 +371,18 @@ def _verdict(spaces: list[SpaceRecord]) -> PairLineage:
         raw_log10_p=raw_log10_p,
         spaces=spaces,
     )
+
+
+def _in_place(records: list[SpaceRecord]) -> list[SpaceRecord]:
+    """Each counted space tested on its own: in place when it is kin as stored (its raw z passes
+    at ``ALPHA``) and its map gains nothing (the aligned similarity does not exceed the stored one
+    by more than chance: the gap's z below the one-sided Bonferroni bound at ``ALPHA`` over the
+    counted spaces, so that naming a space *moved* errs with probability at most ``ALPHA`` for the
+    pair). A share s of a space's features moved loses about s of its stored similarity."""
+    counted = sum(e.counted for e in records)
+    limit = float(norm.isf(ALPHA / max(counted, 1)))
+    alpha = math.log10(ALPHA)
+    return [
+        e.model_copy(update={"in_place": log10_sf(e.raw_z) < alpha and e.gap_z < limit}) if e.counted else e
+        for e in records
+    ]

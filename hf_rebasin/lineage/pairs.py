@@ -16,7 +16,7 @@ from hf_rebasin.io.models import LoadedModel, check_compatible
 from hf_rebasin.io.rows import to_shared_rows
 from hf_rebasin.lineage.compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, PairLineage, compare
 from hf_rebasin.lineage.datamaps import LineageData, data_bytes, data_tokens
-from hf_rebasin.lineage.record import LineageRecord, ModelRef, PairRecord, next_step
+from hf_rebasin.lineage.record import LineageRecord, ModelRef, PairRecord, moved_spaces, next_step
 from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE, is_matrix, signal_rank
 from hf_rebasin.symmetry.spaces import Space
 
@@ -173,7 +173,8 @@ def _record(i: int, j: int, found: PairLineage) -> PairRecord:
         log10_p=found.log10_p,
         raw_z=found.raw_z,
         raw_log10_p=found.raw_log10_p,
-        next_step=next_step(found.verdict, [e.map for e in found.spaces]),
+        next_step=next_step(found.verdict, [e.map for e in found.spaces], moved_spaces(found.spaces)),
+        moved=moved_spaces(found.spaces),
         spaces=found.spaces,
         seconds=found.seconds,
         passes=found.passes,

@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 from hf_rebasin import __version__
 
-__all__ = ["LineageRecord", "ModelRef", "PairRecord", "SpaceRecord", "next_step"]
+__all__ = ["LineageRecord", "ModelRef", "PairRecord", "SpaceRecord", "moved_spaces", "next_step"]
 
 
 class SpaceRecord(BaseModel):
@@ -24,6 +24,8 @@ class SpaceRecord(BaseModel):
     moved: float  # how far the alignment's map is from the identity (0–1)
     map: str
     counted: bool
+    gap_z: float = 0.0  # (aligned − as stored) similarity in units of 1/√entries: what the map gained
+    in_place: bool = True  # kin as stored and nothing gained by moving it (`lineage.compare._in_place`)
 
 
 class PairRecord(BaseModel):
@@ -39,6 +41,7 @@ class PairRecord(BaseModel):
     raw_z: float
     raw_log10_p: float = Field(description="log10 of the p-value of 'same basis' under the null")
     next_step: str
+    moved: str | None = Field(default=None, description="spaces not in place and those in place, where both are")
     spaces: list[SpaceRecord]
     seconds: dict[str, float] = Field(default_factory=dict)
     passes: dict[str, int] = Field(
@@ -65,23 +68,63 @@ class LineageRecord(BaseModel):
     seconds: dict[str, float] = Field(default_factory=dict)
 
 
-def next_step(verdict: str, maps: list[str]) -> str:
-    """What to do with such a pair before merging it or moving a task vector between them."""
+def next_step(verdict: str, maps: list[str], moved: str | None = None) -> str:
+    """What to do with such a pair before merging it or moving a task vector between them
+    (``moved``: `moved_spaces`, where some spaces are in place and others not)."""
     if verdict == "same basis":
         return (
-            "no alignment needed: the models share a basis, so a plain average (mergekit's linear or SLERP) "
+            "no alignment needed: every space is in place, so a plain average (mergekit's linear or SLERP) "
             "or a naive task vector (B + (fine-tune − base)) is right"
         )
     if verdict == "related up to symmetry":
-        moved = sorted({m for m in maps if m != "identity"})
-        what = "; ".join(moved[:3]) + ("; …" if len(moved) > 3 else "") if moved else "moved"
+        if moved:
+            what = f"not every space is in place ({moved}); a plain average would mix unrelated features there"
+        else:
+            found = sorted({m for m in maps if m != "identity"})
+            what = "; ".join(found[:3]) + ("; …" if len(found) > 3 else "") if found else "moved"
+            what = f"B is A's kin in another basis ({what})"
         return (
-            f"align first, then merge or transport: B is A's kin in another basis ({what}); data-free "
-            "generalized-orthogonal recovers the maps (`hf-rebasin align A B --strategy generalized-orthogonal`), "
-            "after which a plain average or naive transport is right"
+            f"align first, then merge or transport: {what}; data-free generalized-orthogonal recovers the maps "
+            "(`hf-rebasin align A B --strategy generalized-orthogonal`), after which a plain average or naive "
+            "transport is right"
         )
     return (
         "trained apart: align before any merge (job: merge with generalized-orthogonal; `learned: true` with "
         "alignment data lowers the barrier most) and expect a barrier a plain average would not have between kin; "
         "transport of a task vector needs an alignment too"
     )
+
+
+_KINDS = {"attn": "heads", "attention": "heads", "mlp": "MLP units", "moe": "experts", "experts": "experts"}
+
+
+def moved_spaces(spaces: list[SpaceRecord]) -> str | None:
+    """The counted spaces that are not in place and those that are, by kind and layers ("MLP units
+    moved in layers 0–3; heads in place"); None where all are in place or none is."""
+    counted = [e for e in spaces if e.counted]
+    moved = [e for e in counted if not e.in_place]
+    if not moved or len(moved) == len(counted):
+        return None
+
+    def grouped(records: list[SpaceRecord]) -> dict[str, list[int | None]]:
+        out: dict[str, list[int | None]] = {}
+        for e in records:
+            kind = e.space.rsplit(".", 1)[-1] if "." in e.space else e.space
+            out.setdefault(_KINDS.get(kind, kind), []).append(e.layer)
+        return out
+
+    def words(groups: dict[str, list[int | None]], state: str) -> list[str]:
+        return [f"{kind} {state} in layer{'s' * (len(ls) > 1)} {_ranges(ls)}" for kind, ls in groups.items()]
+
+    return "; ".join(words(grouped(moved), "moved") + words(grouped([e for e in counted if e.in_place]), "in place"))
+
+
+def _ranges(layers: list[int | None]) -> str:
+    """``[0, 1, 2, 3, 6]`` as ``0–3, 6``."""
+    runs: list[list[int]] = []
+    for x in sorted({x for x in layers if x is not None}):
+        if runs and x == runs[-1][-1] + 1:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs) or "?"

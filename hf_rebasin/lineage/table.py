@@ -44,9 +44,10 @@ def evidence_table(record: LineageRecord, pair: PairRecord) -> Table:
     """One row per space of one pair: which layers match, how strongly, and the map that aligns them."""
     names = [m.given for m in record.models]
     table = Table(title=f"evidence: {names[pair.a]} vs {names[pair.b]}", title_justify="left")
-    for column in ("space", "aligned", "as stored", "z", "map (B → A)"):
+    for column in ("space", "aligned", "as stored", "z", "in place", "map (B → A)"):
         table.add_column(column, justify="left" if column in ("space", "map (B → A)") else "right")
     for s in pair.spaces:
         label = s.space if s.counted else f"{s.space} (not counted)"
-        table.add_row(label, f"{s.similarity:.3f}", f"{s.raw_similarity:.3f}", f"{s.z:.0f}", s.map)
+        place = ("yes" if s.in_place else "[yellow]no[/]") if s.counted else ""
+        table.add_row(label, f"{s.similarity:.3f}", f"{s.raw_similarity:.3f}", f"{s.z:.0f}", place, s.map)
     return table

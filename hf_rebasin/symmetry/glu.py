@@ -130,6 +130,12 @@ def unit_scales(graph: SymmetryGraph, state: Mapping[str, Tensor]) -> dict[str, 
     return {glu.space: _glu_scales(graph, glu, state) for glu in graph.glus}
 
 
+def lazy_unit_scales(graph: SymmetryGraph, state: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """`unit_scales`, each space's computed when first asked for and kept: `balance` with a handle
+    on the scales it applied (lineage compares models as stored by undoing them)."""
+    return _LazyScales(graph, state)
+
+
 class _LazyScales(Mapping[str, Tensor]):
     """`unit_scales`, each space's computed when first asked for and kept (a vector per layer)."""
 

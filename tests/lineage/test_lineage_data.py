@@ -39,8 +39,8 @@ def test_maps_fitted_on_activations_undo_the_transform_that_moved_b(family):
     model = tiny.FACTORIES[family](0).eval()
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    a, cgraph, untie = prepared(graph, sd)
-    b, _, _ = prepared(graph, _transformed(model, sd, "orthogonal", seed=3))
+    a, cgraph, untie, _ = prepared(graph, sd)
+    b, _, _, _ = prepared(graph, _transformed(model, sd, "orthogonal", seed=3))
     fitted, tokens = data_maps(cgraph, a, b, untie, LineageData(_batches(model), model))
     assert tokens > 0 and set(fitted) == set(cgraph.spaces)
     back = cgraph.apply(b, {**cgraph.identity(), **fitted})
@@ -142,8 +142,8 @@ def test_models_read_from_files_run_layer_by_layer_and_find_the_same_maps(family
         raise AssertionError("streamed models ran whole forward passes")
 
     monkeypatch.setattr(datamaps, "activation_stats", whole)
-    a, cgraph, untie = prepared(la.graph, la.weights)
-    b, _, _ = prepared(lb.graph, lb.weights)
+    a, cgraph, untie, _ = prepared(la.graph, la.weights)
+    b, _, _, _ = prepared(lb.graph, lb.weights)
     fitted, tokens = data_maps(cgraph, a, b, untie, LineageData(_batches(model), la.model))
     assert tokens > 0 and set(fitted) == set(cgraph.spaces)
     a_mem, b_mem = {k: a[k] for k in a}, {k: b[k] for k in b}
