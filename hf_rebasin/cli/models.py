@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -328,6 +329,33 @@ def _align_table(strategy: Strategy, alignment: Alignment, distance: dict[str, f
     return table
 
 
+def _lineage_models(folders: list[str], allow_pickle: bool, stream: bool) -> tuple[list[Any], list[str]]:
+    """Each folder loaded (streamed where ``stream``); a PEFT adapter as its base with the adapter
+    merged in (in memory), with a note saying so."""
+    from pathlib import Path
+
+    from hf_rebasin.io.models import load_model
+    from hf_rebasin.run.adapter_models import is_bare_adapter, merged_adapter
+
+    loaded, notes = [], []
+    for i, folder in enumerate(folders):
+        where = f"MODEL {i + 1}"
+        with named(where):
+            if is_bare_adapter(Path(folder)):
+                resolve = functools.partial(_model_folder, allow_pickle=allow_pickle, where=where)
+                lm, note = merged_adapter(Path(folder), resolve, allow_pickle=allow_pickle, where=where)
+                loaded.append(lm)
+                notes.append(note)
+            else:
+                loaded.append(load_model(folder, allow_pickle=allow_pickle, stream=stream))
+    return loaded, notes
+
+
+def _pairs_line(n: int) -> str:
+    pairs = n * (n - 1) // 2
+    return f"{n} models: {pairs} pair{'s' * (pairs != 1)}"
+
+
 def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     """``hf-rebasin lineage``: every pair's verdict, its evidence, optionally written to a folder."""
     import json
@@ -335,7 +363,6 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
 
     quiet_libraries()
     from hf_rebasin.alignment.widths import differ_in_width
-    from hf_rebasin.io.models import load_model
     from hf_rebasin.io.output import check_output
     from hf_rebasin.lineage.pairs import check_count, lineage_of
     from hf_rebasin.lineage.table import evidence_table, verdict_table
@@ -346,10 +373,11 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
         check_output(Path(args.output), False, inputs=named_inputs, where="--output")
     folders = [_model_folder(m, args.allow_pickle, where=f"MODEL {i + 1}") for i, m in enumerate(args.models)]
     stream = not differ_in_width([Path(f) for f in folders])  # widths that differ are embedded in memory
-    loaded = []
-    for i, folder in enumerate(folders):
-        with named(f"MODEL {i + 1}"):
-            loaded.append(load_model(folder, allow_pickle=args.allow_pickle, stream=stream))
+    loaded, notes = _lineage_models(folders, args.allow_pickle, stream)
+    said = Console(stderr=True) if args.json else console  # --json: stdout holds the record alone
+    for note in notes:
+        said.print(f"note: {escape(note)}", soft_wrap=True)
+    said.print(f"comparing {_pairs_line(len(loaded))}", soft_wrap=True)
     with console.status("comparing…") as status:
         record = lineage_of(loaded, args.models, progress=lambda stage: status.update(escape(stage)))
     if args.json:

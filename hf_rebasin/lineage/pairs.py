@@ -130,9 +130,12 @@ def lineage_of(
     grown = {e.index: e.note(names) for e in embedded}
     states = [lm.weights for lm in same]  # a streamed model's read from its files as used
     probe = None if data is None else LineageData(data.batches, same[0].model, data.special_ids)
-    pairs, tokens = [], 0
-    for i, j in combinations(range(len(same)), 2):
-        say = (lambda stage, i=i, j=j: progress(f"{given[i]} vs {given[j]}: {stage}")) if progress else None
+    pairs: list[PairRecord] = []
+    tokens = 0
+    todo = list(combinations(range(len(same)), 2))
+    for k, (i, j) in enumerate(todo):
+        head = f"pair {k + 1}/{len(todo)}{_left(pairs, len(todo))}: {given[i]} vs {given[j]}"
+        say = (lambda stage, head=head: progress(f"{head}: {stage}")) if progress else None
         found = compare(same[0].graph, states[i], states[j], share=share, cap=cap, null=null, progress=say, data=probe)
         pairs.append(_record(i, j, found))
         tokens = found.tokens
@@ -160,6 +163,15 @@ def lineage_of(
     if vocabulary is not None:
         settings["vocabulary"] = vocabulary
     return LineageRecord(models=refs, settings=settings, pairs=pairs, seconds={"total": time.perf_counter() - start})
+
+
+def _left(done: Sequence[PairRecord], total: int) -> str:
+    """``, about 40 s left``: the pairs still to compare at the pace of those done on this machine
+    (all pairs of a run are of one shape); nothing before the first is done."""
+    if not done:
+        return ""
+    pace = sum(p.seconds.get("total", 0.0) for p in done) / len(done)
+    return f", about {pace * (total - len(done)):.0f} s left"
 
 
 def _record(i: int, j: int, found: PairLineage) -> PairRecord:

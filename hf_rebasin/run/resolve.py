@@ -84,7 +84,9 @@ def resolve_model(
         if is_adapter(resolved.folder) and not (resolved.folder / "config.json").is_file():
             raise ModelNotFoundError(
                 f"`{where}`: {ref} is a PEFT adapter, not a model; an adapter can only be the `finetuned` of a "
-                "job: transport (its base model goes in `base`)"
+                "job: transport (its base model goes in `base`). To compare it with other models, give it to "
+                "`hf-rebasin lineage` (compared as its base with the adapter merged in) or merge it into its base "
+                "(`model.merge_and_unload()`, then `save_pretrained`) and name that folder"
             )
     return resolved
 
