@@ -47,9 +47,10 @@ def check_comparable(models: Sequence[LoadedModel], names: Sequence[str]) -> Non
             )
         if _layers(lm) != _layers(ref):
             raise IncompatibleModelsError(
-                f"{name} has {_layers(lm)} layers but {names[0]} has {_layers(ref)}: a depth-pruned descendant is not "
-                "matched layer to layer (its layer map is not searched), so the pair is refused rather than "
-                "called independent"
+                f"{name} has {_layers(lm)} layers but {names[0]} has {_layers(ref)}: models of other depths (a "
+                f"{'depth-pruned' if _layers(lm) < _layers(ref) else 'depth up-scaled or stacked'} descendant) are not "
+                "matched layer to layer yet (no layer map is searched), so the pair is refused rather than called "
+                "independent"
             )
 
 
