@@ -140,7 +140,13 @@ def adapter_graph(ws: Workspace, models: TransportRoles[LoadedModel], adapter: A
         return graph
     limited, demoted = lora_graph(graph)  # graph.fallbacks names the spaces limited to permutations
     if demoted and canonical:
-        ws.notes.append(f"the adapter cannot follow the canonical form: {blocker}")
+        advice = (
+            "; it is matched by permutation, which keeps less of the task than rotations: for those, merge it into its "
+            "base (`merge_and_unload()`, saved with its tokenizer) and transport the full model"
+            if blocker == WHOLE_VOCABULARY
+            else ""
+        )
+        ws.notes.append(f"the adapter cannot follow the canonical form: {blocker}{advice}")
     return limited
 
 
