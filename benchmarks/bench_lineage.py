@@ -190,8 +190,8 @@ def _descendants(kind: str, seed: int) -> Iterator[tuple[str, str, Callable[[], 
     yield "merge", "average with its own fine-tune", merge
 
 
-def related_cases(seeds: list[int]) -> Iterator[tuple[Case, LoadedModel, State, State]]:
-    for kind in TINY + BENCH:
+def related_cases(seeds: list[int], bench: tuple[str, ...] = BENCH) -> Iterator[tuple[Case, LoadedModel, State, State]]:
+    for kind in TINY + bench:
         for seed in seeds[:2] if kind in TINY else [0]:
             lm = _load(kind, seed)
             sd = lm.model.state_dict()
@@ -211,6 +211,8 @@ def related_cases(seeds: list[int]) -> Iterator[tuple[Case, LoadedModel, State, 
                 yield Case("related", group, kind, f"seed {seed}, {how}", "same basis"), lm, sd, b
                 b = _transformed(lm, b, "orthogonal", 11)
                 yield Case("related", group, kind, f"seed {seed}, {how}, rotated", "related up to symmetry"), lm, sd, b
+    if "bench-gpt2" not in bench:
+        return
     lm = _load("bench-gpt2", 0)
     ft = _load("bench-gpt2-ft", 0).model.state_dict()
     sd = lm.model.state_dict()
@@ -319,8 +321,10 @@ def _pair(
     return case
 
 
-def independent_cases(seeds: list[int]) -> Iterator[tuple[Case, LoadedModel, State, State]]:
-    for kind in TINY + BENCH:
+def independent_cases(
+    seeds: list[int], bench: tuple[str, ...] = BENCH
+) -> Iterator[tuple[Case, LoadedModel, State, State]]:
+    for kind in TINY + bench:
         kind_seeds = seeds if kind in TINY else [0, 1, 2]
         loaded = {s: _load(kind, s) for s in kind_seeds}
         for s, t in itertools.combinations(kind_seeds, 2):
@@ -426,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         help="start every alignment from activations on this many batches",
     )
     parser.add_argument("--vocabularies", action="store_true", help="only the pairs whose vocabularies differ")
+    parser.add_argument("--tiny-only", action="store_true", help="leave out the benchmark zoo (trained on first use)")
     args = parser.parse_args(argv)
     assert all(k in DEFAULT_CONFIGS for k in TINY + BENCH)
     cases: list[Case] = []
@@ -438,7 +443,10 @@ def main(argv: list[str] | None = None) -> None:
             )
         print(summary(cases))
         return
-    pairs = itertools.chain(related_cases(args.seeds), independent_cases(args.seeds), shared_init_cases(args.seeds))
+    bench = () if args.tiny_only else BENCH
+    pairs = itertools.chain(
+        related_cases(args.seeds, bench), independent_cases(args.seeds, bench), shared_init_cases(args.seeds)
+    )
     for case, lm, a, b in pairs:
         cases.append(_score(case, lm, a, b, probe_data(case.kind, args.data, made) if args.data else None))
         print(
