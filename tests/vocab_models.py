@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 import torch
@@ -65,3 +66,31 @@ def mergekit_cases(root: Path) -> dict[str, Path]:
         "chatml": save_case(root / "chatml", 66, CHATML, 1),
         "padded": save_case(root / "padded", 64, UNUSED, 2),
     }
+
+
+def save_chat_transport(
+    root: Path, base: torch.nn.Module, ft: Any, target: Any, target_added: list[str]
+) -> dict[str, Path]:
+    """A transport's three folders: ``base`` with a 64-token tokenizer; ``ft`` (the base resized for
+    ChatML) with every weight moved a little, and the ChatML tokenizer; ``target`` filled with the
+    base under a random permutation of its units, heads and residual features (its rows past the
+    base's: tokens ``target_added`` of its own)."""
+    from hf_rebasin.symmetry.adapters import graph_for
+
+    base.save_pretrained(str(root / "base"))  # type: ignore[operator]
+    vocab_tokenizer(64).save_pretrained(str(root / "base"))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in ft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    ft.save_pretrained(str(root / "ft"))
+    vocab_tokenizer(64, CHATML).save_pretrained(str(root / "ft"))
+    sd = base.state_dict()
+    graph = graph_for(base.config, sd.keys())  # type: ignore[arg-type]
+    moved = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(3)))
+    with torch.no_grad():
+        for name, t in moved.items():
+            target.state_dict()[name][: t.shape[0]].copy_(t)
+    target.save_pretrained(str(root / "target"))
+    vocab_tokenizer(64, target_added).save_pretrained(str(root / "target"))
+    return {"base": root / "base", "ft": root / "ft", "target": root / "target"}

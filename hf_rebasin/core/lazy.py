@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -26,7 +26,10 @@ __all__ = [
     "gather_rows",
     "give_back_freed",
     "is_lazy",
+    "mean_rows",
+    "picked_rows",
     "row_blocks",
+    "rowwise",
     "shape_of",
 ]
 
@@ -205,6 +208,30 @@ def dtype_of(state: Mapping[str, Tensor], name: str) -> torch.dtype:
 ROW_GAP = 64  # stored rows skipped rather than read in two pieces (`gather_rows`)
 
 
+def rowwise(
+    state: LazyState,
+    names: Collection[str],
+    block: Callable[[str, int, int], Tensor],
+    rows: Mapping[str, int] | None = None,
+) -> LazyState:
+    """``state`` with the tensors ``names`` computed by ``block(name, start, stop)``, their first-axis
+    rows ``[start, stop)`` alone (``rows``: their row counts where they change), every other tensor
+    as it is: a stage that maps each row on its own, read a block of rows at a time."""
+    shapes = {n: tuple(state.shape(n)) for n in state}
+    for name, count in (rows or {}).items():
+        shapes[name] = (count, *shapes[name][1:])
+
+    def read(name: str) -> Tensor:
+        return block(name, 0, shapes[name][0]) if name in names else state[name]
+
+    def reader(name: str) -> RowReader | None:
+        return (lambda start, stop: block(name, start, stop)) if name in names else state.rows(name)
+
+    out = LazyState(shapes, {n: state.dtype(n) for n in state}, read, aliases=state.aliases, rows=reader)
+    out.device = state.device
+    return out
+
+
 def gather_rows(
     state: LazyState, picks: Mapping[str, Tensor], fill: Callable[[str], Tensor] | None = None
 ) -> LazyState:
@@ -213,21 +240,27 @@ def gather_rows(
     zeros without). Every other tensor as it is. A vocabulary matched by token this way is computed
     a block of rows at a time, each block reading only the rows it needs: a 32,768-row embedding
     re-indexed from a 32,000-row one never holds both whole."""
-    shapes = {n: tuple(state.shape(n)) for n in state}
-    for name, idx in picks.items():
-        shapes[name] = (len(idx), *shapes[name][1:])
+    return rowwise(
+        state,
+        picks.keys(),
+        lambda name, start, stop: picked_rows(state, name, picks[name][start:stop], fill),
+        {name: len(idx) for name, idx in picks.items()},
+    )
 
-    def read(name: str) -> Tensor:
-        return picked_rows(state, name, picks[name], fill) if name in picks else state[name]
 
-    def rows(name: str) -> RowReader | None:
-        if name not in picks:
-            return state.rows(name)
-        return lambda start, stop: picked_rows(state, name, picks[name][start:stop], fill)
+ROWS_AT_ONCE = 4096  # rows summed at a time by `mean_rows`
 
-    out = LazyState(shapes, {n: state.dtype(n) for n in state}, read, aliases=state.aliases, rows=rows)
-    out.device = state.device
-    return out
+
+def mean_rows(state: Mapping[str, Tensor], name: str, idx: Tensor) -> Tensor:
+    """The mean of rows ``idx`` of ``state[name]`` (a float64 sum, ``ROWS_AT_ONCE`` rows read at a
+    time; zeros when ``idx`` is empty), in the tensor's dtype."""
+    total: Tensor | None = None
+    for start in range(0, len(idx), ROWS_AT_ONCE):
+        part = picked_rows(state, name, idx[start : start + ROWS_AT_ONCE]).to(torch.float64).sum(0)
+        total = part if total is None else total + part
+    if total is None:
+        return torch.zeros(tuple(shape_of(state, name)[1:]), dtype=dtype_of(state, name))
+    return (total / len(idx)).to(dtype_of(state, name))
 
 
 def picked_rows(

@@ -179,7 +179,36 @@ def compare(
     signals as factors and a few tensors, not the models. With ``data``, the alignment starts from
     maps fitted on the two models' activations (`datamaps`) instead of permutations of the signals."""
     with _threads_for(sd_a):
-        return _compare(graph, sd_a, sd_b, share=share, cap=cap, null=null, progress=progress, data=data)
+        clock: dict[str, float] = {}
+        start = time.perf_counter()
+        say = progress or (lambda _stage: None)
+        a, cgraph, untie, scales_a = prepared(graph, sd_a)
+        b, _, _, scales_b = prepared(graph, sd_b)
+        found = []
+        for which, state in (("A", a), ("B", b)):
+            found.append(
+                signals(state, cgraph.ties, share=share, cap=cap, progress=_counting(say, f"signal of {which}"))
+            )
+        sig_a, sig_b = found
+        clock["split"] = time.perf_counter() - start
+        t = time.perf_counter()
+        fitted: Transform | None = None
+        tokens = 0
+        if data is not None:
+            fitted, tokens = data_maps(cgraph, a, b, untie, data, say)
+            clock["activations"] = time.perf_counter() - t
+            t = time.perf_counter()
+        transform, passes = align_signals(cgraph, sig_a, sig_b, say, fitted=fitted)
+        clock["align"] = time.perf_counter() - t
+        t = time.perf_counter()
+        stored = _as_stored(cgraph, scales_a), _as_stored(cgraph, scales_b)
+        aligned, raw = _bulk_sums(cgraph, a, b, sig_a, sig_b, transform, stored, _counting(say, "bulk similarity"))
+        clock["evidence"] = time.perf_counter() - t
+        spaces = _evidence(cgraph, transform, aligned, raw, null)
+        result = _verdict(spaces)
+        clock["total"] = time.perf_counter() - start
+        result.seconds, result.passes, result.tokens = clock, passes, tokens
+        return result
 
 
 SMALL_WORK = 1 << 22  # entries of a model's largest matrix up to which its comparison runs on one thread
@@ -202,47 +231,6 @@ def _threads_for(state: Mapping[str, Tensor]) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _compare(
-    graph: SymmetryGraph,
-    sd_a: Mapping[str, Tensor],
-    sd_b: Mapping[str, Tensor],
-    *,
-    share: float,
-    cap: int,
-    null: float,
-    progress: Callable[[str], None] | None,
-    data: LineageData | None,
-) -> PairLineage:
-    clock: dict[str, float] = {}
-    start = time.perf_counter()
-    say = progress or (lambda _stage: None)
-    a, cgraph, untie, scales_a = prepared(graph, sd_a)
-    b, _, _, scales_b = prepared(graph, sd_b)
-    found = []
-    for which, state in (("A", a), ("B", b)):
-        found.append(signals(state, cgraph.ties, share=share, cap=cap, progress=_counting(say, f"signal of {which}")))
-    sig_a, sig_b = found
-    clock["split"] = time.perf_counter() - start
-    t = time.perf_counter()
-    fitted: Transform | None = None
-    tokens = 0
-    if data is not None:
-        fitted, tokens = data_maps(cgraph, a, b, untie, data, say)
-        clock["activations"] = time.perf_counter() - t
-        t = time.perf_counter()
-    transform, passes = align_signals(cgraph, sig_a, sig_b, say, fitted=fitted)
-    clock["align"] = time.perf_counter() - t
-    t = time.perf_counter()
-    stored = _as_stored(cgraph, scales_a), _as_stored(cgraph, scales_b)
-    aligned, raw = _bulk_sums(cgraph, a, b, sig_a, sig_b, transform, stored, _counting(say, "bulk similarity"))
-    clock["evidence"] = time.perf_counter() - t
-    spaces = _evidence(cgraph, transform, aligned, raw, null)
-    result = _verdict(spaces)
-    clock["total"] = time.perf_counter() - start
-    result.seconds, result.passes, result.tokens = clock, passes, tokens
-    return result
 
 
 def _counting(say: Callable[[str], None], stage: str) -> Callable[[int, int], None]:

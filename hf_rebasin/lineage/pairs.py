@@ -176,6 +176,7 @@ def _left(done: Sequence[PairRecord], total: int) -> str:
 
 
 def _record(i: int, j: int, found: PairLineage) -> PairRecord:
+    moved = moved_spaces(found.spaces)
     return PairRecord(
         a=i,
         b=j,
@@ -186,8 +187,8 @@ def _record(i: int, j: int, found: PairLineage) -> PairRecord:
         log10_p=found.log10_p,
         raw_z=found.raw_z,
         raw_log10_p=found.raw_log10_p,
-        next_step=next_step(found.verdict, [e.map for e in found.spaces], moved_spaces(found.spaces)),
-        moved=moved_spaces(found.spaces),
+        next_step=next_step(found.verdict, [e.map for e in found.spaces], moved),
+        moved=moved,
         spaces=found.spaces,
         seconds=found.seconds,
         passes=found.passes,

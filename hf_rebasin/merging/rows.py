@@ -20,12 +20,12 @@ base's row and receives τ; a token the fine-tune lacks carries no task vector.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from hf_rebasin.core.lazy import LazyState, RowReader, picked_rows, row_blocks
+from hf_rebasin.core.lazy import LazyState, mean_rows, picked_rows, rowwise
 from hf_rebasin.merging.interpolate import StorageKey, storage_key
 
 __all__ = ["fill_merge", "fill_transport"]
@@ -73,21 +73,12 @@ def _merge_rows(rows: Sequence[Tensor], have: Tensor) -> list[Tensor]:
 def _lazy_merge(states: Sequence[LazyState], have: Tensor, names: Mapping[str, int], i: int) -> LazyState:
     """Model ``i`` of `fill_merge` over streamed states: each block of rows from the same block of
     every model."""
-    todo = {n for n, axis in names.items() if axis == 0 and all(n in s for s in states)}
-    if len(todo) != sum(all(n in s for s in states) for n in names):
-        raise AssertionError("streamed vocabulary rows are filled on the first axis only")
 
     def block(name: str, start: int, stop: int) -> Tensor:
         rows = [picked_rows(s, name, torch.arange(start, stop)) for s in states]
         return _merge_rows(rows, have[:, start:stop])[i]
 
-    def read(name: str) -> Tensor:
-        return block(name, 0, states[i].shape(name)[0]) if name in todo else states[i][name]
-
-    def rows(name: str) -> RowReader | None:
-        return (lambda start, stop: block(name, start, stop)) if name in todo else states[i].rows(name)
-
-    return states[i].derive(read, rows=rows)
+    return rowwise(states[i], _first_axis(names, states), block)
 
 
 def _expand(mask: Tensor, like: Tensor) -> Tensor:
@@ -125,27 +116,32 @@ def fill_transport(
             continue
         t, d, b = _rows(target[name], axis), _rows(tau[name], axis), _rows(moved_base[name], axis)
         shared = present[1] & present[0]  # the means are taken over the rows base and target share
-        means = _mean(b, shared.to(b.device)), _mean(t, shared.to(t.device))
-        t, d = _transport_rows(t, d, b, present, means)
+        d = _tau_rows(d, present, _mean(b, shared.to(b.device)))
+        t = _target_rows(t, b, present, _mean(t, shared.to(t.device)))
         new_target[name], new_tau[name] = t.movedim(0, axis), d.movedim(0, axis)
     return _retie([new_target], [target])[0], _retie([new_tau], [tau])[0]
 
 
-def _transport_rows(
-    t: Tensor, d: Tensor, b: Tensor, present: tuple[Tensor, Tensor, Tensor], means: tuple[Tensor, Tensor]
-) -> tuple[Tensor, Tensor]:
-    """Target and τ rows (vocabulary first) settled as `fill_transport` says; ``means``: the
-    moved base's and the target's mean rows over the rows they share."""
-    t, d = t.clone(), d.clone()
-    dev = t.device
-    has_t, has_b, has_f = (p.to(dev) for p in present)
-    added = ~has_b & has_f  # the fine-tune's own tokens: τ there is π(fine-tune)'s row
-    d[added] = (d[added] - means[0].to(d)).to(d.dtype)  # its change from a mean row
-    t[added & ~has_t] = means[1].to(t)  # the target's own mean row, as resizing starts it
+def _target_rows(t: Tensor, b: Tensor, present: tuple[Tensor, Tensor, Tensor], mean_t: Tensor) -> Tensor:
+    """The target's rows (vocabulary first) settled as `fill_transport` says; ``mean_t``: its mean
+    row over the rows base and target share."""
+    t = t.clone()
+    has_t, has_b, has_f = (p.to(t.device) for p in present)
+    t[~has_b & has_f & ~has_t] = mean_t.to(t)  # the target's own mean row, as resizing starts it
     from_base = has_b & ~has_t
     t[from_base] = b[from_base.to(b.device)].to(t)
+    return t
+
+
+def _tau_rows(d: Tensor, present: tuple[Tensor, Tensor, Tensor], mean_b: Tensor) -> Tensor:
+    """τ's rows (vocabulary first) settled as `fill_transport` says; ``mean_b``: the moved base's
+    mean row over the rows base and target share."""
+    d = d.clone()
+    _, has_b, has_f = (p.to(d.device) for p in present)
+    added = ~has_b & has_f  # the fine-tune's own tokens: τ there is π(fine-tune)'s row
+    d[added] = (d[added] - mean_b.to(d)).to(d.dtype)  # its change from a mean row
     d[~has_f] = 0  # no task vector where the fine-tune has no row
-    return t, d
+    return d
 
 
 def _lazy_transport(
@@ -155,53 +151,41 @@ def _lazy_transport(
     present: tuple[Tensor, Tensor, Tensor],
     names: Mapping[str, int],
 ) -> tuple[LazyState, LazyState]:
-    """`fill_transport` over streamed states, a block of rows at a time (the two mean rows taken
-    once per tensor, a block at a time)."""
-    todo = {n for n, axis in names.items() if axis == 0 and n in target and n in tau}
-    if len(todo) != sum(n in target and n in tau for n in names):
-        raise AssertionError("streamed vocabulary rows are settled on the first axis only")
-    shared = present[0] & present[1]
+    """`fill_transport` over streamed states, a block of rows at a time: the target's rows from the
+    target's and the moved base's, τ's from τ's alone (each mean row taken once per tensor)."""
+    todo = _first_axis(names, [target, tau])
+    shared = torch.nonzero(present[0] & present[1]).squeeze(1)
+
+    def part(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return present[0][rows], present[1][rows], present[2][rows]
 
     @functools.cache
-    def means(name: str) -> tuple[Tensor, Tensor]:
-        return _streamed_mean(moved_base, name, shared), _streamed_mean(target, name, shared)
+    def mean_t(name: str) -> Tensor:
+        return mean_rows(target, name, shared)
 
-    def block(name: str, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    @functools.cache
+    def mean_b(name: str) -> Tensor:
+        return mean_rows(moved_base, name, shared)
+
+    def target_block(name: str, start: int, stop: int) -> Tensor:
         rows = torch.arange(start, stop)
-        t, d, b = (picked_rows(s, name, rows) for s in (target, tau, moved_base))
-        return _transport_rows(t, d, b, (present[0][rows], present[1][rows], present[2][rows]), means(name))
+        t, b = picked_rows(target, name, rows), picked_rows(moved_base, name, rows)
+        return _target_rows(t, b, part(rows), mean_t(name))
 
-    def derived(state: LazyState, k: int) -> LazyState:
-        def read(name: str) -> Tensor:
-            return block(name, 0, state.shape(name)[0])[k] if name in todo else state[name]
+    def tau_block(name: str, start: int, stop: int) -> Tensor:
+        rows = torch.arange(start, stop)
+        return _tau_rows(picked_rows(tau, name, rows), part(rows), mean_b(name))
 
-        def rows(name: str) -> RowReader | None:
-            return (lambda start, stop: block(name, start, stop)[k]) if name in todo else state.rows(name)
-
-        return state.derive(read, rows=rows)
-
-    return derived(target, 0), derived(tau, 1)
+    return rowwise(target, todo, target_block), rowwise(tau, todo, tau_block)
 
 
-def _streamed_mean(state: LazyState, name: str, mask: Tensor) -> Tensor:
-    """The mean of the rows ``mask`` marks of a streamed tensor, a block at a time (float64 sum)."""
-    total: Tensor | None = None
-    for start, block in _blocks(state, name):
-        m = mask[start : start + block.shape[0]].to(block.device)
-        part = block[m].to(torch.float64).sum(0)
-        total = part if total is None else total + part
-    count = int(mask.sum())
-    if total is None or not count:
-        return torch.zeros(state.shape(name)[1:], dtype=state.dtype(name))
-    return (total / count).to(state.dtype(name))
-
-
-def _blocks(state: LazyState, name: str) -> Iterator[tuple[int, Tensor]]:
-    """``(first row, block)`` of ``state[name]`` in blocks of rows (`row_blocks`)."""
-    start = 0
-    for (block,) in row_blocks([state], name):
-        yield start, block
-        start += block.shape[0]
+def _first_axis(names: Mapping[str, int], states: Sequence[Mapping[str, Tensor]]) -> set[str]:
+    """The vocabulary tensors every state has, each with its rows on the first axis (the only axis
+    a streamed state is read in blocks of)."""
+    found = {n for n in names if all(n in s for s in states)}
+    if any(names[n] != 0 for n in found):
+        raise AssertionError("streamed vocabulary rows are filled on the first axis only")
+    return found
 
 
 def _mean(rows: Tensor, mask: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from hf_rebasin.core.errors import IncompatibleModelsError, TokenizerError, named
-from hf_rebasin.core.lazy import LazyState, gather_rows, picked_rows
+from hf_rebasin.core.lazy import LazyState, gather_rows, mean_rows
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.rows import (
     OutputRows,
@@ -189,17 +189,9 @@ def _lazy_output(state: LazyState, rows: OutputRows, names: Mapping[str, int]) -
 
     @functools.cache
     def mean_row(name: str) -> Tensor:
-        total: Tensor | None = None
-        for start in range(0, len(tokens), ROWS_AT_ONCE):
-            part = picked_rows(state, name, tokens[start : start + ROWS_AT_ONCE]).to(torch.float64).sum(0)
-            total = part if total is None else total + part
-        assert total is not None  # an output has tokens
-        return (total / len(tokens)).to(state.dtype(name))
+        return mean_rows(state, name, tokens)
 
     return gather_rows(state, {n: idx for n in names if n in state}, mean_row)
-
-
-ROWS_AT_ONCE = 4096  # rows summed at a time for a streamed mean row
 
 
 def _remap_generation_config(path: Path, old: Sequence[str | None], rows: Mapping[str, int]) -> None:

@@ -6,6 +6,7 @@ its function with the fine-tune's as stock transformers computes it."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,8 @@ import torch
 import transformers as T
 
 from hf_rebasin.core.lazy import LazyState, gather_rows
-from hf_rebasin.symmetry.adapters import graph_for
 from streamed import both_ways, notes_of, safetensors_of
-from vocab_models import CHATML, mergekit_cases, vocab_tokenizer
+from vocab_models import CHATML, mergekit_cases, save_chat_transport
 
 
 def test_gathered_rows_read_only_the_rows_they_need() -> None:
@@ -62,26 +62,10 @@ def _tied_chat(root: Path) -> dict[str, Path]:
     config = T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     base = T.GPT2LMHeadModel(config).eval()
-    base.save_pretrained(str(root / "base"))
-    vocab_tokenizer(64).save_pretrained(str(root / "base"))
-    ft = T.GPT2LMHeadModel.from_pretrained(str(root / "base"))
+    ft = copy.deepcopy(base)
     ft.resize_token_embeddings(66)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(1)
-        for p in ft.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    ft.save_pretrained(str(root / "ft"))
-    vocab_tokenizer(64, CHATML).save_pretrained(str(root / "ft"))
-    sd = base.state_dict()
-    graph = graph_for(base.config, sd.keys())
-    moved = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(3)))
     target = T.GPT2LMHeadModel(T.GPT2Config(**{**config.to_dict(), "vocab_size": 68})).eval()
-    with torch.no_grad():
-        for name, t in moved.items():
-            target.state_dict()[name][: t.shape[0]].copy_(t)
-    target.save_pretrained(str(root / "target"))
-    vocab_tokenizer(64, [f"<ctl_{i}>" for i in range(4)]).save_pretrained(str(root / "target"))
-    return {"base": root / "base", "ft": root / "ft", "target": root / "target"}
+    return save_chat_transport(root, base, ft, target, [f"<ctl_{i}>" for i in range(4)])
 
 
 def test_a_streamed_chat_transport_onto_an_extended_tied_target(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:

@@ -21,9 +21,8 @@ from safetensors.torch import load_file
 from helpers import run_main
 from hf_rebasin.recipe import load_recipe
 from hf_rebasin.run.pipeline import run_recipe
-from hf_rebasin.symmetry.adapters import graph_for
 from lm_folders import write_recipe
-from vocab_models import CHATML, mergekit_cases, tiny_llama, vocab_tokenizer
+from vocab_models import CHATML, mergekit_cases, save_chat_transport, tiny_llama, vocab_tokenizer
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "vocab_mergekit"
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -101,27 +100,9 @@ def _chat_transport(root: Path, target_rows: int, target_added: list[str], rows:
     """base (64 tokens in ``rows`` rows), its ChatML fine-tune (at least 66 rows, trained rows moved
     a little) and a target that is the base with its units and residual features permuted
     (``target_rows`` rows: extra rows are new tokens of the target's own, ``target_added``)."""
-    base = tiny_llama(rows, 0)
-    base.save_pretrained(str(root / "base"))
-    vocab_tokenizer(64).save_pretrained(str(root / "base"))
     ft = tiny_llama(rows, 0)
     ft.resize_token_embeddings(max(rows, 66))
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(1)
-        for p in ft.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    ft.save_pretrained(str(root / "ft"))
-    vocab_tokenizer(64, CHATML).save_pretrained(str(root / "ft"))
-    sd = base.state_dict()
-    graph = graph_for(base.config, sd.keys())
-    moved = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(3)))
-    target = tiny_llama(target_rows, 7)
-    with torch.no_grad():
-        for name, t in moved.items():
-            target.state_dict()[name][: t.shape[0]].copy_(t)
-    target.save_pretrained(str(root / "target"))
-    vocab_tokenizer(64, target_added).save_pretrained(str(root / "target"))
-    return {"base": root / "base", "ft": root / "ft", "target": root / "target"}
+    return save_chat_transport(root, tiny_llama(rows, 0), ft, tiny_llama(target_rows, 7), target_added)
 
 
 def _transport(root: Path, folders: dict[str, Path], **extra: object) -> Path:

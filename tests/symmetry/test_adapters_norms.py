@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ from hf_rebasin.symmetry.canonical import WriterScale, canonicalize, is_canonica
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.sublayers import per_sublayer
 from hf_rebasin.symmetry.transforms import AxisMap, random_orthogonal
+from streamed import safetensors_of
 
 CASES = ("gemma", "dinov2-cls", "dinov2-base")
 BROKEN = 1e-3  # a negative control must move the outputs by more than this
@@ -266,16 +266,6 @@ def test_verify_command(models, case, cls, tmp_path, capsys):
 STOCK = {"gemma": T.GemmaForCausalLM, "dinov2-cls": T.Dinov2ForImageClassification, "dinov2-base": T.Dinov2Model}
 
 
-def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_generalized_orthogonal_merge_streams(case, tmp_path, capsys, monkeypatch: Any):
     """A `job: merge` recipe (generalized-orthogonal, no evaluation) of two saved tiny models, run
@@ -304,7 +294,7 @@ def test_generalized_orthogonal_merge_streams(case, tmp_path, capsys, monkeypatc
         record = json.loads((out / "rebasin.json").read_text())
         assert record["function_preserved"]["max_abs_diff"] <= record["function_preserved"]["tolerance"]
         outputs.append(out)
-    memory, streamed = _safetensors(outputs[0]), _safetensors(outputs[1])
+    memory, streamed = safetensors_of(outputs[0]), safetensors_of(outputs[1])
     assert memory.keys() == streamed.keys()
     for k, t in memory.items():
         assert torch.equal(streamed[k], t), k
