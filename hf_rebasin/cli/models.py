@@ -365,7 +365,7 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     from hf_rebasin.alignment.widths import differ_in_width
     from hf_rebasin.io.output import check_output
     from hf_rebasin.lineage.pairs import check_count, lineage_of
-    from hf_rebasin.lineage.table import evidence_table, verdict_table
+    from hf_rebasin.lineage.table import evidence_table, layer_map_table, verdict_table
 
     check_count(len(args.models))
     named_inputs = [(f"MODEL {i + 1}", Path(m)) for i, m in enumerate(args.models)]
@@ -386,7 +386,12 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
         console.print(verdict_table(record))
         for pair in record.pairs:
             console.print(evidence_table(record, pair))
+            if pair.layer_map is not None and pair.verdict != "independent":
+                console.print(layer_map_table(record, pair.layer_map))
             console.print(f"next: {escape(pair.next_step)}", soft_wrap=True)
+        for stack in record.layer_maps:
+            console.print(layer_map_table(record, stack))
+            console.print(f"mergekit config that rebuilds it from its parents:\n{escape(stack.mergekit)}", soft_wrap=True)
         if "vocabulary" in record.settings:
             console.print(f"vocabularies differ: {escape(str(record.settings['vocabulary']))}", soft_wrap=True)
     if args.output:

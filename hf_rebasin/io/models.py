@@ -223,6 +223,11 @@ def resolve_device(name: str | None, where: str = "`device`") -> torch.device:
     return torch.device(name)
 
 
+def _depth(lm: LoadedModel) -> int | None:
+    config = lm.model.config.get_text_config()
+    return getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+
+
 def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
     """``b`` can be aligned to ``a``: same model type, class and tensor shapes."""
     type_a, type_b = a.model.config.model_type, b.model.config.model_type
@@ -231,6 +236,14 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
         raise IncompatibleModelsError(
             f"{str(b.path)!r} is a {cls_b} (model_type {type_b!r}) but the reference {str(a.path)!r} is a "
             f"{cls_a} (model_type {type_a!r}): only models of one architecture can be aligned"
+        )
+    depth_a, depth_b = _depth(a), _depth(b)
+    if depth_a != depth_b:
+        raise IncompatibleModelsError(
+            f"{str(b.path)!r} has {depth_b} layers but the reference {str(a.path)!r} has {depth_a}: merge and "
+            "transport work on models of one depth (layer i with layer i). `hf-rebasin lineage A B` finds which layers "
+            "descend from which (pruned, up-scaled, stacked) and prints a mergekit passthrough config that builds "
+            "the parent's layers at the other's depth; merge or transport that model instead"
         )
     check_same_shapes(a.weights, b.weights, repr(str(a.path)), repr(str(b.path)))
     tied_a = dict(getattr(a.model, "all_tied_weights_keys", None) or {})

@@ -62,7 +62,18 @@ from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import Space
 from hf_rebasin.symmetry.transforms import AxisMap, ExpertMap, HeadMap, SpaceMap, Transform
 
-__all__ = ["ALPHA", "NULL_SIMILARITY", "PairLineage", "Verdict", "compare", "describe_map"]
+__all__ = [
+    "ALPHA",
+    "NULL_SIMILARITY",
+    "PairLineage",
+    "Side",
+    "Verdict",
+    "compare",
+    "describe_map",
+    "judge",
+    "prepare_side",
+    "threads_for",
+]
 
 Verdict = Literal["same basis", "related up to symmetry", "independent"]
 NULL_SIMILARITY = 0.2  # a space's bulk similarity the null allows (trained apart: ≤ 0.057 on the testbed)
@@ -91,6 +102,7 @@ class PairLineage:
     seconds: dict[str, float] = field(default_factory=dict)
     passes: dict[str, int] = field(default_factory=dict)  # of the alignment: permutations, rotations
     tokens: int = 0  # read by both models to start the alignment (0: data-free)
+    transform: Transform | None = None  # B into A's basis (not recorded: a layer map reads its residual map)
 
     @property
     def p_value(self) -> float:
@@ -178,44 +190,81 @@ def compare(
     states (`LazyState`) are read tensor by tensor, twice each: memory holds both models'
     signals as factors and a few tensors, not the models. With ``data``, the alignment starts from
     maps fitted on the two models' activations (`datamaps`) instead of permutations of the signals."""
-    with _threads_for(sd_a):
-        clock: dict[str, float] = {}
+    with threads_for(sd_a):
         start = time.perf_counter()
         say = progress or (lambda _stage: None)
-        a, cgraph, untie, scales_a = prepared(graph, sd_a)
-        b, _, _, scales_b = prepared(graph, sd_b)
-        found = []
-        for which, state in (("A", a), ("B", b)):
-            found.append(
-                signals(state, cgraph.ties, share=share, cap=cap, progress=_counting(say, f"signal of {which}"))
-            )
-        sig_a, sig_b = found
-        clock["split"] = time.perf_counter() - start
-        t = time.perf_counter()
-        fitted: Transform | None = None
-        tokens = 0
-        if data is not None:
-            fitted, tokens = data_maps(cgraph, a, b, untie, data, say)
-            clock["activations"] = time.perf_counter() - t
-            t = time.perf_counter()
-        transform, passes = align_signals(cgraph, sig_a, sig_b, say, fitted=fitted)
-        clock["align"] = time.perf_counter() - t
-        t = time.perf_counter()
-        stored = _as_stored(cgraph, scales_a), _as_stored(cgraph, scales_b)
-        aligned, raw = _bulk_sums(cgraph, a, b, sig_a, sig_b, transform, stored, _counting(say, "bulk similarity"))
-        clock["evidence"] = time.perf_counter() - t
-        spaces = _evidence(cgraph, transform, aligned, raw, null)
-        result = _verdict(spaces)
-        clock["total"] = time.perf_counter() - start
-        result.seconds, result.passes, result.tokens = clock, passes, tokens
+        side_a = prepare_side(graph, sd_a, "A", say, share=share, cap=cap)
+        side_b = prepare_side(graph, sd_b, "B", say, share=share, cap=cap)
+        result = judge(side_a, side_b, null=null, say=say, data=data, split=time.perf_counter() - start)
+        result.seconds["total"] = time.perf_counter() - start
         return result
+
+
+@dataclass
+class Side:
+    """One model made ready for comparing: its balanced canonical form (lazy where it was read
+    from files), the graph of that form, whether its tied head came apart, the unit scales applied
+    and its learned signal."""
+
+    state: Mapping[str, Tensor]
+    graph: SymmetryGraph
+    untie: bool
+    scales: Mapping[str, Tensor]
+    signal: Signals
+
+
+def prepare_side(
+    graph: SymmetryGraph,
+    state: Mapping[str, Tensor],
+    which: str,
+    say: Callable[[str], None],
+    *,
+    share: float = SIGNAL_SHARE,
+    cap: int = SIGNAL_CAP,
+) -> Side:
+    """`prepared`, then the split into signal and bulk (one pass over the tensors)."""
+    form, cgraph, untie, scales = prepared(graph, state)
+    found = signals(form, cgraph.ties, share=share, cap=cap, progress=_counting(say, f"signal of {which}"))
+    return Side(form, cgraph, untie, scales, found)
+
+
+def judge(
+    a: Side,
+    b: Side,
+    *,
+    null: float = NULL_SIMILARITY,
+    say: Callable[[str], None] = lambda _stage: None,
+    data: LineageData | None = None,
+    split: float = 0.0,
+) -> PairLineage:
+    """The alignment of B's signal to A's (from the data's maps where given), each space's bulk
+    similarity aligned and as stored, and the verdict; B's graph describes both."""
+    clock: dict[str, float] = {"split": split}
+    t = time.perf_counter()
+    fitted: Transform | None = None
+    tokens = 0
+    cgraph = b.graph
+    if data is not None:
+        fitted, tokens = data_maps(cgraph, a.state, b.state, a.untie, data, say)
+        clock["activations"] = time.perf_counter() - t
+        t = time.perf_counter()
+    transform, passes = align_signals(cgraph, a.signal, b.signal, say, fitted=fitted)
+    clock["align"] = time.perf_counter() - t
+    t = time.perf_counter()
+    stored = _as_stored(cgraph, a.scales), _as_stored(cgraph, b.scales)
+    progress = _counting(say, "bulk similarity")
+    aligned, raw = _bulk_sums(cgraph, a.state, b.state, a.signal, b.signal, transform, stored, progress)
+    clock["evidence"] = time.perf_counter() - t
+    result = _verdict(_evidence(cgraph, transform, aligned, raw, null))
+    result.seconds, result.passes, result.tokens, result.transform = clock, passes, tokens, transform
+    return result
 
 
 SMALL_WORK = 1 << 22  # entries of a model's largest matrix up to which its comparison runs on one thread
 
 
 @contextlib.contextmanager
-def _threads_for(state: Mapping[str, Tensor]) -> Iterator[None]:
+def threads_for(state: Mapping[str, Tensor]) -> Iterator[None]:
     """One torch thread for a model whose matrices are small. Its factorizations are many short
     LAPACK calls, each ending at a barrier of torch's thread pool: beside two busy processes on two
     cores a 4-layer d 128 pair's split went from 0.2 s to 8–13 s waiting on threads the scheduler

@@ -10,22 +10,20 @@ from itertools import combinations
 from hf_rebasin.alignment.strategies.base import AlignmentData
 from hf_rebasin.alignment.widths import to_widest
 from hf_rebasin.core.errors import IncompatibleModelsError, RebasinUserError
+from hf_rebasin.core.lazy import shape_of
 from hf_rebasin.core.memory import OVERHEAD, InsufficientMemoryError, available_memory
 from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
 from hf_rebasin.io.models import LoadedModel, check_compatible
 from hf_rebasin.io.rows import to_shared_rows
-from hf_rebasin.lineage.compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, PairLineage, compare
+from hf_rebasin.lineage.compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, threads_for
 from hf_rebasin.lineage.datamaps import LineageData, data_bytes, data_tokens
-from hf_rebasin.lineage.record import LineageRecord, ModelRef, PairRecord, moved_spaces, next_step
+from hf_rebasin.lineage.depth import layer_key, renamed
+from hf_rebasin.lineage.pairwise import PairRun, layers_of
+from hf_rebasin.lineage.record import LineageRecord, ModelRef, PairRecord
 from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE, is_matrix, signal_rank
 from hf_rebasin.symmetry.spaces import Space
 
-__all__ = ["check_comparable", "check_count", "check_memory", "lineage_bytes", "lineage_of"]
-
-
-def _layers(lm: LoadedModel) -> int:
-    config = lm.model.config.get_text_config()
-    return int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
+__all__ = ["check_comparable", "check_count", "check_depths", "check_memory", "lineage_bytes", "lineage_of"]
 
 
 def check_count(n: int) -> None:
@@ -35,9 +33,10 @@ def check_count(n: int) -> None:
 
 
 def check_comparable(models: Sequence[LoadedModel], names: Sequence[str]) -> None:
-    """Two models or more of one family and depth; anything else is a user error naming why."""
+    """Two models or more of one family; models of other depths need a layer list lineage can
+    read (``model.layers.3``) and layers of one shape. Anything else is a user error naming why."""
     check_count(len(models))
-    ref, ref_type = models[0], models[0].model.config.model_type
+    ref_type = models[0].model.config.model_type
     for lm, name in zip(models[1:], names[1:], strict=True):
         kind = lm.model.config.model_type
         if kind != ref_type:
@@ -45,13 +44,35 @@ def check_comparable(models: Sequence[LoadedModel], names: Sequence[str]) -> Non
                 f"{name} is a {kind} model but {names[0]} is a {ref_type}: lineage compares models of one family "
                 "(a descendant keeps its parent's architecture)"
             )
-        if _layers(lm) != _layers(ref):
+
+
+def check_depths(models: Sequence[LoadedModel], names: Sequence[str]) -> str | None:
+    """Where depths differ: the module list holding the layers, after checking that every model's
+    layers have the reference's tensors and shapes (a layer map renames layers, nothing else)."""
+    depths = [layers_of(lm) for lm in models]
+    if len(set(depths)) == 1:
+        return None
+    keys = {layer_key(lm.weights, d) for lm, d in zip(models, depths, strict=True)}
+    key = keys.pop() if len(keys) == 1 else None
+    if key is None:
+        raise IncompatibleModelsError(
+            f"{names[0]} has {depths[0]} layers and others {sorted(set(depths) - {depths[0]})}: lineage maps layers "
+            "across depths in a numbered layer list (model.layers.N), which these models' tensors do not have"
+        )
+
+    def template(lm: LoadedModel) -> dict[str, tuple[int, ...]]:
+        return {renamed(n, key, 0): tuple(shape_of(lm.weights, n)) for n in lm.weights}
+
+    ref = template(models[0])
+    for lm, name in zip(models[1:], names[1:], strict=True):
+        own = template(lm)
+        if own != ref:
+            diff = sorted(set(own.items()) ^ set(ref.items()))[0][0]
             raise IncompatibleModelsError(
-                f"{name} has {_layers(lm)} layers but {names[0]} has {_layers(ref)}: models of other depths (a "
-                f"{'depth-pruned' if _layers(lm) < _layers(ref) else 'depth up-scaled or stacked'} descendant) are not "
-                "matched layer to layer yet (no layer map is searched), so the pair is refused rather than called "
-                "independent"
+                f"{name} and {names[0]} differ in more than depth (tensor {diff!r} in a layer or outside them): "
+                "lineage maps the layers of models of one family and width"
             )
+    return key
 
 
 # what a comparison holds beside what it reads, measured on bench_scale.py's random bf16 models
@@ -81,7 +102,8 @@ def lineage_bytes(
         params = max(params, sum(math.prod(s) for s in shapes))
         largest = max([largest, *(math.prod(s) for s in shapes)])
     width = max(sp.size for lm in models for sp in lm.graph.spaces.values() if isinstance(sp, Space))
-    need = OVERHEAD + 2 * factors + WORK_COPIES * 4 * largest + VIEW_COPIES * 8 * width**2
+    need = OVERHEAD + len(models) * factors  # each model's signal kept for all its pairs
+    need += WORK_COPIES * 4 * largest + VIEW_COPIES * 8 * width**2
     if any(lm.source is None for lm in models):
         need += IN_MEMORY_BYTES_PER_PARAMETER * params
     if data_tokens:
@@ -126,26 +148,27 @@ def lineage_of(
     check_memory(models, data_tokens=0 if data is None else data_tokens(data.batches, models[0].model.config))
     rows, vocabulary = to_shared_rows(list(models))  # a new release is judged on the tokens it shares
     same, embedded = to_widest(rows, names)
-    for lm in same[1:]:
-        check_compatible(same[0], lm)
+    key = check_depths(same, names)
+    if key is None:
+        for lm in same[1:]:
+            check_compatible(same[0], lm)
     grown = {e.index: e.note(names) for e in embedded}
-    states = [lm.weights for lm in same]  # a streamed model's read from its files as used
     probe = None if data is None else LineageData(data.batches, same[0].model, data.special_ids)
+    run = PairRun(same, given, key, share=share, cap=cap, null=null, data=probe)
     pairs: list[PairRecord] = []
-    tokens = 0
     todo = list(combinations(range(len(same)), 2))
-    for k, (i, j) in enumerate(todo):
-        head = f"pair {k + 1}/{len(todo)}{_left(pairs, len(todo))}: {given[i]} vs {given[j]}"
-        say = (lambda stage, head=head: progress(f"{head}: {stage}")) if progress else None
-        found = compare(same[0].graph, states[i], states[j], share=share, cap=cap, null=null, progress=say, data=probe)
-        pairs.append(_record(i, j, found))
-        tokens = found.tokens
+    with threads_for(same[0].weights):
+        for k, (i, j) in enumerate(todo):
+            head = f"pair {k + 1}/{len(todo)}{_left(pairs, len(todo))}: {given[i]} vs {given[j]}"
+            run.say = _prefixed(progress, head)
+            pairs.append(run.pair(i, j))
+        stacks = run.stacks(pairs)
     refs = [
         ModelRef(
             given=g,
             folder=str(lm.path),
             model_type=lm.model.config.model_type,
-            layers=_layers(lm),
+            layers=run.depths[k],
             embedded=lm.embedded or grown.get(k),
         )
         for k, (g, lm) in enumerate(zip(given, same, strict=True))
@@ -159,11 +182,20 @@ def lineage_of(
         "tol": MATCHING_TOL,
         "max_passes": MATCHING_ROUNDS,
         "data": "none" if data is None else data.description or "given",
-        "data_tokens": tokens,
+        "data_tokens": run.tokens,
     }
     if vocabulary is not None:
         settings["vocabulary"] = vocabulary
-    return LineageRecord(models=refs, settings=settings, pairs=pairs, seconds={"total": time.perf_counter() - start})
+    if key is not None and data is not None:
+        settings["data_note"] = "pairs of other depths are compared data-free (the data's maps need one depth)"
+    seconds = {"total": time.perf_counter() - start}
+    return LineageRecord(models=refs, settings=settings, pairs=pairs, layer_maps=stacks, seconds=seconds)
+
+
+def _prefixed(progress: Callable[[str], None] | None, head: str) -> Callable[[str], None]:
+    if progress is None:
+        return lambda _stage: None
+    return lambda stage: progress(f"{head}: {stage}")
 
 
 def _left(done: Sequence[PairRecord], total: int) -> str:
@@ -173,23 +205,3 @@ def _left(done: Sequence[PairRecord], total: int) -> str:
         return ""
     pace = sum(p.seconds.get("total", 0.0) for p in done) / len(done)
     return f", about {pace * (total - len(done)):.0f} s left"
-
-
-def _record(i: int, j: int, found: PairLineage) -> PairRecord:
-    moved = moved_spaces(found.spaces)
-    return PairRecord(
-        a=i,
-        b=j,
-        verdict=found.verdict,
-        statistic=found.statistic,
-        raw_statistic=found.raw_statistic,
-        z=found.z,
-        log10_p=found.log10_p,
-        raw_z=found.raw_z,
-        raw_log10_p=found.raw_log10_p,
-        next_step=next_step(found.verdict, [e.map for e in found.spaces], moved),
-        moved=moved,
-        spaces=found.spaces,
-        seconds=found.seconds,
-        passes=found.passes,
-    )

@@ -8,7 +8,18 @@ from pydantic import BaseModel, Field
 
 from hf_rebasin import __version__
 
-__all__ = ["LineageRecord", "ModelRef", "PairRecord", "SpaceRecord", "moved_spaces", "next_step"]
+__all__ = [
+    "LayerMap",
+    "LayerMatch",
+    "LineageRecord",
+    "ModelRef",
+    "PairRecord",
+    "SpaceRecord",
+    "describe_layers",
+    "map_step",
+    "moved_spaces",
+    "next_step",
+]
 
 
 class SpaceRecord(BaseModel):
@@ -28,6 +39,29 @@ class SpaceRecord(BaseModel):
     in_place: bool = True  # kin as stored and nothing gained by moving it (`lineage.compare._in_place`)
 
 
+class LayerMatch(BaseModel):
+    """Where one layer of the mapped model comes from."""
+
+    layer: int
+    parent: int = Field(description="the model it comes from (an index into `LineageRecord.models`)")
+    source: int | None = Field(description="the parent's layer; None where no layer of it is kin")
+    score: float = Field(description="the layers' circuits alike (cosine, symmetries inside a layer quotiented out)")
+    similarity: float = Field(description="mean bulk similarity of the layer's spaces, aligned under the map")
+    log10_p: float = Field(description="log10 p of 'kin' for this layer, Bonferroni over the candidate layers")
+
+
+class LayerMap(BaseModel):
+    """Which layer of model ``model`` descends from which layer of its parents (depth pruned, up-scaled,
+    stacked from two parents, or reordered at one depth)."""
+
+    model: int
+    parents: list[int]
+    kind: str
+    layers: list[LayerMatch]
+    increasing: bool = Field(description="whether the sources keep their order (pruning does)")
+    mergekit: str = Field(description="a mergekit passthrough config that builds the parents' layers at its depth")
+
+
 class PairRecord(BaseModel):
     """The verdict on models ``a`` and ``b`` (indices into `LineageRecord.models`)."""
 
@@ -43,6 +77,7 @@ class PairRecord(BaseModel):
     next_step: str
     moved: str | None = Field(default=None, description="spaces not in place and those in place, where both are")
     spaces: list[SpaceRecord]
+    layer_map: LayerMap | None = Field(default=None, description="where depths differ, or layers moved at one depth")
     seconds: dict[str, float] = Field(default_factory=dict)
     passes: dict[str, int] = Field(
         default_factory=dict, description="passes of the alignment of the signals: permutations, rotations"
@@ -65,6 +100,7 @@ class LineageRecord(BaseModel):
     models: list[ModelRef]
     settings: dict[str, float | int | str]
     pairs: list[PairRecord]
+    layer_maps: list[LayerMap] = Field(default_factory=list, description="models stacked from two parents or more")
     seconds: dict[str, float] = Field(default_factory=dict)
 
 
@@ -93,6 +129,39 @@ def next_step(verdict: str, maps: list[str], moved: str | None = None) -> str:
         "alignment data lowers the barrier most) and expect a barrier a plain average would not have between kin; "
         "transport of a task vector needs an alignment too"
     )
+
+
+def map_step(verdict: str, lmap: LayerMap, given: list[str] | tuple[str, ...], step: str) -> str:
+    """The next step for a model whose layers map onto its parents' other than one to one: what
+    the map is, that merge and transport need one depth, and how to get there."""
+    parents = " and ".join(given[p] for p in lmap.parents)
+    where = describe_layers(lmap, given)
+    if verdict == "independent":
+        return step
+    return (
+        f"{given[lmap.model]} is {lmap.kind} from {parents} ({where}). `hf-rebasin merge` and `transport` take "
+        "models of one depth and refuse others: build the parents' layers at its depth with mergekit's passthrough "
+        "(the `mergekit` config of this layer map in lineage.json), then compare or merge that with it: " + step
+    )
+
+
+def describe_layers(lmap: LayerMap, given: list[str] | tuple[str, ...]) -> str:
+    """``layers 0–3 ← 0, 2, 4, 6 of A; layer 4: none``: runs of layers with consecutive sources."""
+    runs: list[tuple[int, int | None, list[int]]] = []  # parent, first source, layers
+    for m in lmap.layers:
+        last = runs[-1] if runs else None
+        if last is not None and last[0] == m.parent and m.source is not None and last[1] is not None:
+            if m.source == last[1] + len(last[2]) and m.layer == last[2][-1] + 1:
+                last[2].append(m.layer)
+                continue
+        runs.append((m.parent, m.source, [m.layer]))
+    parts = []
+    for parent, source, layers in runs:
+        mine = _ranges(list(layers))
+        theirs = "no kin layer" if source is None else _ranges(list(range(source, source + len(layers))))
+        word = "layers" if len(layers) > 1 else "layer"
+        parts.append(f"{word} {mine} ← {theirs}" + (f" of {given[parent]}" if len(lmap.parents) > 1 else ""))
+    return "; ".join(parts)
 
 
 _KINDS = {"attn": "heads", "attention": "heads", "mlp": "MLP units", "moe": "experts", "experts": "experts"}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from hf_rebasin.lineage.record import LineageRecord, PairRecord
+from hf_rebasin.lineage.record import LayerMap, LineageRecord, PairRecord
 
-__all__ = ["evidence_table", "p_text", "verdict_table"]
+__all__ = ["evidence_table", "layer_map_table", "p_text", "verdict_table"]
 
 _COLOURS = {"same basis": "green", "related up to symmetry": "yellow", "independent": "cyan"}
 
@@ -50,4 +50,19 @@ def evidence_table(record: LineageRecord, pair: PairRecord) -> Table:
         label = s.space if s.counted else f"{s.space} (not counted)"
         place = ("yes" if s.in_place else "[yellow]no[/]") if s.counted else ""
         table.add_row(label, f"{s.similarity:.3f}", f"{s.raw_similarity:.3f}", f"{s.z:.0f}", place, s.map)
+    return table
+
+
+def layer_map_table(record: LineageRecord, lmap: LayerMap) -> Table:
+    """One row per layer of the mapped model: the parent layer it descends from and the evidence."""
+    names = [m.given for m in record.models]
+    parents = " + ".join(names[p] for p in lmap.parents)
+    table = Table(title=f"layer map: {names[lmap.model]} from {parents} ({lmap.kind})", title_justify="left")
+    for column in ("layer", "from", "circuits alike", "bulk aligned", "p (kin)"):
+        table.add_column(column, justify="left" if column == "from" else "right")
+    for m in lmap.layers:
+        where = "[yellow]no kin layer[/]" if m.source is None else f"layer {m.source}"
+        if len(lmap.parents) > 1 and m.source is not None:
+            where += f" of {names[m.parent]}"
+        table.add_row(str(m.layer), where, f"{m.score:.3f}", f"{m.similarity:.3f}", p_text(m.log10_p))
     return table

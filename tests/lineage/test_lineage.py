@@ -146,11 +146,11 @@ def test_bad_input_exits_2_and_writes_nothing(saved_model, tmp_path):
     gpt2 = str(saved_model("gpt2"))
     deeper = tiny.FACTORIES["gpt2"](0)
     config = copy.deepcopy(deeper.config)
-    config.n_layer = 3
+    config.n_layer, config.n_embd = 3, 2 * config.n_embd  # other widths are embedded, other depths mapped: not both
     cases = [
         ((gpt2,), ("two models or more",)),
         ((gpt2, str(saved_model("llama-gqa"))), ("llama", "gpt2", "one family")),
-        ((gpt2, str(saved_model(type(deeper)(config)))), ("has 3 layers", "has 2", "refused")),
+        ((gpt2, str(saved_model(type(deeper)(config)))), ("n_layer", "depth", "cannot be embedded")),
         ((gpt2, str(tmp_path / "missing")), ("MODEL 2",)),
     ]
     for models, needles in cases:

@@ -3,8 +3,6 @@ up to symmetry, and the record names what moved and what stayed in place."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from test_glu import random_scales
@@ -75,19 +73,3 @@ def test_a_fine_tune_is_one_basis_in_every_space() -> None:
     assert found.verdict == "same basis"
     assert all(e.in_place for e in found.spaces) and moved_spaces(found.spaces) is None
     assert isinstance(graph.spaces["res"], Space)
-
-
-def test_a_deeper_copy_is_refused_as_what_it_is() -> None:
-    import copy
-
-    from hf_rebasin.core.errors import IncompatibleModelsError
-    from hf_rebasin.io.models import LoadedModel
-    from hf_rebasin.lineage.pairs import lineage_of
-
-    a = tiny.FACTORIES["gpt2"](0).eval()
-    like = copy.deepcopy(a.config)
-    like.n_layer = a.config.n_layer + 1
-    deeper = type(a)(like).eval()
-    models = [LoadedModel(m, graph_for(m.config, m.state_dict().keys()), Path(n)) for m, n in ((a, "a"), (deeper, "b"))]
-    with pytest.raises(IncompatibleModelsError, match="depth up-scaled or stacked"):
-        lineage_of(models, ["a", "b"])

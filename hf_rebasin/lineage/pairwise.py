@@ -1,0 +1,204 @@
+"""Every pair of a lineage run: each model made ready once (canonical form, signal), each pair
+judged at one depth or under a layer map, and the models stacked from two parents or more."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from scipy.stats import norm
+from torch import Tensor
+
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.lineage.compare import ALPHA, NULL_SIMILARITY, PairLineage, Side, judge, prepare_side
+from hf_rebasin.lineage.datamaps import LineageData
+from hf_rebasin.lineage.depth import best_map, layer_key, layer_scores, stream_maps
+from hf_rebasin.lineage.layermap import LayerFit, fit_layers, orient, per_layer, to_record, unexplained
+from hf_rebasin.lineage.record import LayerMap, PairRecord, map_step, moved_spaces, next_step
+from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE, combined_z, log10_sf
+
+__all__ = ["PairRun", "layers_of"]
+
+
+def layers_of(lm: LoadedModel) -> int:
+    config = lm.model.config.get_text_config()
+    return int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
+
+
+class PairRun:
+    """The pairs of one run. ``key``: the module list of the layers where depths differ (None: one
+    depth, no layer map searched unless a pair's layers are not all kin)."""
+
+    def __init__(
+        self,
+        models: Sequence[LoadedModel],
+        given: Sequence[str],
+        key: str | None,
+        *,
+        share: float = SIGNAL_SHARE,
+        cap: int = SIGNAL_CAP,
+        null: float = NULL_SIMILARITY,
+        data: LineageData | None = None,
+    ) -> None:
+        self.models, self.given, self.key = models, given, key
+        self.depths = [layers_of(lm) for lm in models]
+        self.share, self.cap, self.null, self.data = share, cap, null, data
+        self.say: Callable[[str], None] = lambda _stage: None
+        self.tokens = 0
+        self._sides: dict[int, Side] = {}
+        self._scores: dict[tuple[int, int], Tensor] = {}  # (parent, child): parent's layers × child's
+        self._streams: dict[tuple[int, int], dict[str, Tensor]] = {}  # (i, j): j's streams in i's basis, aligned
+
+    def side(self, k: int) -> tuple[Side, float]:
+        """Model k made ready (once per run) and the seconds it took now."""
+        if k in self._sides:
+            return self._sides[k], 0.0
+        start = time.perf_counter()
+        lm = self.models[k]
+        self._sides[k] = prepare_side(lm.graph, lm.weights, self.given[k], self.say, share=self.share, cap=self.cap)
+        return self._sides[k], time.perf_counter() - start
+
+    def scores(self, parent: int, child: int) -> Tensor:
+        """The parent's layers × the child's, scored once per pair (either orientation)."""
+        if (child, parent) in self._scores:
+            return self._scores[(child, parent)].T
+        if (parent, child) not in self._scores:
+            (p, _), (c, _) = self.side(parent), self.side(child)
+            maps = self._streams.get((parent, child))
+            if maps is None and (child, parent) in self._streams:  # orthogonal: the inverse is the transpose
+                maps = {k: m.T for k, m in self._streams[(child, parent)].items()}
+            self._scores[(parent, child)] = layer_scores(
+                p.graph, p.state, p.signal, c.graph, c.state, c.signal, self._key(), self.say, maps
+            )
+        return self._scores[(parent, child)]
+
+    def _key(self) -> str:
+        if self.key is None:  # one depth: found when a pair first needs its layers scored
+            self.key = layer_key(self.models[0].weights, self.depths[0]) or ""
+        return self.key
+
+    def pair(self, i: int, j: int) -> PairRecord:
+        """Model j against model i: at one depth as always (a layer map searched only where some
+        layers are not kin, and then reported beside the verdict), else under the layer map found."""
+        start = time.perf_counter()
+        (a, split_a), (b, split_b) = self.side(i), self.side(j)
+        split = split_a + split_b
+        if self.depths[i] == self.depths[j]:
+            found = judge(a, b, null=self.null, say=self.say, data=self.data, split=split)
+            self.tokens = found.tokens
+            if found.transform is not None:
+                self._streams[(i, j)] = stream_maps(b.graph, found.transform)
+            lmap = self._moved_layers(i, j, found)
+        else:
+            parent, child = (i, j) if orient(self.scores(i, j)) else (j, i)
+            fit = self._fit([parent], child)
+            found, lmap = fit.found, to_record(fit, child, [parent], self.given, self.depths)
+            found.seconds["split"] = split
+        found.seconds["total"] = time.perf_counter() - start
+        return _record(i, j, found, lmap, list(self.given))
+
+    def _fit(self, parents: list[int], child: int) -> LayerFit:
+        scores = [self.scores(p, child) for p in parents]
+        sides = [self.side(p)[0] for p in parents]
+        return fit_layers(sides, scores, self.side(child)[0], self._key(), null=self.null, say=self.say)
+
+    def _moved_layers(self, i: int, j: int, found: PairLineage) -> LayerMap | None:
+        """At one depth, where the pair is related but some layer is not kin to its namesake: the
+        best layer map, reported (never used for the verdict) when it is not the identity."""
+        if found.verdict == "independent" or not self._key() or not _unkin_layers(found):
+            return None
+        chosen, _ = best_map(self.scores(i, j))
+        if chosen == list(range(self.depths[j])):
+            return None
+        return to_record(self._fit([i], j), j, [i], self.given, self.depths)
+
+    def stacks(self, pairs: Sequence[PairRecord]) -> list[LayerMap]:
+        """Models stacked from two parents or more (a `passthrough` merge given with its parents):
+        each layer mapped to its best match among the related models, kept where it uses two of them,
+        every layer is kin to its source, and it beats the best single parent by more than chance
+        on the layers where they differ."""
+        out = []
+        for c in range(len(self.models)):
+            single = self._single_parents(pairs, c)
+            if len(single) < 2:
+                continue
+            fit = self._fit(sorted(single), c)
+            parents = sorted(single)
+            used = {parents[s.parent] for s in fit.sources}
+            if len(used) < 2 or unexplained(fit):
+                continue
+            mine = [
+                (sim, sum(e.entries for e in fit.found.spaces if e.counted and e.layer == j))
+                for j, (sim, _) in enumerate(per_layer(fit))
+            ]
+            if all(_beats(mine, fit, parents, p, sims) for p, sims in single.items()):
+                out.append(to_record(fit, c, parents, self.given, self.depths))
+        return out
+
+    def _single_parents(self, pairs: Sequence[PairRecord], c: int) -> dict[int, list[float]]:
+        """Each model related to model c (and not mapped as its child): the similarity of each of c's
+        layers to it, aligned (under the pair's layer map where depths differ)."""
+        out: dict[int, list[float]] = {}
+        for pr in pairs:
+            if c not in (pr.a, pr.b) or pr.verdict == "independent":
+                continue
+            other = pr.b if pr.a == c else pr.a
+            if self.depths[other] != self.depths[c]:
+                if pr.layer_map is not None and pr.layer_map.model == c:
+                    out[other] = [m.similarity for m in pr.layer_map.layers]
+                else:  # the pair mapped the other way (part of c matched): c's layers onto the other's
+                    out[other] = [sim for sim, _ in per_layer(self._fit([other], c))]
+                continue
+            out[other] = [_layer_similarity(pr, j) for j in range(self.depths[c])]
+        return out
+
+
+def _beats(mine: list[tuple[float, int]], fit: LayerFit, parents: list[int], p: int, sims: list[float]) -> bool:
+    """Whether the stack's layers are more alike than parent p's alone where p is not their source:
+    the gap's z over those layers (each similarity's spread about 1/√entries) passes the one-sided
+    bound at ``ALPHA``."""
+    gap = spread = 0.0
+    for j, s in enumerate(fit.sources):
+        if parents[s.parent] != p:
+            gap += mine[j][0] - sims[j]
+            spread += 2.0 / max(mine[j][1], 1)
+    return spread > 0 and gap / math.sqrt(spread) > float(norm.isf(ALPHA))
+
+
+def _layer_similarity(pr: PairRecord, j: int) -> float:
+    spaces = [e for e in pr.spaces if e.counted and e.layer == j]
+    return sum(e.similarity for e in spaces) / len(spaces) if spaces else 0.0
+
+
+def _unkin_layers(found: PairLineage) -> bool:
+    layers = {e.layer for e in found.spaces if e.counted and e.layer is not None}
+    for j in layers:
+        spaces = [e for e in found.spaces if e.counted and e.layer == j]
+        if log10_sf(combined_z([e.z for e in spaces])) >= math.log10(ALPHA):
+            return True
+    return False
+
+
+def _record(i: int, j: int, found: PairLineage, lmap: LayerMap | None, given: list[str]) -> PairRecord:
+    moved = moved_spaces(found.spaces)
+    step = next_step(found.verdict, [e.map for e in found.spaces], moved)
+    if lmap is not None and lmap.kind != "identity":
+        step = map_step(found.verdict, lmap, given, step)
+    return PairRecord(
+        a=i,
+        b=j,
+        verdict=found.verdict,
+        statistic=found.statistic,
+        raw_statistic=found.raw_statistic,
+        z=found.z,
+        log10_p=found.log10_p,
+        raw_z=found.raw_z,
+        raw_log10_p=found.raw_log10_p,
+        next_step=step,
+        moved=moved,
+        spaces=found.spaces,
+        layer_map=lmap,
+        seconds=found.seconds,
+        passes=found.passes,
+    )
