@@ -91,10 +91,12 @@ class PairRun:
                 self._streams[(i, j)] = stream_maps(b.graph, found.transform)
             lmap = self._moved_layers(i, j, found)
         else:
+            t = time.perf_counter()
             parent, child = (i, j) if orient(self.scores(i, j)) else (j, i)
+            scored = time.perf_counter() - t
             fit = self._fit([parent], child)
             found, lmap = fit.found, to_record(fit, child, [parent], self.given, self.depths)
-            found.seconds["split"] = split
+            found.seconds.update(split=split, layers=scored)
         found.seconds["total"] = time.perf_counter() - start
         return _record(i, j, found, lmap, list(self.given))
 
