@@ -45,6 +45,7 @@ def config(layers: int) -> T.LlamaConfig:
         num_key_value_heads=4,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
     )
 
 
@@ -120,6 +121,7 @@ def run_pair(a: Path, b: Path, timeout: float) -> dict[str, object]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
+    said = re.search(r"about (.+?) on this machine", proc.stderr)
     if proc.returncode != 0:
         return {"exit": proc.returncode, "error": proc.stderr[-2000:]}
     pair = json.loads(proc.stdout[proc.stdout.index("{") :])["pairs"][0]
@@ -132,6 +134,7 @@ def run_pair(a: Path, b: Path, timeout: float) -> dict[str, object]:
         "seconds": pair["seconds"],
         "wall": wall,
         "peak": int(peak.group(1)) * 1024 if peak else None,
+        "estimate": said.group(1) if said else "?",
     }
 
 
@@ -154,11 +157,13 @@ def main() -> None:
             print(f"{name}: exit {r['exit']}\n{r['error']}")
             continue
         exact = r["map"] == KEEP and r["mapped"] == 1
+        kin = sum(m is not None for m in r["map"])  # type: ignore[union-attr]
         secs = " / ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items())  # type: ignore[union-attr]
         peak = r["peak"] or 0
         print(
             f"{name}: {r['verdict']} (aligned {r['statistic']:.3f}); layer map "
-            f"{'exact' if exact else 'NOT exact: ' + str(r['map'])}; seconds {secs}; wall {r['wall']:.0f} s; "
+            f"{'exact' if exact else 'not the built one'} ({kin} of {len(r['map'])} layers with a kin source); seconds {secs}; wall {r['wall']:.0f} s "
+            f"(estimated before: {r['estimate']}); "
             f"peak RSS {peak / GB:.2f} GB ({peak / one:.2f}× one model)",
             flush=True,
         )

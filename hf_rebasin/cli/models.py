@@ -377,7 +377,14 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     said = Console(stderr=True) if args.json else console  # --json: stdout holds the record alone
     for note in notes:
         said.print(f"note: {escape(note)}", soft_wrap=True)
-    said.print(f"comparing {_pairs_line(len(loaded))}", soft_wrap=True)
+    from hf_rebasin.lineage.estimate import duration, estimate_seconds
+
+    expected, per_layer = estimate_seconds(loaded)
+    said.print(
+        f"comparing {_pairs_line(len(loaded))}, about {duration(expected)} on this machine "
+        f"(from one layer's split here: {per_layer:.2f} s)",
+        soft_wrap=True,
+    )
     with console.status("comparing…") as status:
         record = lineage_of(loaded, args.models, progress=lambda stage: status.update(escape(stage)))
     if args.json:
@@ -391,7 +398,9 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
             console.print(f"next: {escape(pair.next_step)}", soft_wrap=True)
         for stack in record.layer_maps:
             console.print(layer_map_table(record, stack))
-            console.print(f"mergekit config that rebuilds it from its parents:\n{escape(stack.mergekit)}", soft_wrap=True)
+            console.print(
+                f"mergekit config that rebuilds it from its parents:\n{escape(stack.mergekit)}", soft_wrap=True
+            )
         if "vocabulary" in record.settings:
             console.print(f"vocabularies differ: {escape(str(record.settings['vocabulary']))}", soft_wrap=True)
     if args.output:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from hf_rebasin.alignment.features.weights import WeightViews
 from hf_rebasin.alignment.strategies.engines.descent import solve_plain
-from hf_rebasin.core.lazy import LazyState, dtype_of, shape_of
+from hf_rebasin.core.lazy import LazyState, RowReader, dtype_of, shape_of
 from hf_rebasin.lineage.stats import Signals
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import HeadSpace, Space, split_ref
@@ -123,7 +123,17 @@ def state_view(
         parent, own = _source_name(name, key, sources)
         if own not in parents[parent] or shape_of(parents[parent], own) != shape_of(like, name):
             raise ValueError(f"{name}: the parent's {own} is missing or of another shape")
-    return LazyState({n: tuple(shape_of(like, n)) for n in names}, {n: dtype_of(like, n) for n in names}, read)
+
+    def rows(name: str) -> RowReader | None:  # an embedding read a block of rows at a time, as its parent's
+        parent, own = _source_name(name, key, sources)
+        state = parents[parent]
+        return state.rows(own) if isinstance(state, LazyState) else None
+
+    out = LazyState(
+        {n: tuple(shape_of(like, n)) for n in names}, {n: dtype_of(like, n) for n in names}, read, rows=rows
+    )
+    out.device = getattr(parents[0], "device", out.device)
+    return out
 
 
 def signals_view(parents: Sequence[Signals], names: Iterable[str], key: str, sources: Sequence[Source]) -> Signals:

@@ -141,10 +141,11 @@ class PairRun:
     def _single_parents(self, pairs: Sequence[PairRecord], c: int) -> dict[int, list[float]]:
         """Each model related to model c (and not mapped as its child): the similarity of each of c's
         layers to it, aligned (under the pair's layer map where depths differ)."""
+        related = [pr for pr in pairs if c in (pr.a, pr.b) and pr.verdict != "independent"]
+        if len(related) < 2:  # one related model is no stack: nothing more to compare
+            return {}
         out: dict[int, list[float]] = {}
-        for pr in pairs:
-            if c not in (pr.a, pr.b) or pr.verdict == "independent":
-                continue
+        for pr in related:
             other = pr.b if pr.a == c else pr.a
             if self.depths[other] != self.depths[c]:
                 if pr.layer_map is not None and pr.layer_map.model == c:

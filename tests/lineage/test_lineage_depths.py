@@ -173,6 +173,7 @@ def test_lineage_prints_the_map_and_merge_refuses_other_depths_with_the_way_forw
     proc = run_main("lineage", a, b, "--output", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
+    assert re.search(r"comparing 2 models: 1 pair, about \d+ s on this machine", text), text
     assert "depth-pruned" in text and "layers 0–1 ←" not in text and "layer 1 ← 2" in text, text
     recipe = tmp_path / "merge.yaml"
     recipe.write_text(
@@ -195,3 +196,27 @@ def test_models_of_other_depths_that_differ_in_more_than_depth_are_refused_namin
         IncompatibleModelsError, match=r"differ in more than depth \(tensor 'model\.layers\.0\.self_attn"
     ):
         _lineage([plain, biased], tmp_path)
+
+
+def test_job_lineage_maps_other_depths_from_a_recipe(saved_model, tmp_path: Path) -> None:
+    parent = _deep("gpt2", 0, 4)
+    child = _stacked("gpt2", [parent], [(0, 0), (0, 1), (0, 2), (0, 1), (0, 2), (0, 3)])
+    a, b = str(saved_model(parent, name="base")), str(saved_model(child, name="upscaled"))
+    recipe = tmp_path / "lineage.yaml"
+    recipe.write_text(yaml.safe_dump({"job": "lineage", "models": [a, b], "output": {"dir": str(tmp_path / "out")}}))
+    proc = run_main(str(recipe))
+    assert proc.returncode == 0, proc.stderr
+    record = LineageRecord.model_validate_json((tmp_path / "out" / "lineage.json").read_text())
+    assert record.pairs[0].layer_map is not None and record.pairs[0].layer_map.kind == "depth up-scaled"
+    assert "depth up-scaled" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_best_map_keeps_order_where_it_scores_as_well_and_repeats_where_it_must() -> None:
+    from hf_rebasin.lineage.depth import best_map
+    from hf_rebasin.lineage.estimate import duration
+
+    pruned = torch.tensor([[0.9, 0.1], [0.2, 0.1], [0.1, 0.95], [0.1, 0.2]], dtype=torch.float64)
+    assert best_map(pruned) == ([0, 2], True)
+    upscaled = torch.tensor([[0.9, 0.1, 0.1], [0.1, 0.9, 0.88]], dtype=torch.float64)
+    assert best_map(upscaled) == ([0, 1, 1], False)
+    assert [duration(x) for x in (4.2, 600, 9000)] == ["4 s", "10 min", "2.5 h"]

@@ -12,6 +12,7 @@ from hf_rebasin.evaluation.record import Findings
 from hf_rebasin.io.output import write_text
 from hf_rebasin.lineage.pairs import lineage_of
 from hf_rebasin.lineage.plot import plot_lineage
+from hf_rebasin.lineage.record import describe_layers
 from hf_rebasin.recipe.jobs.lineage import LineageRecipe
 from hf_rebasin.run.load import Workspace
 from hf_rebasin.run.result import JobOutput
@@ -39,6 +40,10 @@ def run(ws: Workspace) -> JobOutput:
     if "vocabulary" in record.settings:
         ws.notes.append(f"vocabularies differ: {record.settings['vocabulary']}")
     ws.notes.extend(f"{given[p.a]} vs {given[p.b]}: {p.verdict} ({p.next_step})" for p in record.pairs)
+    ws.notes.extend(
+        f"{given[s.model]} is stacked from {' and '.join(given[p] for p in s.parents)}: {describe_layers(s, given)}"
+        for s in record.layer_maps
+    )
     result = job_result(ws, findings, {}, saved_model=False, written="lineage report")
     null = float(record.settings["null_similarity"])
 
