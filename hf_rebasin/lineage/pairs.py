@@ -173,7 +173,19 @@ def lineage_of(
         )
         for k, (g, lm) in enumerate(zip(given, same, strict=True))
     ]
-    settings: dict[str, float | int | str] = {
+    settings = _settings(share, cap, null, data, run.tokens)
+    if vocabulary is not None:
+        settings["vocabulary"] = vocabulary
+    if key is not None and data is not None:
+        settings["data_note"] = "pairs of other depths than the first model's are compared data-free"
+    seconds = {"total": time.perf_counter() - start}
+    return LineageRecord(models=refs, settings=settings, pairs=pairs, layer_maps=stacks, seconds=seconds)
+
+
+def _settings(
+    share: float, cap: int, null: float, data: AlignmentData | None, tokens: int
+) -> dict[str, float | int | str]:
+    return {
         "signal_share": share,
         "signal_cap": cap,
         "null_similarity": null,
@@ -182,14 +194,8 @@ def lineage_of(
         "tol": MATCHING_TOL,
         "max_passes": MATCHING_ROUNDS,
         "data": "none" if data is None else data.description or "given",
-        "data_tokens": run.tokens,
+        "data_tokens": tokens,
     }
-    if vocabulary is not None:
-        settings["vocabulary"] = vocabulary
-    if key is not None and data is not None:
-        settings["data_note"] = "pairs of other depths are compared data-free (the data's maps need one depth)"
-    seconds = {"total": time.perf_counter() - start}
-    return LineageRecord(models=refs, settings=settings, pairs=pairs, layer_maps=stacks, seconds=seconds)
 
 
 def _prefixed(progress: Callable[[str], None] | None, head: str) -> Callable[[str], None]:

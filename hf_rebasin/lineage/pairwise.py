@@ -85,7 +85,8 @@ class PairRun:
         (a, split_a), (b, split_b) = self.side(i), self.side(j)
         split = split_a + split_b
         if self.depths[i] == self.depths[j]:
-            found = judge(a, b, null=self.null, say=self.say, data=self.data, split=split)
+            data = self.data if self.depths[i] == self.depths[0] else None  # its probe runs the first model's depth
+            found = judge(a, b, null=self.null, say=self.say, data=data, split=split)
             self.tokens = found.tokens
             if found.transform is not None:
                 self._streams[(i, j)] = stream_maps(b.graph, found.transform)
