@@ -8,7 +8,8 @@ of A whose raw weights have the highest cosine; related at a median cosine of 0.
 Descendants (of the benchmark GPT-2, Qwen3 and Gemma 2, 4 layers each; "trained" = built from the
 GPT-2's domain fine-tune, 1,000 steps on the KJV, where the family has one, else 5 % of each tensor's
 RMS in noise as a stand-in): every second layer kept; the last layer dropped; SOLAR-style up-scaling
-(layers 0–2 then 1–3); each also under a random orthogonal transform (related up to symmetry); a
+(layers 0–2 then 1–3); each also under a random orthogonal transform (related up to symmetry); the
+GPT-2's three built from the base and then trained 300 steps on the KJV (cached after the first run); a
 `passthrough` stack of the base's layers 0–2 and its fine-tune's 1–3 given with both parents; an
 equal-depth stack of two independent seeds' halves. Independent: the same descendants built from
 seed 1 scored against seed 0, and from the tiny zoo GPT-2's seeds 1–3 against seed 0 (2 layers:
@@ -110,6 +111,27 @@ def _states(lm: LoadedModel) -> State:
     return {k: v.float() for k, v in lm.model.state_dict().items()}
 
 
+TRAIN_STEPS = 300  # after pruning or up-scaling: 300 steps of 16 KJV blocks at the domain fine-tune's rate
+
+
+def trained_after(base: LoadedModel, kept: list[int], tag: str) -> LoadedModel:
+    """The benchmark GPT-2's layers ``kept``, then trained `TRAIN_STEPS` steps on the KJV (the domain
+    fine-tune's data and rate): what a pruned or up-scaled release does to recover; cached."""
+    from hf_rebasin.core.resources import cache_root
+    from hf_rebasin.evaluation.zoo.catalogue import DomainFineTuneConfig
+    from hf_rebasin.evaluation.zoo.causal import run_text
+    from hf_rebasin.evaluation.zoo.train import _finetune_data
+    from hf_rebasin.io.models import load_model
+
+    out = cache_root() / "lineage-bench" / f"bench-gpt2-{tag}-trained{TRAIN_STEPS}"
+    if not (out / "config.json").exists():
+        cfg = DomainFineTuneConfig(steps=TRAIN_STEPS)
+        _, tokenizer, train, test = _finetune_data(0, None, cfg.eval_tokens, base_kind="bench-gpt2", corpus=cfg.corpus)
+        child = stacked([base], [_states(base)], [(0, i) for i in kept]).model.train()
+        run_text("bench-gpt2-ft", 0, cfg, out, lambda: child, tokenizer, train, test, progress=None, threads=2)
+    return load_model(out)
+
+
 def descendant_cases() -> Iterator[tuple[DepthCase, list[LoadedModel]]]:
     shapes = {"every second layer": [0, 2], "last layer dropped": [0, 1, 2], "up-scaled (0–2, 1–3)": [0, 1, 2, 1, 2, 3]}
     for kind in ("bench-gpt2", "bench-qwen3", "bench-gemma2"):
@@ -125,7 +147,14 @@ def descendant_cases() -> Iterator[tuple[DepthCase, list[LoadedModel]]]:
             moved = _transformed(child, child.model.state_dict(), "orthogonal", 5)
             child.model.load_state_dict(moved, strict=False)
             yield DepthCase("related", kind, f"{how} {what}, rotated", "related up to symmetry", sources), [base, child]
-    base, ft = _load("bench-gpt2", 0), _load("bench-gpt2-ft", 0)
+    base = _load("bench-gpt2", 0)
+    for tag, (how, kept) in zip(("pruned", "dropped", "upscaled"), shapes.items(), strict=True):
+        child = trained_after(base, kept, tag)
+        case = DepthCase(
+            "related", "bench-gpt2", f"{how}, then trained {TRAIN_STEPS} steps", "same basis", [(0, i) for i in kept]
+        )
+        yield case, [base, child]
+    ft = _load("bench-gpt2-ft", 0)
     sources = [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 3)]
     child = stacked([base, ft], [_states(base), _states(ft)], sources)
     yield (

@@ -60,6 +60,13 @@ def check_depths(models: Sequence[LoadedModel], names: Sequence[str]) -> str | N
             "across depths in a numbered layer list (model.layers.N), which these models' tensors do not have"
         )
 
+    streams = [n for n, sp in models[0].graph.spaces.items() if isinstance(sp, Space) and sp.kind == "residual"]
+    if len(streams) != 1:
+        raise IncompatibleModelsError(
+            f"{names[0]} has {depths[0]} layers and others {sorted(set(depths) - {depths[0]})}: layer maps are "
+            f"searched in models with one residual stream, and {models[0].model.config.model_type} has {len(streams)}"
+        )
+
     def template(lm: LoadedModel) -> dict[str, tuple[int, ...]]:
         return {renamed(n, key, 0): tuple(shape_of(lm.weights, n)) for n in lm.weights}
 
