@@ -220,3 +220,13 @@ def test_best_map_keeps_order_where_it_scores_as_well_and_repeats_where_it_must(
     upscaled = torch.tensor([[0.9, 0.1, 0.1], [0.1, 0.9, 0.88]], dtype=torch.float64)
     assert best_map(upscaled) == ([0, 1, 1], False)
     assert [duration(x) for x in (4.2, 600, 9000)] == ["4 s", "10 min", "2.5 h"]
+
+
+def test_layer_maps_are_refused_for_models_with_two_streams(tmp_path: Path) -> None:
+    from hf_rebasin.core.errors import IncompatibleModelsError
+
+    clip = tiny.FACTORIES["clip"](0)
+    config = copy.deepcopy(clip.config)
+    config.text_config.num_hidden_layers += 1
+    with pytest.raises(IncompatibleModelsError, match="one residual stream"):
+        _lineage([clip, type(clip)(config)], tmp_path)
