@@ -170,6 +170,10 @@ def descendant_cases() -> Iterator[tuple[DepthCase, list[LoadedModel]]]:
         DepthCase("stack", "bench-gpt2", "passthrough: seed 0's 0–1 + seed 1's 2–3", "related up to symmetry", sources),
         [base, other, child],
     )
+    sources = [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 3)]
+    child = stacked([base, other], [_states(base), _states(other)], sources)
+    how = "passthrough: seed 0's 0–2 + seed 1's 1–3 (deeper)"
+    yield DepthCase("stack", "bench-gpt2", how, "related up to symmetry", sources), [base, other, child]
 
 
 def independent_cases() -> Iterator[tuple[DepthCase, list[LoadedModel]]]:

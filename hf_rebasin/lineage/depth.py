@@ -300,13 +300,35 @@ def layer_scores(
     quotiented out (the mean over the layer's kinds of space of the cosine of their invariant
     products; about 0 for layers trained apart, near 1 for a layer and its copy). ``maps``: B's
     residual streams in A's basis where an alignment found them (default: from the embeddings)."""
-    maps = maps if maps is not None else residual_maps(graph_a, a, b, key)
-    d = next(iter(maps.values())).shape[0]
+    found = maps if maps is not None else residual_maps(graph_a, a, b, key)
+    d = next(iter(found.values())).shape[0]
     omega = torch.randn(d, min(d, SKETCH), generator=torch.Generator().manual_seed(0)) / math.sqrt(min(d, SKETCH))
     say = progress or (lambda _stage: None)
-    eye = {n: torch.eye(m.shape[0]) for n, m in maps.items()}
-    inv_a = _invariants(graph_a, a, sig_a, key, eye, omega, lambda i, n: say(f"layer circuits of A ({i}/{n})"))
-    inv_b = _invariants(graph_b, b, sig_b, key, maps, omega, lambda i, n: say(f"layer circuits of B ({i}/{n})"))
+    eye = {n: torch.eye(m.shape[0]) for n, m in found.items()}
+    inv_a = _invariants(graph_a, a, sig_a, key, eye, omega, _stage(say, "layer circuits of A"))
+    candidates = [found]
+    if maps is None and any(float((m - eye[n]).abs().max()) > NOT_IDENTITY for n, m in found.items()):
+        # layers copied as stored from a parent whose embeddings B does not carry (the second parent of a
+        # passthrough stack) sit in that parent's basis: the identity scores them where the embeddings' map cannot
+        candidates.append(eye)
+    scores = torch.full((len(inv_a), 0), 0.0, dtype=torch.float64)
+    for k, stream in enumerate(candidates):
+        stage = f"layer circuits of B{' as stored' if k else ''}"
+        inv_b = _invariants(graph_b, b, sig_b, key, stream, omega, _stage(say, stage))
+        one = _cosines(inv_a, inv_b)
+        scores = one if k == 0 else torch.maximum(scores, one)
+    return scores
+
+
+def _stage(say: Callable[[str], None], stage: str) -> Callable[[int, int], None]:
+    return lambda i, n: say(f"{stage} ({i}/{n})")
+
+
+NOT_IDENTITY = 0.05  # a residual map with an entry this far from the identity's is not the identity
+
+
+def _cosines(inv_a: Mapping[int, Mapping[str, Tensor]], inv_b: Mapping[int, Mapping[str, Tensor]]) -> Tensor:
+    """``S[i, j]``: the mean over the kinds of space both layers have of their circuits' cosine."""
     scores = torch.zeros(len(inv_a), len(inv_b), dtype=torch.float64)
     for i, kinds_a in inv_a.items():
         for j, kinds_b in inv_b.items():

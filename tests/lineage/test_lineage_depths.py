@@ -143,10 +143,15 @@ def _check_stack(record: LineageRecord, sources: list[tuple[int, int]]) -> None:
     assert built == [(record.models[p].given, i) for p, i in sources]
 
 
-def test_a_passthrough_stack_of_two_models_trained_apart_is_mapped_to_both(tmp_path: Path) -> None:
-    p1, p2 = _deep("gpt2", 0, 4), _deep("gpt2", 1, 4)
-    sources = [(0, 0), (0, 1), (1, 2), (1, 3)]
-    record = _lineage([p1, p2, _stacked("gpt2", [p1, p2], sources)], tmp_path)
+@pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize(
+    "sources",
+    [[(0, 0), (0, 1), (1, 2), (1, 3)], [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 3)]],
+    ids=["same", "deeper"],
+)
+def test_a_passthrough_stack_of_two_models_trained_apart_is_mapped_to_both(family, sources, tmp_path: Path) -> None:
+    p1, p2 = _deep(family, 0, 4), _deep(family, 1, 4)
+    record = _lineage([p1, p2, _stacked(family, [p1, p2], sources)], tmp_path)
     _check_stack(record, sources)
     verdicts = {(p.a, p.b): p.verdict for p in record.pairs}
     assert verdicts[(0, 1)] == "independent" and verdicts[(0, 2)] != "independent" != verdicts[(1, 2)]
