@@ -188,11 +188,12 @@ def _parted(adapter: LoraAdapter, state: Mapping[str, Tensor]) -> set[str]:
     return apart
 
 
-def finetune_with_tokens(base: LoadedModel, folder: Path, *, allow_pickle: bool = False) -> LoadedModel | None:
+def finetune_with_tokens(
+    base: LoadedModel, folder: Path, *, allow_pickle: bool = False, where: str = "finetuned.model"
+) -> LoadedModel | None:
     """A LoRA adapter trained with new tokens (its embedding and LM head whole in
     ``modules_to_save``, or trainable tokens), merged into its base resized as it was for training:
     a full fine-tune whose rows are matched by token with the target's. None for another adapter."""
-    where = "finetuned.model"
     model = merged_with_tokens(folder, base.model, allow_pickle=allow_pickle, where=where)
     if model is None:
         return None

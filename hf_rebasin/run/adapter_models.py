@@ -11,11 +11,10 @@ from pathlib import Path
 from hf_rebasin.core.errors import CheckpointError, RebasinUserError
 from hf_rebasin.io.models import LoadedModel, load_model
 from hf_rebasin.io.rebuild import rebuild
-from hf_rebasin.merging.lora import ADAPTER_CONFIG, adapter_config, apply_adapter, is_adapter, read_adapter
-from hf_rebasin.merging.lora_vocab import merged_with_tokens
-from hf_rebasin.symmetry.adapters import graph_for
+from hf_rebasin.merging.lora import ADAPTER_CONFIG, LoraAdapter, adapter_config, apply_adapter, is_adapter, read_adapter
+from hf_rebasin.merging.lora_vocab import finetune_with_tokens
 
-__all__ = ["adapter_base", "is_bare_adapter", "merged_adapter"]
+__all__ = ["adapter_base", "is_bare_adapter", "merged_adapter", "merged_into"]
 
 
 def is_bare_adapter(folder: Path) -> bool:
@@ -49,10 +48,19 @@ def merged_adapter(
             f"{where}: {str(folder)!r} is a PEFT LoRA adapter, compared as its base with the adapter merged in, and "
             f"its base {base_ref!r} ({ADAPTER_CONFIG}: base_model_name_or_path) could not be read: {e}"
         ) from None
-    model = merged_with_tokens(folder, base.model, allow_pickle=allow_pickle, where=where)
-    if model is None:
-        adapter = read_adapter(folder, base.model, allow_pickle=allow_pickle, where=where)
-        model = rebuild(base.model, apply_adapter(adapter, base.model.state_dict()))
-    graph = graph_for(model.config, model.state_dict().keys())
-    note = f"{where} is a LoRA adapter: compared as its base {base_ref} with the adapter merged in"
-    return LoadedModel(model, graph, Path(folder), base.stored_dtype), note
+    merged, _ = merged_into(base, Path(folder), allow_pickle=allow_pickle, where=where)
+    return merged, f"{where} is a LoRA adapter: compared as its base {base_ref} with the adapter merged in"
+
+
+def merged_into(
+    base: LoadedModel, folder: Path, *, allow_pickle: bool = False, where: str = "finetuned.model"
+) -> tuple[LoadedModel, LoraAdapter | None]:
+    """The fine-tune a bare adapter makes of ``base``: merged into the base resized as for training
+    where it has new tokens (then no adapter is returned: its factors are of the resized base), else
+    its factors applied to the base's weights (and the adapter, for a run that keeps it)."""
+    grown = finetune_with_tokens(base, folder, allow_pickle=allow_pickle, where=where)
+    if grown is not None:
+        return grown, None
+    adapter = read_adapter(folder, base.model, allow_pickle=allow_pickle, where=where)
+    merged = rebuild(base.model, apply_adapter(adapter, base.weights))
+    return LoadedModel(merged, base.graph, folder, adapter.dtype), adapter

@@ -26,11 +26,10 @@ from hf_rebasin.evaluation.record import DtypeEntry
 from hf_rebasin.io.checks import check_same_shapes
 from hf_rebasin.io.models import LoadedModel, check_compatible, load_model, resolve_device, to_device
 from hf_rebasin.io.output import check_inputs
-from hf_rebasin.io.rebuild import rebuild
-from hf_rebasin.merging.lora import LoraAdapter, apply_adapter, is_adapter, read_adapter
-from hf_rebasin.merging.lora_vocab import finetune_with_tokens
+from hf_rebasin.merging.lora import LoraAdapter, is_adapter
 from hf_rebasin.merging.transport import check_shared
 from hf_rebasin.recipe import Recipe
+from hf_rebasin.run.adapter_models import is_bare_adapter, merged_into
 from hf_rebasin.run.alignment_cache import RunCache
 from hf_rebasin.run.checks import check_adapter, check_remote_code, check_tokenizers, read_paths, task_mismatch
 from hf_rebasin.run.clock import Progress, StageClock, noop
@@ -312,13 +311,8 @@ def _load_finetune(
 ) -> tuple[LoadedModel, LoraAdapter | None]:
     """A transport's fine-tune, checked against its base: a full model of the same model type (its
     head may differ: a classifier trained on A's features), or a LoRA adapter merged into A."""
-    if is_adapter(folder) and not (folder / "config.json").is_file():
-        grown = finetune_with_tokens(base, folder, allow_pickle=recipe.allow_pickle)
-        if grown is not None:
-            return grown, None
-        adapter = read_adapter(folder, base.model, allow_pickle=recipe.allow_pickle, where="finetuned.model")
-        merged = rebuild(base.model, apply_adapter(adapter, weights(base)))
-        return LoadedModel(merged, base.graph, folder, adapter.dtype), adapter
+    if is_bare_adapter(folder):
+        return merged_into(base, folder, allow_pickle=recipe.allow_pickle)
     ft = _load(folder, recipe, "finetuned.model", stream=stream, device=device)
     type_a, type_ft = base.model.config.model_type, ft.model.config.model_type
     if type_a != type_ft:
