@@ -223,9 +223,10 @@ def resolve_device(name: str | None, where: str = "`device`") -> torch.device:
     return torch.device(name)
 
 
-def _depth(lm: LoadedModel) -> int | None:
+def depth_of(lm: LoadedModel) -> int:
+    """The model's number of layers (its text model's; 0 where the config names none)."""
     config = lm.model.config.get_text_config()
-    return getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    return int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
 
 
 def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
@@ -237,7 +238,7 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
             f"{str(b.path)!r} is a {cls_b} (model_type {type_b!r}) but the reference {str(a.path)!r} is a "
             f"{cls_a} (model_type {type_a!r}): only models of one architecture can be aligned"
         )
-    depth_a, depth_b = _depth(a), _depth(b)
+    depth_a, depth_b = depth_of(a), depth_of(b)
     if depth_a != depth_b:
         raise IncompatibleModelsError(
             f"{str(b.path)!r} has {depth_b} layers but the reference {str(a.path)!r} has {depth_a}: merge and "

@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from itertools import combinations
 
 from hf_rebasin.core.lazy import dtype_of, shape_of
-from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.io.models import LoadedModel, depth_of
 from hf_rebasin.lineage.compare import threads_for
 from hf_rebasin.lineage.depth import layer_key, layer_of
-from hf_rebasin.lineage.pairwise import layers_of
 from hf_rebasin.lineage.stats import is_matrix, signal_of, signal_rank
 
 __all__ = ["PAIR_RATIO", "duration", "estimate_seconds"]
@@ -31,7 +30,7 @@ def estimate_seconds(models: Sequence[LoadedModel]) -> tuple[float, float]:
     """The seconds a lineage run of ``models`` is expected to take here, and the seconds one layer's
     split took (what the estimate is scaled from)."""
     ref = models[0]
-    depth = layers_of(ref)
+    depth = depth_of(ref)
     key = layer_key(ref.weights, depth) if depth else None
     state = ref.weights
     names = [
@@ -44,7 +43,7 @@ def estimate_seconds(models: Sequence[LoadedModel]) -> tuple[float, float]:
         for name in names:
             signal_of(state[name].float(), signal_rank(tuple(shape_of(state, name))))
     per_layer = time.perf_counter() - start
-    depths = [layers_of(lm) for lm in models]
+    depths = [depth_of(lm) for lm in models]
     split = per_layer * sum(depths)
     pairs = sum(
         per_layer * (depths[i] + depths[j]) * PAIR_RATIO + FLOOR for i, j in combinations(range(len(models)), 2)

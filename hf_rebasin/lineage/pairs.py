@@ -13,12 +13,12 @@ from hf_rebasin.core.errors import IncompatibleModelsError, RebasinUserError
 from hf_rebasin.core.lazy import shape_of
 from hf_rebasin.core.memory import OVERHEAD, InsufficientMemoryError, available_memory
 from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
-from hf_rebasin.io.models import LoadedModel, check_compatible
+from hf_rebasin.io.models import LoadedModel, check_compatible, depth_of
 from hf_rebasin.io.rows import to_shared_rows
 from hf_rebasin.lineage.compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, threads_for
 from hf_rebasin.lineage.datamaps import LineageData, data_bytes, data_tokens
 from hf_rebasin.lineage.depth import layer_key, renamed
-from hf_rebasin.lineage.pairwise import PairRun, layers_of
+from hf_rebasin.lineage.pairwise import PairRun
 from hf_rebasin.lineage.record import LineageRecord, ModelRef, PairRecord
 from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE, is_matrix, signal_rank
 from hf_rebasin.symmetry.spaces import Space
@@ -49,7 +49,7 @@ def check_comparable(models: Sequence[LoadedModel], names: Sequence[str]) -> Non
 def check_depths(models: Sequence[LoadedModel], names: Sequence[str]) -> str | None:
     """Where depths differ: the module list holding the layers, after checking that every model's
     layers have the reference's tensors and shapes (a layer map renames layers, nothing else)."""
-    depths = [layers_of(lm) for lm in models]
+    depths = [depth_of(lm) for lm in models]
     if len(set(depths)) == 1:
         return None
     keys = {layer_key(lm.weights, d) for lm, d in zip(models, depths, strict=True)}

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from scipy.stats import norm
 from torch import Tensor
 
-from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.io.models import LoadedModel, depth_of
 from hf_rebasin.lineage.compare import ALPHA, NULL_SIMILARITY, PairLineage, Side, judge, prepare_side
 from hf_rebasin.lineage.datamaps import LineageData
 from hf_rebasin.lineage.depth import best_map, layer_key, layer_scores, stream_maps
@@ -18,12 +18,7 @@ from hf_rebasin.lineage.layermap import LayerFit, fit_layers, orient, per_layer,
 from hf_rebasin.lineage.record import LayerMap, PairRecord, map_step, moved_spaces, next_step
 from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE, combined_z, log10_sf
 
-__all__ = ["PairRun", "layers_of"]
-
-
-def layers_of(lm: LoadedModel) -> int:
-    config = lm.model.config.get_text_config()
-    return int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
+__all__ = ["PairRun"]
 
 
 class PairRun:
@@ -42,7 +37,7 @@ class PairRun:
         data: LineageData | None = None,
     ) -> None:
         self.models, self.given, self.key = models, given, key
-        self.depths = [layers_of(lm) for lm in models]
+        self.depths = [depth_of(lm) for lm in models]
         self.share, self.cap, self.null, self.data = share, cap, null, data
         self.say: Callable[[str], None] = lambda _stage: None
         self.tokens = 0
