@@ -16,10 +16,20 @@ from torch import Tensor
 
 from hf_rebasin.lineage.compare import ALPHA, NULL_SIMILARITY, PairLineage, Side, judge
 from hf_rebasin.lineage.depth import ScalesView, Source, best_map, signals_view, state_view
-from hf_rebasin.lineage.record import LayerMap, LayerMatch
+from hf_rebasin.lineage.record import LayerMap, LayerMatch, SpaceRecord
 from hf_rebasin.lineage.stats import combined_z, log10_sf
 
-__all__ = ["LayerFit", "fit_layers", "mapped_view", "orient", "per_layer", "to_record", "unexplained"]
+__all__ = [
+    "LayerFit",
+    "LayerStat",
+    "fit_layers",
+    "layer_stats",
+    "mapped_view",
+    "orient",
+    "per_layer",
+    "to_record",
+    "unexplained",
+]
 
 UNEXPLAINED = 0.5  # a layer whose best score is below this share of the other side's median best has no source
 
@@ -89,15 +99,38 @@ def fit_layers(
     return LayerFit(sources, picked, increasing, found, sum(int(s.shape[0]) for s in scores))
 
 
+@dataclass(frozen=True)
+class LayerStat:
+    """One layer's evidence from its counted spaces: their mean bulk similarity (aligned), log10 p
+    of 'kin' (Stouffer over them) and their bulk entries."""
+
+    similarity: float = 0.0
+    log10_p: float = log10_sf(0.0)
+    entries: int = 0
+
+
+def layer_stats(spaces: Sequence[SpaceRecord]) -> dict[int, LayerStat]:
+    """Each layer's `LayerStat` (layers without a counted space are absent)."""
+    by: dict[int, list[SpaceRecord]] = {}
+    for e in spaces:
+        if e.counted and e.layer is not None:
+            by.setdefault(e.layer, []).append(e)
+    return {
+        j: LayerStat(
+            sum(e.similarity for e in es) / len(es), log10_sf(combined_z([e.z for e in es])), sum(e.entries for e in es)
+        )
+        for j, es in by.items()
+    }
+
+
 def per_layer(fit: LayerFit) -> list[tuple[float, float]]:
     """Each mapped layer's mean bulk similarity and log10 p of 'kin' (Stouffer over its spaces,
     Bonferroni over the candidate layers it was picked from)."""
+    stats = layer_stats(fit.found.spaces)
     out = []
     for j in range(len(fit.sources)):
-        spaces = [e for e in fit.found.spaces if e.counted and e.layer == j]
-        z = combined_z([e.z for e in spaces])
-        similarity = sum(e.similarity for e in spaces) / len(spaces) if spaces else 0.0
-        out.append((similarity, min(0.0, log10_sf(z) + math.log10(fit.candidates))))
+        stat = stats.get(j, LayerStat())
+        out.append((stat.similarity, min(0.0, stat.log10_p + math.log10(fit.candidates))))
     return out
 
 

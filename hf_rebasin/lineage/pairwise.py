@@ -14,9 +14,18 @@ from hf_rebasin.io.models import LoadedModel, depth_of
 from hf_rebasin.lineage.compare import ALPHA, NULL_SIMILARITY, PairLineage, Side, judge, prepare_side
 from hf_rebasin.lineage.datamaps import LineageData
 from hf_rebasin.lineage.depth import best_map, layer_key, layer_scores, stream_maps
-from hf_rebasin.lineage.layermap import LayerFit, fit_layers, orient, per_layer, to_record, unexplained
+from hf_rebasin.lineage.layermap import (
+    LayerFit,
+    LayerStat,
+    fit_layers,
+    layer_stats,
+    orient,
+    per_layer,
+    to_record,
+    unexplained,
+)
 from hf_rebasin.lineage.record import LayerMap, PairRecord, map_step, moved_spaces, next_step
-from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE, combined_z, log10_sf
+from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE
 
 __all__ = ["PairRun"]
 
@@ -121,15 +130,13 @@ class PairRun:
             single = self._single_parents(pairs, c)
             if len(single) < 2:
                 continue
-            fit = self._fit(sorted(single), c)
             parents = sorted(single)
+            fit = self._fit(parents, c)
             used = {parents[s.parent] for s in fit.sources}
             if len(used) < 2 or unexplained(fit):
                 continue
-            mine = [
-                (sim, sum(e.entries for e in fit.found.spaces if e.counted and e.layer == j))
-                for j, (sim, _) in enumerate(per_layer(fit))
-            ]
+            stats = layer_stats(fit.found.spaces)
+            mine = [(sim, stats.get(j, LayerStat()).entries) for j, (sim, _) in enumerate(per_layer(fit))]
             if all(_beats(mine, fit, parents, p, sims) for p, sims in single.items()):
                 out.append(to_record(fit, c, parents, self.given, self.depths))
         return out
@@ -149,7 +156,8 @@ class PairRun:
                 else:  # the pair mapped the other way (part of c matched): c's layers onto the other's
                     out[other] = [sim for sim, _ in per_layer(self._fit([other], c))]
                 continue
-            out[other] = [_layer_similarity(pr, j) for j in range(self.depths[c])]
+            stats = layer_stats(pr.spaces)
+            out[other] = [stats.get(j, LayerStat()).similarity for j in range(self.depths[c])]
         return out
 
 
@@ -165,18 +173,8 @@ def _beats(mine: list[tuple[float, int]], fit: LayerFit, parents: list[int], p: 
     return spread > 0 and gap / math.sqrt(spread) > float(norm.isf(ALPHA))
 
 
-def _layer_similarity(pr: PairRecord, j: int) -> float:
-    spaces = [e for e in pr.spaces if e.counted and e.layer == j]
-    return sum(e.similarity for e in spaces) / len(spaces) if spaces else 0.0
-
-
 def _unkin_layers(found: PairLineage) -> bool:
-    layers = {e.layer for e in found.spaces if e.counted and e.layer is not None}
-    for j in layers:
-        spaces = [e for e in found.spaces if e.counted and e.layer == j]
-        if log10_sf(combined_z([e.z for e in spaces])) >= math.log10(ALPHA):
-            return True
-    return False
+    return any(stat.log10_p >= math.log10(ALPHA) for stat in layer_stats(found.spaces).values())
 
 
 def _record(i: int, j: int, found: PairLineage, lmap: LayerMap | None, given: list[str]) -> PairRecord:
