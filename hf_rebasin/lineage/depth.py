@@ -18,6 +18,7 @@ Pure tensor functions over states and graphs; `lineage.compare` calls them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -155,8 +156,8 @@ class ScalesView(Mapping[str, Tensor]):
     def __init__(
         self, parents: Sequence[Mapping[str, Tensor]], spaces: Iterable[str], key: str, sources: Sequence[Source]
     ):
-        self._where = {s: _source_name(s, key, sources) for s in spaces}
-        self._where = {s: w for s, w in self._where.items() if w[1] in parents[w[0]]}
+        where = {s: _source_name(s, key, sources) for s in spaces}
+        self._where = {s: (p, own) for s, (p, own) in where.items() if own in parents[p]}
         self._parents = parents
 
     def __getitem__(self, space: str) -> Tensor:
@@ -184,18 +185,14 @@ def residual_maps(
     (too few of them) keeps the identity."""
     outside = {n: bd for n, bd in graph_a.bindings.items() if layer_of(n, key) is None and n in b}
     views = WeightViews(replace(graph_a, bindings=outside), a, b)
-    out: dict[str, Tensor] = {}
+    found: dict[str, SpaceMap] = {}
     for name, space in graph_a.spaces.items():
         if not isinstance(space, Space) or space.kind != "residual":
             continue
         view = views.static(name).get(None)
-        eye = torch.eye(space.size)
-        if view is None or torch.linalg.matrix_rank(view.to(torch.float64)) < space.size:
-            out[name] = eye
-            continue
-        m: AxisMap = solve_plain(space, view.to(torch.float64), "orthogonal")
-        out[name] = m.apply(eye, 0)
-    return out
+        if view is not None and torch.linalg.matrix_rank(view.to(torch.float64)) == space.size:
+            found[name] = solve_plain(space, view.to(torch.float64), "orthogonal")
+    return stream_maps(graph_a, found)
 
 
 def stream_maps(graph: SymmetryGraph, transform: Mapping[str, SpaceMap]) -> dict[str, Tensor]:
@@ -311,13 +308,11 @@ def layer_scores(
         # layers copied as stored from a parent whose embeddings B does not carry (the second parent of a
         # passthrough stack) sit in that parent's basis: the identity scores them where the embeddings' map cannot
         candidates.append(eye)
-    scores = torch.full((len(inv_a), 0), 0.0, dtype=torch.float64)
+    scores = []
     for k, stream in enumerate(candidates):
         stage = f"layer circuits of B{' as stored' if k else ''}"
-        inv_b = _invariants(graph_b, b, sig_b, key, stream, omega, _stage(say, stage))
-        one = _cosines(inv_a, inv_b)
-        scores = one if k == 0 else torch.maximum(scores, one)
-    return scores
+        scores.append(_cosines(inv_a, _invariants(graph_b, b, sig_b, key, stream, omega, _stage(say, stage))))
+    return functools.reduce(torch.maximum, scores)
 
 
 def _stage(say: Callable[[str], None], stage: str) -> Callable[[int, int], None]:
