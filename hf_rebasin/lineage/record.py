@@ -134,10 +134,10 @@ def next_step(verdict: str, maps: list[str], moved: str | None = None) -> str:
 def map_step(verdict: str, lmap: LayerMap, given: list[str] | tuple[str, ...], step: str) -> str:
     """The next step for a model whose layers map onto its parents' other than one to one: what
     the map is, that merge and transport need one depth, and how to get there."""
-    parents = " and ".join(given[p] for p in lmap.parents)
-    where = describe_layers(lmap, given)
     if verdict == "independent":
         return step
+    parents = " and ".join(given[p] for p in lmap.parents)
+    where = describe_layers(lmap, given)
     return (
         f"{given[lmap.model]} is {lmap.kind} from {parents} ({where}). `hf-rebasin merge` and `transport` take "
         "models of one depth and refuse others: build the parents' layers at its depth with mergekit's passthrough "
@@ -146,7 +146,8 @@ def map_step(verdict: str, lmap: LayerMap, given: list[str] | tuple[str, ...], s
 
 
 def describe_layers(lmap: LayerMap, given: list[str] | tuple[str, ...]) -> str:
-    """``layers 0–3 ← 0, 2, 4, 6 of A; layer 4: none``: runs of layers with consecutive sources."""
+    """``layers 0–2 ← 1–3; layer 3 ← no kin layer``: runs of layers with consecutive sources (each
+    source's model named where there are several parents)."""
     runs: list[tuple[int, int | None, list[int]]] = []  # parent, first source, layers
     for m in lmap.layers:
         last = runs[-1] if runs else None
