@@ -17,7 +17,7 @@ from torch import Tensor
 
 from hf_rebasin.core.lazy import LazyState, row_blocks
 from hf_rebasin.core.names import DEFAULT_SHARD_SIZE
-from hf_rebasin.io.layout import support_files
+from hf_rebasin.io.gate import support_files
 from hf_rebasin.io.offload import empty_model
 from hf_rebasin.io.output import write_text
 from hf_rebasin.io.rebuild import output_config, rebuild
@@ -36,12 +36,13 @@ def copy_support_files(source: Path, dest: Path) -> list[str]:
     (``save_pretrained`` writes its own generation_config.json; A's, with its eos ids and sampling
     defaults, is the one a user expects); their names."""
     copied: list[str] = []
-    for src in support_files(source):
-        target = Path(dest) / src.name
+    for name, real in support_files(source).items():
+        target = Path(dest) / name
+        target.parent.mkdir(exist_ok=True)  # a named chat template's folder
         if target.is_symlink() or target.exists():
             target.unlink()
-        shutil.copyfile(src, target)  # the bytes, following a snapshot's link into the blob store
-        copied.append(src.name)
+        shutil.copyfile(real, target)  # the bytes that passed the gate (a snapshot's blob, not the link)
+        copied.append(name)
     return copied
 
 

@@ -12,13 +12,33 @@ import os
 from pathlib import Path
 
 from hf_rebasin.core.errors import named
-from hf_rebasin.io.files import SUPPORT_LIMIT, check_json, checked, model_root, read_config, read_header, resolve_folder
-from hf_rebasin.io.layout import PICKLE, PICKLE_INDEX, SAFETENSORS, SAFETENSORS_INDEX, index_shards, is_support_file
+from hf_rebasin.io.files import (
+    MIB,
+    SUPPORT_LIMIT,
+    check_json,
+    checked,
+    model_root,
+    read_config,
+    read_header,
+    resolve_folder,
+)
+from hf_rebasin.io.layout import (
+    PICKLE,
+    PICKLE_INDEX,
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    chat_templates,
+    index_shards,
+    is_support_file,
+)
 from hf_rebasin.io.schemas import SCHEMAS
 
-__all__ = ["check_file", "check_folder", "read_files", "safetensors_files"]
+__all__ = ["check_file", "check_folder", "read_files", "safetensors_files", "support_files"]
 
 _ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+# Text a loader reads whole into memory: a chat template (real ones are a few KB), a vocabulary or
+# merges list (a 256k-token vocab.txt is a few MB). Other carried files are copied, not read.
+TEXT_LIMITS = {".jinja": 16 * MIB, ".txt": 256 * MIB}
 
 
 def _json_names(names: list[str]) -> list[str]:
@@ -56,7 +76,21 @@ def read_files(folder: Path, *, allow_pickle: bool = False) -> list[str]:
     safetensors, pickles = _weights(folder, present, allow_pickle)
     adapter = [n for n in _ADAPTER_WEIGHTS if n in present and (allow_pickle or n.endswith(".safetensors"))]
     support = [n for n in names if is_support_file(n) and not (folder / n).is_dir()]  # a link loop: False
-    return sorted({*_json_names(names), *safetensors, *pickles, *adapter, *support})
+    return sorted({*_json_names(names), *safetensors, *pickles, *adapter, *support, *chat_templates(folder)})
+
+
+def support_files(folder: Path) -> dict[str, Path]:
+    """The files of ``folder`` an output carries (`layout.is_support_file`: top-level files and the
+    named chat templates), each through the gate: its name relative to ``folder`` -> the real path
+    that passed, which is what a copy reads (a link out of the model's folder, a FIFO or a device is
+    refused, never copied into an output)."""
+    folder = Path(folder)
+    try:
+        names = sorted(e.name for e in os.scandir(folder) if is_support_file(e.name) and not e.is_dir())
+    except OSError:
+        return {}
+    root = model_root(folder.resolve())
+    return {name: check_file(folder / name, root) for name in [*names, *chat_templates(folder)]}
 
 
 def check_folder(folder: Path | str, *, allow_pickle: bool = False, where: str | None = None) -> Path:
@@ -72,10 +106,11 @@ def check_folder(folder: Path | str, *, allow_pickle: bool = False, where: str |
     return real
 
 
-def check_file(path: Path, root: Path) -> None:
+def check_file(path: Path, root: Path) -> Path:
     """One file through the gate by what it is: config.json typed with its sizes bounded, a JSON file
-    a loader reads typed by its schema, a safetensors header checked against its file, any other
-    file confined, regular and at most `SUPPORT_LIMIT` bytes."""
+    a loader reads typed by its schema, a safetensors header checked against its file, a text file
+    a loader reads (`TEXT_LIMITS`) or any other file confined, regular and of a bounded size. The
+    real path that passed."""
     name = path.name
     if name == "config.json":
         read_config(path.parent)
@@ -84,4 +119,5 @@ def check_file(path: Path, root: Path) -> None:
     elif name.endswith(".safetensors"):
         read_header(path, root)
     else:
-        checked(path, root, limit=SUPPORT_LIMIT)
+        return checked(path, root, limit=TEXT_LIMITS.get(Path(name).suffix.lower(), SUPPORT_LIMIT))
+    return checked(path, root)

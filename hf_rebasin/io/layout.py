@@ -9,10 +9,12 @@ outside the folder is refused in both places with the same words.
 
 from __future__ import annotations
 
+import fnmatch
+import os
 from pathlib import Path, PurePosixPath
 
 from hf_rebasin.core.errors import CheckpointError
-from hf_rebasin.io.files import SUPPORT_LIMIT, checked, model_root, read_json
+from hf_rebasin.io.files import read_json
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -22,7 +24,8 @@ RECORD = "rebasin.json"  # what marks a folder as an hf-rebasin output (the only
 # output's own are written by `save_merged_model`), its config (written with the weights), its card
 # and hf-rebasin's own files (the output gets new ones), adapters, code and hidden files. Every
 # other top-level file of A (tokenizer, generation config, chat template, processor configs,
-# licence texts, ...) reaches the output byte for byte; `hub` downloads the same set.
+# licence texts, ...) reaches the output byte for byte, and so do the named chat templates in
+# `CHAT_TEMPLATE_DIR`; `hub` downloads the same set.
 WEIGHT_SUFFIXES: tuple[str, ...] = (
     ".safetensors",
     ".bin",
@@ -54,13 +57,20 @@ NOT_CARRIED: tuple[str, ...] = (
 )
 NOT_CARRIED_PREFIXES: tuple[str, ...] = ("adapter_", ".")
 CODE_SUFFIXES: tuple[str, ...] = (".py", ".pyc", ".so", ".dll", ".dylib", ".sh")
+# The one sub-folder a loader reads: transformers' tokenizer and processor loaders take every
+# ``*.jinja`` in it as a named chat template (``tokenizer.chat_template`` becomes a dict).
+CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_GLOB = "additional_chat_templates", "*.jinja"
 
 
 def is_support_file(name: str) -> bool:
     """Whether the file ``name`` (relative to a model folder, ``/``-separated) is one of model A's
-    files that the output keeps as it is: top level, not weights, not config.json, not code."""
-    if "/" in name or "\\" in name or not name:
-        return False  # sub-folders hold other formats (onnx/, original/) or code
+    files that the output keeps as it is: top level, not weights, not config.json, not code; or a
+    named chat template."""
+    if "\\" in name or not name:
+        return False
+    if "/" in name:  # sub-folders hold other formats (onnx/, original/) or code; templates are read
+        parent, _, base = name.partition("/")
+        return parent == CHAT_TEMPLATE_DIR and "/" not in base and fnmatch.fnmatchcase(base, CHAT_TEMPLATE_GLOB)
     lower = name.lower()
     return not (
         name in NOT_CARRIED
@@ -70,20 +80,18 @@ def is_support_file(name: str) -> bool:
     )
 
 
-def support_files(folder: Path) -> list[Path]:
-    """The files of ``folder`` that `is_support_file` keeps (symbolic links followed, as in a Hub
-    snapshot), sorted by name; each through the gate (`files.checked`): a link out of the model's
-    folder, a FIFO or a device is refused, never copied into an output."""
-    folder = Path(folder)
+def chat_templates(folder: Path) -> list[str]:
+    """The named chat templates a loader reads of ``folder`` (``CHAT_TEMPLATE_DIR/NAME.jinja``, found
+    as transformers finds them: every entry of that folder whose name matches, a link or a folder
+    too, so that the gate refuses what the loader would open), sorted."""
+    sub = Path(folder) / CHAT_TEMPLATE_DIR
     try:
-        entries = sorted(folder.iterdir())
-    except OSError:
+        if not sub.is_dir():
+            return []
+        names = sorted(e.name for e in os.scandir(sub) if fnmatch.fnmatchcase(e.name, CHAT_TEMPLATE_GLOB))
+    except OSError:  # unreadable: the loader finds nothing there either
         return []
-    root = model_root(folder.resolve())
-    keep = [p for p in entries if is_support_file(p.name) and not p.is_dir()]
-    for path in keep:
-        checked(path, root, limit=SUPPORT_LIMIT)  # raises for a link out of the folder, a FIFO, a device
-    return keep
+    return [f"{CHAT_TEMPLATE_DIR}/{n}" for n in names]
 
 
 def index_shards(index: Path, where: str) -> list[str]:

@@ -22,8 +22,10 @@ __all__ = [
     "differ_in_vocabulary",
     "has_tokenizer",
     "load_tokenizer",
+    "loader_files",
     "merge_rule",
     "model_json",
+    "template_files",
     "tokenizer_difference",
     "tokenizer_files",
 ]
@@ -52,20 +54,38 @@ def tokenizer_files(folder: Path) -> list[str]:
     return [name for name in TOKENIZER_FILES if os.path.lexists(Path(folder) / name)]
 
 
-# what a tokenizer loader may read besides `TOKENIZER_FILES`
+# what a tokenizer loader may read besides `TOKENIZER_FILES` (and the named chat templates)
 LOADER_EXTRAS = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 
-def gate_tokenizer_files(folder: Path) -> None:
+# the chat template files besides the named ones (transformers 5 writes the .jinja; older processors the .json)
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def template_files(folder: Path) -> list[str]:
+    """The chat template files of ``folder``, relative to it: the default and the named ones."""
+    from hf_rebasin.io.layout import chat_templates
+
+    return [*(n for n in TEMPLATE_FILES if os.path.lexists(Path(folder) / n)), *chat_templates(folder)]
+
+
+def loader_files(folder: Path) -> list[str]:
+    """Every file of ``folder`` a tokenizer loader may read, relative to it: `TOKENIZER_FILES`,
+    `LOADER_EXTRAS` and the named chat templates (``additional_chat_templates/*.jinja``)."""
+    from hf_rebasin.io.layout import chat_templates
+
+    present = [name for name in (*TOKENIZER_FILES, *LOADER_EXTRAS) if os.path.lexists(Path(folder) / name)]
+    return [*present, *chat_templates(folder)]
+
+
+def gate_tokenizer_files(folder: Path) -> dict[str, Path]:
     """Every file a tokenizer loader may read of ``folder`` through the gate (`files`): inside the
-    model's folder, regular, of a sane size, JSON of its schema."""
+    model's folder, regular, of a sane size, JSON of its schema. Name -> the real path that passed."""
     from hf_rebasin.io.files import model_root, resolve_folder
     from hf_rebasin.io.gate import check_file
 
     root = model_root(resolve_folder(folder))
-    for name in (*TOKENIZER_FILES, *LOADER_EXTRAS):
-        if os.path.lexists(Path(folder) / name):
-            check_file(Path(folder) / name, root)
+    return {name: check_file(Path(folder) / name, root) for name in loader_files(folder)}
 
 
 def _reason(error: BaseException, folder: Path) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 from hf_rebasin.alignment import cache
 from hf_rebasin.alignment.strategies import Alignment, Pair, get_strategy
 from hf_rebasin.evaluation.record import CacheStats
-from hf_rebasin.io.layout import support_files
+from hf_rebasin.io.gate import support_files
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.recipe import Recipe
 from hf_rebasin.run.clock import Progress, noop
@@ -64,7 +64,9 @@ class RunCache:
                     spec.model_dump(mode="json"),
                     self.base_dir,
                     **batching.identity(),  # with A's config (in its identity): the batches exactly
-                    processor=cache.files_identity(support_files(ref_lm.path), base=ref_lm.path),
+                    processor=cache.files_identity(
+                        [ref_lm.path / n for n in support_files(ref_lm.path)], base=ref_lm.path
+                    ),
                 )
             key = cache.alignment_key(
                 ref_res,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from hf_rebasin.io.rows import (
     working_layout,
 )
 from hf_rebasin.io.tokens import Vocabulary, compare_vocabularies, read_vocabulary
-from hf_rebasin.io.vocab import LOADER_EXTRAS, TOKENIZER_FILES, load_tokenizer
+from hf_rebasin.io.vocab import gate_tokenizer_files, load_tokenizer, loader_files, template_files
 from hf_rebasin.merging.interpolate import StorageKey, storage_key
 from hf_rebasin.merging.rows import fill_merge, fill_transport
 from hf_rebasin.recipe.tokenizer import model_index
@@ -76,6 +75,15 @@ class RunVocabulary:
         out.append(self.output_line())
         return out
 
+    def templates_from(self) -> int | None:
+        """The model whose chat templates the output carries beside another model's tokenizer files:
+        the written model has none, and the fine-tune (a transport) or else the reference has some.
+        None: the written files' own (or a built tokenizer's, which has them)."""
+        if self.written_from is None or template_files(self.folders[self.written_from]):
+            return None
+        donors = [i for i in (self.chat_from, 0) if i is not None and i != self.written_from]
+        return next((i for i in donors if template_files(self.folders[i])), None)
+
     def output_line(self) -> str:
         rows = len(self.output.rows)
         built = (
@@ -83,6 +91,9 @@ class RunVocabulary:
             if self.written_from is not None
             else f"{self.names[0]}'s tokenizer with {self.output.tokens - self.layout.reference:,} tokens added"
         )
+        donor = self.templates_from()
+        if donor is not None:
+            built += f", with the chat templates of {self.names[donor]} ({', '.join(template_files(self.folders[donor]))})"
         return (
             f"output vocabulary (tokenizer.source: {self.source}): {self.output.tokens:,} tokens in {rows:,} embedding "
             f"rows; {built}; rows matched by token, a row a model lacks taken from "
@@ -153,14 +164,15 @@ class RunVocabulary:
     def write(self, folder: Path) -> None:
         """The output's tokenizer files and generation config into ``folder`` (the reference's
         support files are there already), checked: every token loads at the row that was carried."""
-        for name in (*TOKENIZER_FILES, *LOADER_EXTRAS):
-            if os.path.lexists(folder / name):
-                (folder / name).unlink()
+        for name in loader_files(folder):  # the reference's, carried already: replaced as a whole
+            (folder / name).unlink()
         if self.written_from is not None:
-            source = self.folders[self.written_from]
-            for name in (*TOKENIZER_FILES, *LOADER_EXTRAS):
-                if (source / name).is_file():
-                    shutil.copyfile(source / name, folder / name)
+            # what is copied is what passed the gate, the named chat templates included
+            _copy(gate_tokenizer_files(self.folders[self.written_from]), folder)
+            donor = self.templates_from()
+            if donor is not None:  # none of its own: the templates the output would otherwise lose
+                found = gate_tokenizer_files(self.folders[donor])
+                _copy({n: found[n] for n in template_files(self.folders[donor])}, folder)
         else:
             _built(self).save_pretrained(str(folder))
         _remap_generation_config(folder / "generation_config.json", self.layout.keys, self.output_row())
@@ -192,6 +204,13 @@ def _lazy_output(state: LazyState, rows: OutputRows, names: Mapping[str, int]) -
         return mean_rows(state, name, tokens)
 
     return gather_rows(state, {n: idx for n in names if n in state}, mean_row)
+
+
+def _copy(files: Mapping[str, Path], folder: Path) -> None:
+    """``{name: real path that passed the gate}`` copied into ``folder`` under their names."""
+    for name, real in files.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        shutil.copyfile(real, folder / name)
 
 
 def _remap_generation_config(path: Path, old: Sequence[str | None], rows: Mapping[str, int]) -> None:

@@ -25,7 +25,7 @@ import tiny
 from hf_rebasin.alignment import cache, widths
 from hf_rebasin.core.errors import RebasinUserError
 from hf_rebasin.evaluation.data import char_tokenizer
-from hf_rebasin.io import datafiles, files, gate, layout, models, remote_code, tensors, vocab
+from hf_rebasin.io import datafiles, export, files, gate, layout, models, remote_code, tensors, vocab
 from hf_rebasin.merging import lora
 from hf_rebasin.run import checks, memory
 
@@ -77,11 +77,24 @@ def _sharded(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
+def _templates(folder: Path) -> None:
+    """A default chat template and a named one, as transformers 5 saves a dict of templates."""
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool.jinja").write_text("{{ tools }}")
+
+
+def _copy_support(folder: Path) -> None:
+    (folder.parent / "dest").mkdir(exist_ok=True)
+    export.copy_support_files(folder, folder.parent / "dest")
+
+
 def _adapter(folder: Path) -> None:
     config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["c_fc"], "fan_in_fan_out": True}
     (folder / "adapter_config.json").write_text(json.dumps(config))
 
 
+TEMPLATE = "additional_chat_templates/tool.jinja"
 # (what it reads, which file of the folder becomes special, how the folder is prepared, the call)
 READERS: list[tuple[str, str, Callable[[Path], None] | None, Callable[[Path], Any]]] = [
     ("files.read_config", "config.json", None, files.read_config),
@@ -96,7 +109,11 @@ READERS: list[tuple[str, str, Callable[[Path], None] | None, Callable[[Path], An
         _sharded,
         lambda f: layout.index_shards(f / "model.safetensors.index.json", "index"),
     ),
-    ("layout.support_files", "tokenizer.json", None, layout.support_files),
+    ("gate.support_files", "tokenizer.json", None, gate.support_files),
+    ("gate.support_files (named chat template)", TEMPLATE, _templates, gate.support_files),
+    ("gate.check_folder (named chat template)", TEMPLATE, _templates, gate.check_folder),
+    ("export.copy_support_files (named chat template)", TEMPLATE, _templates, _copy_support),
+    ("vocab.load_tokenizer (named chat template)", TEMPLATE, _templates, vocab.load_tokenizer),
     ("run.memory.footprint (weights)", "model.safetensors", None, memory.footprint),
     ("run.memory.footprint (shard)", "model-00001-of-00001.safetensors", _sharded, memory.footprint),
     ("run.memory.footprint (config)", "config.json", None, memory.footprint),
@@ -144,8 +161,13 @@ READERS: list[tuple[str, str, Callable[[Path], None] | None, Callable[[Path], An
 SPECIALS = {
     "fifo": lambda path: os.mkfifo(path),
     "device": lambda path: path.symlink_to("/dev/zero"),
-    "outside": lambda path: path.symlink_to(path.parent.parent / "elsewhere.json"),
+    "outside": lambda path: path.symlink_to(_outside(path)),
 }
+
+
+def _outside(path: Path) -> Path:
+    """The test's file beside the model folder (a link from a sub-folder climbs further)."""
+    return next(p / "elsewhere.json" for p in path.parents if (p / "elsewhere.json").exists())
 
 
 @pytest.mark.parametrize("kind", sorted(SPECIALS))
