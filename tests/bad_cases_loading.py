@@ -153,6 +153,18 @@ def _tied_untied(ws: Workspace) -> list[str]:
     return _merge(ws, strategy="weight-matching")
 
 
+def _tied_head_apart_verify(ws: Workspace) -> list[str]:
+    """config.json ties the head, the file stores it with other values: transformers loads it untied."""
+    from safetensors.torch import load_file, save_file
+
+    path = ws.model("a", seed=0) / "model.safetensors"
+    tensors = load_file(str(path))
+    noise = torch.randn(tensors["transformer.wte.weight"].shape, generator=torch.Generator().manual_seed(7))
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"] + 0.1 * noise
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return _verify(ws)
+
+
 def _extra_tensor(ws: Workspace) -> list[str]:
     _poison(ws.model("a", seed=0), "transformer.h.0.mlp.backdoor", 1.0, extra=True)
     return _verify(ws)
@@ -359,6 +371,16 @@ CASES: list[Case] = [
         needles=("lm_head.weight", "tie_word_embeddings"),
         check=_untouched,
         before="exit 0, B's lm_head dropped, function_preserved 3.8e-2 against 1e-4",
+    ),
+    Case(
+        "tied-head-stored-apart-verify",
+        "weights",
+        _tied_head_apart_verify,
+        0,
+        needles=("OK: outputs unchanged", "lm_head.weight differs from transformer.wte.weight", "read untied"),
+        check=_untouched,
+        before="exit 1, 'FAILED: the transform changed the outputs' (max |Δ| = 1.83): the tie applied to a head "
+        "stored with other values",
     ),
     Case(
         "extra-tensor",

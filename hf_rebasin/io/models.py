@@ -24,6 +24,7 @@ from hf_rebasin.io.configs import config_dtype, model_class, read_config, requir
 from hf_rebasin.io.gate import check_folder
 from hf_rebasin.io.renames import Renamer
 from hf_rebasin.io.tensors import CheckpointSource, checkpoint_entries
+from hf_rebasin.io.ties import read_ties
 from hf_rebasin.symmetry.adapters import get_adapter
 from hf_rebasin.symmetry.graph import SymmetryGraph
 
@@ -44,6 +45,8 @@ class LoadedModel:
     ``expert_layout``: how its files store a mixture of experts' expert tensors (``per-expert`` or
     ``fused``, `Checkpoint.expert_layout`), the layout an output written from it keeps.
     ``embedded``: set when the run wrote it into a wider model's shape (models of different widths).
+    ``untied``: the pairs (alias -> source) its config ties but its files store with other values,
+    read untied as transformers loads them (`io.ties`); its config then says so.
     """
 
     model: PreTrainedModel
@@ -55,6 +58,7 @@ class LoadedModel:
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # model name -> dtype on disk (floating)
     expert_layout: str | None = None  # a mixture of experts' files: "per-expert" or "fused" (None: no experts)
     embedded: str | None = None  # written into a wider model's shape for this run: what grew (`run.widths`)
+    untied: dict[str, str] = field(default_factory=dict)  # tied by config.json, stored apart: alias -> source
 
     def own_dtypes(self, main: torch.dtype) -> dict[str, torch.dtype]:
         """The tensors stored in a dtype other than ``main`` (that hf-rebasin writes), to write them as stored."""
@@ -110,9 +114,10 @@ def load_model(
     model = _from_pretrained(folder, cls, dtype, checkpoint)
     check_finite(folder, model.state_dict(), names, checkpoint)
     state_dict = model.state_dict()
+    untied = read_ties(model, names, state_dict)  # before the graph: it reads the ties from the config
     graph = spec.graph(model.config, state_dict.keys())
     graph.check(state_dict, source=str(folder))
-    return _loaded(model, graph, folder, checkpoint, names, ignored=ignored)
+    return _loaded(model, graph, folder, checkpoint, names, ignored=ignored, untied=untied)
 
 
 def _from_pretrained(
@@ -198,10 +203,11 @@ def _streamed(
         device=device,
         stacks=checkpoint.stacks,
     )
+    untied = read_ties(model, names, source)  # as from_pretrained would: a pair stored apart is not tied
     spec = get_adapter(getattr(config, "model_type", None))
     graph = spec.graph(model.config, order)
     graph.check(meta, source=str(folder))  # shapes only: the parameters are on meta
-    return _loaded(model, graph, folder, checkpoint, names, source=source)
+    return _loaded(model, graph, folder, checkpoint, names, source=source, untied=untied)
 
 
 def to_device(model: Any, device: torch.device) -> None:
@@ -256,6 +262,8 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
         source = (tied_a if name in tied_a else tied_b)[name]
 
         def setting(lm: LoadedModel) -> str:
+            if lm.untied:  # its config.json says true: say why it was read untied
+                return "tie_word_embeddings: true, but its files store the two with other values, so it loads untied"
             value = getattr(lm.model.config.get_text_config(), "tie_word_embeddings", None)
             return f"tie_word_embeddings: {str(value).lower()}"
 

@@ -26,6 +26,7 @@ from hf_rebasin.evaluation.record import DtypeEntry
 from hf_rebasin.io.checks import check_same_shapes
 from hf_rebasin.io.models import LoadedModel, check_compatible, load_model, resolve_device, to_device
 from hf_rebasin.io.output import check_inputs
+from hf_rebasin.io.ties import untied_note
 from hf_rebasin.merging.lora import LoraAdapter, is_adapter
 from hf_rebasin.merging.transport import check_shared
 from hf_rebasin.recipe import Recipe
@@ -168,9 +169,11 @@ def _processor(inputs: Roles[PlannedModel], task: Task, rows: RunVocabulary | No
 def _loading_notes(
     recipe: Recipe, inputs: Roles[PlannedModel], models: Roles[LoadedModel], dev: torch.device
 ) -> list[str]:
-    """What loading did that the record must say: tensors the files hold but loading dropped,
-    models embedded into a wider shape, an adapter merged as a full fine-tune, weights streamed."""
+    """What loading did that the record must say: tensors the files hold but loading dropped, ties
+    the files contradict (read untied), models embedded into a wider shape, an adapter merged as a
+    full fine-tune, weights streamed."""
     notes = [ignored_note(str(m.ref), lm.ignored) for m, lm in zip(inputs.all, models.all, strict=True) if lm.ignored]
+    notes.extend(untied_note(str(m.ref), lm.untied) for m, lm in zip(inputs.all, models.all, strict=True) if lm.untied)
     notes.extend(lm.embedded for lm in models.all if lm.embedded)
     if isinstance(models, TransportRoles) and models.finetune.embedded and is_adapter(models.finetune.path):
         notes.append(
