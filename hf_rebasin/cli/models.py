@@ -206,6 +206,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     from hf_rebasin.alignment.verify import verify_model
     from hf_rebasin.io.checkpoint import dtype_name
     from hf_rebasin.io.models import load_model
+    from hf_rebasin.io.ties import untied_note
 
     try:
         loaded = load_model(_model_folder(args.model, args.allow_pickle), allow_pickle=args.allow_pickle)
@@ -222,6 +223,8 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     if loaded.ignored:  # after the report: what the check ran on, then what it did not read
         names = ", ".join(sorted(loaded.ignored))
         console.print(f"ignored as stock transformers ignores them when loading (legacy buffers): {names}")
+    if loaded.untied:  # the transform ran on the model transformers loads: the head apart from the embeddings
+        console.print(f"note: {escape(untied_note(str(loaded.path), loaded.untied))}", soft_wrap=True)
     return EXIT_OK if report.ok else EXIT_INTERNAL
 
 
