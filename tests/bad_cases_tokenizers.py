@@ -129,6 +129,49 @@ def _b_broken_noted(ws: Workspace, result: Outcome) -> None:
         assert (out / name).read_bytes() == (ws.root / "a" / name).read_bytes(), name
 
 
+# -- rows that differ (issue 64): the cause named, the dry run as the run, `align` as `job: align` -----
+
+
+def _rows_apart(ws: Workspace, *, dry_run: bool) -> list[str]:
+    """A merge of a model of 128 rows and one of 130, neither with a tokenizer."""
+    import transformers as T
+
+    for name, rows in (("a", 128), ("b", 130)):
+        config = T.GPT2Config(vocab_size=rows, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+        T.GPT2LMHeadModel(config).save_pretrained(str(ws.root / name))
+    return _merge(ws) + (["--dry-run"] if dry_run else [])
+
+
+def _chatml_pair(ws: Workspace) -> list[str]:
+    """`hf-rebasin align` of a base and its ChatML relative (two tokens and two rows more)."""
+    from vocab_models import mergekit_cases
+
+    cases = mergekit_cases(ws.root / "m")
+    ws.snapshot()
+    return ["align", str(cases["base"]), str(cases["chatml"]), "--output", "out", "--device", "cpu"]
+
+
+def _recipe_in_message_runs(ws: Workspace, result: Outcome) -> None:
+    """The recipe the refusal writes out is what `job: align` runs: it parses and aligns the pair."""
+    from helpers import run_main
+
+    untouched(ws, result)
+    text = result.stderr[result.stderr.index("job: align") :]
+    body = yaml.safe_load(text)
+    assert body["job"] == "align" and body["output"] == {"dir": "out"}, body
+    done = run_main(str(ws.recipe({**body, "device": "cpu"}, "align.yaml")), env={"HF_REBASIN_NO_CACHE": "1"})
+    assert done.returncode == 0, done.stderr
+    assert (ws.root / "out" / "a" / "model.safetensors").is_file() and (ws.root / "out" / "b").is_dir()
+
+
+def _align_rows_apart(ws: Workspace) -> list[str]:
+    _rows_apart(ws, dry_run=False)
+    return ["align", str(ws.root / "a"), str(ws.root / "b"), "--device", "cpu"]
+
+
+ROWS = "vocabularies differ: give each model its tokenizer"
+
+
 CASES: list[Case] = [
     Case(
         "tokenizer-a-not-json",
@@ -199,5 +242,41 @@ CASES: list[Case] = [
         0,
         check=_b_broken_noted,
         before="exit 0 without a note: B's tokenizer read as none",
+    ),
+    Case(
+        "rows-apart-no-tokenizer",
+        "tokenizers",
+        lambda ws: _rows_apart(ws, dry_run=False),
+        2,
+        needles=(ROWS, "128 embedding rows", "130", "neither has a tokenizer"),
+        check=_untouched,
+        before="exit 2 blaming the architecture ('only models of one architecture and size can be aligned')",
+    ),
+    Case(
+        "rows-apart-no-tokenizer-dry-run",
+        "tokenizers",
+        lambda ws: _rows_apart(ws, dry_run=True),
+        2,
+        needles=(ROWS, "128 embedding rows", "130", "neither has a tokenizer"),
+        check=_untouched,
+        before="exit 0: 'checks: ... in order'",
+    ),
+    Case(
+        "align-cli-chatml-pair",
+        "tokenizers",
+        _chatml_pair,
+        2,
+        needles=("MODEL_B has 2 tokens that MODEL_A lacks", "job: align", "hf-rebasin align.yaml"),
+        check=_recipe_in_message_runs,
+        before="exit 2 blaming the architecture, while job: align with the same pair succeeds",
+    ),
+    Case(
+        "align-cli-rows-apart-no-tokenizer",
+        "tokenizers",
+        _align_rows_apart,
+        2,
+        needles=(ROWS, "MODEL_A has 128 embedding rows"),
+        check=_untouched,
+        before="exit 2 blaming the architecture",
     ),
 ]

@@ -303,6 +303,7 @@ def _align_inputs(
         )
     folders = {k: _model_folder(v, args.allow_pickle, where=f"MODEL_{k}") for k, v in named.items()}
     inputs = [(f"MODEL_{k}", Path(v)) for k, v in folders.items()]
+    _refuse_other_vocabularies(args, named, folders)  # before loading: rows are paired by position here
     if args.output and folders != named:  # a download: its folder is an input too
         check_output(Path(args.output), False, inputs=inputs, where="--output")
     a, b = (load_model(folders[k], allow_pickle=args.allow_pickle) for k in ("A", "B"))
@@ -313,6 +314,31 @@ def _align_inputs(
     for loaded in (a, b):
         to_device(loaded.model, device)
     return named, inputs, a, b
+
+
+def _refuse_other_vocabularies(args: argparse.Namespace, named: dict[str, str], folders: dict[str, str]) -> None:
+    """``align`` pairs embedding rows by position; models whose tokens differ are aligned by a recipe
+    (``job: align``), which matches rows by token and writes each model in its own vocabulary: refused
+    with that recipe written out. Rows of other counts with no tokenizer are refused as a run would."""
+    from pathlib import Path
+
+    import yaml
+
+    from hf_rebasin.core.errors import IncompatibleModelsError
+    from hf_rebasin.run.vocabulary import matched_by_token
+
+    found = matched_by_token("align", [Path(folders["A"]), Path(folders["B"])], ["MODEL_A", "MODEL_B"])
+    if found is None:
+        return
+    strategy = {"name": args.strategy, **_parse_options(args.options)}
+    recipe = {"job": "align", "models": [named["A"], named["B"]], "strategy": strategy}
+    recipe["output"] = {"dir": args.output or "aligned"}
+    text = yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None).strip()
+    raise IncompatibleModelsError(
+        f"{found.notes()[0]}. `hf-rebasin align` pairs the models' embedding rows by position, so it aligns "
+        "models of one vocabulary; a recipe matches rows by token and writes each model in its own vocabulary. "
+        f"Write it to align.yaml and run `hf-rebasin align.yaml`:\n{text}"
+    )
 
 
 def _align_table(strategy: Strategy, alignment: Alignment, distance: dict[str, float], gaps: dict[str, Gap]) -> Table:

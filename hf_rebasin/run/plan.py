@@ -52,6 +52,7 @@ class Plan:
     tokenizer_notes: tuple[tuple[int, str | None], ...] = ()  # (index, note or None) of each model checked
     adapter_notes: tuple[str, ...] | None = None  # None: the adapter check waits for the download
     memory: MemoryEstimate | None = None  # the estimated peak (checked before loading, again after downloads)
+    vocabulary_notes: tuple[str, ...] = ()  # what differs between the vocabularies (`vocabulary_notes`)
 
     @property
     def all(self) -> tuple[PlannedModel, ...]:
@@ -67,7 +68,7 @@ class Plan:
         lines.append("downloads:")
         lines.extend(f"  {name}: {download_line(m)}" for name, m in zip(self.models.names, self.all, strict=True))
         lines.extend(self.width_lines())
-        lines.extend(self.vocabulary_lines())
+        lines.extend(self.vocabulary_notes)
         if self.memory is not None:
             lines.extend(self.memory.lines())
         lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
@@ -86,22 +87,6 @@ class Plan:
             shown = ", ".join(f"{k} {v}" for k, v in (w or {}).items() if v is not None) or "unknown until downloaded"
             lines.append(f"  {name}: {shown}")
         return lines
-
-    def vocabulary_lines(self) -> list[str]:
-        """Vocabularies that differ (tokenizers and config.json read, no weight): what each model
-        adds or lacks against the reference, and the output's vocabulary."""
-        from hf_rebasin.io.vocab import differ_in_vocabulary
-        from hf_rebasin.run.tokenizers import embedding_rows
-        from hf_rebasin.run.vocabulary import planned_vocabulary
-
-        folders = [_folder(m) for m in self.all]
-        if any(f is None or not m.ready for f, m in zip(folders, self.all, strict=True)):
-            return []  # not downloaded or trained yet: the run says it when it loads them
-        if not differ_in_vocabulary(folders):
-            return []
-        rows = [(embedding_rows(f, m.where) or (None, ""))[0] for f, m in zip(folders, self.all, strict=True) if f]
-        names = [m.named for m in self.all]
-        return planned_vocabulary(self.recipe, [f for f in folders if f], names, rows)
 
 
 def download_line(m: PlannedModel) -> str:
@@ -158,6 +143,24 @@ def _folder(m: PlannedModel) -> Path | None:
         return None
 
 
+def vocabulary_notes(recipe: Recipe, models: Roles[PlannedModel]) -> tuple[str, ...]:
+    """Vocabularies that differ, decided from the tokenizers and config.json (no weight): what each
+    model adds or lacks against the reference and the output's vocabulary, or the error the run's
+    load would raise (rows of other counts with no tokenizer to match them by)."""
+    from hf_rebasin.io.vocab import differ_in_vocabulary
+    from hf_rebasin.run.tokenizers import embedding_rows
+    from hf_rebasin.run.vocabulary import planned_vocabulary
+
+    folders = [_folder(m) for m in models.all]
+    if any(f is None or not m.ready for f, m in zip(folders, models.all, strict=True)):
+        return ()  # not downloaded or trained yet: the run decides when it loads them
+    if not differ_in_vocabulary(folders):
+        return ()
+    rows = [(embedding_rows(f, m.where) or (None, ""))[0] for f, m in zip(folders, models.all, strict=True) if f]
+    names = [m.named for m in models.all]
+    return tuple(planned_vocabulary(recipe, [f for f in folders if f], names, rows))
+
+
 def memory_estimate(recipe: Recipe, models: Roles[PlannedModel]) -> MemoryEstimate:
     """The run's peak memory, from the files of the models that are local (see `run.memory`)."""
     local = [(m.where, m.folder if m.ready else None) for m in models.all]
@@ -208,6 +211,7 @@ def build_plan(recipe: Recipe, *, output: Path | None = None) -> Plan:
         check_data_files(recipe.data, "data")
     if recipe.evaluate is not None:
         check_data_files(recipe.evaluate.data, "evaluate.data")
+    vocabularies = vocabulary_notes(recipe, models)  # the vocabularies decided once, before any weight
     check_output(target, recipe.output.overwrite, inputs=read_paths(recipe, models.all), where=field)
     check_push_token(recipe)
     return Plan(
@@ -220,6 +224,7 @@ def build_plan(recipe: Recipe, *, output: Path | None = None) -> Plan:
         tokenizer_notes=tuple((i, note) for i, note in tokenizers.items() if ready and models.all[i].ready),
         adapter_notes=adapter_notes,
         memory=memory_estimate(recipe, models),
+        vocabulary_notes=vocabularies,
     )
 
 

@@ -37,13 +37,20 @@ from hf_rebasin.io.rows import (
     working_layout,
 )
 from hf_rebasin.io.tokens import Vocabulary, compare_vocabularies, read_vocabulary
-from hf_rebasin.io.vocab import gate_tokenizer_files, load_tokenizer, loader_files, template_files
+from hf_rebasin.io.vocab import gate_tokenizer_files, has_tokenizer, load_tokenizer, loader_files, template_files
 from hf_rebasin.merging.interpolate import StorageKey, storage_key
 from hf_rebasin.merging.rows import fill_merge, fill_transport
 from hf_rebasin.recipe.tokenizer import model_index
 from hf_rebasin.run.tokenizers import same_text
 
-__all__ = ["RunVocabulary", "planned_vocabulary", "run_vocabulary", "to_rows"]
+__all__ = [
+    "RunVocabulary",
+    "check_rows_by_position",
+    "matched_by_token",
+    "planned_vocabulary",
+    "run_vocabulary",
+    "to_rows",
+]
 
 
 @dataclass
@@ -93,7 +100,9 @@ class RunVocabulary:
         )
         donor = self.templates_from()
         if donor is not None:
-            built += f", with the chat templates of {self.names[donor]} ({', '.join(template_files(self.folders[donor]))})"
+            built += (
+                f", with the chat templates of {self.names[donor]} ({', '.join(template_files(self.folders[donor]))})"
+            )
         return (
             f"output vocabulary (tokenizer.source: {self.source}): {self.output.tokens:,} tokens in {rows:,} embedding "
             f"rows; {built}; rows matched by token, a row a model lacks taken from "
@@ -345,7 +354,48 @@ def _of_recipe(
     source = section.source if section is not None else None
     pad_to = section.pad_to_multiple_of if section is not None else None
     with named("`tokenizer`", unless_named=True):
-        return run_vocabulary(recipe.job, source, pad_to, folders, names, rows)
+        found = run_vocabulary(recipe.job, source, pad_to, folders, names, rows)
+    if found is None and recipe.job != "lineage":  # lineage compares the rows of the tokens they share
+        check_rows_by_position(names, folders, rows)
+    return found
+
+
+def matched_by_token(job: str, folders: Sequence[Path], names: Sequence[str]) -> RunVocabulary | None:
+    """The vocabularies of ``folders`` as ``job``'s run would match them (from the tokenizers and
+    config.json, no weight): None where rows pair by position; refused as the run would refuse
+    rows of other counts that nothing matches."""
+    from hf_rebasin.io.vocab import differ_in_vocabulary
+    from hf_rebasin.run.tokenizers import embedding_rows
+
+    if not differ_in_vocabulary(folders):
+        return None
+    rows = [(embedding_rows(f, n) or (None, ""))[0] for f, n in zip(folders, names, strict=True)]
+    found = run_vocabulary(job, None, None, folders, names, rows)
+    if found is None:
+        check_rows_by_position(names, folders, rows)
+    return found
+
+
+def check_rows_by_position(names: Sequence[str], folders: Sequence[Path], rows: Sequence[int | None]) -> None:
+    """Models whose rows cannot be matched by token pair them by position, which needs one row
+    count: refuse other counts where a model has no tokenizer to match by, naming the cause (the
+    plan and the run alike, so the dry run refuses what the run would)."""
+    known = [(n, f, r) for n, f, r in zip(names, folders, rows, strict=True) if r is not None]
+    if len({r for *_, r in known}) <= 1:
+        return
+    lacking = [n for n, f, _ in known if not has_tokenizer(f)]
+    if not lacking:
+        return  # matched by token (`run_vocabulary`), or a tokenizer that does not load, refused as such
+    (first, _, r0), (other, _, r1) = known[0], next(k for k in known if k[2] != known[0][2])
+    if len(lacking) == len(known):
+        which = "neither has a tokenizer" if len(known) == 2 else "none has a tokenizer"
+    else:
+        which = f"{' and '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no tokenizer"
+    raise IncompatibleModelsError(
+        f"vocabularies differ: give each model its tokenizer. {first} has {r0:,} embedding rows and {other} {r1:,}, "
+        f"and {which}, so their rows cannot be matched by token (paired by position, each row would be averaged with another token's). Save the tokenizer "
+        "each model was trained with beside its weights (`tokenizer.save_pretrained(folder)`)"
+    )
 
 
 def to_rows(
