@@ -102,19 +102,38 @@ class UnreadableFileError(RebasinUserError, OSError):
     a device (reading blocks or never ends), or a size no such file has."""
 
 
+class UserPathError(RebasinUserError, OSError):
+    """A path the user gave that the file system will not look up: a name longer than it allows, a
+    folder on the way without permission, a file where a folder should be. Found where the path is
+    first used, so that no `OSError` from it reaches the user as an internal error."""
+
+
 class FileFormatError(RebasinUserError, ValueError):
     """A model folder's file is not what its name says: not JSON, or JSON of the wrong shape
     (tokenizer, generation or processor configs)."""
 
 
+def prefixed(message: str, where: str) -> bool:
+    """Whether ``message`` starts with ``where:`` already (it names its field or argument)."""
+    return message.startswith(f"{where}: ")
+
+
+def unprefixed(message: str, where: str) -> str:
+    """``message`` without a leading ``where:``, for quoting an error inside another that names ``where``."""
+    return message[len(where) + 2 :] if prefixed(message, where) else message
+
+
 @contextmanager
 def named(where: str | None, *, unless_named: bool = False) -> Iterator[None]:
     """User errors raised inside start with ``where`` (a recipe field, a flag): the same type, so
-    the exit code stays. ``unless_named``: one that names a field already (starts with a backtick)
-    is left as it is. ``where=None`` changes nothing."""
+    the exit code stays. A message that starts with ``where`` already is left as it is (named
+    regions nest: a command's argument around a loader that names it too). ``unless_named``: one
+    that names a field already (starts with a backtick) is left as it is. ``where=None`` changes
+    nothing."""
     try:
         yield
     except RebasinUserError as e:
-        if where is None or (unless_named and str(e).startswith("`")):
+        message = str(e)
+        if where is None or prefixed(message, where) or (unless_named and message.startswith("`")):
             raise
-        raise type(e)(f"{where}: {e}") from None
+        raise type(e)(f"{where}: {message}") from None

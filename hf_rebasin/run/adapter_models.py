@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_rebasin.core.errors import CheckpointError, RebasinUserError
+from hf_rebasin.core.errors import CheckpointError, RebasinUserError, unprefixed
 from hf_rebasin.io.models import LoadedModel, load_model
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.merging.lora import ADAPTER_CONFIG, LoraAdapter, adapter_config, apply_adapter, is_adapter, read_adapter
@@ -46,7 +46,8 @@ def merged_adapter(
     except RebasinUserError as e:
         raise type(e)(
             f"{where}: {str(folder)!r} is a PEFT LoRA adapter, compared as its base with the adapter merged in, and "
-            f"its base {base_ref!r} ({ADAPTER_CONFIG}: base_model_name_or_path) could not be read: {e}"
+            f"its base {base_ref!r} ({ADAPTER_CONFIG}: base_model_name_or_path) could not be read: "
+            + unprefixed(str(e), where)  # named once, at the start
         ) from None
     merged, _ = merged_into(base, Path(folder), allow_pickle=allow_pickle, where=where)
     return merged, f"{where} is a LoRA adapter: compared as its base {base_ref} with the adapter merged in"
