@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -240,6 +241,21 @@ def _run(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
     return Outcome(done.returncode, done.stdout, done.stderr)
 
 
+# a ``str.format``/f-string placeholder left in a message (``{s!r}``, ``{name}``, ``{0}``,
+# ``{x.y}``, ``{x[0]}``, ``{n:,}``), not YAML or JSON braces (``{source: union}``, ``{"a": 1}``) nor
+# an empty mapping shown as given (``{}``: a bare ``{}`` placeholder cannot be told from one)
+_TEMPLATE = re.compile(r"\{[A-Za-z_]\w*(?:\.\w+|\[\w+\])*(?:![rsa])?(?::[^}\s]*)?\}|\{\d+\}")
+# the same prefix twice in a row: ``MODEL 2: MODEL 2: …``, ```models.0.model`: `models.0.model`: …``
+_DOUBLED = re.compile(r"(?:^|: )([^:\n]{1,80}): \1: ")
+
+
+def message_problems(text: str) -> list[str]:
+    """What a user-facing message must never show: a format placeholder, or a prefix doubled."""
+    problems = [f"a template placeholder {m.group(0)!r}" for m in _TEMPLATE.finditer(text)]
+    problems += [f"a doubled prefix {m.group(1)!r}" for m in _DOUBLED.finditer(text)]
+    return problems
+
+
 def assert_outcome(case: Case, result: Outcome) -> None:
     """Exit code and message as the case says; exit 2 is one ``error:`` paragraph, no traceback."""
     detail = f"exit {result.code}\nstdout: {result.stdout[-2000:]}\nstderr: {result.stderr[-3000:]}"
@@ -249,6 +265,8 @@ def assert_outcome(case: Case, result: Outcome) -> None:
         assert result.err.startswith("error:"), detail
     for needle in case.needles:
         assert needle in result.err or needle in result.out, f"{needle!r} not in the output\n{detail}"
+    problems = message_problems(result.err)  # no message shows a template or names its field twice
+    assert not problems, f"{problems}\n{detail}"
 
 
 def untouched(ws: Workspace, result: Outcome) -> None:

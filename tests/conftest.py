@@ -35,9 +35,68 @@ for _folder in [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and any(
         sys.path.insert(0, str(_folder))
 
 import tiny  # noqa: E402
+from bad_input import message_problems  # noqa: E402
+from hf_rebasin.core.errors import RebasinError  # noqa: E402
 from hub_server import HubServer, serve_hub  # noqa: E402
 
 SaveModel = Callable[..., Path]
+
+# -- every error message hf-rebasin builds, checked -------------------------------------------------
+# RebasinError.__init__ is wrapped for the whole run: each message any test makes hf-rebasin build
+# (raised to the user or not) is checked for a format placeholder or a doubled prefix, and the test
+# that built a bad one fails. HF_REBASIN_ERROR_SITES=DIR writes the distinct places in hf_rebasin/
+# that built one (file:line) to DIR, one file per test process: the error paths the check covered.
+ROOT = TESTS.parent
+_BAD: list[str] = []  # the current test's bad messages
+_SITES: set[str] = set()
+_original_init = RebasinError.__init__
+
+
+def _site(error: BaseException) -> str:
+    """file:line that built ``error``: the first frame above the exception classes' own __init__."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is error:
+        frame = frame.f_back
+    path = Path(frame.f_code.co_filename)
+    where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+    return f"{where}:{frame.f_lineno}"
+
+
+def _checked_init(self: RebasinError, *args: Any, **kwargs: Any) -> None:
+    super(RebasinError, self).__init__(*args, **kwargs)
+    site = _site(self)
+    if site.startswith("hf_rebasin/"):
+        _SITES.add(site)
+    try:
+        message = str(self)
+    except Exception:  # a message that cannot be shown is its own bug, found elsewhere
+        return
+    problems = message_problems(message)
+    if problems:
+        _BAD.append(f"{type(self).__name__} built at {site}: {'; '.join(problems)}\n  {message[:500]}")
+
+
+RebasinError.__init__ = _checked_init  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def error_messages_are_clean() -> Iterator[None]:
+    """The test fails if hf-rebasin built an error message with a template or a doubled prefix."""
+    _BAD.clear()
+    yield
+    if _BAD:
+        found = "\n".join(dict.fromkeys(_BAD))
+        _BAD.clear()
+        pytest.fail(f"hf-rebasin built error messages a user must never see:\n{found}", pytrace=False)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With HF_REBASIN_ERROR_SITES=DIR: the places that built an error, for counting the paths covered."""
+    folder = os.environ.get("HF_REBASIN_ERROR_SITES")
+    if folder:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"sites-{worker}.txt").write_text("".join(f"{s}\n" for s in sorted(_SITES)))
 
 
 @pytest.fixture(autouse=True)
