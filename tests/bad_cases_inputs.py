@@ -149,6 +149,49 @@ def _bomb_png(ws: Workspace) -> list[str]:
     return _vit_images(ws, buf.getvalue())
 
 
+# -- paths the file system refuses --------------------------------------------------------------
+
+LONG = "x" * 300  # one name past every common file system's 255 bytes: ENAMETOOLONG
+TOO_LONG = "longer than the file system allows"
+
+
+def _cli(*argv: str, models: tuple[str, ...] = ()) -> Any:
+    """A command on the given argv, with tiny models built first."""
+
+    def build(ws: Workspace) -> list[str]:
+        for seed, name in enumerate(models):
+            ws.model(name, seed=seed)
+        ws.snapshot()
+        return list(argv)
+
+    return build
+
+
+def _long_recipe_model(ref: str, *extra: str) -> Any:
+    """A merge whose second model is ``ref`` (a path the file system refuses)."""
+    return lambda ws: [*_merge_with(ws, models=["./a", ref]), *extra]
+
+
+def _long_dataset(ws: Workspace) -> list[str]:
+    return _eval_data(ws, {"dataset": f"./{LONG}"})
+
+
+def _adapter_of_hub_base(ws: Workspace) -> list[str]:
+    """``lineage a adapter`` where the adapter's base is a Hub id not in the (empty, offline) cache."""
+    ws.model("a")
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["c_fc"], "fan_in_fan_out": True}
+    ws.write("adapter/adapter_config.json", json.dumps({**config, "base_model_name_or_path": "someorg/somebase"}))
+    ws.write("adapter/adapter_model.safetensors", b"")
+    ws.snapshot()
+    return ["lineage", "./a", "./adapter"]
+
+
+def _named_once(ws: Workspace, result: Outcome) -> None:
+    """The field once, at the start (it was ``MODEL 2: MODEL 2: … could not be read: MODEL 2: …``)."""
+    _untouched(ws, result)
+    assert result.err.count("MODEL 2") == 1, result.err
+
+
 # -- the Hub (a local server: `Case.hub`) ------------------------------------------------------
 
 SECRET = "hf_bad_input_secret_token_0123456789"
@@ -260,6 +303,104 @@ def _bomb_warning_png(ws: Workspace) -> list[str]:
 
 
 CASES: list[Case] = [
+    Case(
+        "path-too-long-verify",
+        "paths",
+        _cli("verify", LONG),
+        2,
+        needles=("MODEL:", TOO_LONG, "300 bytes"),
+        check=_untouched,
+        before="exit 1, internal error OSError: [Errno 36] File name too long",
+    ),
+    Case(
+        "path-too-long-lineage",
+        "paths",
+        _cli("lineage", "./a", LONG, models=("a",)),
+        2,
+        needles=("MODEL 2:", TOO_LONG),
+        check=_untouched,
+        before="exit 1, internal error OSError: [Errno 36] File name too long",
+    ),
+    Case(
+        "path-through-a-file-lineage",
+        "paths",
+        _cli("lineage", "./a", "./a/config.json/x", models=("a",)),
+        2,
+        needles=("MODEL 2:", "'a/config.json' is a file, not a folder"),
+        check=_untouched,
+        before="exit 2, but said the folder does not exist",
+    ),
+    Case(
+        "path-too-long-recipe-model",
+        "paths",
+        _long_recipe_model(f"./{LONG}"),
+        2,
+        needles=("models.1.model", TOO_LONG),
+        check=_untouched,
+        before="exit 1, internal error OSError: [Errno 36] File name too long",
+    ),
+    Case(
+        "path-too-long-recipe-model-dry-run",
+        "paths",
+        _long_recipe_model(f"./{LONG}", "--dry-run"),
+        2,
+        needles=("models.1.model", TOO_LONG),
+        check=_untouched,
+        before="exit 1, internal error OSError: [Errno 36] File name too long",
+    ),
+    Case(
+        "name-too-long-recipe-model-dry-run",
+        "paths",
+        _long_recipe_model(LONG, "--dry-run"),
+        2,
+        needles=("models.1.model", "nor a valid Hub repo id"),
+        check=_untouched,
+        before="exit 1, internal error OSError: [Errno 36] File name too long (looking for a folder of that name)",
+    ),
+    Case(
+        "path-too-long-output-dir",
+        "paths",
+        lambda ws: _merge_with(ws, output={"dir": LONG}),
+        2,
+        needles=("output.dir", "is too long", "choose a shorter name"),
+        check=_untouched,
+    ),
+    Case(
+        "path-too-long-data-file",
+        "paths",
+        lambda ws: _eval_data(ws, {"dataset": "text", "data_files": LONG}),
+        2,
+        needles=("evaluate.data", "data file", TOO_LONG),
+        check=_untouched,
+        before="exit 1, internal error OSError: [Errno 36] File name too long",
+    ),
+    Case(
+        "path-too-long-data-dir-dry-run",
+        "paths",
+        lambda ws: [*_eval_data(ws, {"dataset": "text", "data_dir": LONG}), "--dry-run"],
+        2,
+        needles=("evaluate.data", "data_dir", TOO_LONG),
+        check=_untouched,
+        before="exit 1, internal error OSError: [Errno 36] File name too long",
+    ),
+    Case(
+        "path-too-long-dataset-folder",
+        "paths",
+        _long_dataset,
+        2,
+        needles=("evaluate.data", "dataset", TOO_LONG),
+        check=_untouched,
+        before="exit 1, internal error OSError: [Errno 36] File name too long (the dry run passes it: not checked)",
+    ),
+    Case(
+        "lineage-adapter-hub-base-named-once",
+        "paths",
+        _adapter_of_hub_base,
+        2,
+        needles=("MODEL 2: 'adapter' is a PEFT LoRA adapter", "'someorg/somebase@main' is not in the local"),
+        check=_named_once,
+        before="exit 2, 'MODEL 2: MODEL 2: …' and the field a third time inside",
+    ),
     Case(
         "tokenizers-differ",
         "recipe",

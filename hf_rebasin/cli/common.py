@@ -98,8 +98,7 @@ def recipe_shorthand(argv: Sequence[str]) -> list[str]:
 def _model_folder(value: str, allow_pickle: bool, where: str = "MODEL") -> str:
     """A folder as given, a zoo model (``zoo:gpt2-seed0``, trained on first use) or a Hub
     ``id[@revision]`` downloaded (what hf-rebasin reads of it)."""
-    from pathlib import Path
-
+    from hf_rebasin.io.files import probe
     from hf_rebasin.io.hub.download import download_model
     from hf_rebasin.io.hub.resolve import is_path, is_repo_id, split_ref
     from hf_rebasin.recipe import ZOO_PATTERN
@@ -110,7 +109,7 @@ def _model_folder(value: str, allow_pickle: bool, where: str = "MODEL") -> str:
 
         return str(cached_model(zoo.group(1), int(zoo.group(2))))
     repo, revision = split_ref(value)
-    if Path(value).exists() or is_path(value) or not is_repo_id(repo):
+    if probe(value, where) is not None or is_path(value) or not is_repo_id(repo):  # an OSError named, in words
         return value
     try:
         return str(download_model(repo, revision, allow_pickle=allow_pickle, where=where).folder)

@@ -31,7 +31,7 @@ from hf_rebasin.core.names import (
     ClassificationTask,
     TextTask,
 )
-from hf_rebasin.io.datafiles import check_files, has_glob
+from hf_rebasin.io.datafiles import check_files, has_glob, is_folder
 
 if TYPE_CHECKING:
     import datasets
@@ -191,7 +191,7 @@ def load_records(spec: Mapping[str, Any], base_dir: Path) -> datasets.Dataset:
     kwargs = check_files(given.get("data_files"), given.get("data_dir"), base_dir)
     if dataset in LOCAL_BUILDERS and not kwargs:
         raise DataError(f"dataset {dataset!r} reads local files: set `data_files` (a path or a list) or `data_dir`")
-    if dataset not in LOCAL_BUILDERS and (base_dir / dataset).is_dir():
+    if dataset not in LOCAL_BUILDERS and is_folder(base_dir / dataset):
         dataset = str((base_dir / dataset).absolute())  # a local dataset folder, relative to the recipe
     if dataset in TEXT_BUILDERS:
         for path in _files(kwargs):

@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_rebasin.core.errors import DataError
-from hf_rebasin.io.files import file_kind
+from hf_rebasin.core.errors import DataError, RebasinUserError
+from hf_rebasin.io.files import file_kind, probe
 
-__all__ = ["check_files", "has_glob"]
+__all__ = ["check_files", "has_glob", "is_folder"]
 
 
 def has_glob(s: str) -> bool:
@@ -37,20 +37,37 @@ def _resolve_path(entry: Any, base_dir: Path, key: str) -> str:
             raise DataError(f"{key} pattern {str(entry)!r} matches no file (looked for {path})")
         for match in found:
             _refuse_special(Path(match), key)
-    elif not path.exists() and not path.is_symlink():
+    elif _probe(path, key) is None and not path.is_symlink():
         raise DataError(f"{key} {str(entry)!r} not found (looked for {path}){_siblings(path)}")
     else:
         _refuse_special(path, key)
     return str(path)
 
 
+def _probe(path: Path, key: str) -> os.stat_result | None:
+    """`probe` for a data path: a name too long, no permission or a link loop is a `DataError`, so
+    that the data section's field names it as it names a missing file."""
+    try:
+        return probe(path)
+    except RebasinUserError as e:
+        raise DataError(f"{key} {e}") from None
+
+
+def is_folder(path: Path, key: str = "dataset") -> bool:
+    """Whether ``path`` (a ``dataset`` that may be a local folder) is a folder; a path the file
+    system refuses (a name too long, no permission) is a `DataError`, not an internal OSError."""
+    info = _probe(path, key)
+    return info is not None and stat.S_ISDIR(info.st_mode)
+
+
 def _refuse_special(path: Path, key: str) -> None:
     """A data file that is a FIFO or a device (reading blocks or never ends), or a link loop or a
     link to nothing, refused before any reader opens it; folders pass (``data_dir``)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as e:
-        raise DataError(f"{key} {str(path)!r} cannot be read: {e.strerror or e}") from None
+    info = _probe(path, key)  # a name too long, no permission, a link loop: in words
+    if info is None:
+        link = " (a link to nothing)" if path.is_symlink() else ""
+        raise DataError(f"{key} {str(path)!r} cannot be read: it does not exist{link}")
+    mode = info.st_mode
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise DataError(
             f"{key} {str(path)!r} is a {file_kind(mode)}, not a regular file: reading it could block or never end"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import itertools
 import json
@@ -34,6 +35,7 @@ from hf_rebasin.core.errors import (
     FileFormatError,
     ModelNotFoundError,
     UnreadableFileError,
+    UserPathError,
 )
 from hf_rebasin.io.schemas import SAFETENSORS_DTYPES, SCHEMAS, HeaderEntry, size_problems
 
@@ -44,6 +46,8 @@ __all__ = [
     "checked",
     "file_kind",
     "model_root",
+    "path_reason",
+    "probe",
     "read_config",
     "read_header",
     "read_json",
@@ -77,6 +81,65 @@ def file_kind(mode: int) -> str:
     return "regular file" if stat.S_ISREG(mode) else "special file"
 
 
+def _clipped(path: Path | str, size: int = 120) -> str:
+    """A path as messages quote it, its middle cut when long (a 300-character name fills no screen)."""
+    text = str(path)
+    return repr(text if len(text) <= size else f"{text[: size // 2]}…{text[-(size // 3) :]}")
+
+
+def _part_through_file(path: Path) -> Path | None:
+    """The first folder on the way to ``path`` that is a file (``a/config.json`` of ``a/config.json/x``)."""
+    for parent in reversed(Path(path).parents):
+        with contextlib.suppress(OSError):
+            if not stat.S_ISDIR(os.stat(parent).st_mode):
+                return parent
+    return None
+
+
+def path_reason(path: Path | str, e: OSError | ValueError) -> str:
+    """Why the file system refused to look ``path`` up, in words (what the user can change)."""
+    code = getattr(e, "errno", None)
+    if isinstance(e, ValueError):  # os.stat: "embedded null byte"
+        return "the path contains a NUL character, which no file name may hold"
+    if code == errno.ENAMETOOLONG:
+        longest = max(Path(path).parts, key=lambda p: len(os.fsencode(p)), default="")
+        return (
+            f"the name is longer than the file system allows (its longest part has {len(os.fsencode(longest))} "
+            f"bytes, the whole path {len(os.fsencode(str(path)))}); give a shorter path"
+        )
+    if code in (errno.EACCES, errno.EPERM):
+        return "permission denied: a folder on the way cannot be read or entered by this user"
+    if code == errno.ENOTDIR:
+        part = _part_through_file(Path(path))
+        return f"{_clipped(part) if part else 'a part of the path'} is a file, not a folder"
+    return f"the file system refused it ({e.strerror or e})"
+
+
+def probe(path: Path | str, where: str | None = None) -> os.stat_result | None:
+    """What is at a path the user gave, links followed: its ``os.stat``, or None when nothing is
+    there (a link to nothing included). Any other refusal of the file system (a name too long,
+    no permission, a file on the way, a link loop) is a user error naming ``where`` and the
+    reason, not an OSError that would reach the user as an internal error."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise _refused(Path(path), e, where=where) from None
+
+
+def _refused(path: Path, e: Exception, hint: str = "", *, where: str | None = None) -> Exception:
+    """The user error for a path the file system refused (`os.stat`, `Path.resolve`): a link loop
+    (Python 3.11's resolve raises RuntimeError, the rest ELOOP) or any other reason, in words."""
+    head = f"{where}: " if where else ""
+    if isinstance(e, RuntimeError) or getattr(e, "errno", None) == errno.ELOOP:
+        return UnreadableFileError(
+            f"{head}{_shown(path)} is a symbolic link loop (or a chain of links too long to follow){hint}"
+        )
+    assert isinstance(e, (OSError, ValueError))
+    return UserPathError(f"{head}{_clipped(path)} cannot be used: {path_reason(path, e)}")
+
+
 def resolve_folder(folder: Path | str) -> Path:
     """``folder`` with every link resolved; a link loop or a missing folder is a user error."""
     path = Path(folder)
@@ -84,11 +147,8 @@ def resolve_folder(folder: Path | str) -> Path:
         real = path.resolve(strict=True)
     except FileNotFoundError:
         raise ModelNotFoundError(f"the model folder {_shown(path)} does not exist") from None
-    except (RuntimeError, OSError) as e:  # Python 3.11: RuntimeError("Symlink loop"); later: OSError ELOOP
-        raise UnreadableFileError(
-            f"{_shown(path)} is a symbolic link loop (or a chain of links too long to follow): {e}; point it at "
-            "the real model folder"
-        ) from None
+    except (RuntimeError, OSError) as e:
+        raise _refused(path, e, "; point it at the real model folder") from None
     if not real.is_dir():
         raise ModelNotFoundError(f"{_shown(path)} is not a folder; give the folder that holds config.json")
     return real
@@ -115,7 +175,7 @@ def checked(path: Path | str, root: Path | None = None, *, limit: int | None = N
         link = f" (a link to {os.readlink(path)!r}, which does not exist)" if path.is_symlink() else ""
         raise ModelNotFoundError(f"{_shown(path)} does not exist{link}") from None
     except (RuntimeError, OSError) as e:
-        raise UnreadableFileError(f"{_shown(path)} is a symbolic link loop: {e}") from None
+        raise _refused(path, e) from None
     if not real.is_relative_to(root):
         raise UnreadableFileError(
             f"{_shown(path)} leads outside its model folder {_shown(root)} (it is a link to {_shown(real)}); "

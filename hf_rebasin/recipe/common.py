@@ -48,7 +48,7 @@ def local_path(value: str, base: Path | None, *, force: bool = False) -> str:
         return str(path)
     explicit = value in (".", "..") or value.startswith(("./", "../", ".\\", "..\\"))
     candidate = base / path
-    if force or explicit or candidate.exists():
+    if force or explicit or os.path.exists(candidate):  # False, not OSError, for a name too long: checked later
         try:
             return str(candidate.resolve())
         except (RuntimeError, OSError):  # a symbolic link loop: the model's checks name it

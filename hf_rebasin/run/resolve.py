@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hf_rebasin.core.errors import ModelNotFoundError, named
 from hf_rebasin.evaluation.zoo import train
-from hf_rebasin.io.files import resolve_folder
+from hf_rebasin.io.files import probe, resolve_folder
 from hf_rebasin.io.hub.client import offline
 from hf_rebasin.io.hub.download import Download, download_model, plan_download
 from hf_rebasin.io.hub.resolve import cached_model, resolve_revision
@@ -118,7 +118,7 @@ def _resolve(
         snap = download_model(ref.model, ref.revision, allow_pickle=allow_pickle, where=where, resolved=pinned)
         return ResolvedModel(snap.folder, snap.commit)
     folder = Path(ref.model)
-    if not folder.exists() and not folder.is_symlink():
+    if probe(folder, where) is None and not folder.is_symlink():  # a name too long, no permission: named
         raise ModelNotFoundError(f"{where}: the model folder {str(folder)!r} does not exist")
     if folder.is_file():
         raise ModelNotFoundError(f"{where}: {str(folder)!r} is a file; give the folder that holds config.json")
