@@ -322,6 +322,15 @@ CASES: list[Case] = [
         before="exit 1, internal error OSError: [Errno 36] File name too long",
     ),
     Case(
+        "path-too-long-push",
+        "paths",
+        _cli("push", LONG, "--repo", "alice/merged"),
+        2,
+        needles=("FOLDER:", TOO_LONG),
+        check=_untouched,
+        before="exit 1, internal error OSError: [Errno 36] File name too long",
+    ),
+    Case(
         "path-through-a-file-lineage",
         "paths",
         _cli("lineage", "./a", "./a/config.json/x", models=("a",)),

@@ -291,9 +291,11 @@ def cmd_push(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     from hf_rebasin.core.errors import ModelNotFoundError
+    from hf_rebasin.io.files import probe
     from hf_rebasin.io.hub.push import push_folder
 
     folder = Path(args.folder)
+    probe(folder, "FOLDER")  # a name too long, no permission: named, in words
     if not (folder / "rebasin.json").is_file():
         raise ModelNotFoundError(f"FOLDER: {str(folder)!r} is not an hf-rebasin output folder (no rebasin.json)")
     quiet_libraries()
