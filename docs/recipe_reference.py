@@ -265,7 +265,8 @@ class Reference:
     def _limits(node: Schema) -> Iterator[str]:
         for key, sign in (("minimum", "≥"), ("exclusiveMinimum", ">"), ("maximum", "≤"), ("exclusiveMaximum", "<")):
             if key in node:
-                yield f"{sign} {node[key]}"
+                value = node[key]
+                yield f"{sign} {value:,}" if isinstance(value, int) else f"{sign} {value:,g}"
         for key, words, unit in (
             ("minLength", "at least", "character"),
             ("maxLength", "at most", "character"),

@@ -20,6 +20,11 @@ def quoted(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def shown(value: Any) -> str:
+    """A value as `quoted` shows it, but a boolean as the recipe wrote it (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else quoted(value)
+
+
 class Section(BaseModel):
     """A recipe section: unknown keys are errors (a misspelt key never passes silently)."""
 

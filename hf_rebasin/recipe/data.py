@@ -13,6 +13,11 @@ from pydantic_core import PydanticCustomError
 from hf_rebasin.core.names import BUILTIN_DATASETS, LOCAL_BUILDERS, SampleBy
 from hf_rebasin.recipe.common import Section, local_path, recipe_dir
 
+# how much data a section may ask for: a trillion tokens or examples is a pretraining corpus (a
+# few zeros too many are refused when the recipe is read); a block of 16M tokens is past any context
+MAX_DATA = 10**12
+MAX_BLOCK_SIZE = 1 << 24
+
 DataFiles = Union[str, list[str], dict[str, Union[str, list[str]]]]  # noqa: UP007 (pydantic needs a runtime union)
 
 
@@ -34,11 +39,15 @@ class DataSpec(Section):
     column: str | None = Field(None, description="text column; default: `text`")
     image_column: str | None = Field(None, description="image column (image models); default: `image`")
     label_column: str | None = Field(None, description="label column (classification); default: `label`")
-    max_tokens: int | None = Field(None, ge=1, description="read at most this many tokens")
-    max_examples: int | None = Field(None, ge=1, description="read at most this many examples")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_DATA, strict=True, description="read at most this many tokens")
+    max_examples: int | None = Field(
+        None, ge=1, le=MAX_DATA, strict=True, description="read at most this many examples"
+    )
     block_size: int | None = Field(
         None,
         ge=2,
+        le=MAX_BLOCK_SIZE,
+        strict=True,
         description="tokens per block of text (language-model tasks), or at most per example (text "
         "classification); default 128, or the model's context when shorter",
     )

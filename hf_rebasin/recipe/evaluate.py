@@ -10,13 +10,15 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from hf_rebasin.alignment.strategies import get_strategy
+from hf_rebasin.alignment.strategies.options import MAX_SEED
 from hf_rebasin.core.names import CLASSIFICATION_TASKS, Task
 from hf_rebasin.recipe.common import Section
-from hf_rebasin.recipe.data import DataSpec
+from hf_rebasin.recipe.data import MAX_DATA, DataSpec
 from hf_rebasin.recipe.strategy import StrategyName
 
 # λ values of a loss curve: each is a full evaluation pass, so a typo such as 1e9 must not start
 MAX_POINTS = 1001
+MAX_BATCH = 65_536  # examples per forward pass: past any accelerator's memory for a real model
 
 
 class MetricSpec(Section):
@@ -32,13 +34,21 @@ class Evaluate(Section):
     task: Task = Field(description="which loss to compute")
     data: DataSpec = Field(description="evaluation data")
     points: int = Field(
-        21, ge=2, le=MAX_POINTS, description=f"evenly spaced λ values, both ends included (2 to {MAX_POINTS})"
+        21,
+        ge=2,
+        le=MAX_POINTS,
+        strict=True,
+        description=f"evenly spaced λ values, both ends included (2 to {MAX_POINTS})",
     )
     compare: list[StrategyName] = Field(["vanilla"], description="extra curves, one per strategy (default options)")
-    batch_size: int = Field(8, ge=1, description="examples per forward pass")
-    max_tokens: int | None = Field(None, ge=1, description="evaluate at most this many tokens")
-    max_examples: int | None = Field(None, ge=1, description="evaluate at most this many examples")
-    seed: int = Field(0, description="seed of masks (masked-lm) and sampling")
+    batch_size: int = Field(8, ge=1, le=MAX_BATCH, strict=True, description="examples per forward pass")
+    max_tokens: int | None = Field(
+        None, ge=1, le=MAX_DATA, strict=True, description="evaluate at most this many tokens"
+    )
+    max_examples: int | None = Field(
+        None, ge=1, le=MAX_DATA, strict=True, description="evaluate at most this many examples"
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description="seed of masks (masked-lm) and sampling")
     support: DataSpec | None = Field(
         None, description="transport: data of what the target should keep (e.g. its pretraining text), also scored"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,16 @@ class _LimitedLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)  # type: ignore[no-any-return]
         finally:
             self._depth -= 1
+
+
+# YAML 1.2's exponent floats (1e-3, 5E4): PyYAML reads YAML 1.1, where a float needs a dot and a
+# signed exponent, so `tol: 1e-3` (as the docs write it) would be the string '1e-3', which a strict
+# number refuses. Integers and 1.1's floats keep their own resolvers (earlier in each list).
+_LimitedLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def expanded_size(node: yaml.Node) -> int:
@@ -277,5 +288,5 @@ def echoed_recipe_text(text: str) -> str:
     except yaml.YAMLError:
         same = False
     if not same:  # not expected; the data as YAML rather than an echo that means something else
-        return note + yaml.safe_dump(yaml.safe_load(text), sort_keys=False)
+        return note + yaml.safe_dump(load_limited(text)[1], sort_keys=False)
     return note + stripped

@@ -13,13 +13,28 @@ from pydantic import BaseModel
 
 from hf_rebasin.alignment.strategies import REGISTRY
 from hf_rebasin.core.errors import RebasinUserError
-from hf_rebasin.recipe.common import quoted
+from hf_rebasin.recipe.common import quoted, shown
 from hf_rebasin.recipe.strategy import SECTIONS
 
 __all__ = ["Lines", "Problem", "RecipeError", "problem_of"]
 
 # error types raised by the sections' own checks: their message says it all
 _OWN_ERRORS = frozenset({"model_ref", "data_files", "weight", "compare", "repo", "dir", "device", "size"})
+# a number of the wrong type (strict: "64" and `true` are refused where a number belongs)
+_NUMBER_TYPES = {"int_type": "a valid integer", "float_type": "a valid number", "int_from_float": "a valid integer"}
+
+
+def _not_a_number(kind: str, value: Any) -> str:
+    """Why ``value`` is not the number a field of type ``kind`` takes: a string (quotes, or a word) or a boolean."""
+    why = (
+        ", not a boolean"
+        if isinstance(value, bool)
+        else " (a number, without quotes)"
+        if isinstance(value, str)
+        else ""
+    )
+    return f"must be {_NUMBER_TYPES[kind]}{why}; given {shown(value)}"
+
 
 Lines = Mapping[tuple[str, ...], int]
 
@@ -117,6 +132,8 @@ def problem_of(err: Mapping[str, Any], lines: Lines, root: type[BaseModel]) -> P
         message = f"needs a `name`: one of {', '.join(REGISTRY.names)}"
     elif kind in ("model_type", "model_attributes_type", "dict_type"):
         message = f"must be a mapping of keys{about}; given {quoted(value)}"
+    elif kind in _NUMBER_TYPES:
+        message = f"{_not_a_number(kind, value)}{about}"
     elif kind == "recipe":
         message = err["msg"]
     elif kind in _OWN_ERRORS:

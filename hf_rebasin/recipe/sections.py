@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 from hf_rebasin.alignment.strategies import REGISTRY
 from hf_rebasin.core.names import DEVICE_PATTERN
 from hf_rebasin.core.roles import MergeRoles, Roles
-from hf_rebasin.recipe.common import Section
+from hf_rebasin.recipe.common import Section, shown
 from hf_rebasin.recipe.data import DataSpec
 from hf_rebasin.recipe.evaluate import Evaluate
 from hf_rebasin.recipe.output import Output
@@ -67,6 +67,14 @@ class RecipeBase(Section):
 
     _source: str = PrivateAttr("<recipe>")
     _text: str | None = PrivateAttr(None)
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version(cls, value: Any) -> Any:
+        """The integer 1: `true` and 1.0 equal 1 in Python, but are no version numbers (others: Literal's message)."""
+        if isinstance(value, (bool, float)):
+            raise PydanticCustomError("recipe", "must be one of 1; given {given}", {"given": shown(value)})
+        return value
 
     @field_validator("device")
     @classmethod

@@ -15,8 +15,12 @@ from pydantic import Field, field_validator
 
 from hf_rebasin.recipe.common import Section
 
-__all__ = ["MERGE_SOURCES", "TRANSPORT_SOURCES", "TokenizerSection", "model_index"]
+__all__ = ["MAX_PAD_MULTIPLE", "MERGE_SOURCES", "TRANSPORT_SOURCES", "TokenizerSection", "model_index"]
 
+# rows are padded for the GPU's tiles and tensor-parallel splits: 8, 64 or 128 in practice, Megatron's
+# 128 × 8 ranks = 1,024 at most seen; 4,096 adds at most 4,095 mean rows (2**40 would build a list
+# of 2**40 rows, dry run included)
+MAX_PAD_MULTIPLE = 4096
 MERGE_SOURCES = ("base", "union")  # and models[i]
 TRANSPORT_SOURCES = ("finetuned", "target", "union")
 _MODEL = re.compile(r"models\[(\d+)\]")
@@ -39,7 +43,12 @@ class TokenizerSection(Section):
         "averaging, as in mergekit, so a token only one model has keeps that model's row",
     )
     pad_to_multiple_of: int | None = Field(
-        None, ge=1, description="round the output's embedding rows up to a multiple of this (new rows: the mean row)"
+        None,
+        ge=1,
+        le=MAX_PAD_MULTIPLE,
+        strict=True,
+        description=f"round the output's embedding rows up to a multiple of this (1 to {MAX_PAD_MULTIPLE:,}; new "
+        "rows: the mean row)",
     )
 
     @field_validator("source")

@@ -5,12 +5,13 @@ merging) and a transport's α (a number, a list, or ``alpha: auto`` with its gri
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
+from hf_rebasin.alignment.strategies.options import MAX_PASSES
 from hf_rebasin.core.names import DEFAULT_ITERATIONS, DEFAULT_TOL
 from hf_rebasin.recipe.common import Section, is_number, quoted
 
@@ -18,17 +19,32 @@ DEFAULT_WEIGHT = 0.5  # λ on the reference model: the plain average
 # `alpha: auto`: the α swept when the recipe gives no grid of its own. From a quarter of τ (little
 # gained, little lost) to 1.5 (past the fine-tune's own step, where gains usually turn into losses)
 AUTO_ALPHAS: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
+# |α| at most: past 1.5 gains usually turn into losses, so 100 τ is far beyond any use (-1 negates τ)
+MAX_ALPHA = 100.0
+# nats of support loss: a uniform guess over 16M tokens costs 17, so 100 means "no budget"
+MAX_SUPPORT_BUDGET = 100.0
+
+# a weight of the average: a number in [0, 1] (strict: YAML's `true` and "0.5" are no weights)
+Weight = Annotated[float, Field(ge=0, le=1, strict=True)]
+# a transport's α, negative included (-1 subtracts the task vector)
+Alpha = Annotated[float, Field(ge=-MAX_ALPHA, le=MAX_ALPHA, strict=True)]
 
 
 class Universe(Section):
     """Universe merging: align every model to the mean of the others, average, repeat (job: merge)."""
 
     iterations: int = Field(
-        DEFAULT_ITERATIONS, ge=1, description="rounds of aligning every model and averaging, at most"
+        DEFAULT_ITERATIONS,
+        ge=1,
+        le=MAX_PASSES,
+        strict=True,
+        description="rounds of aligning every model and averaging, at most",
     )
     tol: float = Field(
         DEFAULT_TOL,
         ge=0,
+        le=1,
+        strict=True,
         allow_inf_nan=False,
         description="stop when a round moves the mean by less than this, relative to its norm",
     )
@@ -48,7 +64,7 @@ def _universe_schema(schema: JsonDict) -> None:
 class Merge(Section):
     """How to weight the aligned models: λ on the reference model, or one weight per model."""
 
-    weight: float | list[float] = Field(
+    weight: Weight | list[Weight] = Field(
         DEFAULT_WEIGHT,
         description="λ in [0, 1] on the reference model (the rest shared by the others), or one weight per model summing to 1",
     )
@@ -116,7 +132,7 @@ class AutoAlpha(Section):
     support cost beats them all); with it: the largest task gain whose support cost fits the budget.
     """
 
-    auto: list[float] = Field(
+    auto: list[Annotated[float, Field(gt=0, le=MAX_ALPHA, strict=True)]] = Field(
         default_factory=lambda: list(AUTO_ALPHAS),
         description="the α to sweep (each > 0), or true for the default grid "
         + ", ".join(f"{a:g}" for a in AUTO_ALPHAS),
@@ -125,6 +141,8 @@ class AutoAlpha(Section):
     support_budget: float | None = Field(
         None,
         ge=0,
+        le=MAX_SUPPORT_BUDGET,
+        strict=True,
         allow_inf_nan=False,
         description="nats of support loss the saved model may add to B's: the largest task gain within it is saved",
     )
@@ -135,9 +153,12 @@ class AutoAlpha(Section):
         if value is True:
             return list(AUTO_ALPHAS)
         values = value if isinstance(value, list) else None
-        if not values or not all(is_number(v) and 0 < v < 1e6 for v in values):
+        if not values or not all(is_number(v) and 0 < v <= MAX_ALPHA for v in values):
             raise PydanticCustomError(
-                "recipe", "must be true (the default grid) or a non-empty list of α > 0, e.g. [0.5, 1, 1.5]"
+                "recipe",
+                "must be true (the default grid) or a non-empty list of α in (0, {max}], e.g. [0.5, 1, 1.5]; "
+                "given {given}",
+                {"max": f"{MAX_ALPHA:g}", "given": quoted(value)},
             )
         if len(set(values)) != len(values):
             raise PydanticCustomError("recipe", "lists an α twice: list each α once")

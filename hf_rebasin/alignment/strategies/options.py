@@ -20,6 +20,10 @@ __all__ = [
     "GENERALIZED_ORTHOGONAL",
     "HEAD_PERM",
     "LEARNED_ONLY",
+    "MAX_BUDGET",
+    "MAX_PASSES",
+    "MAX_SEED",
+    "MAX_STEPS",
     "TRANSFUSION",
     "VANILLA",
     "WEIGHT_MATCHING",
@@ -40,6 +44,13 @@ __all__ = [
     "sampler_for",
     "unset_residual",
 ]
+
+# Bounds of every numeric option, checked when a recipe or `--set` is read (strict types: no "64",
+# no `true`). Generous: each is far past any run that ends in a day, and none allocates anything.
+MAX_SEED = 2**32 - 1  # numpy's seeds end here (torch's at 2**64 - 1)
+MAX_PASSES = 10_000  # sweeps or rounds over all spaces: they stop when nothing changes, in tens
+MAX_STEPS = 10_000_000  # learned matching's optimisation steps (default 200)
+MAX_BUDGET = 10**12  # learned matching's tokens or examples: a trillion, a pretraining run's worth
 
 # ---------------------------------------------------------------------------------------------
 # vanilla
@@ -78,8 +89,8 @@ def residual_maps_exact(options: Options) -> bool:
 class _PassOptions(Options):
     """Options of the strategies that sweep every space in a random order until nothing changes."""
 
-    max_iter: int = Field(100, ge=1, description="passes over all spaces at most")
-    seed: int = Field(0, description="seed of the random visiting order")
+    max_iter: int = Field(100, ge=1, le=MAX_PASSES, strict=True, description="passes over all spaces at most")
+    seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description="seed of the random visiting order")
 
 
 GLU_HELP = (
@@ -290,11 +301,14 @@ def sampler_for(text: str, wide: str | None, explicit: bool) -> tuple[str, str |
 
 
 class GeneralizedOrthogonalOptions(Options):
-    iterations: int = Field(10, ge=1, description="alternating rounds at most (stops early when stable)")
+    iterations: int = Field(
+        10, ge=1, le=MAX_PASSES, strict=True, description="alternating rounds at most (stops early when stable)"
+    )
     tol: float = Field(
         0.0,
         ge=0,
         le=1,
+        strict=True,
         description="stop rotating after a round that raised the match by less than this share of what all "
         "rounds so far raised it (0: until no map changes or `iterations`; 1e-3 saves rounds on trained models "
         "at the same barrier, but leaves a known rotation recovered to only ~1e-3)",
@@ -306,19 +320,29 @@ class GeneralizedOrthogonalOptions(Options):
     residual_maps: ResidualMaps = Field("global", description=RESIDUAL_MAPS_HELP)
     glu: GluScaling | None = Field(None, description=GLU_HELP + "; unset: `balance` with `learned: true`, else `keep`")
     learned: bool = Field(False, description="refine on the loss of the interpolated model (needs data)")
-    steps: int = Field(200, ge=1, description="learned: optimisation steps (or give `budget`)")
+    steps: int = Field(
+        200, ge=1, le=MAX_STEPS, strict=True, description="learned: optimisation steps (or give `budget`)"
+    )
     budget: int | None = Field(
-        None, ge=1, description="learned: tokens (text) or examples (images) to train on, instead of `steps`"
+        None,
+        ge=1,
+        le=MAX_BUDGET,
+        strict=True,
+        description="learned: tokens (text) or examples (images) to train on, instead of `steps`",
     )
     lr: float | None = Field(
         None,
         gt=0,
+        le=10,
+        strict=True,
         description="learned: peak learning rate (cosine decay to 10 %); unset: 0.01 for text models, 0.03 for "
         "image models (benchmark zoo, 3 seed pairs each: GPT-2 17 % of vanilla's barrier at 0.01 against 22 % at "
         "0.03; ViT 5 % at 0.03 against 13 % at 0.01)",
     )
     sinkhorn: bool = Field(False, description="learned: soft (Sinkhorn) permutations, projected once at the end")
-    temperature: float = Field(0.05, gt=0, description="learned + sinkhorn: temperature of the soft permutations")
+    temperature: float = Field(
+        0.05, gt=0, le=100, strict=True, description="learned + sinkhorn: temperature of the soft permutations"
+    )
     sampler: str = Field(
         "uniform(0.4, 0.6)",
         description="learned: λ (A's weight) per step, `uniform(a, b)` or `fixed(x)`; `wide(a, b)` draws the wider "
@@ -336,9 +360,19 @@ class GeneralizedOrthogonalOptions(Options):
     maps: Literal["all", "permutations"] = Field(
         "all", description="learned: `permutations` learns permutations only, no rotations (ablation)"
     )
-    holdout: float = Field(0.25, gt=0, lt=1, description="learned: share of the alignment batches held out")
-    eval_every: int = Field(50, ge=1, description="learned: steps between held-out barrier scores")
-    patience: int = Field(4, ge=0, description="learned: stop after this many scores without improvement (0: never)")
+    holdout: float = Field(
+        0.25, gt=0, lt=1, strict=True, description="learned: share of the alignment batches held out"
+    )
+    eval_every: int = Field(
+        50, ge=1, le=MAX_STEPS, strict=True, description="learned: steps between held-out barrier scores"
+    )
+    patience: int = Field(
+        4,
+        ge=0,
+        le=MAX_STEPS,
+        strict=True,
+        description="learned: stop after this many scores without improvement (0: never)",
+    )
     rotations: Literal["polar", "projected"] = Field(
         "polar",
         description="learned: how rotations are learned: `polar` (the forward pass reads a free matrix's polar "
@@ -351,11 +385,23 @@ class GeneralizedOrthogonalOptions(Options):
         description="learned: the gradient a hard permutation passes to its scores: the soft (Sinkhorn) "
         "permutation's, or the permutation's own (`identity`, as Theus et al.'s code)",
     )
-    warmup: float = Field(0.0, ge=0, lt=1, description="learned: share of the steps the rate rises over, linearly")
-    dirichlet: float = Field(
-        0.1, gt=0, description="learned + merge.universe (3+ models): concentration of the Dirichlet merge weights"
+    warmup: float = Field(
+        0.0, ge=0, lt=1, strict=True, description="learned: share of the steps the rate rises over, linearly"
     )
-    seed: int = Field(0, description="seed of the permutation stage's visiting order and of learned λ samples")
+    dirichlet: float = Field(
+        0.1,
+        gt=0,
+        le=1000,
+        strict=True,
+        description="learned + merge.universe (3+ models): concentration of the Dirichlet merge weights",
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        strict=True,
+        description="seed of the permutation stage's visiting order and of learned λ samples",
+    )
 
     @field_validator("sampler")
     @classmethod

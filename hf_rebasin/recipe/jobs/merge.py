@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from hf_rebasin.recipe.common import quoted
 from hf_rebasin.recipe.describe import curve_lines
 from hf_rebasin.recipe.jobs import CardPart, Job
 from hf_rebasin.recipe.sections import AlignedRecipe, ModelsRecipe
@@ -77,8 +78,8 @@ class MergeRecipe(ModelsRecipe, AlignedRecipe):
             return value
         raise PydanticCustomError(
             "recipe",
-            "a merge takes its tokenizer from base, union or models[i] (i below the number of models), not {s!r}",
-            {"s": source, "at": "source"},
+            "a merge takes its tokenizer from base, union or models[i] (i below the number of models), not {s}",
+            {"s": quoted(source), "at": "source"},
         )
 
 

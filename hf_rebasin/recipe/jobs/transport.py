@@ -11,13 +11,13 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from hf_rebasin.core.roles import TransportRoles
-from hf_rebasin.recipe.common import is_number
+from hf_rebasin.recipe.common import is_number, quoted
 from hf_rebasin.recipe.describe import data_line, describe_auto
 from hf_rebasin.recipe.jobs import CardPart, Job
 from hf_rebasin.recipe.refs import FineTuneRef, ModelRef
 from hf_rebasin.recipe.sections import AlignedRecipe
 from hf_rebasin.recipe.tokenizer import TRANSPORT_SOURCES, TokenizerSection
-from hf_rebasin.recipe.weights import AutoAlpha, alpha_schema, parse_auto_alpha
+from hf_rebasin.recipe.weights import MAX_ALPHA, Alpha, AutoAlpha, alpha_schema, parse_auto_alpha
 
 __all__ = ["DEFAULT_TRANSPORT_STRATEGY", "JOB", "TransportRecipe"]
 
@@ -47,7 +47,7 @@ class TransportRecipe(AlignedRecipe):
     target: ModelRef = Field(
         None, validate_default=True, description="the new base release (B) the task vector moves to"
     )
-    alpha: float | list[float] | AutoAlpha = Field(
+    alpha: Alpha | list[Alpha] | AutoAlpha = Field(
         1.0,
         validate_default=True,
         description="scale α of the task vector (default 1); a list is swept and reported, the first "
@@ -77,8 +77,8 @@ class TransportRecipe(AlignedRecipe):
             return value
         raise PydanticCustomError(
             "recipe",
-            "a transport takes its tokenizer from finetuned, target or union, not {s!r}",
-            {"s": value.source, "at": "source"},
+            "a transport takes its tokenizer from finetuned, target or union, not {s}",
+            {"s": quoted(value.source), "at": "source"},
         )
 
     @field_validator("base", "finetuned", "target", mode="before")
@@ -100,11 +100,12 @@ class TransportRecipe(AlignedRecipe):
         if value == "auto" or isinstance(value, (Mapping, AutoAlpha)):
             return value if isinstance(value, AutoAlpha) else parse_auto_alpha(value)
         values = value if isinstance(value, list) else [value]
-        if not values or not all(is_number(v) and abs(v) < 1e6 for v in values):
+        if not values or not all(is_number(v) and abs(v) <= MAX_ALPHA for v in values):
             raise PydanticCustomError(
                 "weight",
-                "must be a number (the scale of the task vector, e.g. 1.0), a list of them, or `auto` "
-                "(sweep and save the α whose task gain is worth its support cost)",
+                "must be a number from -{max} to {max} (the scale of the task vector, e.g. 1.0), a list of them, "
+                "or `auto` (sweep and save the α whose task gain is worth its support cost)",
+                {"max": f"{MAX_ALPHA:g}"},
             )
         return value
 
