@@ -131,6 +131,28 @@ def _comments_small(ws: Workspace) -> list[str]:
     return _ready(ws, [str(ws.recipe(text))])
 
 
+def _pad_2_40(ws: Workspace) -> list[str]:
+    recipe = ws.merge_recipe(tokenizer={"pad_to_multiple_of": 2**40})  # rows for a list of 2**40: all memory
+    return _ready(ws, [str(recipe), "--dry-run"])
+
+
+def _merge_source(source: str) -> Callable[[Workspace], list[str]]:
+    """A merge of two models whose tokenizer comes from ``source`` (not a merge's)."""
+
+    def build(ws: Workspace) -> list[str]:
+        return _ready(ws, [str(ws.merge_recipe(tokenizer={"source": source}))])
+
+    return build
+
+
+def _transport_source_base(ws: Workspace) -> list[str]:
+    for name, seed in (("a", 0), ("b", 1), ("c", 2)):
+        ws.model(name, seed=seed)
+    body = {"job": "transport", "base": "./a", "finetuned": "./b", "target": "./c", "strategy": "vanilla"}
+    recipe = ws.recipe({**body, "tokenizer": {"source": "base"}, "output": {"dir": "out"}, "device": "cpu"})
+    return _ready(ws, [str(recipe)])
+
+
 def _set_nested(ws: Workspace) -> list[str]:
     ws.model("a", seed=0)
     ws.model("b", seed=1)
@@ -162,6 +184,8 @@ def _card_with_comments(ws: Workspace, result: Outcome) -> None:
 
 
 _TOO_BIG = ("1 MiB (1,048,576 bytes)",)
+_NO_TEMPLATE = ("{s", "!r}")  # the message shows the value, not its placeholder
+_SOURCE_BEFORE = "exit 2, the message ending in a literal `not {s!r}`: the value never shown"
 
 CASES: list[Case] = [
     Case(
@@ -261,6 +285,43 @@ CASES: list[Case] = [
         _comments_small,
         0,
         check=_card_with_comments,
+    ),
+    Case(
+        "recipe-pad-to-multiple-of-2-40",
+        "recipe",
+        _pad_2_40,
+        2,
+        needles=("`tokenizer.pad_to_multiple_of`", "less than or equal to 4096", "1099511627776"),
+        check=_refused(1.0),
+        before="the dry run built a list of 2**40 rows: exit 137 after 23 GB (a stale lock left), or exit 1 with "
+        'an internal MemoryError under a memory limit; `"64"` and `true` were accepted',
+    ),
+    Case(
+        "recipe-merge-tokenizer-source-models-5",
+        "recipe",
+        _merge_source("models[5]"),
+        2,
+        needles=("`tokenizer.source`", "not 'models[5]'"),
+        check=_refused(2.0, absent=_NO_TEMPLATE),
+        before=_SOURCE_BEFORE,
+    ),
+    Case(
+        "recipe-merge-tokenizer-source-target",
+        "recipe",
+        _merge_source("target"),
+        2,
+        needles=("`tokenizer.source`", "not 'target'"),
+        check=_refused(2.0, absent=_NO_TEMPLATE),
+        before=_SOURCE_BEFORE,
+    ),
+    Case(
+        "recipe-transport-tokenizer-source-base",
+        "recipe",
+        _transport_source_base,
+        2,
+        needles=("`tokenizer.source`", "not 'base'"),
+        check=_refused(2.0, absent=_NO_TEMPLATE),
+        before=_SOURCE_BEFORE,
     ),
     Case(
         "align-set-nested-100k",
