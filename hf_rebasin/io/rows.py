@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = [
     "embedding_rows_of",
     "read_vocabularies",
     "reindex",
+    "remap_generation_config",
     "remap_token_ids",
     "shared_layout",
     "to_shared_rows",
@@ -292,3 +294,14 @@ def _with_graph(lm: LoadedModel) -> LoadedModel:
     from hf_rebasin.symmetry.adapters import graph_for
 
     return dataclasses.replace(lm, graph=graph_for(lm.model.config, lm.model.state_dict().keys()))
+
+
+def remap_generation_config(path: Path, old: Sequence[str | None], rows: Mapping[str, int]) -> None:
+    """generation_config.json's token ids (eos, pad, bos) at the output's rows."""
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text(encoding="utf-8"))
+    moved = remap_token_ids(data, old, rows)
+    if moved != {k: data[k] for k in moved}:
+        data.update(moved)
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

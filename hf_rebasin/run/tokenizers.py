@@ -14,11 +14,11 @@ from typing import Any
 
 from hf_rebasin.core.errors import IncompatibleModelsError, TokenizerError, named
 from hf_rebasin.io.files import read_config
-from hf_rebasin.io.vocab import load_tokenizer, merge_rule, model_json, tokenizer_difference
+from hf_rebasin.io.vocab import has_tokenizer, load_tokenizer, merge_rule, model_json, tokenizer_difference
 from hf_rebasin.recipe import Recipe
 from hf_rebasin.run.resolve import PlannedModel
 
-__all__ = ["check_ids_fit", "check_tokenizers", "embedding_rows", "largest_id"]
+__all__ = ["check_ids_fit", "check_rows_by_position", "check_tokenizers", "embedding_rows", "largest_id"]
 
 _ALLOW = "`allow_different_tokenizers: true`"
 
@@ -184,3 +184,25 @@ def check_tokenizers(
         for i, m in enumerate(models[1:], start=1)
         if i not in skip and _local(m)
     }
+
+
+def check_rows_by_position(names: Sequence[str], folders: Sequence[Path], rows: Sequence[int | None]) -> None:
+    """Models whose rows cannot be matched by token pair them by position, which needs one row
+    count: refuse other counts where a model has no tokenizer to match by, naming the cause (the
+    plan and the run alike, so the dry run refuses what the run would)."""
+    known = [(n, f, r) for n, f, r in zip(names, folders, rows, strict=True) if r is not None]
+    if len({r for *_, r in known}) <= 1:
+        return
+    lacking = [n for n, f, _ in known if not has_tokenizer(f)]
+    if not lacking:
+        return  # matched by token (`run_vocabulary`), or a tokenizer that does not load, refused as such
+    (first, _, r0), (other, _, r1) = known[0], next(k for k in known if k[2] != known[0][2])
+    if len(lacking) == len(known):
+        which = "neither has a tokenizer" if len(known) == 2 else "none has a tokenizer"
+    else:
+        which = f"{' and '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no tokenizer"
+    raise IncompatibleModelsError(
+        f"vocabularies differ: give each model its tokenizer. {first} has {r0:,} embedding rows and {other} {r1:,}, "
+        f"and {which}, so their rows cannot be matched by token (paired by position, each row would be averaged with another token's). Save the tokenizer "
+        "each model was trained with beside its weights (`tokenizer.save_pretrained(folder)`)"
+    )

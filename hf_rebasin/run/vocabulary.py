@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,17 +30,18 @@ from hf_rebasin.io.rows import (
     embedding_rows_of,
     read_vocabularies,
     reindex,
+    remap_generation_config,
     remap_token_ids,
     vocab_field,
     vocab_tensors,
     working_layout,
 )
 from hf_rebasin.io.tokens import Vocabulary, compare_vocabularies, read_vocabulary
-from hf_rebasin.io.vocab import gate_tokenizer_files, has_tokenizer, load_tokenizer, loader_files, template_files
+from hf_rebasin.io.vocab import gate_tokenizer_files, load_tokenizer, loader_files, template_files
 from hf_rebasin.merging.interpolate import StorageKey, storage_key
 from hf_rebasin.merging.rows import fill_merge, fill_transport
 from hf_rebasin.recipe.tokenizer import model_index
-from hf_rebasin.run.tokenizers import same_text
+from hf_rebasin.run.tokenizers import check_rows_by_position, same_text
 
 __all__ = [
     "RunVocabulary",
@@ -184,7 +184,7 @@ class RunVocabulary:
                 _copy({n: found[n] for n in template_files(self.folders[donor])}, folder)
         else:
             _built(self).save_pretrained(str(folder))
-        _remap_generation_config(folder / "generation_config.json", self.layout.keys, self.output_row())
+        remap_generation_config(folder / "generation_config.json", self.layout.keys, self.output_row())
         self._check_written(folder)
 
     def _check_written(self, folder: Path) -> None:
@@ -220,17 +220,6 @@ def _copy(files: Mapping[str, Path], folder: Path) -> None:
     for name, real in files.items():
         (folder / name).parent.mkdir(exist_ok=True)
         shutil.copyfile(real, folder / name)
-
-
-def _remap_generation_config(path: Path, old: Sequence[str | None], rows: Mapping[str, int]) -> None:
-    """generation_config.json's token ids (eos, pad, bos) at the output's rows."""
-    if not path.is_file():
-        return
-    data = json.loads(path.read_text(encoding="utf-8"))
-    moved = remap_token_ids(data, old, rows)
-    if moved != {k: data[k] for k in moved}:
-        data.update(moved)
-        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _built(v: RunVocabulary) -> Any:
@@ -374,28 +363,6 @@ def matched_by_token(job: str, folders: Sequence[Path], names: Sequence[str]) ->
     if found is None:
         check_rows_by_position(names, folders, rows)
     return found
-
-
-def check_rows_by_position(names: Sequence[str], folders: Sequence[Path], rows: Sequence[int | None]) -> None:
-    """Models whose rows cannot be matched by token pair them by position, which needs one row
-    count: refuse other counts where a model has no tokenizer to match by, naming the cause (the
-    plan and the run alike, so the dry run refuses what the run would)."""
-    known = [(n, f, r) for n, f, r in zip(names, folders, rows, strict=True) if r is not None]
-    if len({r for *_, r in known}) <= 1:
-        return
-    lacking = [n for n, f, _ in known if not has_tokenizer(f)]
-    if not lacking:
-        return  # matched by token (`run_vocabulary`), or a tokenizer that does not load, refused as such
-    (first, _, r0), (other, _, r1) = known[0], next(k for k in known if k[2] != known[0][2])
-    if len(lacking) == len(known):
-        which = "neither has a tokenizer" if len(known) == 2 else "none has a tokenizer"
-    else:
-        which = f"{' and '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no tokenizer"
-    raise IncompatibleModelsError(
-        f"vocabularies differ: give each model its tokenizer. {first} has {r0:,} embedding rows and {other} {r1:,}, "
-        f"and {which}, so their rows cannot be matched by token (paired by position, each row would be averaged with another token's). Save the tokenizer "
-        "each model was trained with beside its weights (`tokenizer.save_pretrained(folder)`)"
-    )
 
 
 def to_rows(
