@@ -149,3 +149,16 @@ def test_a_named_template_linked_out_of_the_fine_tune_is_refused_and_never_writt
     assert not (tmp_path / "out").exists()
     leaked = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink() and p.parent != secret]
     assert not [p for p in leaked if b"SECRET-BYTES" in p.read_bytes()]
+
+
+def test_a_hub_download_takes_the_named_templates_and_bounds_their_size() -> None:
+    """What a Hub repo gives: the templates' folder is fetched (it is what the loader reads), nothing
+    else below the top level; a template advertised larger than any is refused before downloading."""
+    from hf_rebasin.core.errors import RebasinUserError
+    from hf_rebasin.io.hub import selection
+
+    names = ["config.json", f"{layout.CHAT_TEMPLATE_DIR}/tool.jinja", f"{layout.CHAT_TEMPLATE_DIR}/a/b.jinja"]
+    assert selection.support_names([*names, "onnx/tool.jinja"]) == names[:2]
+    selection.check_file_sizes({names[1]: 4096}, "repo 'alice/chat'")
+    with pytest.raises(RebasinUserError, match="tool.jinja"):
+        selection.check_file_sizes({names[1]: 17 << 20}, "repo 'alice/chat'")

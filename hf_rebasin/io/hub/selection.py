@@ -60,12 +60,14 @@ def support_names(files: Sequence[str]) -> list[str]:
 
 def _limit(name: str) -> tuple[int, str] | None:
     """(largest size, kind) for a file hf-rebasin may download, None for files it never fetches
-    (sub-folders: ``onnx/``, ``original/``, ...). Any top-level safetensors or bin file may be a shard
+    (sub-folders other than the named chat templates': ``onnx/``, ``original/``, ...). Any top-level safetensors or bin file may be a shard
     an index names, so each is bounded."""
     fetched = (*WEIGHT_PATTERNS, *PICKLE_PATTERNS, "adapter_config.json", "adapter_model.*")
-    if "/" in name or (not support_names([name]) and not any(fnmatch.fnmatch(name, p) for p in fetched)):
-        return None
+    if not support_names([name]) and ("/" in name or not any(fnmatch.fnmatch(name, p) for p in fetched)):
+        return None  # named chat templates are the one sub-folder a loader reads (`layout.CHAT_TEMPLATE_DIR`)
     base = name.rsplit("/", 1)[-1]
+    if base.endswith(".jinja"):
+        return MAX_CONFIG_BYTES, "chat template"
     if base.endswith((".safetensors", ".bin")):
         return MAX_WEIGHT_FILE_BYTES, "weights file"
     if base.endswith(".json") and not base.startswith("tokenizer"):
