@@ -205,16 +205,36 @@ def _strict_row_maxima(s: np.ndarray) -> np.ndarray | None:
 
 
 @_timed
-def procrustes(m: Tensor, fix_ones: bool = False) -> tuple[Tensor, float]:
+def procrustes(m: Tensor, fix_ones: bool = False, null_rtol: float | None = None) -> tuple[Tensor, float]:
     """Orthogonal O maximizing ``tr(Oᵀ m)`` (= ``U Vᵀ`` from ``m = U S Vᵀ``); with ``fix_ones``
-    the search is restricted to maps with ``O·1 = 1`` (solved inside the complement of 1)."""
+    the search is restricted to maps with ``O·1 = 1`` (solved inside the complement of 1); with
+    ``null_rtol``, the maximizer nearest the identity where ``m`` is singular (`nearest_polar`)."""
     m = m.detach().to("cpu", torch.float64)
     if fix_ones:
-        o = _fixing_ones(m, lambda inner: procrustes(inner)[0])
+        o = _fixing_ones(m, lambda inner: procrustes(inner, null_rtol=null_rtol)[0])
         return o, float((o * m).sum())
-    u, _s, vh = svd(m)
-    o = u @ vh
+    o = nearest_polar(*svd(m), null_rtol)
     return o, float((o * m).sum())
+
+
+def nearest_polar(u: Tensor, s: Tensor, vh: Tensor, null_rtol: float | None) -> Tensor:
+    """``U Vᵀ`` of ``m = U S Vᵀ`` (a matrix or a stack). Where ``m`` is singular (singular values at
+    most ``null_rtol`` of its largest; None: never) every completion of ``U Vᵀ`` on its null spaces
+    maximizes ``tr(Oᵀ m)`` alike, and the SVD's is arbitrary; this takes the one nearest the
+    identity (``Uₙ Q Vₙᵀ`` with Q the polar factor of ``Uₙᵀ Vₙ``), the identity itself for a
+    positive semi-definite ``m`` (a model's views against its own)."""
+    o = u @ vh
+    if null_rtol is None:
+        return o
+    ranks = (s > null_rtol * s[..., :1]).sum(-1).reshape(-1).tolist()
+    n = o.shape[-1]
+    out, us, vs = o.reshape(-1, n, n), u.reshape(-1, n, n), vh.reshape(-1, n, n).mT
+    for i, r in enumerate(ranks):
+        if r < n:
+            un, vn = us[i, :, r:], vs[i, :, r:]
+            a, _s, bh = svd(un.T @ vn)
+            out[i] = us[i, :, :r] @ vs[i, :, :r].T + un @ (a @ bh) @ vn.T
+    return out.reshape(o.shape)
 
 
 @_timed
@@ -260,17 +280,17 @@ def inner_values(m: Tensor, kind: str) -> Tensor:
 
 
 @_timed
-def best_inners(m: Tensor, kind: str) -> Tensor:
+def best_inners(m: Tensor, kind: str, null_rtol: float | None = None) -> Tensor:
     """Best inner map of every block of a stack ``[b, dh, dh]``: ``[b, dh]`` indices for ``perm`` and
-    ``fixed``, ``[b, dh, dh]`` matrices for ``orth`` and ``planes``."""
+    ``fixed``, ``[b, dh, dh]`` matrices for ``orth`` and ``planes`` (``orth`` with ``null_rtol``:
+    the one nearest the identity where a block is singular, `nearest_polar`)."""
     m = m.detach().to("cpu", torch.float64)
     if kind == "perm":
         return lap_batch(m)
     if kind == "fixed":
         return torch.arange(m.shape[-1]).expand(m.shape[0], m.shape[-1]).clone()
     if kind == "orth":
-        u, _s, vh = svd(m)
-        return u @ vh
+        return nearest_polar(*svd(m), null_rtol)
     return torch.stack([plane_rotations(x)[0] for x in m]) if len(m) else m
 
 

@@ -157,6 +157,7 @@ def solve_heads(
     *,
     ranking: Ranking = "inner",
     outer: tuple[Tensor, Tensor] | None = None,
+    null_rtol: float | None = None,
 ) -> HeadMap:
     """Two-level assignment; heads never mix.
 
@@ -164,7 +165,8 @@ def solve_heads(
     LAP, then each chosen pair gets its best inner maps (LAP, Procrustes, rotary-plane rotations, or
     the identity where the space fixes them).
     ``ranking`` scores pairs by the value of their best inner maps (weight matching) or by QK/OV
-    circuit similarity (invariant to the inner maps); ``outer`` fixes the pairing (TransFusion).
+    circuit similarity (invariant to the inner maps); ``outer`` fixes the pairing (TransFusion);
+    ``null_rtol``: inner rotations nearest the identity where a pair's block is singular.
     """
     G, r = space.num_kv_heads, space.group_size
     qk_kind, vo_kind = inner_kinds(space, cls)
@@ -199,8 +201,8 @@ def solve_heads(
     return HeadMap(
         b_idx.clone(),
         chosen_tau.clone(),
-        best_inners(qk[a_idx, b_idx], qk_kind),
-        best_inners(vo[a_idx, b_idx], vo_kind),
+        best_inners(qk[a_idx, b_idx], qk_kind, null_rtol),
+        best_inners(vo[a_idx, b_idx], vo_kind, null_rtol),
     )
 
 
@@ -209,14 +211,17 @@ def solve_heads(
 # --------------------------------------------------------------------------------------------
 
 
-def solve_plain(space: Space, view: Tensor, cls: TransformClass, assign: Assign = lap) -> AxisMap:
+def solve_plain(
+    space: Space, view: Tensor, cls: TransformClass, assign: Assign = lap, null_rtol: float | None = None
+) -> AxisMap:
     """LAP, Procrustes (inside 1⊥ for a LayerNorm stream) where the space admits rotations, or a
     LAP on |view| with each pair's sign where it admits signed permutations (the best signed
     permutation: ``Σ sᵢ M[i, π(i)]`` is largest with sᵢ = sign M[i, π(i)]). ``assign`` solves the
-    LAPs (`solvers.lap_sparse` trades exactness on unrelated scores for speed on wide spaces)."""
+    LAPs (`solvers.lap_sparse` trades exactness on unrelated scores for speed on wide spaces);
+    ``null_rtol``: the rotation nearest the identity where the view is singular."""
     got = plain_class(space, cls)
     if got == "orthogonal":
-        o, _ = procrustes(view, fix_ones=space.centered)
+        o, _ = procrustes(view, fix_ones=space.centered, null_rtol=null_rtol)
         return AxisMap(space.size, blocks=o[None])
     if got == "signed-permutation":
         perm, _ = assign(view.abs())
@@ -420,9 +425,11 @@ def space_solver(
     ranking: Ranking = "inner",
     outer: Mapping[str, tuple[Tensor, Tensor]] | None = None,
     assign: Assign = lap,
+    null_rtol: float | None = None,
 ) -> SpaceSolver:
     """The per-space solver of a strategy: heads by :func:`solve_heads`, experts by
-    :func:`~hf_rebasin.alignment.experts.solve_experts`, others by :func:`solve_plain`."""
+    :func:`~hf_rebasin.alignment.experts.solve_experts`, others by :func:`solve_plain`
+    (``null_rtol``: rotations nearest the identity where a view is singular, `nearest_polar`)."""
 
     def solve(name: str, views: Views) -> SpaceMap:
         sp = graph.spaces[name]
@@ -430,8 +437,8 @@ def space_solver(
             return solve_experts(sp, views)
         if isinstance(sp, HeadSpace):
             fixed = outer.get(name) if outer is not None else None
-            return solve_heads(sp, views, cls, ranking=ranking, outer=fixed)
-        return solve_plain(sp, dense(views[None]), cls, assign)
+            return solve_heads(sp, views, cls, ranking=ranking, outer=fixed, null_rtol=null_rtol)
+        return solve_plain(sp, dense(views[None]), cls, assign, null_rtol)
 
     return solve
 
