@@ -37,6 +37,7 @@ from torch import Tensor
 
 from hf_rebasin.alignment.experts import center_routers
 from hf_rebasin.alignment.features.lowrank import LowRankViews
+from hf_rebasin.alignment.features.weights import spaces_of
 from hf_rebasin.alignment.solvers import lap_sparse
 from hf_rebasin.alignment.strategies.engines.descent import view_graph
 from hf_rebasin.alignment.strategies.engines.orthogonal import permutation_start, rotate, space_order
@@ -85,6 +86,14 @@ ALPHA = 1e-3  # a pair is related when its p-value is below this
 MATCHING_TOL = 1e-3
 MATCHING_ROUNDS = 4
 NEAR = 0.05  # a map this close to the identity (0–1 scale) is described as the identity
+# a space keeps the stored order when it matches the signals within this share of what the solver's
+# map does: a map fitted to rounding gains up to 1.4e-5 of it (a bf16 copy of a random GPT-2), 3.6e-6
+# (noise of 0.1 % of each weight's RMS), float32 views of an exact copy 6e-8; a moved space far more
+KEEP_IDENTITY = 1e-4
+# a view's singular values at most this share of its largest count as zero: the signals' views are
+# exactly low rank but computed in float32 (their null singular values: 1e-10–1e-9 of the largest),
+# and on their null spaces the rotation nearest the identity is taken (all match the signals alike)
+NULL_RTOL = 1e-6
 
 
 @dataclass
@@ -254,8 +263,10 @@ def judge(
     stored = _as_stored(cgraph, a.scales), _as_stored(cgraph, b.scales)
     progress = _counting(say, "bulk similarity")
     aligned, raw = _bulk_sums(cgraph, a.state, b.state, a.signal, b.signal, transform, stored, progress)
+    aligned, kept = _stored_where_better(cgraph, transform, aligned, raw, list(a.signal.ranks))
     clock["evidence"] = time.perf_counter() - t
-    result = _verdict(_evidence(cgraph, transform, aligned, raw, null))
+    described = {name: m for name, m in transform.items() if name not in kept}  # a kept space: the identity
+    result = _verdict(_evidence(cgraph, described, aligned, raw, null))
     result.seconds, result.passes, result.tokens, result.transform = clock, passes, tokens, transform
     return result
 
@@ -296,7 +307,9 @@ def align_signals(
     """B's signal aligned to A's by data-free generalized-orthogonal matching under the whole graph
     (permutations first, then rotations), its weight views computed from the factors; the passes
     each stage took. With ``fitted`` maps (from data), those are the start instead of the
-    permutations' (a space they lack starts at the identity)."""
+    permutations' (a space they lack starts at the identity). A space keeps the identity where it
+    matches within `KEEP_IDENTITY` of the solver's map (`keeping_identity`), and a rotation is the
+    one nearest the identity where the low-rank signals leave it undetermined (`NULL_RTOL`)."""
     vgraph = view_graph(graph, "orthogonal")
     views = LowRankViews(vgraph, _dense(sig_a), _dense(sig_b), sig_a.factors, sig_b.factors)
 
@@ -317,6 +330,7 @@ def align_signals(
             assign=lap_sparse,
             max_iter=MATCHING_ROUNDS,
             tol=MATCHING_TOL,
+            keep=KEEP_IDENTITY,
         )
         stage = "alignment of the signals: rotations"
     transform, rounds = rotate(
@@ -329,6 +343,8 @@ def align_signals(
         progress=report,
         stage=stage,
         assign=lap_sparse,
+        keep=KEEP_IDENTITY,
+        null_rtol=NULL_RTOL,
     )
     return transform, {"permutations": first, "rotations": rounds}
 
@@ -375,6 +391,35 @@ def _bulk_sums(
         last.clear()
         progress(i + 1, len(names))
     return aligned, raw
+
+
+def _stored_where_better(
+    graph: SymmetryGraph,
+    transform: Transform,
+    aligned: dict[str, SpaceSums],
+    raw: dict[str, SpaceSums],
+    names: list[str],
+) -> tuple[dict[str, SpaceSums], set[str]]:
+    """A gated space whose streams no map moves reads aligned the better of its units as aligned
+    and as stored (the stored order in the stored scaling: one of the maps the symmetry allows,
+    which the solver, matching canonical forms, cannot express). Canonical scaling takes each
+    model's scales from its own weights, and the sign of a unit from up·gate, arbitrary where that
+    is near 0: a bf16 copy's unit can come out negated, and the unit map then pays for it. Returns
+    the sums and the spaces read as stored; other spaces, or where the streams moved, as aligned."""
+    if not graph.glus:
+        return aligned, set()
+    moved = set()
+    for n in names:
+        own = space_of(graph, n)
+        if n not in graph.bindings or any(s != own and not _is_identity(transform.get(s)) for s in spaces_of(graph, n)):
+            moved.add(own)
+    gated = {unit.space for unit in graph.glus} & set(aligned)
+    kept = {s for s in gated - moved if raw[s].similarity > aligned[s].similarity}
+    return {s: raw[s] if s in kept else sums for s, sums in aligned.items()}, kept
+
+
+def _is_identity(m: SpaceMap | None) -> bool:
+    return m is None or m.is_identity()
 
 
 def _as_stored(graph: SymmetryGraph, scales: Mapping[str, Tensor]) -> Callable[[str, Tensor], Tensor]:

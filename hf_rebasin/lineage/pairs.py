@@ -15,7 +15,14 @@ from hf_rebasin.core.memory import OVERHEAD, InsufficientMemoryError, available_
 from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
 from hf_rebasin.io.models import LoadedModel, check_compatible, depth_of
 from hf_rebasin.io.rows import to_shared_rows
-from hf_rebasin.lineage.compare import ALPHA, MATCHING_ROUNDS, MATCHING_TOL, NULL_SIMILARITY, threads_for
+from hf_rebasin.lineage.compare import (
+    ALPHA,
+    KEEP_IDENTITY,
+    MATCHING_ROUNDS,
+    MATCHING_TOL,
+    NULL_SIMILARITY,
+    threads_for,
+)
 from hf_rebasin.lineage.datamaps import LineageData, data_bytes, data_tokens
 from hf_rebasin.lineage.depth import layer_key, renamed
 from hf_rebasin.lineage.pairwise import PairRun
@@ -200,6 +207,7 @@ def _settings(
         "strategy": DEFAULT_LINEAGE_STRATEGY,
         "tol": MATCHING_TOL,
         "max_passes": MATCHING_ROUNDS,
+        "keep_identity": KEEP_IDENTITY,
         "data": "none" if data is None else data.description or "given",
         "data_tokens": tokens,
     }
