@@ -14,6 +14,7 @@ trained twice on other text (the zoo GPT-2's seeds on five comedies instead of f
     python benchmarks/bench_lineage.py                 # trains missing zoo seeds first (≈ 1 min each)
     python benchmarks/bench_lineage.py --seeds 0 1 2   # a smaller testbed
     python benchmarks/bench_lineage.py --data 8        # alignments started from activations (8 batches)
+    python benchmarks/bench_lineage.py --copies        # each model against itself, its bf16 copy, its LoRA
 
 Prints the confusion of verdicts, ROC AUC of the statistic, the false-positive rate at the default
 threshold, the smallest margin between the groups, and the baseline's numbers on the same pairs;
@@ -351,6 +352,40 @@ def shared_init_cases(seeds: list[int]) -> Iterator[tuple[Case, LoadedModel, Sta
         yield case, lm, lm.model.state_dict(), b
 
 
+def copies(seeds: list[int], bench: tuple[str, ...] = BENCH) -> Iterator[tuple[str, str, LoadedModel, State, State]]:
+    """(kind, how, A, A's weights, B's) where B is A itself, A rounded to bf16 (as a bf16 release
+    stores it) or, for the zoo GPT-2, A with its LoRA merged in: pairs in which no space moved."""
+    for kind in TINY + bench:
+        for seed in seeds[:2] if kind in TINY else [0]:
+            lm = _load(kind, seed)
+            sd = lm.model.state_dict()
+            yield kind, f"seed {seed}, itself", lm, sd, {k: v.clone() for k, v in sd.items()}
+            half = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
+            yield kind, f"seed {seed}, bf16 copy", lm, sd, half
+            for group, how, make in _descendants(kind, seed):
+                if group == "LoRA merged":
+                    yield kind, f"seed {seed}, {how}", lm, sd, make()
+
+
+def copies_check(seeds: list[int], bench: tuple[str, ...]) -> str:
+    """Every copy's verdict and its lowest (aligned − stored) bulk similarity over every space: an
+    alignment that moves nothing never reads less than the stored order."""
+    worst: dict[str, float] = {}
+    lines = ["| model | B | verdict | min over spaces of aligned − stored | in | spaces not in place |"]
+    lines.append("|---|---|---|---:|---|---:|")
+    for kind, how, lm, sd_a, sd_b in copies(seeds, bench):
+        found = compare(lm.graph, sd_a, sd_b)
+        low = min(found.spaces, key=lambda e: e.similarity - e.raw_similarity)
+        gap = low.similarity - low.raw_similarity
+        what = how.split(", ", 1)[1]
+        worst[what] = min(worst.get(what, gap), gap)
+        moved = sum(not e.in_place for e in found.spaces if e.counted)
+        lines.append(f"| {kind} | {how} | {found.verdict} | {gap:+.2e} | {low.space} ({low.map}) | {moved} |")
+        print(lines[-1], flush=True)
+    lines += ["", *(f"{what}: min aligned − stored {gap:+.2e}" for what, gap in worst.items())]
+    return "\n".join(lines)
+
+
 def auc(pos: list[float], neg: list[float]) -> float:
     """ROC AUC: the chance a related pair scores above an independent one (ties count half)."""
     wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
@@ -431,8 +466,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--vocabularies", action="store_true", help="only the pairs whose vocabularies differ")
     parser.add_argument("--tiny-only", action="store_true", help="leave out the benchmark zoo (trained on first use)")
+    parser.add_argument("--copies", action="store_true", help="only each model against itself, bf16 and its LoRA")
     args = parser.parse_args(argv)
     assert all(k in DEFAULT_CONFIGS for k in TINY + BENCH)
+    if args.copies:
+        print(copies_check(args.seeds, () if args.tiny_only else BENCH))
+        return
     cases: list[Case] = []
     made: dict[str, AlignmentData] = {}
     if args.vocabularies:
