@@ -33,6 +33,13 @@ def _templates(folder: Path) -> object:
     return T.AutoTokenizer.from_pretrained(str(folder)).chat_template
 
 
+def _transport(folders: dict[str, Path]) -> dict[str, object]:
+    """The transport of a chat fine-tune of ``base`` onto ``target`` into ``out``."""
+    roles = {"base": folders["base"], "finetuned": folders["ft"], "target": folders["target"]}
+    body: dict[str, object] = {"job": "transport", **{k: str(v) for k, v in roles.items()}}
+    return {**body, "strategy": "weight-matching", "output": {"dir": "out"}, "device": "cpu"}
+
+
 def _run(root: Path, body: dict[str, object]) -> tuple[int, str]:
     done = run_main(str(write_recipe(root, body)), env={"HF_HUB_OFFLINE": "1", "HF_REBASIN_NO_CACHE": "1"})
     return done.returncode, done.stdout + done.stderr
@@ -97,15 +104,7 @@ def test_a_transport_keeps_the_fine_tunes_named_templates(tmp_path: Path) -> Non
     _with_templates(folders["ft"])
     _with_templates(folders["target"], tool="TARGET'S OWN {{ tools }}")
     (folders["target"] / "additional_chat_templates" / "other.jinja").write_text("{{ x }}", encoding="utf-8")
-    body = {
-        "job": "transport",
-        "base": str(folders["base"]),
-        "finetuned": str(folders["ft"]),
-        "target": str(folders["target"]),
-        "strategy": "weight-matching",
-        "output": {"dir": "out"},
-        "device": "cpu",
-    }
+    body = _transport(folders)
     code, err = _run(tmp_path, body)
     assert code == 0, err
     out = tmp_path / "out"
@@ -129,15 +128,7 @@ def test_a_named_template_linked_out_of_the_fine_tune_is_refused_and_never_writt
         (folders["ft"] / "additional_chat_templates" / "tool.jinja").symlink_to(secret / "tool.jinja")
     else:
         (folders["ft"] / "additional_chat_templates").symlink_to(secret)
-    body = {
-        "job": "transport",
-        "base": str(folders["base"]),
-        "finetuned": str(folders["ft"]),
-        "target": str(folders["target"]),
-        "strategy": "weight-matching",
-        "output": {"dir": "out"},
-        "device": "cpu",
-    }
+    body = _transport(folders)
     for dry in (True, False):
         done = run_main(
             str(write_recipe(tmp_path, body)), *(["--dry-run"] if dry else []), env={"HF_REBASIN_NO_CACHE": "1"}
