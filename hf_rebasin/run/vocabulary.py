@@ -338,13 +338,16 @@ def planned_vocabulary(
 def _of_recipe(
     recipe: Any, folders: Sequence[Path], names: Sequence[str], rows: Sequence[int | None]
 ) -> RunVocabulary | None:
-    """`run_vocabulary` with the recipe's job and ``tokenizer`` section (if its job has one)."""
+    """`run_vocabulary` with the recipe's job and ``tokenizer`` section (if its job has one); None
+    for lineage, which compares the rows of the tokens the models share (`lineage.pairs.lineage_of`)."""
+    if recipe.job == "lineage":
+        return None
     section = getattr(recipe, "tokenizer", None)
     source = section.source if section is not None else None
     pad_to = section.pad_to_multiple_of if section is not None else None
     with named("`tokenizer`", unless_named=True):
         found = run_vocabulary(recipe.job, source, pad_to, folders, names, rows)
-    if found is None and recipe.job != "lineage":  # lineage compares the rows of the tokens they share
+    if found is None:
         check_rows_by_position(names, folders, rows)
     return found
 
@@ -370,8 +373,6 @@ def to_rows(
 ) -> tuple[list[LoadedModel], RunVocabulary | None]:
     """``models`` in one vocabulary layout (as they are where their vocabularies agree): the run's
     recipe (its ``tokenizer`` section, if its job has one), the models' names and folders."""
-    if recipe.job == "lineage":  # compared on the tokens they share (`lineage.pairs.lineage_of`)
-        return models, None
     rows = _of_recipe(recipe, folders, names, [embedding_rows_of(lm.model) for lm in models])
     if rows is None:
         return models, None
