@@ -147,18 +147,12 @@ def vocabulary_notes(recipe: Recipe, models: Roles[PlannedModel]) -> tuple[str, 
     """Vocabularies that differ, decided from the tokenizers and config.json (no weight): what each
     model adds or lacks against the reference and the output's vocabulary, or the error the run's
     load would raise (rows of other counts with no tokenizer to match them by)."""
-    from hf_rebasin.io.vocab import differ_in_vocabulary
-    from hf_rebasin.run.tokenizers import embedding_rows
     from hf_rebasin.run.vocabulary import planned_vocabulary
 
-    folders = [_folder(m) for m in models.all]
-    if any(f is None or not m.ready for f, m in zip(folders, models.all, strict=True)):
+    if not all(m.ready for m in models.all):
         return ()  # not downloaded or trained yet: the run decides when it loads them
-    if not differ_in_vocabulary(folders):
-        return ()
-    rows = [(embedding_rows(f, m.where) or (None, ""))[0] for f, m in zip(folders, models.all, strict=True) if f]
-    names = [m.named for m in models.all]
-    return tuple(planned_vocabulary(recipe, [f for f in folders if f], names, rows))
+    wheres = [m.where for m in models.all]
+    return tuple(planned_vocabulary(recipe, [m.path for m in models.all], [m.named for m in models.all], wheres))
 
 
 def memory_estimate(recipe: Recipe, models: Roles[PlannedModel]) -> MemoryEstimate:

@@ -18,7 +18,7 @@ from hf_rebasin.io.vocab import has_tokenizer, load_tokenizer, merge_rule, model
 from hf_rebasin.recipe import Recipe
 from hf_rebasin.run.resolve import PlannedModel
 
-__all__ = ["check_ids_fit", "check_rows_by_position", "check_tokenizers", "embedding_rows", "largest_id"]
+__all__ = ["check_ids_fit", "check_rows_by_position", "check_tokenizers", "config_rows", "embedding_rows", "largest_id"]
 
 _ALLOW = "`allow_different_tokenizers: true`"
 
@@ -57,6 +57,11 @@ def embedding_rows(folder: Path, where: str) -> tuple[int, str] | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value, field
     return None
+
+
+def config_rows(folders: Sequence[Path], wheres: Sequence[str]) -> list[int | None]:
+    """Each model's embedding rows as its config.json declares them (`embedding_rows`; None: unknown)."""
+    return [(embedding_rows(f, w) or (None, ""))[0] for f, w in zip(folders, wheres, strict=True)]
 
 
 def check_ids_fit(m: PlannedModel, tokenizer: Any, *, reference: bool = True) -> None:
@@ -203,6 +208,7 @@ def check_rows_by_position(names: Sequence[str], folders: Sequence[Path], rows: 
         which = f"{' and '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no tokenizer"
     raise IncompatibleModelsError(
         f"vocabularies differ: give each model its tokenizer. {first} has {r0:,} embedding rows and {other} {r1:,}, "
-        f"and {which}, so their rows cannot be matched by token (paired by position, each row would be averaged with another token's). Save the tokenizer "
-        "each model was trained with beside its weights (`tokenizer.save_pretrained(folder)`)"
+        f"and {which}, so their rows cannot be matched by token (paired by position, each row would be "
+        "averaged with another token's). Save the tokenizer each model was trained with beside its weights "
+        "(`tokenizer.save_pretrained(folder)`)"
     )

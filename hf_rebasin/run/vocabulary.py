@@ -37,15 +37,14 @@ from hf_rebasin.io.rows import (
     working_layout,
 )
 from hf_rebasin.io.tokens import Vocabulary, compare_vocabularies, read_vocabulary
-from hf_rebasin.io.vocab import gate_tokenizer_files, load_tokenizer, loader_files, template_files
+from hf_rebasin.io.vocab import differ_in_vocabulary, gate_tokenizer_files, load_tokenizer, loader_files, template_files
 from hf_rebasin.merging.interpolate import StorageKey, storage_key
 from hf_rebasin.merging.rows import fill_merge, fill_transport
 from hf_rebasin.recipe.tokenizer import model_index
-from hf_rebasin.run.tokenizers import check_rows_by_position, same_text
+from hf_rebasin.run.tokenizers import check_rows_by_position, config_rows, same_text
 
 __all__ = [
     "RunVocabulary",
-    "check_rows_by_position",
     "matched_by_token",
     "planned_vocabulary",
     "run_vocabulary",
@@ -326,12 +325,13 @@ def run_vocabulary(
     )
 
 
-def planned_vocabulary(
-    recipe: Any, folders: Sequence[Path], names: Sequence[str], rows: Sequence[int | None]
-) -> list[str]:
-    """What the dry run says about the vocabularies (nothing where they agree), from the tokenizers
-    and config.json alone: each model against the reference, and the output's vocabulary."""
-    found = _of_recipe(recipe, folders, names, rows)
+def planned_vocabulary(recipe: Any, folders: Sequence[Path], names: Sequence[str], wheres: Sequence[str]) -> list[str]:
+    """What the plan says about the vocabularies (nothing where they agree), from the tokenizers and
+    config.json alone (``wheres``: the recipe fields of the models): each model against the
+    reference, and the output's vocabulary; refused as the load would refuse."""
+    if not differ_in_vocabulary(folders):
+        return []
+    found = _of_recipe(recipe, folders, names, config_rows(folders, wheres))
     return found.notes() if found is not None else []
 
 
@@ -356,12 +356,9 @@ def matched_by_token(job: str, folders: Sequence[Path], names: Sequence[str]) ->
     """The vocabularies of ``folders`` as ``job``'s run would match them (from the tokenizers and
     config.json, no weight): None where rows pair by position; refused as the run would refuse
     rows of other counts that nothing matches."""
-    from hf_rebasin.io.vocab import differ_in_vocabulary
-    from hf_rebasin.run.tokenizers import embedding_rows
-
     if not differ_in_vocabulary(folders):
         return None
-    rows = [(embedding_rows(f, n) or (None, ""))[0] for f, n in zip(folders, names, strict=True)]
+    rows = config_rows(folders, names)
     found = run_vocabulary(job, None, None, folders, names, rows)
     if found is None:
         check_rows_by_position(names, folders, rows)
