@@ -9,7 +9,7 @@ sharded with an index), float16, mixed float32/bf16 tensors, and a config whose 
 with the stored tensors. The files are written with `safetensors` and `torch.save` directly, not by
 hf-rebasin, so that stock `from_pretrained` is the judge of what they hold.
 
-Used by `test_conformance.py` and by `benchmarks/bench_conformance.py` (the table in benchmarks/README.md).
+Used by `test_conformance.py` and by `benchmarks/symmetry/bench_conformance.py` (the table in benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked ``gpu`` need CUDA: skipped, with the reason, where there is none."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (benchmarks/gpu_check.sh runs these where one is)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (benchmarks/scale/gpu_check.sh runs these where one is)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -25,7 +25,7 @@ from hf_rebasin.recipe.jobs import JOBS
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-PAGES = [README, *DOCS, ROOT / "benchmarks" / "README.md"]
+PAGES = [README, *DOCS, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "benchmarks").glob("*/README.md"))]
 README_MAX_LINES = 260
 NOT_A_RECIPE = "<!-- not-a-recipe -->"  # put on the line before a ```yaml block that shows part of a recipe
 

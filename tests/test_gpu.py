@@ -1,5 +1,5 @@
 """The CUDA path against the CPU (tests marked ``gpu`` skip without CUDA), and the GPU check's own
-plan, which runs everywhere: ``benchmarks/gpu_check.py`` must skip cleanly where there is no GPU."""
+plan, which runs everywhere: ``benchmarks/scale/gpu_check.py`` must skip cleanly where there is no GPU."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ TEXT = "to be, or not to be, that is the question:\nwhether 'tis nobler in the m
 
 def test_gpu_check_says_what_it_would_run() -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--plan", "--bench"],
+        [sys.executable, str(ROOT / "benchmarks" / "scale" / "gpu_check.py"), "--plan", "--bench"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,7 +1,7 @@
 """``alpha: auto``: which α of the grid a transport saves, from each α's task gain and support cost.
 
 Pure arithmetic on the trade-off's numbers (no model, no torch), kept apart from the job so the
-rule can be read, tested and benchmarked on its own (`benchmarks/bench_transport_zoo.py`).
+rule can be read, tested and benchmarked on its own (`benchmarks/transport/bench_transport_zoo.py`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ bytes, and the largest tensor. A streamed run (`plan.streams`) holds a few copie
 tensor and, for the matching strategies, the assignment problem of the widest space; a run that
 loads its models holds each of them in float32 plus the copies its job makes (aligned, canonical,
 merged, the model rebuilt for saving or scoring). The constants were measured on this package's
-benchmarks (``benchmarks/bench_scale.py``): an estimate, stated as one, that errs on the high side.
+benchmarks (``benchmarks/scale/bench_scale.py``): an estimate, stated as one, that errs on the high side.
 
 Torch-free: the dry run prints it without importing torch.
 """

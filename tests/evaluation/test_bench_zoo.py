@@ -1,6 +1,6 @@
 """The benchmark zoo (models closer to released ones, for choosing defaults): its texts, its BPE
 vocabulary, its model configs and the domain fine-tune, trained here for a few steps only
-(``benchmarks/bench_zoo.py`` trains it for real)."""
+(``benchmarks/zoo/bench_zoo.py`` trains it for real)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "alignment"))  # bench_barriers, bench_verma
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "transport"))  # bench_transport
 
 from bench_barriers import barrier_table, markdown
 from bench_transport import markdown as transport_markdown

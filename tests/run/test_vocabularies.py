@@ -2,7 +2,7 @@
 padding rows, placeholders past the embedding), through every job that writes a model.
 
 Each result is checked against a computation that does not use hf-rebasin: mergekit 0.1.5's merge
-of the same models (stored by benchmarks/bench_vocab_mergekit.py --golden), rows read back from the
+of the same models (stored by benchmarks/vocabularies/bench_vocab_mergekit.py --golden), rows read back from the
 safetensors of the inputs by token, and the output loaded with stock ``AutoTokenizer`` and
 ``AutoModelForCausalLM``.
 """
@@ -57,7 +57,7 @@ def test_merges_agree_with_mergekit_on_its_own_cases(source: str, cases: dict[st
         b"".join((cases[k] / "model.safetensors").read_bytes() for k in ("base", "padded", "chatml"))
     )
     assert digest.hexdigest() == meta["inputs_sha256"], (
-        "the test models changed: store mergekit's merges again with `python benchmarks/bench_vocab_mergekit.py --golden`"
+        "the test models changed: store mergekit's merges again with `python benchmarks/vocabularies/bench_vocab_mergekit.py --golden`"
     )
     out = _merge(tmp_path, cases, source)
     tok = T.AutoTokenizer.from_pretrained(str(out))

@@ -1,4 +1,4 @@
-"""The circuit-form merge of ``benchmarks/circuit_form.py`` (the form the reference code of Theus et
+"""The circuit-form merge of ``benchmarks/alignment/circuit_form.py`` (the form the reference code of Theus et
 al. interpolates), checked against the stock GPT-2: one model in circuit form computes what
 ``GPT2LMHeadModel`` computes, and a head whose Q/K and V/O are turned by inner maps has the same
 circuits, so its circuit-form merge with the original is the original at every λ."""
@@ -13,7 +13,7 @@ from transformers import GPT2LMHeadModel
 
 import tiny
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "alignment"))
 
 import circuit_form
 

@@ -1,4 +1,4 @@
-"""benchmarks/preservation_matrix.py on two small factories: one row per (model, class), every row
+"""benchmarks/symmetry/preservation_matrix.py on two small factories: one row per (model, class), every row
 within tolerance, every applicable negative control far above it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "symmetry"))
 
 import preservation_matrix as pm
 

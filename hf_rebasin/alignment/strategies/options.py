@@ -254,7 +254,7 @@ _SAMPLER = re.compile(r"\s*(uniform|fixed|wide)\s*\(\s*([0-9.eE+-]+)\s*(?:,\s*([
 # from [a, b]. Their barrier peaks on the narrow side of the line (λ_narrow ≈ 0.5–0.75), so the
 # default draws λ there: on zoo GPT-2 d 64 / d 128 (2 pairs) wide(0.1, 0.5) left 25–27 % of
 # vanilla's barrier, uniform(0.4, 0.6) 28–29 %, wide(0.5, 0.9) (toward the wide model) 38 %; on
-# two ViT widths 11 %, 39 % and 110 % (benchmarks/bench_widths.py --samplers)
+# two ViT widths 11 %, 39 % and 110 % (benchmarks/alignment/bench_widths.py --samplers)
 WIDE_SAMPLER = "wide(0.1, 0.5)"
 
 

@@ -145,7 +145,7 @@ class GPT2LoraConfig:
     """A PEFT LoRA adapter on the zoo GPT-2 of the same seed, trained on the fine-tune's plays.
 
     Attention and MLP projections at rank 16, at the full fine-tune's low rate: an update that
-    stays near its base. Measured (benchmarks/bench_transport.py): at 6× the rate (3e-3, rank 8)
+    stays near its base. Measured (benchmarks/transport/bench_transport.py): at 6× the rate (3e-3, rank 8)
     the adapter gains 0.07 nats more on its own base but its update is 3× larger, and moved onto
     another seed's base it is no better than that base; at this rate it transfers.
     """
@@ -319,7 +319,7 @@ class ImageTrainConfig:
 # ---------------------------------------------------------------------------------------------
 # The benchmark zoo: defaults are chosen on models that behave more like released ones than the
 # 2-layer character-level zoo does (there, transport barely moves and strategies differ by noise).
-# Not trained by the tests: `python benchmarks/bench_zoo.py` trains it once (about an hour of CPU).
+# Not trained by the tests: `python benchmarks/zoo/bench_zoo.py` trains it once (about an hour of CPU).
 
 
 @dataclass(frozen=True)
