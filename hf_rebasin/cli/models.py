@@ -325,9 +325,12 @@ def _refuse_other_vocabularies(args: argparse.Namespace, named: dict[str, str], 
     import yaml
 
     from hf_rebasin.core.errors import IncompatibleModelsError
-    from hf_rebasin.run.vocabulary import matched_by_token
+    from hf_rebasin.merging.vocabulary.output import matched_by_token
+    from hf_rebasin.recipe.jobs import get_job
 
-    found = matched_by_token("align", [Path(folders["A"]), Path(folders["B"])], ["MODEL_A", "MODEL_B"])
+    rule = get_job("align").vocabulary  # as `job: align` chooses, with no `tokenizer` section
+    assert rule is not None, "job: align decides its output's vocabulary"
+    found = matched_by_token(rule(None, None), [Path(folders["A"]), Path(folders["B"])], ["MODEL_A", "MODEL_B"])
     if found is None:
         return
     strategy = {"name": args.strategy, **_parse_options(args.options)}

@@ -2,13 +2,15 @@
 
 The recipe validates tasks, zoo kinds, data sets and defaults before anything heavy is loaded,
 and the modules that act on them (`evaluate`, `evaldata`, `train`, `export`, `universe`) read the
-same values from here, so a choice a recipe accepts is always one the run knows. Nothing here
-imports more than the standard library.
+same values from here, so a choice a recipe accepts is always one the run knows; a job's
+declaration decides its output's vocabulary (`VocabularyChoice`), which `merging.vocabulary`
+builds. Nothing here imports more than the standard library.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 __all__ = [
@@ -30,6 +32,8 @@ __all__ = [
     "SampleBy",
     "Task",
     "TextTask",
+    "VocabularyChoice",
+    "VocabularyRows",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -144,3 +148,26 @@ DEFAULT_ITERATIONS = 5  # universe merge: rounds of "align all to the mean, aver
 DEFAULT_TOL = 1e-4  # universe merge: stop when the mean moves less than this, relative to its norm
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")  # a recipe's `device` and `--device`
+
+# ---------------------------------------------------------------------------------------------
+# The output's vocabulary where the models' vocabularies differ
+
+# whose tokens the output's rows are: the reference's, the union of every model's (the reference's
+# ids first), or one model's own (its tokens at its ids)
+VocabularyRows = Literal["reference", "union", "own"]
+
+
+@dataclass(frozen=True)
+class VocabularyChoice:
+    """The output's vocabulary as a job decides it from its recipe's ``tokenizer`` section
+    (`recipe.jobs.Job.vocabulary`), for `merging.vocabulary.output` to build. Models are named by
+    their index in the run (0 the reference; a transport's target, base and fine-tune are 0, 1, 2)."""
+
+    source: str  # the recipe's `tokenizer.source` as resolved (its default filled in), as the record prints it
+    rows: VocabularyRows
+    only: tuple[int, ...] | None = None  # "union": the reference's tokens and those of these models only (None: all)
+    model: int | None = None  # "own": whose rows
+    # the models whose tokenizer files the output may have as they are, the first that fits (None: every model, in order)
+    candidates: tuple[int, ...] | None = (0,)
+    pad_to: int | None = None  # the output's rows rounded up to a multiple of this (`tokenizer.pad_to_multiple_of`)
+    chat_from: int | None = None  # the fine-tune whose chat template goes with a built tokenizer (a transport's: 2)

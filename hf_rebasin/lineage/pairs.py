@@ -14,7 +14,6 @@ from hf_rebasin.core.lazy import shape_of
 from hf_rebasin.core.memory import OVERHEAD, InsufficientMemoryError, available_memory
 from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
 from hf_rebasin.io.models import LoadedModel, check_compatible, depth_of
-from hf_rebasin.io.rows import to_shared_rows
 from hf_rebasin.lineage.compare import (
     ALPHA,
     KEEP_IDENTITY,
@@ -28,6 +27,7 @@ from hf_rebasin.lineage.depth import layer_key, renamed
 from hf_rebasin.lineage.pairwise import PairRun
 from hf_rebasin.lineage.record import LineageRecord, ModelRef, PairRecord
 from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE, is_matrix, signal_rank
+from hf_rebasin.merging.vocabulary.layout import to_shared_rows
 from hf_rebasin.symmetry.spaces import Space
 
 __all__ = ["check_comparable", "check_count", "check_depths", "check_memory", "lineage_bytes", "lineage_of"]

@@ -163,7 +163,7 @@ def is_adapter(folder: Path) -> bool:
 
 def adapter_config(folder: Path, where: str = "finetuned", *, tokens: bool = False) -> dict[str, Any]:
     """``adapter_config.json``, checked to be a LoRA adapter hf-rebasin can transport (``tokens``:
-    trainable tokens too, which `lora_vocab` merges into the base before the adapter moves)."""
+    trainable tokens too, which `vocabulary.adapter_rows` merges into the base before the adapter moves)."""
     path = Path(folder) / ADAPTER_CONFIG
     with named(f"`{where}`"):
         config: dict[str, Any] = read_json(path)  # through the gate: confined, regular, typed

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_ITERATIONS", "DEFAULT_TOL", "UniverseResult", "universe_merge"]
 
 
-# the rows each aligned model lacks, filled in the merge's basis (`merging.rows.fill_merge`)
+# the rows each aligned model lacks, filled in the merge's basis (`merging.vocabulary.fill.fill_merge`)
 Fill = Callable[[Sequence[Mapping[str, Tensor]]], list[Mapping[str, Tensor]]]
 
 

@@ -13,9 +13,17 @@ import re
 
 from pydantic import Field, field_validator
 
+from hf_rebasin.core.names import VocabularyChoice
 from hf_rebasin.recipe.common import Section
 
-__all__ = ["MAX_PAD_MULTIPLE", "MERGE_SOURCES", "TRANSPORT_SOURCES", "TokenizerSection", "model_index"]
+__all__ = [
+    "MAX_PAD_MULTIPLE",
+    "MERGE_SOURCES",
+    "TRANSPORT_SOURCES",
+    "TokenizerSection",
+    "merge_vocabulary",
+    "model_index",
+]
 
 # rows are padded for the GPU's tiles and tensor-parallel splits: 8, 64 or 128 in practice, Megatron's
 # 128 × 8 ranks = 1,024 at most seen; 4,096 adds at most 4,095 mean rows (2**40 would build a list
@@ -30,6 +38,21 @@ def model_index(source: str) -> int | None:
     """``i`` of a ``models[i]`` source, None for a named one."""
     m = _MODEL.fullmatch(source)
     return int(m.group(1)) if m else None
+
+
+def merge_vocabulary(source: str | None, pad_to: int | None) -> VocabularyChoice:
+    """The output's vocabulary of a job on ``models:`` (merge, barrier, align: `Job.vocabulary`),
+    from ``tokenizer.source`` and ``pad_to_multiple_of`` (None where the recipe has no section):
+    ``base`` (default) the reference's, its tokenizer files written as they are where they fit;
+    ``models[i]`` model i's own rows and files; ``union`` every model's tokens, the reference's ids
+    first, the first model's files that fit them written as they are (else a tokenizer built)."""
+    source = source or "base"
+    i = model_index(source)
+    if i is not None:
+        return VocabularyChoice(source, "own", model=i, candidates=(i,), pad_to=pad_to)
+    if source == "union":
+        return VocabularyChoice(source, "union", candidates=None, pad_to=pad_to)
+    return VocabularyChoice(source, "reference", candidates=(0,), pad_to=pad_to)
 
 
 class TokenizerSection(Section):

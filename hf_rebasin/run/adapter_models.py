@@ -12,7 +12,7 @@ from hf_rebasin.core.errors import CheckpointError, RebasinUserError, unprefixed
 from hf_rebasin.io.models import LoadedModel, load_model
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.merging.lora import ADAPTER_CONFIG, LoraAdapter, adapter_config, apply_adapter, is_adapter, read_adapter
-from hf_rebasin.merging.lora_vocab import finetune_with_tokens
+from hf_rebasin.merging.vocabulary.adapter_rows import finetune_with_tokens
 
 __all__ = ["adapter_base", "is_bare_adapter", "merged_adapter", "merged_into"]
 

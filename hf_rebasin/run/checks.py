@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,9 @@ from hf_rebasin.io.hub.client import HubError
 from hf_rebasin.io.hub.push import has_token
 from hf_rebasin.io.remote_code import refuse_remote_code
 from hf_rebasin.merging.lora import adapter_config, is_adapter
+from hf_rebasin.merging.vocabulary import checks as vocabulary
 from hf_rebasin.recipe import DataSpec, FineTuneRef, ModelRef, Recipe
 from hf_rebasin.run.resolve import PlannedModel
-from hf_rebasin.run.tokenizers import check_tokenizers
 
 __all__ = [
     "check_adapter",
@@ -134,6 +134,18 @@ def check_adapter(recipe: Recipe, models: TransportRoles[PlannedModel]) -> list[
             f"task vector. If {named!r} is {base} under another name, set `finetuned.check_base: false`"
         )
     return [f"the adapter names {named!r} as its base; `base` is {base} (check_base: false)"]
+
+
+def check_tokenizers(
+    recipe: Recipe, models: Sequence[PlannedModel], skip: Collection[int] = ()
+) -> dict[int, str | None]:
+    """`vocabulary.checks.check_tokenizers` of the recipe's models (those not downloaded or trained
+    yet left out), under its ``allow_different_tokenizers``: notes by model index."""
+    checked = [
+        vocabulary.CheckedModel(m.path if m.folder is not None and m.ready else None, m.where, str(m.ref))
+        for m in models
+    ]
+    return vocabulary.check_tokenizers(checked, allow_different=recipe.allow_different_tokenizers, skip=skip)
 
 
 def check_remote_code(recipe: Recipe, folder: Path, where: str) -> None:

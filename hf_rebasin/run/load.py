@@ -29,17 +29,18 @@ from hf_rebasin.io.output import check_inputs
 from hf_rebasin.io.ties import untied_note
 from hf_rebasin.merging.lora import LoraAdapter, is_adapter
 from hf_rebasin.merging.transport import check_shared
+from hf_rebasin.merging.vocabulary.output import RunVocabulary, to_rows
 from hf_rebasin.recipe import Recipe
+from hf_rebasin.recipe.jobs import get_job
 from hf_rebasin.run.adapter_models import is_bare_adapter, merged_into
 from hf_rebasin.run.alignment_cache import RunCache
 from hf_rebasin.run.checks import check_adapter, check_remote_code, check_tokenizers, read_paths, task_mismatch
 from hf_rebasin.run.clock import Progress, StageClock, noop
 from hf_rebasin.run.data import BatchSpec, batches, metrics, processor
 from hf_rebasin.run.dtypes import OutputDtype, output_dtype
-from hf_rebasin.run.plan import Plan, gate, memory_estimate, streamed
+from hf_rebasin.run.plan import Plan, gate, memory_estimate, streamed, vocabulary_choice
 from hf_rebasin.run.resolve import PlannedModel, resolve_model, untrained_zoo
 from hf_rebasin.run.score import Scorer
-from hf_rebasin.run.vocabulary import RunVocabulary, to_rows
 
 __all__ = ["LOAD_STAGE", "AlignInput", "Workspace", "load_workspace", "weights"]
 
@@ -82,7 +83,7 @@ class Workspace:
     base_dir: Path
     progress: Progress
     adapter: LoraAdapter | None = None  # transport: the fine-tune is this LoRA adapter (merged into A)
-    rows: RunVocabulary | None = None  # the vocabularies, where they differ (`run.vocabulary`)
+    rows: RunVocabulary | None = None  # the vocabularies, where they differ (`merging.vocabulary.output`)
 
     @property
     def recipe(self) -> Recipe:
@@ -266,14 +267,15 @@ def _load_models(
     def loaded(m: PlannedModel) -> LoadedModel:
         return _load(m.path, recipe, m.where, stream=stream, device=on)
 
+    matched = partial(to_rows, vocabulary_choice(recipe), data=recipe.data is not None)  # rows matched by token
     report(LOAD_STAGE, 0, total)
     reference = placed(lambda: loaded(inputs.reference))
     if isinstance(inputs, MergeRoles):
         others = [placed(partial(loaded, m)) for m in inputs.others]
         names = [m.named for m in inputs.all]
-        every, rows = to_rows(recipe, names, [reference, *others], [m.path for m in inputs.all])
+        every, rows = matched(names, [reference, *others], [m.path for m in inputs.all])
         every, _ = to_widest(every, names)
-        for lm in every[1:] if recipe.job != "lineage" else ():  # lineage maps other depths itself
+        for lm in every[1:] if not get_job(recipe.job).compares_depths else ():  # such a job maps them itself
             check_compatible(every[0], lm)
         return MergeRoles(every[0], tuple(every[1:])), None, rows
     base = placed(partial(loaded, inputs.base))
@@ -281,7 +283,7 @@ def _load_models(
     placed(lambda: finetune)
     folders = [inputs.reference.path, inputs.base.path, inputs.base.path if adapter else inputs.finetune.path]
     where = [m.named for m in (inputs.reference, inputs.base, inputs.finetune)]
-    (reference, base, finetune), rows = to_rows(recipe, where, [reference, base, finetune], folders)
+    (reference, base, finetune), rows = matched(where, [reference, base, finetune], folders)
     if adapter is None:
         check_finetune(base, finetune)
     if transport_widths(reference, base, where):

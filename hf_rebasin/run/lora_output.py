@@ -4,9 +4,9 @@ target, its factors moved by π (`merging.lora`).
 An adapter trained with new tokens (embedding and LM head in ``modules_to_save``, or trainable
 tokens) is moved as the fine-tune it makes of its resized base, rows matched by token, and written
 back as an adapter too: its factors moved as any adapter's, its embedding and LM head whole with
-the rows the full model would have (`merging.lora_tokens`). Where that cannot be exact (its base
-embedded into a wider target, LoRA factors on the embedding or head), the output is a full model
-and the run says why.
+the rows the full model would have (`merging.vocabulary.adapter_tokens`). Where that cannot be
+exact (its base embedded into a wider target, LoRA factors on the embedding or head), the output
+is a full model and the run says why.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from hf_rebasin.alignment.strategies import Alignment, get_strategy
 from hf_rebasin.core.roles import TransportRoles
 from hf_rebasin.evaluation.scores import AdapterSummary
 from hf_rebasin.io.models import LoadedModel
-from hf_rebasin.io.rows import embedding_rows_of, vocab_tensors
 from hf_rebasin.merging.lora import (
     LoraAdapter,
     adapter_config,
@@ -32,7 +31,8 @@ from hf_rebasin.merging.lora import (
     save_adapter,
 )
 from hf_rebasin.merging.lora import transport_adapter as move_factors
-from hf_rebasin.merging.lora_tokens import (
+from hf_rebasin.merging.vocabulary.adapter_rows import tokens_note
+from hf_rebasin.merging.vocabulary.adapter_tokens import (
     WHOLE_VOCABULARY,
     TokensAdapter,
     added,
@@ -43,7 +43,7 @@ from hf_rebasin.merging.lora_tokens import (
     written_config,
     written_tensors,
 )
-from hf_rebasin.merging.lora_vocab import tokens_note
+from hf_rebasin.merging.vocabulary.layout import embedding_rows_of, vocab_tensors
 from hf_rebasin.run.load import Workspace, weights
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.sublayers import is_per_sublayer, per_sublayer

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from hf_rebasin.core.names import VocabularyChoice
 from hf_rebasin.core.roles import Roles, TransportRoles
 from hf_rebasin.io.files import read_config
 from hf_rebasin.io.gate import check_folder
@@ -34,7 +35,17 @@ from hf_rebasin.run.checks import (
 from hf_rebasin.run.memory import MemoryEstimate, estimate
 from hf_rebasin.run.resolve import PlannedModel, resolve_model
 
-__all__ = ["Plan", "build_plan", "download_line", "gate", "memory_estimate", "plan", "streamed", "streams"]
+__all__ = [
+    "Plan",
+    "build_plan",
+    "download_line",
+    "gate",
+    "memory_estimate",
+    "plan",
+    "streamed",
+    "streams",
+    "vocabulary_choice",
+]
 
 CACHED = " (resolved from the local Hugging Face cache, offline)"
 
@@ -143,16 +154,29 @@ def _folder(m: PlannedModel) -> Path | None:
         return None
 
 
+def vocabulary_choice(recipe: Recipe) -> VocabularyChoice | None:
+    """The output's vocabulary where the models' differ, as the recipe's job decides it from its
+    ``tokenizer`` section (if its job has one; `jobs.Job.vocabulary`); None for a job that decides
+    none (lineage compares the rows of the tokens the models share)."""
+    rule = get_job(recipe.job).vocabulary
+    if rule is None:
+        return None
+    section = getattr(recipe, "tokenizer", None)
+    if section is None:
+        return rule(None, None)
+    return rule(section.source, section.pad_to_multiple_of)
+
+
 def vocabulary_notes(recipe: Recipe, models: Roles[PlannedModel]) -> tuple[str, ...]:
     """Vocabularies that differ, decided from the tokenizers and config.json (no weight): what each
     model adds or lacks against the reference and the output's vocabulary, or the error the run's
     load would raise (rows of other counts with no tokenizer to match them by)."""
-    from hf_rebasin.run.vocabulary import planned_vocabulary
+    from hf_rebasin.merging.vocabulary.output import planned_vocabulary
 
     if not all(m.ready for m in models.all):
         return ()  # not downloaded or trained yet: the run decides when it loads them
-    wheres = [m.where for m in models.all]
-    return tuple(planned_vocabulary(recipe, [m.path for m in models.all], [m.named for m in models.all], wheres))
+    folders, names, wheres = [m.path for m in models.all], [m.named for m in models.all], [m.where for m in models.all]
+    return tuple(planned_vocabulary(vocabulary_choice(recipe), folders, names, wheres))
 
 
 def memory_estimate(recipe: Recipe, models: Roles[PlannedModel]) -> MemoryEstimate:

@@ -244,8 +244,8 @@ def filled(
     ws: Workspace, primary: Alignment, aligned: Sequence[Mapping[str, Tensor]]
 ) -> tuple[Alignment, list[Mapping[str, Tensor]]]:
     """A and the aligned models with the rows each lacks filled in A's basis, where the models'
-    vocabularies differ (`merging.rows`); as they are otherwise. After the preservation check:
-    that compares each model with itself, its own rows only."""
+    vocabularies differ (`merging.vocabulary.fill`); as they are otherwise. After the preservation
+    check: that compares each model with itself, its own rows only."""
     if ws.rows is None:
         return primary, list(aligned)
     states = ws.rows.fill_merge([primary.sd_a, *aligned])

@@ -25,8 +25,9 @@ import tiny
 from hf_rebasin.alignment import cache, widths
 from hf_rebasin.core.errors import RebasinUserError
 from hf_rebasin.evaluation.data import char_tokenizer
-from hf_rebasin.io import datafiles, export, files, gate, layout, models, remote_code, tensors, vocab
+from hf_rebasin.io import datafiles, export, files, gate, layout, models, remote_code, tensors
 from hf_rebasin.merging import lora
+from hf_rebasin.merging.vocabulary import files as tokenizer_files
 from hf_rebasin.run import checks, memory
 
 OPENED: list[str] = []
@@ -113,7 +114,7 @@ READERS: list[tuple[str, str, Callable[[Path], None] | None, Callable[[Path], An
     ("gate.support_files (named chat template)", TEMPLATE, _templates, gate.support_files),
     ("gate.check_folder (named chat template)", TEMPLATE, _templates, gate.check_folder),
     ("export.copy_support_files (named chat template)", TEMPLATE, _templates, _copy_support),
-    ("vocab.load_tokenizer (named chat template)", TEMPLATE, _templates, vocab.load_tokenizer),
+    ("vocabulary.files.load_tokenizer (named chat template)", TEMPLATE, _templates, tokenizer_files.load_tokenizer),
     ("run.memory.footprint (weights)", "model.safetensors", None, memory.footprint),
     ("run.memory.footprint (shard)", "model-00001-of-00001.safetensors", _sharded, memory.footprint),
     ("run.memory.footprint (config)", "config.json", None, memory.footprint),
@@ -136,13 +137,18 @@ READERS: list[tuple[str, str, Callable[[Path], None] | None, Callable[[Path], An
     ("lora.adapter_config", "adapter_config.json", _adapter, lora.adapter_config),
     ("run.widths.config_widths", "config.json", None, widths.config_widths),
     ("run.checks._config_json", "config.json", None, checks._config_json),
-    ("vocab.load_tokenizer (tokenizer.json)", "tokenizer.json", None, vocab.load_tokenizer),
-    ("vocab.load_tokenizer (tokenizer_config.json)", "tokenizer_config.json", None, vocab.load_tokenizer),
+    ("vocabulary.files.load_tokenizer (tokenizer.json)", "tokenizer.json", None, tokenizer_files.load_tokenizer),
     (
-        "vocab.load_tokenizer (special_tokens_map.json)",
+        "vocabulary.files.load_tokenizer (tokenizer_config.json)",
+        "tokenizer_config.json",
+        None,
+        tokenizer_files.load_tokenizer,
+    ),
+    (
+        "vocabulary.files.load_tokenizer (special_tokens_map.json)",
         "special_tokens_map.json",
         lambda f: (f / "special_tokens_map.json").write_text("{}"),
-        vocab.load_tokenizer,
+        tokenizer_files.load_tokenizer,
     ),
     (
         "datafiles.check_files",

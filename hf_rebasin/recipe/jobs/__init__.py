@@ -2,8 +2,9 @@
 
 - ``recipe/jobs/<job>.py`` declares it (`Job`): its recipe model (the keys of a recipe with
   ``job: <job>``), its summary, whether it writes a model (dtype rules, the card's metadata), when
-  it may stream, its lines of the dry-run plan and its part of the model card. Torch-free, so
-  validating a recipe and printing the plan or the schema never load torch.
+  it may stream, the output's vocabulary where the models' differ, its lines of the dry-run plan
+  and its part of the model card. Torch-free, so validating a recipe and printing the plan or the
+  schema never load torch.
 - ``run/jobs/<job>.py`` runs it: ``run(ws) -> JobOutput`` on a loaded `run.load.Workspace`;
   imported by name when the job runs (`run.pipeline.run_job`), as a strategy's module is.
 
@@ -21,7 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_rebasin.core.names import VocabularyChoice
 from hf_rebasin.recipe.sections import AlignedRecipe
+from hf_rebasin.recipe.tokenizer import merge_vocabulary
 
 __all__ = ["JOBS", "CardPart", "Job", "discover", "get_job"]
 
@@ -57,6 +60,12 @@ class Job:
     describe: Callable[[Any], list[str]] = lambda _recipe: []  # the job's own lines of the dry-run plan
     # its dry run also prints the lineage of the models it combines (`lineage.preview`), when cheap
     lineage_preview: bool = False
+    # the output's vocabulary where the models' differ, from the recipe's `tokenizer.source` and
+    # `pad_to_multiple_of` (None, None without the section); None: the job decides none and the
+    # models keep their rows (lineage compares the rows of the tokens they share)
+    vocabulary: Callable[[str | None, int | None], VocabularyChoice] | None = merge_vocabulary
+    # it maps the models' other depths itself (lineage): the load leaves them unchecked against the reference
+    compares_depths: bool = False
     runner: str = field(default="", compare=False)  # set by the registry: the module whose ``run(ws)`` runs it
 
 

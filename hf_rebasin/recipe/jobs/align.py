@@ -13,6 +13,7 @@ from pydantic import Field
 from hf_rebasin.recipe.jobs import CardPart, Job
 from hf_rebasin.recipe.jobs.merge import PRESERVED_PAIR, PRESERVED_SENTENCE, models_not_roles
 from hf_rebasin.recipe.sections import AlignedRecipe, ModelsRecipe
+from hf_rebasin.recipe.tokenizer import merge_vocabulary
 
 __all__ = ["JOB", "AlignRecipe", "folder_name"]
 
@@ -58,6 +59,7 @@ JOB = Job(
     summary="write every model in the basis of the first, for merging with another tool (mergekit)",
     recipe=AlignRecipe,
     writes_model=False,  # the folder holds one model per subfolder, not a model itself
+    vocabulary=merge_vocabulary,  # no `tokenizer` section: the reference's (each model is written in its own)
     describe=_describe,
     card=CardPart(
         title=_title,

@@ -13,6 +13,7 @@ from hf_rebasin.recipe.describe import curve_lines
 from hf_rebasin.recipe.jobs import CardPart, Job
 from hf_rebasin.recipe.jobs.merge import ALIGNED_WHY, PRESERVED_PAIR, PRESERVED_SENTENCE, models_not_roles
 from hf_rebasin.recipe.sections import AlignedRecipe, ModelsRecipe
+from hf_rebasin.recipe.tokenizer import merge_vocabulary
 from hf_rebasin.recipe.weights import DEFAULT_WEIGHT, Merge
 
 __all__ = ["JOB", "BarrierRecipe"]
@@ -64,6 +65,7 @@ JOB = Job(
     summary="align B to A and measure the loss along the line between them: a report, no weights",
     recipe=BarrierRecipe,
     writes_model=False,
+    vocabulary=merge_vocabulary,  # no `tokenizer` section: the reference's
     describe=curve_lines,
     card=CardPart(
         title=_title,

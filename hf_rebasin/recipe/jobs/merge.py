@@ -13,7 +13,7 @@ from hf_rebasin.recipe.common import quoted
 from hf_rebasin.recipe.describe import curve_lines
 from hf_rebasin.recipe.jobs import CardPart, Job
 from hf_rebasin.recipe.sections import AlignedRecipe, ModelsRecipe
-from hf_rebasin.recipe.tokenizer import MERGE_SOURCES, TokenizerSection, model_index
+from hf_rebasin.recipe.tokenizer import MERGE_SOURCES, TokenizerSection, merge_vocabulary, model_index
 from hf_rebasin.recipe.weights import DEFAULT_WEIGHT, Merge
 
 __all__ = [
@@ -125,6 +125,7 @@ JOB = Job(
     summary="align every model to the first and average them: a model folder",
     recipe=MergeRecipe,
     writes_model=True,
+    vocabulary=merge_vocabulary,
     streams=_streams,
     describe=_describe,
     lineage_preview=True,

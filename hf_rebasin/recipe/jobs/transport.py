@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from hf_rebasin.core.names import VocabularyChoice
 from hf_rebasin.core.roles import TransportRoles
 from hf_rebasin.recipe.common import is_number, quoted
 from hf_rebasin.recipe.describe import data_line, describe_auto
@@ -180,6 +181,18 @@ def _streams(recipe: TransportRecipe) -> bool:
     return recipe.evaluate is None and not recipe.strategy.runs_learned_matching
 
 
+def _vocabulary(source: str | None, pad_to: int | None) -> VocabularyChoice:
+    """The output's vocabulary (`Job.vocabulary`) of the target (0), base (1) and fine-tune (2):
+    ``finetuned`` (default) the target's tokens plus the fine-tune's, ``target`` the target's,
+    ``union`` every model's; the fine-tune's chat template goes with a tokenizer built."""
+    source = source or "finetuned"
+    if source == "target":
+        return VocabularyChoice(source, "reference", candidates=(0,), pad_to=pad_to, chat_from=2)
+    if source == "union":
+        return VocabularyChoice(source, "union", candidates=(2, 0, 1), pad_to=pad_to, chat_from=2)
+    return VocabularyChoice(source, "union", only=(2,), candidates=(2, 0), pad_to=pad_to, chat_from=2)
+
+
 def _title(names: Sequence[str]) -> str:
     if len(names) == 3:
         return f"Transported: {names[2]} moved onto {names[0]}"
@@ -191,6 +204,7 @@ JOB = Job(
     summary="move a fine-tune's task vector onto a new base release: a model folder (or a LoRA adapter)",
     recipe=TransportRecipe,
     writes_model=True,
+    vocabulary=_vocabulary,
     streams=_streams,
     describe=_describe,
     lineage_preview=True,

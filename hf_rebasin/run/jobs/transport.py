@@ -201,7 +201,7 @@ def _naive(ws: Workspace, models: TransportRoles[LoadedModel]) -> Moved | None:
 def filled(ws: Workspace, moved: Moved, alignment: Alignment) -> Moved:
     """``moved`` with the rows a model lacks settled, where the vocabularies differ: a token the
     base lacks carries no task vector (the target's row stays, or the fine-tune's comes whole), a
-    token the target lacks starts from the moved base's row (`merging.rows`)."""
+    token the target lacks starts from the moved base's row (`merging.vocabulary.fill`)."""
     if ws.rows is None:
         return moved
     target, tau = ws.rows.fill_transport(moved.target, moved.tau, alignment.aligned_b())

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import transformers as T
 
-from hf_rebasin.merging.lora_vocab import adapter_rows, merged_with_tokens
+from hf_rebasin.merging.vocabulary.adapter_rows import adapter_rows, merged_with_tokens
 
 
 def _gpt2_adapter(root: Path, lora: Any) -> T.GPT2LMHeadModel:

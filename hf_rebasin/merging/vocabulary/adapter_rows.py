@@ -5,8 +5,8 @@ adapter stores its embedding and LM head whole (``modules_to_save``) with more r
 checkpoint, or only the rows of chosen tokens (``trainable_token_indices``: PEFT's trainable
 tokens, each row's trained value). Such an adapter is merged into the base resized the same way
 (new rows at the mean of the old, where the adapter does not give them) and the fine-tune it makes
-is moved like any full fine-tune, its rows matched by token with the target's (`io.rows`); a
-transport writes it back as an adapter for the target (`lora_tokens`).
+is moved like any full fine-tune, its rows matched by token with the target's (`layout`); a
+transport writes it back as an adapter for the target (`adapter_tokens`).
 
 PEFT trains a copy of each module of ``modules_to_save``: on a model whose LM head is tied to its
 embedding (GPT-2), the two copies part, and the merged fine-tune is untied where they differ.
@@ -25,10 +25,10 @@ from torch import Tensor
 
 from hf_rebasin.core.errors import CheckpointError, IncompatibleModelsError
 from hf_rebasin.io.models import LoadedModel, to_device
-from hf_rebasin.io.rows import embedding_rows_of, vocab_field, vocab_tensors
-from hf_rebasin.io.vocab import has_tokenizer
 from hf_rebasin.merging.interpolate import StorageKey, storage_key
 from hf_rebasin.merging.lora import PREFIX, LoraAdapter, adapter_config, adapter_from, apply_adapter, read_tensors
+from hf_rebasin.merging.vocabulary.files import has_tokenizer
+from hf_rebasin.merging.vocabulary.layout import embedding_rows_of, vocab_field, vocab_tensors
 from hf_rebasin.symmetry.adapters import graph_for
 
 if TYPE_CHECKING:

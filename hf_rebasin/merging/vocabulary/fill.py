@@ -1,6 +1,6 @@
 """Rows a model lacks, filled in the merge's basis before anything is averaged or added.
 
-Models brought to one vocabulary layout (`io.rows`) hold zeros where they have no token. Once they
+Models brought to one vocabulary layout (`layout`) hold zeros where they have no token. Once they
 are aligned, every row is in one basis and a missing row can be borrowed. The rules are mergekit's
 (``tokenizer.source: union``): a token only one model has keeps that model's row in every model, so
 the average is that row whatever the weights; a token several have, the reference among them,

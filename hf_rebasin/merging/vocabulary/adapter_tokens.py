@@ -1,6 +1,6 @@
 """A LoRA adapter trained with new tokens, written back as a PEFT adapter for the target.
 
-The adapter is read twice: as the fine-tune it makes of its resized base (`lora_vocab`), which the
+The adapter is read twice: as the fine-tune it makes of its resized base (`adapter_rows`), which the
 transport moves like any full fine-tune, rows matched by token; and here, split in two. Its LoRA
 factors (and the tensors outside the vocabulary it stores whole) are an adapter of the base's other
 modules, moved factor by factor as any adapter (`lora.transport_adapter`). Its embedding and LM head
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from hf_rebasin.merging.lora import PREFIX, LoraAdapter, adapter_config, adapter_from, read_tensors
-from hf_rebasin.merging.lora_vocab import saved_tensors, state_name, trainable_tokens
+from hf_rebasin.merging.vocabulary.adapter_rows import saved_tensors, state_name, trainable_tokens
 
 if TYPE_CHECKING:
     from torch import nn

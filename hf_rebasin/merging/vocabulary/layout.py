@@ -4,7 +4,7 @@ Models whose vocabularies differ (added tokens, an extended release, padding row
 one *working layout* before anything aligns them, as models of other widths are brought to the
 widest: the reference's rows first, at its own ids (so data tokenized by its tokenizer reads the
 same rows in every model), then the tokens only the others have, then the reference's padding
-rows. A model's row for a token it lacks is zero until the merge fills it (`merging.rows`): zero
+rows. A model's row for a token it lacks is zero until the merge fills it (`fill`): zero
 rows add nothing to the weight statistics the alignment sums over the vocabulary, so it matches
 the models on the tokens they share, and the maps it finds apply to every row.
 
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from hf_rebasin.core.lazy import gather_rows
 from hf_rebasin.io.models import LoadedModel, to_device
-from hf_rebasin.io.tokens import Vocabulary
+from hf_rebasin.merging.vocabulary.tokens import Vocabulary
 
 __all__ = [
     "TOKEN_ID_FIELDS",
@@ -180,8 +180,8 @@ def read_vocabularies(folders: Sequence[Path], rows: Sequence[int | None]) -> tu
     """The tokenizers of ``folders`` and the vocabularies they give embeddings of ``rows`` rows;
     None where a model has no token embedding (rows None) or no tokenizer. A tokenizer that does
     not load is the caller's `TokenizerError`."""
-    from hf_rebasin.io.tokens import read_vocabulary
-    from hf_rebasin.io.vocab import load_tokenizer
+    from hf_rebasin.merging.vocabulary.files import load_tokenizer
+    from hf_rebasin.merging.vocabulary.tokens import read_vocabulary
 
     if any(r is None for r in rows):
         return None
@@ -195,7 +195,7 @@ def to_shared_rows(models: Sequence[LoadedModel]) -> tuple[list[LoadedModel], st
     """``models`` (streamed ones stay streamed) keeping only the rows of the tokens they all have, matched by token,
     and a note saying what was left out; as they are (and None) where their vocabularies agree or
     one has no tokenizer or token embedding."""
-    from hf_rebasin.io.tokens import compare_vocabularies
+    from hf_rebasin.merging.vocabulary.tokens import compare_vocabularies
 
     rows = [embedding_rows_of(lm.model) for lm in models]
     found = read_vocabularies([lm.path for lm in models], rows)

@@ -9,18 +9,48 @@ the broken files into the output. A token id at or past the embedding's rows cra
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hf_rebasin.core.errors import IncompatibleModelsError, TokenizerError, named
 from hf_rebasin.io.files import read_config
-from hf_rebasin.io.vocab import has_tokenizer, load_tokenizer, merge_rule, model_json, tokenizer_difference
-from hf_rebasin.recipe import Recipe
-from hf_rebasin.run.resolve import PlannedModel
+from hf_rebasin.merging.vocabulary.files import (
+    has_tokenizer,
+    load_tokenizer,
+    merge_rule,
+    model_json,
+    tokenizer_difference,
+)
 
-__all__ = ["check_ids_fit", "check_rows_by_position", "check_tokenizers", "config_rows", "embedding_rows", "largest_id"]
+__all__ = [
+    "CheckedModel",
+    "check_ids_fit",
+    "check_rows_by_position",
+    "check_tokenizers",
+    "config_rows",
+    "embedding_rows",
+    "largest_id",
+    "same_text",
+]
 
 _ALLOW = "`allow_different_tokenizers: true`"
+
+
+@dataclass(frozen=True)
+class CheckedModel:
+    """A model as the tokenizer checks see it: its ``folder`` (None where its files are not there
+    yet: a Hub model not downloaded, a zoo model not trained, checked when the run fetches them),
+    the recipe field that names it (``where``) and how messages name the model (``ref``)."""
+
+    folder: Path | None
+    where: str
+    ref: str
+
+    @property
+    def path(self) -> Path:
+        assert self.folder is not None, "only models whose files are there are checked"
+        return self.folder
 
 
 def largest_id(tokenizer: Any) -> tuple[str, int] | None:
@@ -64,7 +94,7 @@ def config_rows(folders: Sequence[Path], wheres: Sequence[str]) -> list[int | No
     return [(embedding_rows(f, w) or (None, ""))[0] for f, w in zip(folders, wheres, strict=True)]
 
 
-def check_ids_fit(m: PlannedModel, tokenizer: Any, *, reference: bool = True) -> None:
+def check_ids_fit(m: CheckedModel, tokenizer: Any, *, reference: bool = True) -> None:
     """Every id of ``m``'s tokenizer is a row of its embedding matrix: a larger one is an IndexError
     inside the model on the first text that holds it. A model other than the reference may list
     `placeholders` past its rows: its tokens are matched by text, and those have none."""
@@ -83,13 +113,7 @@ def check_ids_fit(m: PlannedModel, tokenizer: Any, *, reference: bool = True) ->
     )
 
 
-def _local(m: PlannedModel) -> bool:
-    """Whether ``m``'s files are there to check (a Hub model not downloaded, a zoo model not trained:
-    checked when the run fetches them)."""
-    return m.folder is not None and m.ready
-
-
-def _reference(m: PlannedModel) -> Any | None:
+def _reference(m: CheckedModel) -> Any | None:
     """The reference's tokenizer, checked: one that does not load is always refused (the result is
     used with it, and carries its files)."""
     try:
@@ -103,10 +127,11 @@ def _reference(m: PlannedModel) -> Any | None:
     return tokenizer
 
 
-def _unloadable(recipe: Recipe, first: PlannedModel, m: PlannedModel, error: TokenizerError) -> str:
+def _unloadable(allow_different: bool, first: CheckedModel, m: CheckedModel, error: TokenizerError) -> str:
     """A model whose tokenizer does not load: its ids cannot be compared with the reference's, so
-    the tokenizers may differ; refused unless ``allow_different_tokenizers`` (then the note)."""
-    if not recipe.allow_different_tokenizers:
+    the tokenizers may differ; refused unless ``allow_different`` (``allow_different_tokenizers``;
+    then the note)."""
+    if not allow_different:
         raise TokenizerError(
             f"`{m.where}`: {error}. Its token ids cannot be compared with those of {first.ref} (`{first.where}`), "
             "so the tokenizers may differ, and token ids that mean different things make the result garbage. "
@@ -118,13 +143,13 @@ def _unloadable(recipe: Recipe, first: PlannedModel, m: PlannedModel, error: Tok
     )
 
 
-def _compare(recipe: Recipe, first: PlannedModel, reference: Any | None, m: PlannedModel) -> str | None:
+def _compare(allow_different: bool, first: CheckedModel, reference: Any | None, m: CheckedModel) -> str | None:
     """``m``'s tokenizer against the reference's: None when they agree (or either has none), the
     note of an allowed difference, else refused."""
     try:
         other = load_tokenizer(m.path)
     except TokenizerError as e:
-        return _unloadable(recipe, first, m, e)
+        return _unloadable(allow_different, first, m, e)
     if other is None:
         return None
     check_ids_fit(m, other, reference=False)
@@ -136,7 +161,7 @@ def _compare(recipe: Recipe, first: PlannedModel, reference: Any | None, m: Plan
             f"the tokenizer of `{m.where}` reads text as `{first.where}`'s does but their vocabularies differ "
             f"({diff}): rows are matched by token"
         )
-    if diff is not None and not recipe.allow_different_tokenizers:
+    if diff is not None and not allow_different:
         raise IncompatibleModelsError(
             f"`{m.where}`: the tokenizer of {m.ref} differs from that of {first.ref} (`{first.where}`): {diff}. "
             "Token ids that mean different things make the result garbage. Use models that share a "
@@ -169,25 +194,26 @@ def same_text(a: Any, b: Any) -> bool:
 
 
 def check_tokenizers(
-    recipe: Recipe, models: Sequence[PlannedModel], skip: Collection[int] = ()
+    models: Sequence[CheckedModel], *, allow_different: bool, skip: Collection[int] = ()
 ) -> dict[int, str | None]:
     """Every model's tokenizer: it loads, its ids fit its embedding, and it agrees with the
     reference's (vocabulary, special tokens, merges). Token ids that mean different things make a
     merge or transport garbage with a normal-looking card.
 
-    A difference, or a tokenizer that does not load, is refused unless ``allow_different_tokenizers``;
-    then it is a note (rebasin.json and the card), by the model's index. The reference's tokenizer
-    must always load. Models without tokenizer files (image models, adapters) have nothing to check;
-    models not downloaded or trained yet, and those in ``skip`` (checked already), are left out.
+    A difference, or a tokenizer that does not load, is refused unless ``allow_different`` (the
+    recipe's ``allow_different_tokenizers``); then it is a note (rebasin.json and the card), by the
+    model's index. The reference's tokenizer must always load. Models without tokenizer files (image
+    models, adapters) have nothing to check; models not downloaded or trained yet (no folder), and
+    those in ``skip`` (checked already), are left out.
     """
     first = models[0]
-    if not _local(first):
+    if first.folder is None:
         return {}
     reference = _reference(first)
     return {
-        i: _compare(recipe, first, reference, m)
+        i: _compare(allow_different, first, reference, m)
         for i, m in enumerate(models[1:], start=1)
-        if i not in skip and _local(m)
+        if i not in skip and m.folder is not None
     }
 
 

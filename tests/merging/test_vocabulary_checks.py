@@ -20,11 +20,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from bad_input import TEXT
 from hf_rebasin.core.errors import IncompatibleModelsError, RebasinUserError, TokenizerError
 from hf_rebasin.evaluation.data import char_tokenizer
-from hf_rebasin.io.vocab import load_tokenizer
+from hf_rebasin.merging.vocabulary.checks import embedding_rows, largest_id
+from hf_rebasin.merging.vocabulary.files import load_tokenizer
 from hf_rebasin.recipe import Recipe, loads_recipe
-from hf_rebasin.run.checks import check_tokenizers as reexported
+from hf_rebasin.run.checks import check_tokenizers
 from hf_rebasin.run.resolve import PlannedModel, ResolvedModel
-from hf_rebasin.run.tokenizers import check_tokenizers, embedding_rows, largest_id
 
 LINES = [
     "the quick brown fox jumps over the lazy dog",
@@ -120,7 +120,6 @@ def test_a_real_bpe_tokenizer_that_fits_passes(tmp_path: Path) -> None:
     a, b = _bpe_folder(tmp_path / "a"), _bpe_folder(tmp_path / "b")
     planned, text = _planned([a, b])
     assert check_tokenizers(_recipe(text), planned) == {1: None}
-    assert reexported is check_tokenizers  # plan.py and load.py import it from run.checks
 
 
 def test_the_check_reports_the_independently_computed_largest_id(tmp_path: Path) -> None:

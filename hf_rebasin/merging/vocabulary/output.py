@@ -2,7 +2,9 @@
 into, the output's rows and the tokenizer written with them.
 
 Built once at load when the models' vocabularies differ (added tokens, an extended release,
-padding rows); None when they agree, and then nothing here runs. The jobs call it at three
+padding rows); None when they agree, and then nothing here runs. Which vocabulary the output has
+is the job's choice (`core.names.VocabularyChoice`, made by its declaration from the recipe's
+``tokenizer`` section); None for a job that decides none (lineage). The jobs call it at three
 points: after alignment (`fill_merge` / `fill_transport`: rows a model lacks, in the common
 basis), before writing (`output_state`, `output_template`: the output's rows and config) and when
 writing (`write`: tokenizer files, generation config).
@@ -23,8 +25,19 @@ from torch import Tensor
 
 from hf_rebasin.core.errors import IncompatibleModelsError, TokenizerError, named
 from hf_rebasin.core.lazy import LazyState, gather_rows, mean_rows
+from hf_rebasin.core.names import VocabularyChoice
 from hf_rebasin.io.models import LoadedModel
-from hf_rebasin.io.rows import (
+from hf_rebasin.merging.interpolate import StorageKey, storage_key
+from hf_rebasin.merging.vocabulary.checks import check_rows_by_position, config_rows, same_text
+from hf_rebasin.merging.vocabulary.files import (
+    differ_in_vocabulary,
+    gate_tokenizer_files,
+    load_tokenizer,
+    loader_files,
+    template_files,
+)
+from hf_rebasin.merging.vocabulary.fill import fill_merge, fill_transport
+from hf_rebasin.merging.vocabulary.layout import (
     OutputRows,
     RowLayout,
     embedding_rows_of,
@@ -36,16 +49,12 @@ from hf_rebasin.io.rows import (
     vocab_tensors,
     working_layout,
 )
-from hf_rebasin.io.tokens import Vocabulary, compare_vocabularies, read_vocabulary
-from hf_rebasin.io.vocab import differ_in_vocabulary, gate_tokenizer_files, load_tokenizer, loader_files, template_files
-from hf_rebasin.merging.interpolate import StorageKey, storage_key
-from hf_rebasin.merging.rows import fill_merge, fill_transport
-from hf_rebasin.recipe.tokenizer import model_index
-from hf_rebasin.run.tokenizers import check_rows_by_position, config_rows, same_text
+from hf_rebasin.merging.vocabulary.tokens import Vocabulary, compare_vocabularies, read_vocabulary
 
 __all__ = [
     "RunVocabulary",
     "matched_by_token",
+    "of_choice",
     "planned_vocabulary",
     "run_vocabulary",
     "to_rows",
@@ -66,7 +75,7 @@ class RunVocabulary:
     written_from: int | None  # the model whose tokenizer files the output has as they are (None: built)
     chat_from: int | None = None  # a transport's fine-tune: its chat template goes with a built tokenizer
     tensors: dict[str, int] = field(default_factory=dict)  # the working model's vocabulary tensors -> axis
-    cut_alike: bool = True  # every tokenizer cuts text as the reference's does (`tokenizers.same_text`)
+    cut_alike: bool = True  # every tokenizer cuts text as the reference's does (`checks.same_text`)
 
     def present(self) -> list[Tensor]:
         return [self.layout.present(i) for i in range(len(self.vocabularies))]
@@ -254,23 +263,19 @@ def _built(v: RunVocabulary) -> Any:
 
 
 def _source_rows(
-    job: str, source: str | None, layout: RowLayout, vocabularies: Sequence[Vocabulary], pad_to: int | None
-) -> tuple[str, OutputRows, list[int]]:
-    """The output's rows for the recipe's source, and the models whose own files may hold them."""
-    if job == "transport":
-        source = source or "finetuned"
-        if source == "target":
-            return source, OutputRows.reference(layout, pad_to), [0]
-        if source == "union":
-            return source, OutputRows.union(layout, pad_to), [2, 0, 1]
-        return source, OutputRows.union(layout, pad_to, only=[2]), [2, 0]
-    source = source or "base"
-    i = model_index(source)
-    if i is not None:
-        return source, OutputRows.of_model(layout, vocabularies[i], i, pad_to), [i]
-    if source == "union":
-        return source, OutputRows.union(layout, pad_to), list(range(len(vocabularies)))
-    return source, OutputRows.reference(layout, pad_to), [0]
+    choice: VocabularyChoice, layout: RowLayout, vocabularies: Sequence[Vocabulary]
+) -> tuple[OutputRows, list[int]]:
+    """The output's rows the job chose, and the models whose own files may hold them."""
+    pad_to = choice.pad_to
+    if choice.rows == "own":
+        assert choice.model is not None, "one model's own rows name the model"
+        out = OutputRows.of_model(layout, vocabularies[choice.model], choice.model, pad_to)
+    elif choice.rows == "union":
+        out = OutputRows.union(layout, pad_to, only=choice.only)
+    else:
+        out = OutputRows.reference(layout, pad_to)
+    every = range(len(vocabularies))
+    return out, list(choice.candidates if choice.candidates is not None else every)
 
 
 def _own_layout(layout: RowLayout, v: Vocabulary, i: int, out: OutputRows) -> bool:
@@ -282,17 +287,12 @@ def _own_layout(layout: RowLayout, v: Vocabulary, i: int, out: OutputRows) -> bo
 
 
 def run_vocabulary(
-    job: str,
-    source: str | None,
-    pad_to: int | None,
-    folders: Sequence[Path],
-    names: Sequence[str],
-    rows: Sequence[int | None],
+    choice: VocabularyChoice, folders: Sequence[Path], names: Sequence[str], rows: Sequence[int | None]
 ) -> RunVocabulary | None:
     """The run's vocabularies when they differ (None when every model has the same tokens at the
-    same rows, or some model has no tokenizer or no token embedding: then rows pair by index).
-    ``rows``: each model's embedding rows (None: no token embedding), from the loaded model or,
-    before any weight is read (the dry run), from config.json."""
+    same rows, or some model has no tokenizer or no token embedding: then rows pair by index), the
+    output's as the job chose it. ``rows``: each model's embedding rows (None: no token embedding),
+    from the loaded model or, before any weight is read (the dry run), from config.json."""
     try:
         found = read_vocabularies(folders, rows)
     except TokenizerError:  # one that does not load was allowed (`allow_different_tokenizers`): rows by index
@@ -300,10 +300,10 @@ def run_vocabulary(
     if found is None:
         return None
     tokenizers, vocabularies = found
-    if all(v.keys == vocabularies[0].keys for v in vocabularies[1:]) and not pad_to:
+    if all(v.keys == vocabularies[0].keys for v in vocabularies[1:]) and not choice.pad_to:
         return None
     layout = working_layout(vocabularies)
-    resolved, out, candidates = _source_rows(job, source, layout, vocabularies, pad_to)
+    out, candidates = _source_rows(choice, layout, vocabularies)
     written = next((i for i in candidates if _own_layout(layout, vocabularies[i], i, out)), None)
     if written is None and vocabularies[0].rowless:
         raise TokenizerError(
@@ -318,62 +318,68 @@ def run_vocabulary(
         folders=tuple(folders),
         names=tuple(names),
         output=out,
-        source=resolved,
+        source=choice.source,
         written_from=written,
-        chat_from=2 if job == "transport" else None,
+        chat_from=choice.chat_from,
         cut_alike=all(same_text(tokenizers[0], t) for t in tokenizers[1:]),
     )
 
 
-def planned_vocabulary(recipe: Any, folders: Sequence[Path], names: Sequence[str], wheres: Sequence[str]) -> list[str]:
+def planned_vocabulary(
+    choice: VocabularyChoice | None, folders: Sequence[Path], names: Sequence[str], wheres: Sequence[str]
+) -> list[str]:
     """What the plan says about the vocabularies (nothing where they agree), from the tokenizers and
     config.json alone (``wheres``: the recipe fields of the models): each model against the
     reference, and the output's vocabulary; refused as the load would refuse."""
     if not differ_in_vocabulary(folders):
         return []
-    found = _of_recipe(recipe, folders, names, config_rows(folders, wheres))
+    found = of_choice(choice, folders, names, config_rows(folders, wheres))
     return found.notes() if found is not None else []
 
 
-def _of_recipe(
-    recipe: Any, folders: Sequence[Path], names: Sequence[str], rows: Sequence[int | None]
+def of_choice(
+    choice: VocabularyChoice | None, folders: Sequence[Path], names: Sequence[str], rows: Sequence[int | None]
 ) -> RunVocabulary | None:
-    """`run_vocabulary` with the recipe's job and ``tokenizer`` section (if its job has one); None
-    for lineage, which compares the rows of the tokens the models share (`lineage.pairs.lineage_of`)."""
-    if recipe.job == "lineage":
+    """`run_vocabulary` with the job's choice (errors under the recipe's ``tokenizer``), rows of
+    other counts that nothing matches refused; None for a job that chooses none (lineage, which
+    compares the rows of the tokens the models share: `lineage.pairs.lineage_of`)."""
+    if choice is None:
         return None
-    section = getattr(recipe, "tokenizer", None)
-    source = section.source if section is not None else None
-    pad_to = section.pad_to_multiple_of if section is not None else None
     with named("`tokenizer`", unless_named=True):
-        found = run_vocabulary(recipe.job, source, pad_to, folders, names, rows)
+        found = run_vocabulary(choice, folders, names, rows)
     if found is None:
         check_rows_by_position(names, folders, rows)
     return found
 
 
-def matched_by_token(job: str, folders: Sequence[Path], names: Sequence[str]) -> RunVocabulary | None:
-    """The vocabularies of ``folders`` as ``job``'s run would match them (from the tokenizers and
-    config.json, no weight): None where rows pair by position; refused as the run would refuse
-    rows of other counts that nothing matches."""
+def matched_by_token(choice: VocabularyChoice, folders: Sequence[Path], names: Sequence[str]) -> RunVocabulary | None:
+    """The vocabularies of ``folders`` as a run with ``choice`` would match them (from the
+    tokenizers and config.json, no weight): None where rows pair by position; refused as the run
+    would refuse rows of other counts that nothing matches."""
     if not differ_in_vocabulary(folders):
         return None
     rows = config_rows(folders, names)
-    found = run_vocabulary(job, None, None, folders, names, rows)
+    found = run_vocabulary(choice, folders, names, rows)
     if found is None:
         check_rows_by_position(names, folders, rows)
     return found
 
 
 def to_rows(
-    recipe: Any, names: Sequence[str], models: list[LoadedModel], folders: Sequence[Path]
+    choice: VocabularyChoice | None,
+    names: Sequence[str],
+    models: list[LoadedModel],
+    folders: Sequence[Path],
+    *,
+    data: bool,
 ) -> tuple[list[LoadedModel], RunVocabulary | None]:
-    """``models`` in one vocabulary layout (as they are where their vocabularies agree): the run's
-    recipe (its ``tokenizer`` section, if its job has one), the models' names and folders."""
-    rows = _of_recipe(recipe, folders, names, [embedding_rows_of(lm.model) for lm in models])
+    """``models`` in one vocabulary layout (as they are where their vocabularies agree): the job's
+    choice of the output's vocabulary, the models' names and folders, and whether the run aligns
+    on ``data`` (refused where the tokenizers cut text differently)."""
+    rows = of_choice(choice, folders, names, [embedding_rows_of(lm.model) for lm in models])
     if rows is None:
         return models, None
-    if not rows.cut_alike and getattr(recipe, "data", None) is not None:
+    if not rows.cut_alike and data:
         raise IncompatibleModelsError(
             "`data`: the models' tokenizers cut text differently (allowed by `allow_different_tokenizers`), so the "
             "same text is other tokens in each model and the activations the strategy compares would not be of one "
