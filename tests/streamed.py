@@ -3,6 +3,7 @@ library (for tests of streaming)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,6 @@ import yaml
 from safetensors import safe_open
 
 from hf_rebasin.cli import main
-from hf_rebasin.run import load as run_load
 
 
 def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
@@ -26,7 +26,7 @@ def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def run_cli(recipe: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, *, stream: bool) -> tuple[int, str]:
-    monkeypatch.setattr(run_load, "streamed", lambda _recipe, _models: stream)
+    monkeypatch.setattr(importlib.import_module("hf_rebasin.run.plan"), "streamed", lambda _recipe, _models: stream)
     capsys.readouterr()
     code = main([str(recipe)])
     return code, " ".join(capsys.readouterr().err.split())

@@ -1,12 +1,14 @@
 """Checks that need no weights: model folders, repository code, tokenizers, adapters, data files,
-the task, the output folder and the push token. The plan runs each once on what it can see; the
-load step runs those the plan could not (a Hub model not downloaded, a zoo model not trained)."""
+the task, the output folder and the push token, each written once. The plan runs them on what it
+can see (`check_plan`); the fetch runs `check_models` again on what the plan could not (a Hub model
+not downloaded, a zoo model not trained), skipping what was checked."""
 
 from __future__ import annotations
 
 import glob
 import os
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,10 @@ from hf_rebasin.core.roles import Roles, TransportRoles
 from hf_rebasin.evaluation.evaldata import check_files
 from hf_rebasin.evaluation.evaluate import task_of_class
 from hf_rebasin.io.files import read_config
+from hf_rebasin.io.gate import check_folder
 from hf_rebasin.io.hub.client import HubError
 from hf_rebasin.io.hub.push import has_token
+from hf_rebasin.io.output import check_output
 from hf_rebasin.io.remote_code import refuse_remote_code
 from hf_rebasin.merging.lora import adapter_config, is_adapter
 from hf_rebasin.merging.vocabulary import checks as vocabulary
@@ -24,12 +28,16 @@ from hf_rebasin.recipe import DataSpec, FineTuneRef, ModelRef, Recipe
 from hf_rebasin.run.resolve import PlannedModel
 
 __all__ = [
+    "ModelChecks",
     "check_adapter",
     "check_data_files",
+    "check_models",
+    "check_plan",
     "check_push_token",
     "check_remote_code",
     "check_task_of_folder",
     "check_tokenizers",
+    "gate",
     "read_paths",
     "task_folder",
     "task_mismatch",
@@ -189,3 +197,67 @@ def check_push_token(recipe: Recipe) -> None:
             f"`output.push_to_hub`: pushing to {push.repo!r} needs a token: set HF_TOKEN or run `hf auth login` "
             "(checked before any work is done)"
         )
+
+
+@dataclass(frozen=True)
+class ModelChecks:
+    """What the checks of the models' files found, so that a later `check_models` (after the fetch)
+    runs only what is left."""
+
+    remote: frozenset[int] = frozenset()  # models (by recipe index) scanned for repository code
+    tokenizers: tuple[tuple[int, str | None], ...] = ()  # (index, note or None) of each model checked
+    adapter: tuple[str, ...] | None = None  # the adapter check's notes; None: it waits for the download
+
+    def tokenizer_notes(self) -> list[str]:
+        return [note for _, note in self.tokenizers if note]
+
+
+def gate(recipe: Recipe, models: Sequence[PlannedModel]) -> None:
+    """Every file a run reads of each model that is on disk, through the gate (`gate.check_folder`):
+    the first thing done with a model folder, before the scan for repository code, the tokenizer
+    comparison, the widths or the memory estimate read a byte of it."""
+    for m in models:
+        if m.ready:
+            check_folder(m.path, allow_pickle=recipe.allow_pickle, where=f"`{m.where}`")
+
+
+def check_models(recipe: Recipe, models: Roles[PlannedModel], done: ModelChecks | None = None) -> ModelChecks:
+    """The models' files through the gate, then their repository code, a LoRA fine-tune's base and
+    the tokenizers, skipping what ``done`` checked. Before the fetch (``done`` None) a folder without
+    config.json (a zoo model not trained yet, an adapter) waits for the fetch's scan."""
+    gate(recipe, models.all)  # before any byte of a model's files is read
+    if done is None:
+        remote = {i for i, m in enumerate(models.all) if m.folder is not None and (m.folder / "config.json").is_file()}
+    else:
+        remote = set(range(len(models.all))) - done.remote
+    for i in sorted(remote):
+        check_remote_code(recipe, models.all[i].path, models.all[i].where)
+    before = done or ModelChecks()
+    adapter = before.adapter
+    if isinstance(models, TransportRoles) and adapter is None:
+        notes = tuple(check_adapter(recipe, models))
+        adapter = notes if models.base.ready and models.finetune.ready else None
+    found = {**dict(before.tokenizers), **check_tokenizers(recipe, models.all, skip=dict(before.tokenizers).keys())}
+    ready = models.reference.ready
+    return ModelChecks(
+        remote=frozenset(remote | before.remote),
+        tokenizers=tuple((i, note) for i, note in sorted(found.items()) if ready and models.all[i].ready),
+        adapter=adapter,
+    )
+
+
+def check_plan(recipe: Recipe, models: Roles[PlannedModel], output: Path, field: str) -> ModelChecks:
+    """Every check that needs no weights, on what the plan can see: the models (`check_models`),
+    the task against the head config.json names, the data files, the output folder (``field``
+    names it in messages) and the push token."""
+    checks = check_models(recipe, models)
+    folder = task_folder(models)
+    if folder is not None:
+        check_task_of_folder(recipe, folder)
+    if recipe.data is not None:
+        check_data_files(recipe.data, "data")
+    if recipe.evaluate is not None:
+        check_data_files(recipe.evaluate.data, "evaluate.data")
+    check_output(output, recipe.output.overwrite, inputs=read_paths(recipe, models.all), where=field)
+    check_push_token(recipe)
+    return checks

@@ -7,7 +7,6 @@ reading from disk can stand in for a loaded model where no forward pass is neede
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -25,7 +24,6 @@ from hf_rebasin.evaluation.evaluate import Task, task_of
 from hf_rebasin.evaluation.record import DtypeEntry
 from hf_rebasin.io.checks import check_same_shapes
 from hf_rebasin.io.models import LoadedModel, check_compatible, load_model, resolve_device, to_device
-from hf_rebasin.io.output import check_inputs
 from hf_rebasin.io.ties import untied_note
 from hf_rebasin.merging.lora import LoraAdapter, is_adapter
 from hf_rebasin.merging.transport import check_shared
@@ -34,12 +32,13 @@ from hf_rebasin.recipe import Recipe
 from hf_rebasin.recipe.jobs import get_job
 from hf_rebasin.run.adapter_models import is_bare_adapter, merged_into
 from hf_rebasin.run.alignment_cache import RunCache
-from hf_rebasin.run.checks import check_adapter, check_remote_code, check_tokenizers, read_paths, task_mismatch
+from hf_rebasin.run.checks import task_mismatch
 from hf_rebasin.run.clock import Progress, StageClock, noop
 from hf_rebasin.run.data import BatchSpec, batches, metrics, processor
 from hf_rebasin.run.dtypes import OutputDtype, output_dtype
-from hf_rebasin.run.plan import Plan, gate, memory_estimate, streamed, vocabulary_choice
-from hf_rebasin.run.resolve import PlannedModel, resolve_model, untrained_zoo
+from hf_rebasin.run.fetch import fetch
+from hf_rebasin.run.plan import Plan
+from hf_rebasin.run.resolve import PlannedModel
 from hf_rebasin.run.score import Scorer
 
 __all__ = ["LOAD_STAGE", "AlignInput", "Workspace", "load_workspace", "weights"]
@@ -106,28 +105,24 @@ class Workspace:
         return self.clock.seconds
 
 
-def load_workspace(
-    plan: Plan, *, device_name: str | None = None, progress: Progress | None = None, check_memory: bool = True
-) -> Workspace:
-    """Download or train what the plan resolved, load every model by role, read the data once.
+def load_workspace(plan: Plan, *, progress: Progress | None = None) -> Workspace:
+    """Fetch what the plan resolved (`fetch.fetch`), load every model by role, read the data once.
 
     Zoo models trained on first use are timed apart (``train``); the rest is ``load``. A run whose
-    estimated peak memory exceeds what is available stops before loading (``check_memory``)."""
-    recipe = plan.recipe
+    estimated peak memory exceeds what is available stops before loading (`Plan.check_memory`)."""
     report = progress or noop
-    dev = resolve_device(device_name or recipe.device)
-    base_dir = Path(recipe.source).parent if Path(recipe.source).is_file() else Path.cwd()
+    dev = resolve_device(plan.device)
     clock, notes = StageClock(), list[str]()
-    run_cache = RunCache(recipe, base_dir, notes, report)
-    metric_list = metrics(recipe, base_dir)  # before any model loads: a metric that does not load fails fast
-    with clock.stage("train" if untrained_zoo(recipe) else "load"):
-        inputs = _fetch(plan, report, notes)
-    if check_memory:  # with every model downloaded: their sizes are known now
-        memory_estimate(recipe, inputs).check()
+    run_cache = RunCache(plan.recipe, plan.base_dir, notes, report)
+    metric_list = metrics(plan.recipe, plan.base_dir)  # before any model loads: a metric that does not load fails fast
+    with clock.stage("train" if plan.trains else "load"):
+        plan = fetch(plan, report, notes)
+    if plan.check_memory and plan.memory is not None:  # with every model downloaded: their sizes are known now
+        plan.memory.check()
+    recipe, inputs, base_dir = plan.recipe, plan.models, plan.base_dir
     with clock.stage("load"):
-        if isinstance(inputs, TransportRoles):
-            notes.extend(plan.adapter_notes if plan.adapter_notes is not None else check_adapter(recipe, inputs))
-        models, adapter, rows = _load_models(recipe, inputs, dev, report)
+        notes.extend(plan.checks.adapter or ())
+        models, adapter, rows = _load_models(plan, dev, report)
         notes.extend(_loading_notes(recipe, inputs, models, dev))
         notes.extend(rows.notes() if rows is not None else [])
         written, dtype_entry = output_dtype(recipe, models, adapter, notes)
@@ -205,31 +200,6 @@ def ignored_note(model: str, ignored: Mapping[str, str]) -> str:
     )
 
 
-def _fetch(plan: Plan, report: Progress, notes: list[str]) -> Roles[PlannedModel]:
-    """Download (pinned to the plan's commit) or train every model, and check what the plan could not."""
-    recipe = plan.recipe
-
-    def fetch(m: PlannedModel) -> PlannedModel:
-        resolved = resolve_model(m.ref, m.where, progress=report, allow_pickle=recipe.allow_pickle, checked=m.resolved)
-        return dataclasses.replace(m, resolved=resolved)
-
-    inputs = plan.models.map(fetch)
-    gate(recipe, inputs.all)  # downloaded or trained since the plan: their files through the gate first
-    check_inputs(plan.output, read_paths(recipe, inputs.all), plan.output_field)  # downloaded folders are inputs too
-    for i, m in enumerate(inputs.all):
-        if i not in plan.remote_checked:
-            check_remote_code(recipe, m.path, m.where)
-    notes.extend(
-        f"{m.ref} resolved from the local Hugging Face cache (offline): commit {m.resolved.commit}"
-        for m in inputs.all
-        if m.resolved.cached
-    )
-    checked = dict(plan.tokenizer_notes)
-    found = {**checked, **check_tokenizers(recipe, inputs.all, skip=checked.keys())}
-    notes.extend(note for _, note in sorted(found.items()) if note)
-    return inputs
-
-
 def _load(
     folder: Path, recipe: Recipe, where: str, *, stream: bool = False, device: torch.device | None = None
 ) -> LoadedModel:
@@ -245,13 +215,13 @@ def _load(
 
 
 def _load_models(
-    recipe: Recipe, inputs: Roles[PlannedModel], dev: torch.device, report: Progress
+    plan: Plan, dev: torch.device, report: Progress
 ) -> tuple[Roles[LoadedModel], LoraAdapter | None, RunVocabulary | None]:
     """Every model on ``dev`` in one vocabulary layout (rows matched by token where the vocabularies
     differ), each checked against the reference (a fine-tune: against its base)."""
+    recipe, inputs, stream = plan.recipe, plan.models, plan.streamed
     total = len(inputs.all)
     done: list[LoadedModel] = []
-    stream = streamed(recipe, inputs)
     # streamed tensors are computed on the run's device; MPS has no float64 (the canonical form, the
     # weight views, the float64 sums need it), so there they stay on the CPU
     on = dev if dev.type != "mps" else torch.device("cpu")
@@ -267,7 +237,7 @@ def _load_models(
     def loaded(m: PlannedModel) -> LoadedModel:
         return _load(m.path, recipe, m.where, stream=stream, device=on)
 
-    matched = partial(to_rows, vocabulary_choice(recipe), data=recipe.data is not None)  # rows matched by token
+    matched = partial(to_rows, plan.vocabulary, data=recipe.data is not None)  # rows matched by token
     report(LOAD_STAGE, 0, total)
     reference = placed(lambda: loaded(inputs.reference))
     if isinstance(inputs, MergeRoles):
@@ -275,7 +245,7 @@ def _load_models(
         names = [m.named for m in inputs.all]
         every, rows = matched(names, [reference, *others], [m.path for m in inputs.all])
         every, _ = to_widest(every, names)
-        for lm in every[1:] if not get_job(recipe.job).compares_depths else ():  # such a job maps them itself
+        for lm in every[1:] if not get_job(plan.job).compares_depths else ():  # such a job maps them itself
             check_compatible(every[0], lm)
         return MergeRoles(every[0], tuple(every[1:])), None, rows
     base = placed(partial(loaded, inputs.base))

@@ -1,7 +1,8 @@
-"""How much memory a run needs, estimated from the plan before a weight is loaded.
+"""How a run holds its models, streamed or whole (`streamed`), and how much memory that needs,
+estimated from the plan before a weight is loaded (`estimate`).
 
 Each model's size comes from its safetensors headers (no weight is read): parameters, stored dtype,
-bytes, and the largest tensor. A streamed run (`plan.streams`) holds a few copies of the largest
+bytes, and the largest tensor. A streamed run (`streamed`) holds a few copies of the largest
 tensor and, for the matching strategies, the assignment problem of the widest space; a run that
 loads its models holds each of them in float32 plus the copies its job makes (aligned, canonical,
 merged, the model rebuilt for saving or scoring). The constants were measured on this package's
@@ -12,15 +13,20 @@ Torch-free: the dry run prints it without importing torch.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hf_rebasin.alignment.strategies import get_strategy
 from hf_rebasin.core.memory import GIB, OVERHEAD, InsufficientMemoryError, available_memory, resident
+from hf_rebasin.core.roles import Roles, TransportRoles
 from hf_rebasin.io.files import read_config, read_header
 from hf_rebasin.io.gate import safetensors_files
 from hf_rebasin.io.schemas import SAFETENSORS_DTYPES
 from hf_rebasin.recipe import Recipe
+from hf_rebasin.recipe.jobs import get_job
+from hf_rebasin.run.resolve import PlannedModel
 
 __all__ = [
     "OVERHEAD",
@@ -31,6 +37,8 @@ __all__ = [
     "estimate",
     "footprint",
     "resident",
+    "streamed",
+    "streams",
 ]
 
 STREAM_COPIES = 6  # float32 copies of the largest tensor a streamed step holds (inputs, maps, float64 sum)
@@ -253,3 +261,34 @@ def estimate(
     if learned and avail is not None:  # the largest model (reference-sized) learned matching fits here
         limit = max(0, int((avail + held - OVERHEAD - lap) / (4 * factor)))
     return MemoryEstimate(found, False, peak, avail, how, learned_limit=limit, held=held)
+
+
+def streams(recipe: Recipe) -> bool:
+    """Whether the run reads its models tensor by tensor from their files and writes the result
+    the same way (memory: a few tensors or one layer, not the models), as the job's rule says
+    (`jobs.Job.streams`: a merge or a transport with nothing that needs whole models in memory).
+    head-perm's statistics then run layer by layer. A transport streams only a full fine-tune of
+    its base's class (`streamed` checks the files)."""
+    return get_job(recipe.job).streams(recipe)
+
+
+def streamed(recipe: Recipe, models: Roles[PlannedModel]) -> bool:
+    """`streams`, and for a transport, a fine-tune that is a full model of its base's class
+    (config.json says so: an adapter, or a fine-tune with a head of its own, is loaded whole)."""
+    if not streams(recipe):
+        return False
+    from hf_rebasin.alignment.widths import differ_in_width
+
+    if differ_in_width([m.folder for m in models.all]):  # the narrower ones are embedded in memory
+        return False
+    if not isinstance(models, TransportRoles):
+        return True
+
+    def architectures(m: PlannedModel) -> Any:
+        folder = m.folder
+        if folder is None or not os.path.lexists(folder / "config.json"):  # not downloaded yet, or an adapter
+            return None
+        return read_config(folder).get("architectures")  # through the gate
+
+    found = architectures(models.finetune)
+    return found is not None and found == architectures(models.base)

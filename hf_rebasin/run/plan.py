@@ -1,69 +1,71 @@
-"""The plan of a run: every check that needs no weights, done once, before anything is loaded.
+"""The plan of a run: the recipe read and checked once, and every decision that needs no weights.
 
-`build_plan` resolves each model by role (Hub models to a commit, without downloading), checks
-repository code, tokenizers, an adapter's base, the task, data files, the output folder and the
-push token. ``--dry-run`` prints `Plan.lines`; a run loads from the plan and re-checks only what
-the plan could not see (a Hub model not downloaded yet, a zoo model not trained yet).
+`build_plan` resolves each model by role (Hub models to a commit, without downloading), runs the
+checks (`checks.check_plan`), and decides the output, the vocabulary, streaming and memory and the
+steps of the run; `pipeline.execute` runs those steps and never reads the recipe again.
+``--dry-run`` prints `Plan.lines`. What the plan could not see (a Hub model not downloaded yet, a
+zoo model not trained yet) is checked and decided when it is fetched (`fetched`), by the same
+functions.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from hf_rebasin.core.names import VocabularyChoice
-from hf_rebasin.core.roles import Roles, TransportRoles
-from hf_rebasin.io.files import read_config
-from hf_rebasin.io.gate import check_folder
-from hf_rebasin.io.output import check_output
+from hf_rebasin.core.roles import Roles
+from hf_rebasin.merging.vocabulary.output import planned_vocabulary
 from hf_rebasin.recipe import ModelRef, Recipe
 from hf_rebasin.recipe.describe import describe
 from hf_rebasin.recipe.jobs import get_job
-from hf_rebasin.run.checks import (
-    check_adapter,
-    check_data_files,
-    check_push_token,
-    check_remote_code,
-    check_task_of_folder,
-    check_tokenizers,
-    read_paths,
-    task_folder,
-)
-from hf_rebasin.run.memory import MemoryEstimate, estimate
+from hf_rebasin.run.checks import ModelChecks, check_plan
+from hf_rebasin.run.memory import MemoryEstimate, estimate, streamed
 from hf_rebasin.run.resolve import PlannedModel, resolve_model
 
-__all__ = [
-    "Plan",
-    "build_plan",
-    "download_line",
-    "gate",
-    "memory_estimate",
-    "plan",
-    "streamed",
-    "streams",
-    "vocabulary_choice",
-]
+__all__ = ["Plan", "PushPlan", "build_plan", "download_line", "fetched", "memory_estimate", "plan", "vocabulary_choice"]
 
 CACHED = " (resolved from the local Hugging Face cache, offline)"
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A recipe checked without weights: its models by role, the output, and what was checked."""
+class PushPlan:
+    """Where the finished folder goes (`output.push_to_hub`), with its commit message decided."""
 
-    recipe: Recipe
+    repo: str
+    private: bool | None  # None: the account's default
+    revision: str | None
+    message: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A recipe checked without weights, and what the run will do: its models by role, the output,
+    the vocabulary, streaming and memory, and its steps (`pipeline.STEPS`)."""
+
+    recipe: Recipe  # the job's options, and the copy of the recipe the record keeps
     output: Path  # absolute
     output_field: str  # how messages name the output: `output.dir` or --output
     models: Roles[PlannedModel]
+    checks: ModelChecks  # what was checked (the fetch checks the rest)
+    streamed: bool  # models read tensor by tensor from their files (`memory.streamed`)
+    memory: MemoryEstimate | None  # the estimated peak (checked before loading, again after downloads)
+    vocabulary: VocabularyChoice | None  # the output's vocabulary where the models' differ
+    steps: tuple[str, ...]  # what `pipeline.execute` runs, in order
+    device: str  # ``--device`` or the recipe's
+    base_dir: Path  # where the recipe's relative data paths start
     output_given: bool = False  # ``--output`` overrides the recipe's
-    remote_checked: frozenset[int] = frozenset()  # models (by recipe index) checked for repository code
-    tokenizer_notes: tuple[tuple[int, str | None], ...] = ()  # (index, note or None) of each model checked
-    adapter_notes: tuple[str, ...] | None = None  # None: the adapter check waits for the download
-    memory: MemoryEstimate | None = None  # the estimated peak (checked before loading, again after downloads)
+    overwrite: bool = False  # `output.overwrite`
+    push: PushPlan | None = None  # `output.push_to_hub`
+    check_memory: bool = True  # refuse a run whose estimated peak exceeds what is available
+    trains: bool = False  # some zoo model is trained on first use (timed apart: ``train``)
     vocabulary_notes: tuple[str, ...] = ()  # what differs between the vocabularies (`vocabulary_notes`)
+
+    @property
+    def job(self) -> str:
+        return self.recipe.job
 
     @property
     def all(self) -> tuple[PlannedModel, ...]:
@@ -82,14 +84,25 @@ class Plan:
         lines.extend(self.vocabulary_notes)
         if self.memory is not None:
             lines.extend(self.memory.lines())
+        lines.append("steps: " + " → ".join(self.step_words()))
         lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
         return lines
+
+    def step_words(self) -> list[str]:
+        """The steps the run takes, in words: ``load (streamed) → merge → write → push to org/name``."""
+        words = {
+            "load": "load" + (" (streamed: tensor by tensor from the files)" if self.streamed else ""),
+            "job": self.job,
+            "write": "write",
+            "push": f"push to {self.push.repo}" if self.push is not None else "push",
+        }
+        return [words[step] for step in self.steps]
 
     def width_lines(self) -> list[str]:
         """Models of different widths (read from config.json): what the run will embed."""
         from hf_rebasin.alignment.widths import config_widths
 
-        found = [config_widths(_folder(m)) for m in self.all]
+        found = [config_widths(m.folder) for m in self.all]
         known = [w for w in found if w is not None]
         if not known or all(w == known[0] for w in known[1:]):
             return []
@@ -116,44 +129,6 @@ def download_line(m: PlannedModel) -> str:
     return f"{shown}: downloaded when the run loads it"
 
 
-def streams(recipe: Recipe) -> bool:
-    """Whether the run reads its models tensor by tensor from their files and writes the result
-    the same way (memory: a few tensors or one layer, not the models), as the job's rule says
-    (`jobs.Job.streams`: a merge or a transport with nothing that needs whole models in memory).
-    head-perm's statistics then run layer by layer. A transport streams only a full fine-tune of
-    its base's class (`streamed` checks the files)."""
-    return get_job(recipe.job).streams(recipe)
-
-
-def streamed(recipe: Recipe, models: Roles[PlannedModel]) -> bool:
-    """`streams`, and for a transport, a fine-tune that is a full model of its base's class
-    (config.json says so: an adapter, or a fine-tune with a head of its own, is loaded whole)."""
-    if not streams(recipe):
-        return False
-    from hf_rebasin.alignment.widths import differ_in_width
-
-    if differ_in_width([_folder(m) for m in models.all]):  # the narrower ones are embedded in memory
-        return False
-    if not isinstance(models, TransportRoles):
-        return True
-
-    def architectures(m: PlannedModel) -> Any:
-        folder = _folder(m)
-        if folder is None or not os.path.lexists(folder / "config.json"):  # not downloaded yet, or an adapter
-            return None
-        return read_config(folder).get("architectures")  # through the gate
-
-    found = architectures(models.finetune)
-    return found is not None and found == architectures(models.base)
-
-
-def _folder(m: PlannedModel) -> Path | None:
-    try:
-        return m.path
-    except RuntimeError:  # not downloaded yet
-        return None
-
-
 def vocabulary_choice(recipe: Recipe) -> VocabularyChoice | None:
     """The output's vocabulary where the models' differ, as the recipe's job decides it from its
     ``tokenizer`` section (if its job has one; `jobs.Job.vocabulary`); None for a job that decides
@@ -167,27 +142,20 @@ def vocabulary_choice(recipe: Recipe) -> VocabularyChoice | None:
     return rule(section.source, section.pad_to_multiple_of)
 
 
-def vocabulary_notes(recipe: Recipe, models: Roles[PlannedModel]) -> tuple[str, ...]:
+def vocabulary_notes(choice: VocabularyChoice | None, models: Roles[PlannedModel]) -> tuple[str, ...]:
     """Vocabularies that differ, decided from the tokenizers and config.json (no weight): what each
     model adds or lacks against the reference and the output's vocabulary, or the error the run's
     load would raise (rows of other counts with no tokenizer to match them by)."""
-    from hf_rebasin.merging.vocabulary.output import planned_vocabulary
-
     if not all(m.ready for m in models.all):
         return ()  # not downloaded or trained yet: the run decides when it loads them
     folders, names, wheres = [m.path for m in models.all], [m.named for m in models.all], [m.where for m in models.all]
-    return tuple(planned_vocabulary(vocabulary_choice(recipe), folders, names, wheres))
+    return tuple(planned_vocabulary(choice, folders, names, wheres))
 
 
-def memory_estimate(recipe: Recipe, models: Roles[PlannedModel]) -> MemoryEstimate:
+def memory_estimate(recipe: Recipe, models: Roles[PlannedModel], stream: bool) -> MemoryEstimate:
     """The run's peak memory, from the files of the models that are local (see `run.memory`)."""
     local = [(m.where, m.folder if m.ready else None) for m in models.all]
-    return estimate(recipe, local, streamed=streamed(recipe, models))
-
-
-def output_path(recipe: Recipe, output: Path | None) -> Path:
-    """The output folder, absolute: ``output`` (``--output``) when given, else ``output.dir``."""
-    return Path(output if output is not None else recipe.output.dir).expanduser().absolute()
+    return estimate(recipe, local, streamed=stream)
 
 
 def _planned(recipe: Recipe, entry: tuple[str, ModelRef]) -> PlannedModel:
@@ -196,53 +164,53 @@ def _planned(recipe: Recipe, entry: tuple[str, ModelRef]) -> PlannedModel:
     return PlannedModel(where, ref, resolve_model(ref, where, fetch=False, allow_pickle=recipe.allow_pickle))
 
 
-def gate(recipe: Recipe, models: tuple[PlannedModel, ...]) -> None:
-    """Every file a run reads of each model that is on disk, through the gate (`gate.check_folder`):
-    the first thing done with a model folder, before the scan for repository code, the tokenizer
-    comparison, the widths or the memory estimate read a byte of it."""
-    for m in models:
-        if m.ready:
-            check_folder(m.path, allow_pickle=recipe.allow_pickle, where=f"`{m.where}`")
+def _push(recipe: Recipe) -> PushPlan | None:
+    push = recipe.output.push_to_hub
+    if push is None:
+        return None
+    message = push.commit_message or f"hf-rebasin {recipe.job} with {recipe.strategy.name} ({Path(recipe.source).name})"
+    return PushPlan(push.repo, push.private, push.revision, message)
 
 
-def build_plan(recipe: Recipe, *, output: Path | None = None) -> Plan:
-    """Resolve and check ``recipe`` without loading a weight (typed errors name the recipe field)."""
-    target = output_path(recipe, output)
+def build_plan(
+    recipe: Recipe, *, output: Path | None = None, device: str | None = None, check_memory: bool = True
+) -> Plan:
+    """Resolve and check ``recipe`` without loading a weight (typed errors name the recipe field),
+    and decide what the run does. ``output`` and ``device`` override the recipe's."""
+    target = Path(output if output is not None else recipe.output.dir).expanduser().absolute()
     field = "--output" if output is not None else "`output.dir`"
+    source = Path(recipe.source)
+    push, choice = _push(recipe), vocabulary_choice(recipe)
     models = recipe.roles().map(partial(_planned, recipe))
-    gate(recipe, models.all)  # before any byte of a model's files is read
-    remote = frozenset(
-        i for i, m in enumerate(models.all) if m.folder is not None and (m.folder / "config.json").is_file()
-    )
-    for i in sorted(remote):
-        check_remote_code(recipe, models.all[i].path, models.all[i].where)
-    adapter_notes: tuple[str, ...] | None = None
-    if isinstance(models, TransportRoles):
-        notes = tuple(check_adapter(recipe, models))
-        adapter_notes = notes if models.base.ready and models.finetune.ready else None
-    tokenizers = check_tokenizers(recipe, models.all)  # Hub models not downloaded yet: after download
-    ready = models.reference.ready
-    folder = task_folder(models)
-    if folder is not None:
-        check_task_of_folder(recipe, folder)
-    if recipe.data is not None:
-        check_data_files(recipe.data, "data")
-    if recipe.evaluate is not None:
-        check_data_files(recipe.evaluate.data, "evaluate.data")
-    vocabularies = vocabulary_notes(recipe, models)  # the vocabularies decided once, before any weight
-    check_output(target, recipe.output.overwrite, inputs=read_paths(recipe, models.all), where=field)
-    check_push_token(recipe)
+    checks = check_plan(recipe, models, target, field)
+    stream = streamed(recipe, models)
     return Plan(
         recipe,
         target,
         field,
         models,
+        checks,
+        stream,
+        memory_estimate(recipe, models, stream),
+        choice,
+        steps=("load", "job", "write", "push") if push is not None else ("load", "job", "write"),
+        device=device or recipe.device,
+        base_dir=source.parent if source.is_file() else Path.cwd(),
         output_given=output is not None,
-        remote_checked=remote,
-        tokenizer_notes=tuple((i, note) for i, note in tokenizers.items() if ready and models.all[i].ready),
-        adapter_notes=adapter_notes,
-        memory=memory_estimate(recipe, models),
-        vocabulary_notes=vocabularies,
+        overwrite=recipe.output.overwrite,
+        push=push,
+        check_memory=check_memory,
+        trains=any(m.ref.zoo is not None and not m.ready for m in models.all),
+        vocabulary_notes=vocabulary_notes(choice, models),  # the vocabularies decided once, before any weight
+    )
+
+
+def fetched(plan: Plan, models: Roles[PlannedModel], checks: ModelChecks) -> Plan:
+    """``plan`` once its models are on disk (`fetch.fetch`): streaming and memory decided again, by
+    the same rules, on what the plan could not see."""
+    stream = streamed(plan.recipe, models)
+    return dataclasses.replace(
+        plan, models=models, checks=checks, streamed=stream, memory=memory_estimate(plan.recipe, models, stream)
     )
 
 

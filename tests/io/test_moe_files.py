@@ -7,6 +7,7 @@ when the experts do not match config.json. The references are stock transformers
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from collections.abc import Callable
@@ -28,7 +29,6 @@ from hf_rebasin.io.export import save_merged_model
 from hf_rebasin.io.models import load_model
 from hf_rebasin.io.rebuild import running
 from hf_rebasin.io.tensors import CheckpointSource
-from hf_rebasin.run import load as run_load
 
 FAMILIES = {"mixtral": tiny.mixtral, "qwen2-moe": tiny.qwen2_moe, "qwen3-moe": tiny.qwen3_moe}
 # one expert's key of each family as save_pretrained writes it (layer 0, expert 0): gate, up, down
@@ -263,7 +263,9 @@ def test_cli_merges_two_mixtral_folders_in_memory_and_streamed(
             body["evaluate"] = {"task": "causal-lm", "data": data, "points": 3}
         recipe = tmp_path / f"{name}.yaml"
         recipe.write_text(yaml.safe_dump(body), encoding="utf-8")
-        monkeypatch.setattr(run_load, "streamed", lambda _recipe, _models, s=stream: s)
+        monkeypatch.setattr(
+            importlib.import_module("hf_rebasin.run.plan"), "streamed", lambda _recipe, _models, s=stream: s
+        )
         capsys.readouterr()
         code = main([str(recipe)])
         assert code == 0, capsys.readouterr().err

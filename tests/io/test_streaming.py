@@ -237,7 +237,7 @@ def test_interrupted_streamed_write_leaves_no_partial_output(
 def test_merge_recipes_without_evaluation_stream() -> None:
     """Which runs stream: a data-free merge with nothing that needs whole models."""
     from hf_rebasin.recipe import loads_recipe
-    from hf_rebasin.run.plan import streams
+    from hf_rebasin.run.memory import streams
 
     base = {"job": "merge", "models": ["org/a", "org/b"], "strategy": "weight-matching", "output": {"dir": "o"}}
     evaluate = {"task": "causal-lm", "data": {"dataset": "shakespeare"}}

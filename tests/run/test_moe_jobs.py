@@ -5,6 +5,7 @@ writes folders that load with the stock class and compute what their inputs comp
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -108,7 +109,6 @@ def test_head_perm_on_streamed_mixtrals_writes_what_it_writes_in_memory(
 ) -> None:
     """Router-weighted expert statistics collected layer by layer from streamed models (``identity``)
     or in whole forward passes of them (``all``) give the merge the in-memory run gives."""
-    from hf_rebasin.run import load as run_load
 
     for seed in (0, 1):
         save_lm(tiny.mixtral(seed), tmp_path / f"m{seed}")
@@ -118,7 +118,9 @@ def test_head_perm_on_streamed_mixtrals_writes_what_it_writes_in_memory(
         name = "streamed" if stream else "memory"
         body = {"job": "merge", "models": ["./m0", "./m1"], "strategy": {"name": "head-perm", "residual": residual}}
         body |= {"data": data, "output": {"dir": name}}
-        monkeypatch.setattr(run_load, "streamed", lambda _recipe, _models, s=stream: s)
+        monkeypatch.setattr(
+            importlib.import_module("hf_rebasin.run.plan"), "streamed", lambda _recipe, _models, s=stream: s
+        )
         proc = run_main(str(write_recipe(tmp_path, body)))
         assert proc.returncode == 0, proc.stderr
         outputs[name] = stock_lm(tmp_path / name).state_dict()

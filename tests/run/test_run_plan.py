@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import tiny
 from hf_rebasin.core.errors import OutputExistsError
 from hf_rebasin.core.roles import MergeRoles
 from hf_rebasin.recipe import loads_recipe
-from hf_rebasin.run import build_plan, plan
+from hf_rebasin.run import build_plan, execute, pipeline, plan
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def test_a_plan_holds_the_models_by_role_and_what_it_checked(recipe_text: str, t
     assert checked.models.reference.folder == tmp_path / "m0"
     assert [m.where for m in checked.models.others] == ["models.1.model"]
     assert all(m.ready for m in checked.all)
-    assert checked.remote_checked == {0, 1}  # the run does not check these again
+    assert checked.checks.remote == {0, 1}  # the run does not check these again
     assert checked.output == tmp_path / "out" and checked.output_field == "`output.dir`"
     assert checked.lines()[-1].startswith("checks: ")
 
@@ -46,3 +47,32 @@ def test_output_given_on_the_command_line_is_shown_and_checked(recipe_text: str,
     (other / "x").write_text("not a run's output")
     with pytest.raises(OutputExistsError, match="--output"):
         build_plan(loads_recipe(recipe_text), output=other)
+
+
+def test_the_plan_decides_the_steps_and_the_push(recipe_text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steps the run takes are the plan's, printed by the dry run; a push is planned with its message."""
+    planned = build_plan(loads_recipe(recipe_text))
+    assert planned.steps == ("load", "job", "write") and planned.push is None
+    assert "steps: load (streamed: tensor by tensor from the files) → merge → write" in planned.lines()
+    assert planned.streamed  # a data-free merge without evaluation reads its models tensor by tensor
+
+    monkeypatch.setattr(importlib.import_module("hf_rebasin.run.checks"), "has_token", lambda: True)
+    body = {**yaml.safe_load(recipe_text), "evaluate": {"task": "causal-lm", "data": {"dataset": "shakespeare"}}}
+    body["output"] = {**body["output"], "push_to_hub": {"repo": "alice/merged", "private": True}}
+    pushed = build_plan(loads_recipe(yaml.safe_dump(body)))
+    assert pushed.steps == ("load", "job", "write", "push") and not pushed.streamed
+    assert pushed.push is not None and (pushed.push.repo, pushed.push.private) == ("alice/merged", True)
+    assert pushed.push.message.startswith("hf-rebasin merge with weight-matching (")
+    assert "steps: load → merge → write → push to alice/merged" in pushed.lines()
+
+
+def test_execute_runs_the_plans_steps_in_order(recipe_text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`execute` runs what the plan lists, by name, and nothing else: a plan read before the run is the run."""
+    planned = build_plan(loads_recipe(recipe_text))
+    ran: list[str] = []
+    for name, step in list(pipeline.STEPS.items()):
+        monkeypatch.setitem(pipeline.STEPS, name, lambda run, name=name, step=step: ran.append(name) or step(run))
+    result = execute(planned)
+    assert ran == ["load", "job", "write"]
+    assert result.output == planned.output and "rebasin.json" in result.files
+    assert (planned.output / "model.safetensors").is_file()

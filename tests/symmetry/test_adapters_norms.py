@@ -8,6 +8,7 @@ these is needed (each mistake moves the outputs by far more than 1e-3)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from typing import Any
 
@@ -22,7 +23,6 @@ from hf_rebasin.alignment.verify import TOLERANCE, example_inputs, outputs_of, v
 from hf_rebasin.cli import main
 from hf_rebasin.core.errors import TransformError
 from hf_rebasin.io.rebuild import rebuild
-from hf_rebasin.run import load as run_load
 from hf_rebasin.symmetry.adapters import REGISTRY, graph_for
 from hf_rebasin.symmetry.canonical import WriterScale, canonicalize, is_canonical
 from hf_rebasin.symmetry.graph import SymmetryGraph
@@ -277,7 +277,9 @@ def test_generalized_orthogonal_merge_streams(case, tmp_path, capsys, monkeypatc
         folders.append(folder)
     outputs = []
     for stream in (False, True):
-        monkeypatch.setattr(run_load, "streamed", lambda _recipe, _models, s=stream: s)
+        monkeypatch.setattr(
+            importlib.import_module("hf_rebasin.run.plan"), "streamed", lambda _recipe, _models, s=stream: s
+        )
         out = tmp_path / ("streamed" if stream else "memory")
         recipe = tmp_path / f"{out.name}.yaml"
         body = {

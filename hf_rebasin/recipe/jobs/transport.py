@@ -177,7 +177,7 @@ def _describe(recipe: TransportRecipe) -> list[str]:
 
 def _streams(recipe: TransportRecipe) -> bool:
     """Tensor by tensor without an evaluation or learned matching (and, checked on the files, for
-    a full fine-tune of its base's class: `run.plan.streamed`)."""
+    a full fine-tune of its base's class: `run.memory.streamed`)."""
     return recipe.evaluate is None and not recipe.strategy.runs_learned_matching
 
 
