@@ -1,5 +1,6 @@
-"""Data a run reads: the device, model A's tokenizer or image processor, and batches built once
-from a recipe data section with an explicit `BatchSpec` (the alignment cache keys on it)."""
+"""Data a run reads once its models are loaded (`read_data`): the task, model A's tokenizer or
+image processor, and batches built once from a recipe data section with an explicit `BatchSpec`
+(the alignment cache keys on it)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,28 @@ from typing import Any
 
 from torch import Tensor
 
-from hf_rebasin.core.errors import DataError, ModelNotFoundError
+from hf_rebasin.alignment.strategies import AlignmentData
+from hf_rebasin.core.errors import DataError, ModelNotFoundError, UnsupportedArchitectureError
+from hf_rebasin.core.roles import Roles, TransportRoles
 from hf_rebasin.evaluation.evaldata import classification_batches, load_records, text_batches
-from hf_rebasin.evaluation.evaluate import Metric, Task, load_metric
+from hf_rebasin.evaluation.evaluate import Metric, Task, load_metric, task_of
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.merging.vocabulary.output import RunVocabulary
 from hf_rebasin.recipe import DataSpec, Recipe
+from hf_rebasin.run.checks import task_mismatch
+from hf_rebasin.run.resolve import PlannedModel
 
-__all__ = ["MAX_BLOCK", "TEXT_TASKS", "BatchSpec", "batches", "metrics", "processor"]
+__all__ = [
+    "MAX_BLOCK",
+    "TEXT_TASKS",
+    "AlignInput",
+    "BatchSpec",
+    "RunData",
+    "batches",
+    "metrics",
+    "processor",
+    "read_data",
+]
 
 TEXT_TASKS = ("causal-lm", "masked-lm")
 MAX_BLOCK = 128  # tokens per block of evaluation / alignment text
@@ -179,3 +196,99 @@ def _check_labels(out: list[dict[str, Tensor]], config: Any, where: str) -> None
             f"`{where}.label_column`: label id {top} is outside the model's {n_labels} classes (0..{n_labels - 1}); "
             "name the labels as in the model's config (label2id) or renumber them"
         )
+
+
+@dataclass
+class AlignInput:
+    """Alignment data as the strategies read them, with the batching that made them."""
+
+    spec: BatchSpec  # the alignment cache keys on this very spec
+    batches: list[dict[str, Tensor]]
+    data: AlignmentData
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What a run reads besides its models, once: the data's task, the tokenizer or processor, the batches."""
+
+    task: Task  # the data's task (a transport: the fine-tune's)
+    processor: Any  # A's tokenizer or image processor (None without data)
+    align: AlignInput | None
+    eval_batches: list[dict[str, Tensor]] | None
+
+
+def read_data(
+    recipe: Recipe,
+    base_dir: Path,
+    inputs: Roles[PlannedModel],
+    models: Roles[LoadedModel],
+    rows: RunVocabulary | None,
+) -> RunData:
+    """The recipe's ``data`` and ``evaluate.data`` batched for the loaded ``models`` (``rows``: their
+    vocabularies where they differ)."""
+    task, align_task = _tasks(recipe, models)
+    ev = recipe.evaluate
+    proc = _processor(inputs, task, rows) if (recipe.data is not None or ev is not None) else None
+    align = _alignment_data(recipe, base_dir, align_task, proc, models.reference)
+    return RunData(task, proc, align, _eval_batches(recipe, task, base_dir, proc, models))
+
+
+def _processor(inputs: Roles[PlannedModel], task: Task, rows: RunVocabulary | None) -> Any:
+    """The reference's tokenizer or processor; where the vocabularies differ and the output's
+    tokens are the first working rows, the output's tokenizer (a fine-tune's chat tokens encode)."""
+    out = rows.output if rows is not None else None
+    if rows is not None and out is not None and out.rows[: out.tokens] == tuple(range(out.tokens)):
+        return rows.tokenizer()
+    return processor(inputs.reference.path, task)
+
+
+def _tasks(recipe: Recipe, models: Roles[LoadedModel]) -> tuple[Task, Task]:
+    """The task of the evaluation data and that of the alignment data: a transport is scored on
+    the fine-tune's task (its head may be new) while alignment data go through the bases."""
+    if isinstance(models, TransportRoles):
+        return _task(recipe, models.finetune.model), task_of(models.reference.model)
+    task = _task(recipe, models.reference.model)
+    return task, task
+
+
+def _task(recipe: Recipe, model: Any) -> Task:
+    """The task of the data: ``evaluate.task`` (checked against the model's head) or its head's."""
+    ev = recipe.evaluate
+    try:
+        implied: Task | None = task_of(model)
+    except UnsupportedArchitectureError:
+        implied = None
+    if ev is not None:
+        if implied is not None and implied != ev.task:
+            raise task_mismatch(ev.task, type(model).__name__, implied)
+        return ev.task
+    if implied is None and recipe.data is not None:
+        raise UnsupportedArchitectureError(
+            f"`data`: cannot tell how to batch alignment data for a {type(model).__name__}; "
+            "use a model with a task head (causal LM, masked LM, sequence or image classification)"
+        )
+    return implied or "causal-lm"
+
+
+def _alignment_data(recipe: Recipe, base_dir: Path, task: Task, proc: Any, reference: LoadedModel) -> AlignInput | None:
+    """``data`` batched once, with the spec that batched it (None without ``data``)."""
+    spec = BatchSpec.for_alignment(recipe, task)
+    if recipe.data is None or spec is None:
+        return None
+    made = batches(recipe.data, spec, base_dir, proc, reference.model.config, where="data")
+    special = frozenset(int(t) for t in getattr(proc, "all_special_ids", []) or [])
+    data = AlignmentData(made, special, description=f"{recipe.data.dataset} ({recipe.data.split})")
+    return AlignInput(spec, made, data)
+
+
+def _eval_batches(
+    recipe: Recipe, task: Task, base_dir: Path, proc: Any, models: Roles[LoadedModel]
+) -> list[dict[str, Tensor]] | None:
+    """``evaluate.data`` batched once (None without ``evaluate``); a transport's for the fine-tune,
+    whose task and head it is scored on."""
+    ev = recipe.evaluate
+    eval_spec = BatchSpec.for_evaluation(recipe, task)
+    if ev is None or eval_spec is None:
+        return None
+    config = (models.finetune if isinstance(models, TransportRoles) else models.reference).model.config
+    return batches(ev.data, eval_spec, base_dir, proc, config, where="evaluate.data")

@@ -1,5 +1,6 @@
-"""The workspace of a run: its models loaded by role, the alignment and evaluation data, the
-stage clock and the notes, built once from a `Plan`; every job reads it and nothing reloads.
+"""The workspace of a run: its models loaded by role, the alignment and evaluation data
+(`data.read_data`), the stage clock and the notes, built once from a `Plan`; every job reads it
+and nothing reloads.
 
 Jobs read a model's tensors through `weights`, not through the module, so that a tensor source
 reading from disk can stand in for a loaded model where no forward pass is needed.
@@ -18,9 +19,9 @@ from torch import Tensor
 
 from hf_rebasin.alignment.strategies import AlignmentData
 from hf_rebasin.alignment.widths import to_widest, widths
-from hf_rebasin.core.errors import IncompatibleModelsError, UnsupportedArchitectureError, named
+from hf_rebasin.core.errors import IncompatibleModelsError, named
 from hf_rebasin.core.roles import MergeRoles, Roles, TransportRoles
-from hf_rebasin.evaluation.evaluate import Task, task_of
+from hf_rebasin.evaluation.evaluate import Task
 from hf_rebasin.evaluation.record import DtypeEntry
 from hf_rebasin.io.checks import check_same_shapes
 from hf_rebasin.io.models import LoadedModel, check_compatible, load_model, resolve_device, to_device
@@ -32,16 +33,15 @@ from hf_rebasin.recipe import Recipe
 from hf_rebasin.recipe.jobs import get_job
 from hf_rebasin.run.adapter_models import is_bare_adapter, merged_into
 from hf_rebasin.run.alignment_cache import RunCache
-from hf_rebasin.run.checks import task_mismatch
 from hf_rebasin.run.clock import Progress, StageClock, noop
-from hf_rebasin.run.data import BatchSpec, batches, metrics, processor
+from hf_rebasin.run.data import AlignInput, metrics, read_data
 from hf_rebasin.run.dtypes import OutputDtype, output_dtype
 from hf_rebasin.run.fetch import fetch
 from hf_rebasin.run.plan import Plan
 from hf_rebasin.run.resolve import PlannedModel
 from hf_rebasin.run.score import Scorer
 
-__all__ = ["LOAD_STAGE", "AlignInput", "Workspace", "load_workspace", "weights"]
+__all__ = ["LOAD_STAGE", "Workspace", "load_workspace", "weights"]
 
 LOAD_STAGE = "loading models"
 
@@ -50,15 +50,6 @@ def weights(lm: LoadedModel) -> Mapping[str, Tensor]:
     """A model's tensors by name: the one place jobs read weights (a streamed model's are read
     from disk one at a time, see `tensors.CheckpointSource`)."""
     return lm.weights
-
-
-@dataclass
-class AlignInput:
-    """Alignment data as the strategies read them, with the batching that made them."""
-
-    spec: BatchSpec  # the alignment cache keys on this very spec
-    batches: list[dict[str, Tensor]]
-    data: AlignmentData
 
 
 @dataclass
@@ -126,19 +117,15 @@ def load_workspace(plan: Plan, *, progress: Progress | None = None) -> Workspace
         notes.extend(_loading_notes(recipe, inputs, models, dev))
         notes.extend(rows.notes() if rows is not None else [])
         written, dtype_entry = output_dtype(recipe, models, adapter, notes)
-        task, align_task = _tasks(recipe, models)
-        ev = recipe.evaluate
-        proc = _processor(inputs, task, rows) if (recipe.data is not None or ev is not None) else None
-        align = _alignment_data(recipe, base_dir, align_task, proc, models.reference)
-        eval_batches = _eval_batches(recipe, task, base_dir, proc, models)
+        data = read_data(recipe, base_dir, inputs, models, rows)
     return Workspace(
         plan=plan,
         inputs=inputs,
         models=models,
-        task=task,
-        processor=proc,
-        align=align,
-        eval_batches=eval_batches,
+        task=data.task,
+        processor=data.processor,
+        align=data.align,
+        eval_batches=data.eval_batches,
         clock=clock,
         notes=notes,
         cache=run_cache,
@@ -151,15 +138,6 @@ def load_workspace(plan: Plan, *, progress: Progress | None = None) -> Workspace
         adapter=adapter,
         rows=rows,
     )
-
-
-def _processor(inputs: Roles[PlannedModel], task: Task, rows: RunVocabulary | None) -> Any:
-    """The reference's tokenizer or processor; where the vocabularies differ and the output's
-    tokens are the first working rows, the output's tokenizer (a fine-tune's chat tokens encode)."""
-    out = rows.output if rows is not None else None
-    if rows is not None and out is not None and out.rows[: out.tokens] == tuple(range(out.tokens)):
-        return rows.tokenizer()
-    return processor(inputs.reference.path, task)
 
 
 def _loading_notes(
@@ -305,55 +283,3 @@ def check_finetune(base: LoadedModel, ft: LoadedModel) -> None:
     check_shared(sd_base, sd_ft, "`finetuned.model`")
     if type(ft.model) is type(base.model) and sd_ft.keys() != sd_base.keys():
         check_same_shapes(sd_base, sd_ft, "the base", "the fine-tune")
-
-
-def _tasks(recipe: Recipe, models: Roles[LoadedModel]) -> tuple[Task, Task]:
-    """The task of the evaluation data and that of the alignment data: a transport is scored on
-    the fine-tune's task (its head may be new) while alignment data go through the bases."""
-    if isinstance(models, TransportRoles):
-        return _task(recipe, models.finetune.model), task_of(models.reference.model)
-    task = _task(recipe, models.reference.model)
-    return task, task
-
-
-def _task(recipe: Recipe, model: Any) -> Task:
-    """The task of the data: ``evaluate.task`` (checked against the model's head) or its head's."""
-    ev = recipe.evaluate
-    try:
-        implied: Task | None = task_of(model)
-    except UnsupportedArchitectureError:
-        implied = None
-    if ev is not None:
-        if implied is not None and implied != ev.task:
-            raise task_mismatch(ev.task, type(model).__name__, implied)
-        return ev.task
-    if implied is None and recipe.data is not None:
-        raise UnsupportedArchitectureError(
-            f"`data`: cannot tell how to batch alignment data for a {type(model).__name__}; "
-            "use a model with a task head (causal LM, masked LM, sequence or image classification)"
-        )
-    return implied or "causal-lm"
-
-
-def _alignment_data(recipe: Recipe, base_dir: Path, task: Task, proc: Any, reference: LoadedModel) -> AlignInput | None:
-    """``data`` batched once, with the spec that batched it (None without ``data``)."""
-    spec = BatchSpec.for_alignment(recipe, task)
-    if recipe.data is None or spec is None:
-        return None
-    made = batches(recipe.data, spec, base_dir, proc, reference.model.config, where="data")
-    special = frozenset(int(t) for t in getattr(proc, "all_special_ids", []) or [])
-    data = AlignmentData(made, special, description=f"{recipe.data.dataset} ({recipe.data.split})")
-    return AlignInput(spec, made, data)
-
-
-def _eval_batches(
-    recipe: Recipe, task: Task, base_dir: Path, proc: Any, models: Roles[LoadedModel]
-) -> list[dict[str, Tensor]] | None:
-    """``evaluate.data`` batched once (None without ``evaluate``); a transport's for the fine-tune,
-    whose task and head it is scored on."""
-    ev = recipe.evaluate
-    eval_spec = BatchSpec.for_evaluation(recipe, task)
-    if ev is None or eval_spec is None:
-        return None
-    config = (models.finetune if isinstance(models, TransportRoles) else models.reference).model.config
-    return batches(ev.data, eval_spec, base_dir, proc, config, where="evaluate.data")

@@ -13,10 +13,10 @@ from hf_rebasin.io.hub.client import offline
 from hf_rebasin.io.hub.download import Download, download_model, plan_download
 from hf_rebasin.io.hub.resolve import cached_model, resolve_revision
 from hf_rebasin.merging.lora import is_adapter
-from hf_rebasin.recipe import ModelRef, Recipe
+from hf_rebasin.recipe import ModelRef
 from hf_rebasin.run.clock import Progress, noop
 
-__all__ = ["PlannedModel", "ResolvedModel", "resolve_model", "untrained_zoo"]
+__all__ = ["PlannedModel", "ResolvedModel", "resolve_model"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,3 @@ def _zoo(ref: ModelRef, fetch: bool, report: Progress) -> Path:
         folder = train.cached_model(kind, seed, progress=lambda step, _loss: report(stage, step + 1, steps))
     return folder
 
-
-def untrained_zoo(recipe: Recipe) -> bool:
-    """Whether some zoo model of the recipe is not cached yet (the run will train it)."""
-    return any(ref.zoo is not None and not train.is_trained(train.zoo_folder(*ref.zoo)) for _, ref in recipe.refs)
