@@ -143,4 +143,3 @@ def _zoo(ref: ModelRef, fetch: bool, report: Progress) -> Path:
         report(stage, 0, steps)
         folder = train.cached_model(kind, seed, progress=lambda step, _loss: report(stage, step + 1, steps))
     return folder
-
