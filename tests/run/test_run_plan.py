@@ -6,7 +6,10 @@ import importlib
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors import safe_open
+from transformers import GPT2LMHeadModel
 
 import tiny
 from hf_rebasin.core.errors import OutputExistsError
@@ -75,4 +78,7 @@ def test_execute_runs_the_plans_steps_in_order(recipe_text: str, monkeypatch: py
     result = execute(planned)
     assert ran == ["load", "job", "write"]
     assert result.output == planned.output and "rebasin.json" in result.files
-    assert (planned.output / "model.safetensors").is_file()
+    merged, info = GPT2LMHeadModel.from_pretrained(planned.output, output_loading_info=True)  # the stock class
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with safe_open(str(planned.output / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("transformer.wte.weight"), merged.transformer.wte.weight)
