@@ -237,7 +237,8 @@ def check_models(recipe: Recipe, models: Roles[PlannedModel], done: ModelChecks 
     if isinstance(models, TransportRoles) and adapter is None:
         notes = tuple(check_adapter(recipe, models))
         adapter = notes if models.base.ready and models.finetune.ready else None
-    found = {**dict(before.tokenizers), **check_tokenizers(recipe, models.all, skip=dict(before.tokenizers).keys())}
+    checked = dict(before.tokenizers)
+    found = {**checked, **check_tokenizers(recipe, models.all, skip=checked.keys())}
     ready = models.reference.ready
     return ModelChecks(
         remote=frozenset(remote | before.remote),
