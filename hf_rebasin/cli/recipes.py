@@ -177,9 +177,10 @@ def print_run_summary(console: Console, result: RunResult) -> None:
     t = result.timings
     train = f"train {t['train']:.1f}, " if "train" in t else ""
     check = f", check {t['check']:.1f}" if "check" in t else ""
+    calibrate = f", calibrate {t['calibrate']:.1f}" if "calibrate" in t else ""
     console.print(
-        f"seconds: {train}load {t['load']:.1f}, align {t['align']:.1f}{check}, evaluate {t['evaluate']:.1f}, "
-        f"save {t['save']:.1f}"
+        f"seconds: {train}load {t['load']:.1f}, align {t['align']:.1f}{check}, evaluate {t['evaluate']:.1f}"
+        f"{calibrate}, save {t['save']:.1f}"
     )
     if result.pushed is not None:
         console.print(

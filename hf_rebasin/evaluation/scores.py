@@ -19,8 +19,10 @@ from hf_rebasin.core.lenient import Num, Part
 __all__ = [
     "AdapterSummary",
     "Block",
+    "Calibration",
     "Choice",
     "GainCost",
+    "Measured",
     "PerModel",
     "Preservation",
     "Score",
@@ -165,12 +167,43 @@ class AdapterSummary(Block):
     trainable_tokens: bool | None = None  # the adapter trained token rows: written back as modules_to_save
 
 
+class Measured(Block):
+    """One measure of a calibration: the fine-tune's own value (``teacher``), the moved model's
+    before fitting and after."""
+
+    teacher: Num = None
+    before: Num = None
+    after: Num = None
+
+
+class Calibration(Block):
+    """``transport.calibration``: what was fitted (``fit``, ``fitted`` numbers, ``rank``), on which
+    text (``text``: its ``source``, ``sequences``, ``tokens`` and ``opening``), how long (``steps``,
+    ``seconds``), and the measures on held-out text: ``kl`` (KL to the fine-tune per token),
+    ``turn_end`` (its turn-end token top-1 where a turn ends) and ``replies`` (greedy replies that end
+    their turn), the last two where the fine-tune has a chat template."""
+
+    _omit_none = frozenset({"turn_end", "replies", "rank", "adapter"})
+
+    fit: str = ""
+    fitted: int | None = None
+    rank: int | None = None
+    steps: int | None = None
+    guard: float | None = None
+    seconds: Num = None
+    text: dict[str, Any] = Field(default_factory=dict)
+    kl: Measured | None = None
+    turn_end: Measured | None = None
+    replies: Measured | None = None
+    adapter: bool | None = None  # the factors of a LoRA adapter were fitted
+
+
 class Transport(Scores):
     """``transport`` (job transport): the α grid; with ``evaluate``, the scores on the task data
     (``loss``, ``metric``), on the support data and their trade-off; the tensors only the
     fine-tune has (carried whole), the α ``alpha: auto`` chose, and a LoRA adapter's summary."""
 
-    _omit_none = Scores._omit_none | {"support", "tradeoff", "carried", "chosen", "adapter"}
+    _omit_none = Scores._omit_none | {"support", "tradeoff", "carried", "chosen", "adapter", "calibration"}
 
     alphas: list[float] = Field(default_factory=list)
     support: Scores | None = None
@@ -178,3 +211,4 @@ class Transport(Scores):
     carried: list[str] | None = None
     chosen: Choice | None = None
     adapter: AdapterSummary | None = None
+    calibration: Calibration | None = None

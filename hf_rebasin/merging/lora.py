@@ -59,7 +59,9 @@ __all__ = [
     "read_adapter",
     "read_tensors",
     "save_adapter",
+    "scaled_tensors",
     "transport_adapter",
+    "whole_tensor_names",
 ]
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -532,6 +534,32 @@ def transport_adapter(
     return out, whole
 
 
+def whole_tensor_names(adapter: LoraAdapter, whole: Mapping[str, str] | None = None) -> dict[str, str]:
+    """File key → state-dict name of every tensor the adapter stores whole (its own and ``whole``)."""
+    return {key: name for key, (name, _) in adapter.full.items()} | dict(whole or {})
+
+
+def scaled_tensors(
+    adapter: LoraAdapter,
+    tensors: Mapping[str, Tensor],
+    alpha: float,
+    target: Mapping[str, Tensor] | None = None,
+    whole: Mapping[str, str] | None = None,
+) -> dict[str, Tensor]:
+    """``tensors`` (file keys) for ``alpha``: B factors times α, whole tensors ``target + α·(saved − target)``."""
+    out: dict[str, Tensor] = {}
+    b_keys = {m.key_b for m in adapter.modules.values()}
+    whole_names = whole_tensor_names(adapter, whole)
+    for key, t in tensors.items():
+        if alpha != 1.0 and key in b_keys:
+            t = t * alpha
+        elif alpha != 1.0 and key in whole_names and target is not None:
+            base = target[whole_names[key]].to(torch.float32)
+            t = (base + alpha * (t.to(torch.float32) - base)).to(t.dtype)
+        out[key] = t
+    return out
+
+
 def save_adapter(
     adapter: LoraAdapter,
     tensors: Mapping[str, Tensor],
@@ -552,20 +580,11 @@ def save_adapter(
     """
     from safetensors.torch import save_file
 
-    out: dict[str, Tensor] = {}
-    b_keys = {m.key_b for m in adapter.modules.values()}
-    whole_names = {key: name for key, (name, _) in adapter.full.items()} | dict(whole or {})
-    for key, t in tensors.items():
-        if alpha != 1.0 and key in b_keys:
-            t = t * alpha
-        elif alpha != 1.0 and key in whole_names and target is not None:
-            name = whole_names[key]
-            t = (target[name].to(torch.float32) + alpha * (t.to(torch.float32) - target[name].to(torch.float32))).to(
-                t.dtype
-            )
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        out[key] = t.detach().contiguous().cpu()
+    whole_names = whole_tensor_names(adapter, whole)
+    out = {
+        key: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).detach().contiguous().cpu()
+        for key, t in scaled_tensors(adapter, tensors, alpha, target, whole).items()
+    }
     config = dict(adapter.config)
     if set(whole_names) - set(adapter.full) and config.get("bias", "none") == "none":
         config["bias"] = "lora_only"  # the biases of adapted modules travel whole: PEFT loads them

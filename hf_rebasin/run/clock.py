@@ -14,7 +14,8 @@ Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: the CLI turns each stage into a progress bar (total 0: unknown)."""
 
 STAGES = ("load", "align", "evaluate", "save")  # rebasin.json's ``timings``; ``train`` only when a zoo model trains,
-# ``check`` when the function-preservation check runs (forward passes of B and aligned B)
+# ``check`` when the function-preservation check runs (forward passes of B and aligned B), ``calibrate``
+# when a transport calibrates
 
 
 def noop(stage: str, done: int, total: int) -> None:

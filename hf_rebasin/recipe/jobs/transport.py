@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from hf_rebasin.core.names import VocabularyChoice
 from hf_rebasin.core.roles import TransportRoles
+from hf_rebasin.recipe.calibrate import Calibrate, calibrate_schema, parse_calibrate
 from hf_rebasin.recipe.common import is_number, quoted
 from hf_rebasin.recipe.describe import data_line, describe_auto
 from hf_rebasin.recipe.jobs import CardPart, Job
@@ -57,6 +58,14 @@ class TransportRecipe(AlignedRecipe):
         json_schema_extra=alpha_schema,
     )
 
+    calibrate: Calibrate | None = Field(
+        None,
+        validate_default=True,
+        description="after the weights move, fit part of the moved model to the fine-tune's next-token "
+        "distributions (distillation, no labels) so it does what the fine-tune does, e.g. ends its chat turns: "
+        "on by default (`true` or a mapping of settings); `false` gives the data-free transport",
+        json_schema_extra=calibrate_schema,
+    )
     tokenizer: TokenizerSection = Field(
         default_factory=lambda: TokenizerSection(source=None, pad_to_multiple_of=None),
         description="the output's vocabulary where the models' vocabularies differ (default: the target's tokens "
@@ -92,6 +101,11 @@ class TransportRecipe(AlignedRecipe):
                 {"field": info.field_name, "what": _WHAT[str(info.field_name)]},
             )
         return value
+
+    @field_validator("calibrate", mode="before")
+    @classmethod
+    def _calibrate(cls, value: Any) -> Any:
+        return parse_calibrate(value)
 
     @field_validator("alpha", mode="before")
     @classmethod
@@ -176,9 +190,9 @@ def _describe(recipe: TransportRecipe) -> list[str]:
 
 
 def _streams(recipe: TransportRecipe) -> bool:
-    """Tensor by tensor without an evaluation or learned matching (and, checked on the files, for
+    """Tensor by tensor without an evaluation, a calibration or learned matching (and, checked on the files, for
     a full fine-tune of its base's class: `run.memory.streamed`)."""
-    return recipe.evaluate is None and not recipe.strategy.runs_learned_matching
+    return recipe.evaluate is None and recipe.calibrate is None and not recipe.strategy.runs_learned_matching
 
 
 def _vocabulary(source: str | None, pad_to: int | None) -> VocabularyChoice:

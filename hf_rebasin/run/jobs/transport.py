@@ -23,13 +23,15 @@ from hf_rebasin.core.lazy import LazyState
 from hf_rebasin.core.roles import TransportRoles
 from hf_rebasin.evaluation.record import Findings
 from hf_rebasin.evaluation.report import plot_tradeoff, tradeoff, tradeoff_table
-from hf_rebasin.evaluation.scores import Choice, Transport
+from hf_rebasin.evaluation.scores import Calibration, Choice, Transport
 from hf_rebasin.io.export import copy_support_files, save_merged_model
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.output import write_text
 from hf_rebasin.merging.transport import add_task_vector, move_finetune
 from hf_rebasin.recipe.jobs.transport import TransportRecipe
 from hf_rebasin.run.auto_alpha import choose_alpha
+from hf_rebasin.run.calibrate import calibrated
+from hf_rebasin.run.calibrate_adapter import calibrated_adapter
 from hf_rebasin.run.data import BatchSpec, batches
 from hf_rebasin.run.jobs.barrier import save_diagnostics
 from hf_rebasin.run.load import Workspace, weights
@@ -104,11 +106,13 @@ def run(ws: Workspace) -> JobOutput:
     scores = _scores(ws, models, moved, naive)
     saved_alpha, chosen = _saved_alpha(ws, scores.get("tradeoff"))
     adapter = move_adapter(ws, models, alignment, graph, lora)
+    fitted, adapter, calibration = _calibrate(ws, models, moved, saved_alpha, adapter)
     transport = Transport(
         **scores,
         carried=sorted(moved.carried) or None,
         chosen=chosen,
         adapter=adapter.summary if adapter is not None else None,  # the card reads it (library_name: peft)
+        calibration=calibration,
     )
     saved_model = adapter is None
     canonical = alignment.canonical and saved_model
@@ -131,7 +135,24 @@ def run(ws: Workspace) -> JobOutput:
         else "transported LoRA adapter (for the target; embedding and LM head in modules_to_save), tokenizer and report"
     )
     result = job_result(ws, findings, {}, saved_model=saved_model, written=written)
-    return JobOutput(result, lambda folder: _save(ws, alignment, moved, adapter, transport, saved_alpha, folder))
+    return JobOutput(
+        result, lambda folder: _save(ws, alignment, moved, adapter, transport, saved_alpha, folder, fitted)
+    )
+
+
+def _calibrate(
+    ws: Workspace, models: TransportRoles[LoadedModel], moved: Moved, alpha: float, adapter: MovedAdapter | None
+) -> tuple[Mapping[str, Tensor] | None, MovedAdapter | None, Calibration | None]:
+    """Where the recipe calibrates, the saved θ fitted to the fine-tune (`run.calibrate`), or the
+    moved adapter's own factors (`run.calibrate_adapter`)."""
+    if own(ws).calibrate is None:
+        return None, adapter, None
+    with ws.clock.stage("calibrate"):
+        if adapter is not None:
+            fitted_adapter, record = calibrated_adapter(ws, models, adapter, alpha)
+            return None, fitted_adapter, record
+        state, record = calibrated(ws, models, moved.template, moved.theta(alpha), moved.untie)
+        return state, None, record
 
 
 def _align_base_to_target(ws: Workspace, models: TransportRoles[LoadedModel], graph: SymmetryGraph) -> Alignment:
@@ -298,6 +319,7 @@ def _save(
     transport: Transport,
     alpha: float,
     folder: Path,
+    fitted: Mapping[str, Tensor] | None = None,
 ) -> None:
     """B + α·π(τ) for the saved α (or the moved adapter), then B's files (and the output's
     tokenizer, where the vocabularies differ), the alignment's plots
@@ -306,7 +328,7 @@ def _save(
     recipe = own(ws)
     rows = ws.rows
     if adapter is None:
-        theta = moved.theta(alpha)
+        theta = fitted if fitted is not None else moved.theta(alpha)
         save_merged_model(
             rows.output_template(moved.template) if rows is not None else moved.template,
             rows.output_state(theta) if rows is not None else theta,

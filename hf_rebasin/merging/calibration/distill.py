@@ -1,0 +1,165 @@
+"""Fitting the moved model to the fine-tune, and the measures a card reports before and after.
+
+The loss at each step is KL(teacher ‖ student) per token on a batch of calibration text, plus
+``guard`` × KL(target ‖ student) on a batch of text the target wrote: the first pulls the student
+toward what the fine-tune does, the second holds it where the target already was on its own text,
+so what it gains on the task does not come from forgetting more than it must.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hf_rebasin.merging.calibration.fit import Fitted
+from hf_rebasin.merging.calibration.text import continued, forward
+from hf_rebasin.merging.calibration.vocab import Rows
+
+__all__ = ["Budget", "Lesson", "distill", "kl", "replies_ended", "turn_end_rate"]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long and how hard to fit."""
+
+    steps: int
+    batch_size: int
+    learning_rate: float
+    guard: float
+    seed: int
+    on_policy: float = 0.0  # share of each batch the student writes itself (from a prefix of the text)
+
+
+@dataclass(frozen=True)
+class Lesson:
+    """The teacher and its text, and the guard (the target) and its own; every model and text in
+    the run's working rows, each distribution read over the rows its model has tokens for."""
+
+    teacher: Any
+    text: Tensor  # (n, L), working rows
+    teacher_rows: Rows
+    guard: Any | None = None
+    guard_text: Tensor | None = None
+    guard_rows: Rows = field(default_factory=Rows)
+
+
+def _kl(teacher_logits: Tensor, student_logits: Tensor, rows: Rows) -> Tensor:
+    """KL(teacher ‖ student) per position, over the tokens the teacher has."""
+    t = torch.log_softmax(rows.read(teacher_logits).float(), -1)
+    s = torch.log_softmax(rows.read(student_logits).float(), -1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _term(teacher: Any, student: Any, ids: Tensor, rows: Rows) -> Tensor:
+    with torch.no_grad():
+        t = teacher(input_ids=ids.to(_device(teacher))).logits
+    s = student(input_ids=ids.to(_device(student))).logits
+    return _kl(t.to(s.device), s, rows).mean()
+
+
+def distill(
+    student: Any,
+    lesson: Lesson,
+    fitted: Fitted,
+    budget: Budget,
+    *,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> list[float]:
+    """Fit ``fitted``'s parameters of ``student``; returns the KL to the teacher at every step."""
+    gen = torch.Generator().manual_seed(budget.seed)
+    opt = torch.optim.AdamW(fitted.params, lr=budget.learning_rate, weight_decay=0.0)
+    warm = max(1, budget.steps // 10)
+
+    def rate(step: int) -> float:
+        return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / budget.steps))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
+    student.train()
+    history = []
+    for step in range(budget.steps):
+        ids = _batch(student, lesson, budget, gen)
+        loss = _term(lesson.teacher, student, ids, lesson.teacher_rows)
+        total = loss
+        if budget.guard > 0 and lesson.guard is not None and lesson.guard_text is not None:
+            g = lesson.guard_text[torch.randint(0, len(lesson.guard_text), (budget.batch_size,), generator=gen)]
+            total = loss + budget.guard * _term(lesson.guard, student, g, lesson.guard_rows)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(fitted.params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        history.append(float(loss))
+        if progress is not None:
+            progress(step + 1, budget.steps, float(loss))
+    student.eval()
+    return history
+
+
+def _batch(student: Any, lesson: Lesson, budget: Budget, gen: torch.Generator) -> Tensor:
+    """A batch of calibration text; its on-policy share is a prefix of the text the student continues
+    greedily (as in GKD, Agarwal et al. 2024: the teacher then corrects the student where the
+    student's own text goes, e.g. a loop or a turn it does not end)."""
+    ids = lesson.text[torch.randint(0, len(lesson.text), (budget.batch_size,), generator=gen)]
+    own = round(budget.batch_size * budget.on_policy)
+    if own == 0:
+        return ids
+    length = ids.shape[1]
+    cut = int(torch.randint(max(1, length // 8), max(2, length // 2), (1,), generator=gen))
+    student.eval()
+    written = continued(student, ids[:own, :cut], length, lesson.teacher_rows)
+    student.train()
+    return torch.cat([written, ids[own:]])
+
+
+@torch.no_grad()
+def kl(teacher: Any, student: Any, text: Tensor, rows: Rows, batch_size: int) -> float:
+    """KL(teacher ‖ student) per token on ``text``, over the teacher's ``rows``."""
+    total, n = 0.0, 0
+    for i in range(0, len(text), batch_size):
+        ids = text[i : i + batch_size]
+        total += float(_term(teacher, student, ids, rows)) * ids.numel()
+        n += ids.numel()
+    return total / max(n, 1)
+
+
+@torch.no_grad()
+def turn_end_rate(model: Any, text: Tensor, end: int, batch_size: int) -> float | None:
+    """How often ``model``'s most likely token is ``end`` where ``text`` ends a turn; None when the
+    text ends none."""
+    hits = total = 0
+    for i in range(0, len(text), batch_size):
+        ids = text[i : i + batch_size]
+        logits = model(input_ids=ids.to(_device(model))).logits[:, :-1]
+        at = (ids[:, 1:] == end).to(logits.device)
+        hits += int((logits.argmax(-1)[at] == end).sum())
+        total += int(at.sum())
+    return hits / total if total else None
+
+
+@torch.no_grad()
+def replies_ended(model: Any, prompts: list[list[int]], end: int, new_tokens: int) -> float | None:
+    """The share of greedy replies to ``prompts`` (through the fine-tune's chat template) that emit
+    ``end`` within ``new_tokens`` tokens; None without prompts."""
+    if not prompts:
+        return None
+    device = _device(model)
+    done = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        step = forward(model, ids)
+        for _ in range(new_tokens):
+            nxt = step.logits[:, -1].argmax(-1, keepdim=True)
+            if int(nxt) == end:
+                done += 1
+                break
+            step = forward(model, nxt, step)
+    return done / len(prompts)

@@ -1,0 +1,128 @@
+"""A transport's ``calibrate`` section: after the weights move, the fine-tune teaches the moved
+model by distillation (``hf_rebasin.merging.calibration``). On by default; ``calibrate: false``
+gives the data-free transport."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic.json_schema import JsonDict
+from pydantic_core import PydanticCustomError
+
+from hf_rebasin.recipe.common import Section, quoted
+from hf_rebasin.recipe.data import MAX_BLOCK_SIZE, DataSpec
+
+__all__ = ["Calibrate", "calibrate_schema", "parse_calibrate"]
+
+MAX_STEPS = 10**7
+MAX_SAMPLES = 10**7
+MAX_RANK = 1 << 16
+MAX_BATCH = 1 << 16
+MAX_SEED = 2**32 - 1
+
+
+class Calibrate(Section):
+    """Distillation from the fine-tune after transport: what is fitted, on which text, for how long."""
+
+    fit: Literal["rows", "norms", "low-rank", "full"] = Field(
+        "low-rank",
+        description="what is fitted, each containing the one before: `rows` (the rows of tokens the target "
+        "lacks), `norms` (and every norm and bias), `low-rank` (and a rank-`rank` correction of every linear "
+        "layer, folded into the weights), `full` (every parameter). A LoRA adapter fits its own factors",
+    )
+    rank: int = Field(8, ge=1, le=MAX_RANK, strict=True, description="rank of the low-rank correction")
+    steps: int = Field(200, ge=1, le=MAX_STEPS, strict=True, description="optimizer steps (the budget)")
+    batch_size: int = Field(16, ge=1, le=MAX_BATCH, strict=True, description="sequences per step")
+    learning_rate: float = Field(
+        2e-3, gt=0, le=1, strict=False, allow_inf_nan=False, description="AdamW's rate (warm-up, then cosine)"
+    )
+    guard: float = Field(
+        1.0,
+        ge=0,
+        le=100,
+        strict=False,
+        allow_inf_nan=False,
+        description="weight of KL(target ‖ moved) on text the target writes itself: what keeps the moved "
+        "model from forgetting the target's own knowledge (0: off)",
+    )
+    on_policy: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        strict=False,
+        allow_inf_nan=False,
+        description="share of each batch the moved model writes itself (a prefix of the calibration text "
+        "continued greedily) for the fine-tune to correct: where its own text goes, a loop or a turn never ended",
+    )
+    data: DataSpec | None = Field(
+        None,
+        description="calibration text (read with the fine-tune's tokenizer); default: the recipe's `data`, "
+        "else text the fine-tune writes itself (through its chat template where it has one)",
+    )
+    samples: int = Field(
+        256,
+        ge=2,
+        le=MAX_SAMPLES,
+        strict=True,
+        description="sequences of calibration text (written, or read from `data`), and of the target's own",
+    )
+    block_size: int | None = Field(
+        None,
+        ge=8,
+        le=MAX_BLOCK_SIZE,
+        strict=True,
+        description="tokens per sequence; default 128, or the model's context when shorter",
+    )
+    held_out: int = Field(
+        32,
+        ge=1,
+        le=MAX_SAMPLES,
+        strict=True,
+        description="sequences kept out of the fitting, on which the KL to the fine-tune and the turn-end "
+        "rate are measured before and after",
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description="seed of the written text and the batches")
+
+    @model_validator(mode="after")
+    def _held_out_fits(self) -> Calibrate:
+        if self.held_out >= self.samples:
+            raise PydanticCustomError(
+                "recipe",
+                "`held_out` ({held}) must be smaller than `samples` ({samples}): some sequences must be left to fit on",
+                {"held": self.held_out, "samples": self.samples, "at": "held_out"},
+            )
+        return self
+
+    def describe(self) -> str:
+        """One line for the dry run and the card."""
+        parts = {"rows": "new tokens' rows", "norms": "norms, biases and new rows", "full": "every parameter"}
+        what = parts.get(self.fit, f"a rank-{self.rank} correction of every linear layer, norms, biases and new rows")
+        text = "its `data`" if self.data is not None else "the recipe's data, else text the fine-tune writes"
+        guard = f"guard {self.guard:g} (text the target writes)" if self.guard else "no guard"
+        return (
+            f"{what}; {self.steps} steps of {self.batch_size} sequences, learning rate {self.learning_rate:g}; "
+            f"{self.samples} sequences ({self.held_out} held out) of {text}; {guard}; seed {self.seed}"
+        )
+
+
+def parse_calibrate(value: Any) -> Any:
+    """``true``/empty → the defaults, ``false`` → off, a mapping → its settings."""
+    if value is True or value is None:
+        return {}
+    if value is False:
+        return None
+    if isinstance(value, (Mapping, Calibrate)):
+        return value
+    raise PydanticCustomError(
+        "recipe",
+        "must be true, false, or a mapping with `fit`, `steps`, `data`, ... ; given {given}",
+        {"given": quoted(value)},
+    )
+
+
+def calibrate_schema(schema: JsonDict) -> None:
+    """`calibrate: false` in editors too (the validator turns `true` into the defaults)."""
+    given = schema.get("anyOf")
+    schema["anyOf"] = [{"type": "boolean"}, *(given if isinstance(given, list) else [])]

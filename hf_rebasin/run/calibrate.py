@@ -1,0 +1,259 @@
+"""A transport's calibration step: the moved model fitted to the fine-tune (`merging.calibration`).
+
+Reads the recipe's ``calibrate`` settings, decides the calibration text (``calibrate.data``, else
+the recipe's ``data``, else text the fine-tune writes itself), builds the student from the moved
+weights, fits it with the target as guard, and measures it before and after on held-out text.
+Every model and every text is in the run's working rows (where vocabularies differ, the layout
+the models were loaded into), so the moved weights come back in the form the writer takes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hf_rebasin.core.errors import DataError, IncompatibleModelsError
+from hf_rebasin.core.roles import TransportRoles
+from hf_rebasin.evaluation.scores import Calibration, Measured
+from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.io.rebuild import rebuilt
+from hf_rebasin.merging.calibration.distill import Budget, Lesson, distill, kl, replies_ended, turn_end_rate
+from hf_rebasin.merging.calibration.fit import Fitted, fittable
+from hf_rebasin.merging.calibration.text import opening, self_written, turn_end
+from hf_rebasin.merging.calibration.vocab import Rows
+from hf_rebasin.recipe.calibrate import Calibrate
+from hf_rebasin.run.data import BatchSpec, _block_size, batches, processor
+from hf_rebasin.run.load import Workspace
+
+__all__ = ["Texts", "calibrated", "fit_and_measure", "new_rows", "settings", "texts"]
+
+REPLY_PROMPTS = 16  # held-out user turns the replies are measured on
+REPLY_TOKENS = 96  # new tokens a reply may take to end its turn
+
+
+@dataclass(frozen=True)
+class Texts:
+    """Calibration text split into what is fitted on and what is measured on, the guard's, and how
+    it was made (the record's ``text``)."""
+
+    train: Tensor
+    held: Tensor
+    guard: Tensor | None
+    about: dict[str, Any]
+    end: int | None  # the turn-end token (working row), where the fine-tune has a chat template
+    reply_tail: list[int]  # the template's ids from a user turn's end to the assistant's first word
+
+
+def settings(ws: Workspace) -> Calibrate:
+    found = getattr(ws.recipe, "calibrate", None)
+    assert isinstance(found, Calibrate)  # the transport job calls this only when calibrating
+    return found
+
+
+def _rows(ws: Workspace, i: int) -> Rows:
+    """Model ``i``'s rows (0: target, 2: fine-tune) in the working layout."""
+    return Rows.of(ws.rows.layout.sources[i]) if ws.rows is not None else Rows()
+
+
+def _teacher_tokenizer(ws: Workspace) -> Any:
+    """The fine-tune's own tokenizer (its chat template); an adapter without one: its base's."""
+    if ws.rows is not None:
+        return ws.rows.tokenizers[2]
+    inputs = ws.inputs
+    assert isinstance(inputs, TransportRoles)
+    for planned in (inputs.finetune, inputs.base):
+        try:
+            return processor(planned.path, "causal-lm")
+        except Exception:  # a folder without tokenizer files: the next one
+            continue
+    raise IncompatibleModelsError(
+        "`calibrate`: neither the fine-tune nor its base has tokenizer files to write calibration text with; "
+        "give `calibrate.data` or set `calibrate: false`"
+    )
+
+
+def _reader(ws: Workspace) -> Any:
+    """A tokenizer whose ids are working rows (for calibration data read from files)."""
+    if ws.processor is not None:
+        return ws.processor
+    if ws.rows is None:
+        return _teacher_tokenizer(ws)
+    out = ws.rows.output
+    if out.rows[: out.tokens] == tuple(range(out.tokens)):
+        return ws.rows.tokenizer()
+    return ws.rows.tokenizers[0]
+
+
+def _check_generates(ws: Workspace, models: TransportRoles[LoadedModel]) -> None:
+    if ws.task != "causal-lm":
+        raise IncompatibleModelsError(
+            f"`calibrate`: calibration fits next-token distributions, and the fine-tune is a "
+            f"{type(models.finetune.model).__name__} ({ws.task}), which writes no text to calibrate on: "
+            "set `calibrate: false` for the data-free transport"
+        )
+
+
+def texts(ws: Workspace, models: TransportRoles[LoadedModel], cal: Calibrate) -> Texts:
+    """The calibration text (given or written by the fine-tune), its held-out part and the target's own."""
+    _check_generates(ws, models)
+    teacher, guard = models.finetune.model, models.target.model
+    length = _block_size(teacher.config, cal.block_size, "calibrate")
+    tokenizer = _teacher_tokenizer(ws)
+    ft_rows = _rows(ws, 2)
+    start_own, start_about = opening(tokenizer)
+    given = cal.data if cal.data is not None else ws.recipe.data
+    if given is not None:
+        text, about = _read(ws, given, cal, length, teacher), {"source": "data", "dataset": given.dataset}
+    else:
+        start = ft_rows.ids(start_own)
+        if len(start) >= length:
+            raise DataError(f"`calibrate.block_size` ({length}) leaves no room after the opening ({len(start)} tokens)")
+        text = self_written(teacher, start, cal.samples, length, seed=cal.seed, rows=ft_rows, progress=_bar(ws))
+        about = {"source": "written by the fine-tune", "opening": start_about}
+    about |= {"sequences": len(text), "tokens": int(text.numel()), "block_size": length}
+    guard_text = None
+    if cal.guard > 0:
+        g_tokenizer = ws.rows.tokenizers[0] if ws.rows is not None else tokenizer
+        g_start = _rows(ws, 0).ids(_plain_start(g_tokenizer))
+        guard_text = self_written(guard, g_start, len(text), length, seed=cal.seed + 1, rows=_rows(ws, 0))
+        about["guard"] = f"{len(guard_text)} sequences written by the target"
+    end_own = turn_end(tokenizer)
+    end = ft_rows.ids([end_own])[0] if end_own is not None else None
+    tail = ft_rows.ids(_reply_tail(tokenizer)) if end is not None else []
+    held = min(cal.held_out, len(text) - 1)
+    return Texts(text[held:], text[:held], guard_text, about, end, tail)
+
+
+def _plain_start(tokenizer: Any) -> list[int]:
+    """The target writes plain text: from its BOS (or EOS) token, never a chat turn."""
+    for name in ("bos_token_id", "eos_token_id"):
+        token = getattr(tokenizer, name, None)
+        if isinstance(token, int):
+            return [token]
+    return [0]
+
+
+def _reply_tail(tokenizer: Any) -> list[int]:
+    """The ids from the end of a user's words to where the assistant's reply starts."""
+    words = "\x00user words\x00"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": words}], tokenize=False, add_generation_prompt=True
+    )
+    return list(tokenizer(text[text.index(words) + len(words) :], add_special_tokens=False)["input_ids"])
+
+
+def _read(ws: Workspace, spec: Any, cal: Calibrate, length: int, teacher: Any) -> Tensor:
+    """``spec``'s text in blocks of ``length`` tokens (working rows), at most ``samples`` of them."""
+    batching = BatchSpec("causal-lm", cal.samples, None, None, cal.seed)
+    where = "calibrate.data" if cal.data is not None else "data"
+    sized = spec.model_copy(update={"block_size": length})
+    made = batches(sized, batching, ws.base_dir, _reader(ws), teacher.config, where=where)
+    ids = torch.cat([b["input_ids"] for b in made])[: cal.samples] if made else torch.zeros(0, length)
+    if len(ids) < 2:
+        raise DataError(
+            f"`{where}`: {len(ids)} block of {length} tokens; calibration needs at least 2 (one held out): give more text"
+        )
+    return ids.long()
+
+
+def _bar(ws: Workspace) -> Any:
+    return lambda done, total: ws.progress("calibration text written by the fine-tune", done, total)
+
+
+def lesson_of(models: TransportRoles[LoadedModel], t: Texts, ws: Workspace) -> Lesson:
+    return Lesson(models.finetune.model, t.train, _rows(ws, 2), models.target.model, t.guard, _rows(ws, 0))
+
+
+def new_rows(ws: Workspace) -> Tensor:
+    """Working rows of tokens the target lacks (the fine-tune's new tokens)."""
+    if ws.rows is None:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.nonzero(~ws.rows.layout.present(0)).squeeze(-1)
+
+
+def _prompts(t: Texts, context: int) -> list[list[int]]:
+    """Held-out user turns, each up to its turn end, then the template's opening of a reply: the
+    shortest, so that most leave a whole reply's room in the context."""
+    if t.end is None:
+        return []
+    out = []
+    for row in t.held.tolist():
+        if t.end in row[1:]:
+            prompt = row[: row.index(t.end, 1)] + t.reply_tail
+            if len(prompt) + 8 <= context:
+                out.append(prompt)
+    return sorted(out, key=len)[:REPLY_PROMPTS]
+
+
+def _measure(model: Any, teacher: Any, t: Texts, rows: Rows, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"kl": kl(teacher, model, t.held, rows, 8)}
+    if t.end is not None:
+        out["turn_end"] = turn_end_rate(model, t.held, t.end, 8)
+        out["replies"] = replies_ended(model, prompts, t.end, tokens)
+    return out
+
+
+def calibrated(
+    ws: Workspace, models: TransportRoles[LoadedModel], template: Any, state: Mapping[str, Tensor], untie: bool
+) -> tuple[dict[str, Tensor], Calibration]:
+    """``state`` (the moved model's weights, working rows) fitted to the fine-tune, and the record."""
+    cal = settings(ws)
+    start = time.perf_counter()
+    t = texts(ws, models, cal)
+    student = rebuilt(template, state, untie).float()
+    fitted = fittable(student, cal.fit, rank=cal.rank, new_rows=new_rows(ws), seed=cal.seed)
+    record = fit_and_measure(ws, models, student, fitted, t, start)
+    fitted.fold()
+    fitted_state = student.state_dict()
+    return {n: fitted_state[n].detach().to(state[n].dtype) for n in state}, record
+
+
+def fit_and_measure(
+    ws: Workspace, models: TransportRoles[LoadedModel], student: Any, fitted: Fitted, t: Texts, start: float
+) -> Calibration:
+    """``fitted`` of ``student`` fitted on ``t``, measured before and after (the record); the
+    corrections stay hooked on for the measure after, for the caller to fold or read."""
+    cal = settings(ws)
+    context = _context(models.finetune.model.config)
+    prompts = _prompts(t, context)
+    tokens = min(REPLY_TOKENS, context - max((len(p) for p in prompts), default=0))
+    teacher, rows = models.finetune.model, _rows(ws, 2)
+    own = _measure(teacher, teacher, t, rows, prompts, tokens)
+    before = _measure(student, teacher, t, rows, prompts, tokens)
+    budget = Budget(cal.steps, cal.batch_size, cal.learning_rate, cal.guard, cal.seed, cal.on_policy)
+    stage = f"calibrating ({fitted.fit})"
+    distill(student, lesson_of(models, t, ws), fitted, budget, progress=lambda d, n, _: ws.progress(stage, d, n))
+    after = _measure(student, teacher, t, rows, prompts, tokens)
+    return Calibration(
+        fit=fitted.fit,
+        fitted=fitted.size,
+        rank=cal.rank if fitted.fit == "low-rank" else None,
+        steps=cal.steps,
+        guard=cal.guard,
+        seconds=time.perf_counter() - start,
+        text=t.about | ({"reply_prompts": len(prompts), "reply_tokens": tokens} if prompts else {}),
+        kl=Measured(teacher=0.0, before=before["kl"], after=after["kl"]),
+        turn_end=_measured("turn_end", own, before, after),
+        replies=_measured("replies", own, before, after),
+        adapter=True if fitted.fit == "adapter" else None,
+    )
+
+
+def _context(config: Any) -> int:
+    """Positions the model reads (GPT-2's ``n_positions``, else ``max_position_embeddings``)."""
+    for name in ("n_positions", "max_position_embeddings"):
+        found = getattr(config, name, None)
+        if isinstance(found, int) and found > 0:
+            return found
+    return 2048
+
+
+def _measured(key: str, own: Mapping[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]) -> Measured | None:
+    if own.get(key) is None:
+        return None
+    return Measured(teacher=own[key], before=before[key], after=after[key])
