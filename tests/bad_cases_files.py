@@ -235,6 +235,7 @@ def _adapter(config: Any) -> Any:
             "finetuned": "./lora",
             "target": "./target",
             "strategy": "weight-matching",
+            "calibrate": False,
             "output": {"dir": "out"},
             "device": "cpu",
         }

@@ -262,6 +262,7 @@ def _lora_pickle(ws: Workspace) -> list[str]:
         "finetuned": "./lora",
         "target": "./target",
         "strategy": "weight-matching",
+        "calibrate": False,
         "evaluate": {"task": "causal-lm", "data": {"dataset": "text", "data_files": "task.txt"}},
         "output": {"dir": "out"},
         "allow_pickle": True,

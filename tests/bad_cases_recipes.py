@@ -149,6 +149,7 @@ def _transport_source_base(ws: Workspace) -> list[str]:
     for name, seed in (("a", 0), ("b", 1), ("c", 2)):
         ws.model(name, seed=seed)
     body = {"job": "transport", "base": "./a", "finetuned": "./b", "target": "./c", "strategy": "vanilla"}
+    body |= {"calibrate": False}
     recipe = ws.recipe({**body, "tokenizer": {"source": "base"}, "output": {"dir": "out"}, "device": "cpu"})
     return _ready(ws, [str(recipe)])
 

@@ -163,7 +163,7 @@ def test_a_narrow_bases_fine_tune_moves_onto_a_wider_target(case: str, tmp_path:
     )
     for name, model in (("base", base), ("ft", finetuned), ("target", target)):
         save_lm(model, tmp_path / name)
-    body = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}
+    body = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target", "calibrate": False}
     body |= {"strategy": "weight-matching", "alpha": 1.0, "output": {"dir": "out"}}
     proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr
@@ -183,7 +183,7 @@ def test_a_transport_onto_a_narrower_target_is_refused(tmp_path: Path) -> None:
     narrow, wide = _planted("llama-gqa")
     for name, model in (("base", wide), ("ft", wide), ("target", narrow)):
         save_lm(model, tmp_path / name)
-    body = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}
+    body = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target", "calibrate": False}
     err = _refused(tmp_path, {**body, "strategy": "weight-matching"})
     assert "narrower than the base" in err and "no\nexact image" in err.replace(" exact image", "\nexact image")
 
@@ -292,7 +292,7 @@ def test_a_lora_adapter_on_a_narrow_base_moves_onto_a_wider_target_as_a_full_mod
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
     wrapped = peft.get_peft_model(copy.deepcopy(base), config).eval()
     wrapped.save_pretrained(str(tmp_path / "lora"))
-    body = {"job": "transport", "base": "./base", "finetuned": "./lora", "target": "./target"}
+    body = {"job": "transport", "base": "./base", "finetuned": "./lora", "target": "./target", "calibrate": False}
     body |= {"strategy": "weight-matching", "alpha": 1.0, "output": {"dir": "out"}}
     proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 0, proc.stderr

@@ -37,7 +37,7 @@ def _transport(folders: dict[str, Path]) -> dict[str, object]:
     """The transport of a chat fine-tune of ``base`` onto ``target`` into ``out``."""
     roles = {"base": folders["base"], "finetuned": folders["ft"], "target": folders["target"]}
     body: dict[str, object] = {"job": "transport", **{k: str(v) for k, v in roles.items()}}
-    return {**body, "strategy": "weight-matching", "output": {"dir": "out"}, "device": "cpu"}
+    return {**body, "strategy": "weight-matching", "calibrate": False, "output": {"dir": "out"}, "device": "cpu"}
 
 
 def _run(root: Path, body: dict[str, object]) -> tuple[int, str]:

@@ -328,6 +328,7 @@ def test_streamed_transport_writes_what_the_in_memory_transport_writes(
         **{role: str(folder) for role, folder in transport_folders.items()},
         "strategy": strategy,
         "alpha": 0.8,
+        "calibrate": False,
     }
     memory, streamed = both_ways(body, tmp_path, capsys, monkeypatch)
     got = safetensors_of(streamed)

@@ -76,6 +76,7 @@ def test_a_streamed_chat_transport_onto_an_extended_tied_target(tmp_path: Path, 
         "finetuned": str(folders["ft"]),
         "target": str(folders["target"]),
         "strategy": "weight-matching",
+        "calibrate": False,
     }
     _, streamed = both_ways(body, tmp_path, capsys, monkeypatch)
     assert "weights streamed" in notes_of(streamed)

@@ -58,6 +58,7 @@ def test_a_merge_dry_run_says_what_each_model_is_to_the_reference_and_warns_a_pl
 def test_a_transport_dry_run_checks_the_fine_tune_descends_from_its_base(saved_model, tmp_path):
     m = _folders(saved_model)
     body = {"job": "transport", "base": str(m["a"]), "target": str(m["moved"]), "strategy": "generalized-orthogonal"}
+    body |= {"calibrate": False}
     good = _dry_run(tmp_path, {**body, "finetuned": str(m["ft"])})
     assert "base A vs fine-tune A + τ: same basis" in good and "task vector τ = fine-tune − base is sound" in good
     assert "target B (reference) vs base A: related up to symmetry" in good and "warning" not in good

@@ -177,6 +177,7 @@ def _recipe(tmp_path: Path, **extra: object) -> Path:
         "target": "./target",
         "strategy": "weight-matching",
         "alpha": [1.0, 0.5],
+        "calibrate": False,
         "evaluate": {"task": "causal-lm", "data": {"dataset": "text", "data_files": "task.txt"}},
         "output": {"dir": "moved"},
         **extra,

@@ -137,7 +137,8 @@ def test_a_transport_recipe_without_strategy_rotates_one_residual_stream(tmp_pat
     assert untied  # canonical form folds ln_f's scale into lm_head: all three are saved untied
     for name, sd in (("base", base), ("ft", ft), ("target", target)):
         rebuild(model, dict(sd), untie=True).save_pretrained(str(tmp_path / name))
-    recipe = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target", "output": {"dir": "out"}}
+    recipe = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target", "calibrate": False}
+    recipe |= {"output": {"dir": "out"}}
     path = tmp_path / "transport.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     proc = run_main(str(path))
@@ -174,6 +175,7 @@ def test_transport_recipe_moves_a_finetune_onto_a_transformed_base(tmp_path):
         "target": "./target",
         "strategy": "weight-matching",
         "alpha": [1.0, 0.5],
+        "calibrate": False,
         "evaluate": {
             "task": "causal-lm",
             "data": {"dataset": "text", "data_files": "task.txt"},
@@ -284,7 +286,7 @@ def test_transport_recipe_carries_a_new_head_and_refuses_another_architecture(tm
     def recipe(finetuned: str) -> str:
         path = tmp_path / f"{finetuned}.yaml"
         body = {"job": "transport", "base": "./base", "finetuned": f"./{finetuned}", "target": "./target"}
-        body |= {"strategy": "weight-matching", "output": {"dir": f"out-{finetuned}"}}
+        body |= {"strategy": "weight-matching", "calibrate": False, "output": {"dir": f"out-{finetuned}"}}
         path.write_text(yaml.safe_dump(body), encoding="utf-8")
         return str(path)
 

@@ -93,6 +93,7 @@ def _recipe(tmp_path: Path, **extra: Any) -> dict[str, Any]:
         "target": "./target",
         "strategy": "weight-matching",
         "alpha": "auto",
+        "calibrate": False,
         "evaluate": {
             "task": "causal-lm",
             "data": {"dataset": "text", "data_files": "task.txt"},
@@ -335,7 +336,7 @@ def test_the_card_shows_the_tradeoff_and_says_when_support_data_are_missing() ->
     from hf_rebasin.run.card import render_card
 
     old = transport_record()  # a record from before the trade-off: no base, no tradeoff key
-    text = render_card(old, recipe_text="job: transport", command="hf-rebasin moved.yaml")
+    text = render_card(old, recipe_text="job: transport\ncalibrate: false\n", command="hf-rebasin moved.yaml")
     assert "Task gain against support cost" not in text and "this model: B + 1·π(τ)" in text
 
     record = copy.deepcopy(old)
@@ -353,7 +354,7 @@ def test_the_card_shows_the_tradeoff_and_says_when_support_data_are_missing() ->
         moved["alphas"], points["transported"]["gain"], points["transported"]["cost"]
     ).as_dict()
     assert moved["chosen"]["alpha"] == 0.5  # 0.7 for 0.05 beats 1.1 for 0.15
-    text = render_card(record, recipe_text="job: transport", command="hf-rebasin moved.yaml")
+    text = render_card(record, recipe_text="job: transport\ncalibrate: false\n", command="hf-rebasin moved.yaml")
     assert "α = 0.5 chosen automatically (`alpha: auto` over 1, 0.5): the best task gain per nat" in text
     assert "this model: B + 0.5·π(τ)" in text and "this model: B + 1·π(τ)" not in text
     assert "| **this model**: B + α·π(τ) | 0.5 | 2.4000 | 1.6500 | +0.7000 | +0.0500 |" in text
@@ -361,5 +362,5 @@ def test_the_card_shows_the_tradeoff_and_says_when_support_data_are_missing() ->
     assert "| old base A | 3.0000 | perplexity 20.1000 |" in text
 
     del record["transport"]["support"], record["transport"]["tradeoff"], record["transport"]["chosen"]
-    text = render_card(record, recipe_text="job: transport", command="hf-rebasin moved.yaml")
+    text = render_card(record, recipe_text="job: transport\ncalibrate: false\n", command="hf-rebasin moved.yaml")
     assert "Support data (`evaluate.support`, e.g. B's pretraining text) would show" in text

@@ -41,6 +41,7 @@ BASES: dict[str, dict[str, Any]] = {  # an otherwise valid recipe of each job; i
         "target": "./c",
         "data": _DATA,
         "evaluate": {**_EVALUATE, "support": _DATA},
+        "calibrate": False,  # the data-free transport; a `calibrate.*` field under test replaces it with a mapping
     },
 }
 

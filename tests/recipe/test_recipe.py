@@ -301,6 +301,7 @@ base: org/a
 finetuned: {model: org/a-ft, revision: v2}
 target: org/b@main
 alpha: [1.0, 0.5]
+calibrate: false
 evaluate:
   task: causal-lm
   data: {dataset: shakespeare, name: macbeth, split: test}

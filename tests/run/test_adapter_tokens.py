@@ -102,6 +102,7 @@ def _transport(root: Path, folders: dict[str, Path], ft: str, out: str, **extra:
         "finetuned": str(folders[ft]),
         "target": str(folders["target"]),
         "strategy": "weight-matching",
+        "calibrate": False,
         "output": {"dir": out},
         **extra,
     }

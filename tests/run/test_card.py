@@ -138,7 +138,7 @@ def transport_record() -> dict[str, Any]:
         },
     }
     return {
-        "recipe": {"job": "transport", "output": {"dir": "out/moved"}},
+        "recipe": {"job": "transport", "calibrate": False, "output": {"dir": "out/moved"}},
         "models": [
             {"model": "org/base-v2", "revision": None, "commit": COMMIT, "source": "hub", "role": "target"},
             {"model": "org/base-v1", "revision": "v1", "commit": COMMIT, "source": "hub", "role": "base"},
@@ -169,7 +169,9 @@ def transport_record() -> dict[str, Any]:
 
 
 def test_transport_card_matches_golden() -> None:
-    text = render_card(transport_record(), recipe_text="job: transport", command="hf-rebasin moved.yaml")
+    text = render_card(
+        transport_record(), recipe_text="job: transport\ncalibrate: false\n", command="hf-rebasin moved.yaml"
+    )
     _check_golden("card_transport.md", text)
     card = ModelCard(text)
     assert card.data.base_model == ["org/base-v2", "org/base-v1", "org/base-v1-poetry"]

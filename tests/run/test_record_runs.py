@@ -90,6 +90,7 @@ def test_a_transport_record_round_trips(project: Path) -> None:
         "target": "./gpt2-2",
         "strategy": "weight-matching",
         "alpha": {"auto": [1.0, 0.5]},
+        "calibrate": False,
         "evaluate": {**EVALUATE, "support": {"dataset": "text", "data_files": "support.txt", "max_tokens": 512}},
     }
     data, record = _run(project, "transport", body)

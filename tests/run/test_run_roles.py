@@ -13,6 +13,7 @@ finetuned: zoo:gpt2-ft-seed0
 target: zoo:gpt2-seed1
 strategy: vanilla
 alpha: 1.0
+calibrate: false
 output: {dir: out}
 """
 

@@ -112,6 +112,7 @@ def _transport(root: Path, folders: dict[str, Path], **extra: object) -> Path:
         "finetuned": str(folders["ft"]),
         "target": str(folders["target"]),
         "strategy": "weight-matching",
+        "calibrate": False,
         "output": {"dir": "out"},
         **extra,
     }
@@ -254,6 +255,7 @@ def test_an_adapter_with_new_rows_but_no_tokenizer_is_refused_with_the_reason(tm
         "base": "./base",
         "finetuned": "./adapter",
         "target": "./target",
+        "calibrate": False,
         "output": {"dir": "o"},
     }
     proc = run_main(str(write_recipe(tmp_path, {**body, "strategy": "weight-matching"})))

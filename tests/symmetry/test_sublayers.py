@@ -200,7 +200,7 @@ def test_transfusion_in_a_transport_defaults_to_per_sublayer_maps(tmp_path):
 
     model, ft = permuted_transport_folders(tmp_path)
     recipe = {"job": "transport", "base": "./base", "finetuned": "./ft", "target": "./target"}
-    recipe |= {"strategy": "transfusion", "output": {"dir": "out"}}
+    recipe |= {"strategy": "transfusion", "calibrate": False, "output": {"dir": "out"}}
     path = tmp_path / "transport.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False), encoding="utf-8")
     proc = run_main(str(path))
