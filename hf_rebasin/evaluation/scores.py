@@ -196,6 +196,7 @@ class Calibration(Block):
     turn_end: Measured | None = None
     replies: Measured | None = None
     adapter: bool | None = None  # the factors of a LoRA adapter were fitted
+    kept: bool = True  # False: the fit raised the held-out KL, and the transported weights were written
 
 
 class Transport(Scores):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 from pydantic.json_schema import JsonDict
 from pydantic_core import PydanticCustomError
 
@@ -21,6 +21,7 @@ MAX_SAMPLES = 10**7
 MAX_RANK = 1 << 16
 MAX_BATCH = 1 << 16
 MAX_SEED = 2**32 - 1
+MAX_HELD_OUT = 256  # held-out sequences measured before and after: enough for a rate, cheap to score
 
 
 class Calibrate(Section):
@@ -36,13 +37,13 @@ class Calibrate(Section):
     steps: int = Field(200, ge=1, le=MAX_STEPS, strict=True, description="optimizer steps (the budget)")
     batch_size: int = Field(16, ge=1, le=MAX_BATCH, strict=True, description="sequences per step")
     learning_rate: float = Field(
-        2e-3, gt=0, le=1, strict=False, allow_inf_nan=False, description="AdamW's rate (warm-up, then cosine)"
+        2e-3, gt=0, le=1, strict=True, allow_inf_nan=False, description="AdamW's rate (warm-up, then cosine)"
     )
     guard: float = Field(
         1.0,
         ge=0,
         le=100,
-        strict=False,
+        strict=True,
         allow_inf_nan=False,
         description="weight of KL(target ‖ moved) on text the target writes itself: what keeps the moved "
         "model from forgetting the target's own knowledge (0: off)",
@@ -51,7 +52,7 @@ class Calibrate(Section):
         0.5,
         ge=0,
         le=1,
-        strict=False,
+        strict=True,
         allow_inf_nan=False,
         description="share of each batch the moved model writes itself (a prefix of the calibration text "
         "continued greedily) for the fine-tune to correct: where its own text goes, a loop or a turn never ended",
@@ -75,25 +76,21 @@ class Calibrate(Section):
         strict=True,
         description="tokens per sequence; default 128, or the model's context when shorter",
     )
-    held_out: int = Field(
-        32,
-        ge=1,
-        le=MAX_SAMPLES,
+    held_out: float = Field(
+        0.125,
+        gt=0,
+        lt=1,
         strict=True,
-        description="sequences kept out of the fitting, on which the KL to the fine-tune and the turn-end "
-        "rate are measured before and after",
+        allow_inf_nan=False,
+        description="share of the sequences kept out of the fitting (at least 1, at most 256), on which the KL to "
+        "the fine-tune and the turn-end rate are measured before and after",
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description="seed of the written text and the batches")
 
-    @model_validator(mode="after")
-    def _held_out_fits(self) -> Calibrate:
-        if self.held_out >= self.samples:
-            raise PydanticCustomError(
-                "recipe",
-                "`held_out` ({held}) must be smaller than `samples` ({samples}): some sequences must be left to fit on",
-                {"held": self.held_out, "samples": self.samples, "at": "held_out"},
-            )
-        return self
+    @property
+    def held(self) -> int:
+        """The held-out sequences: ``held_out`` of ``samples``, at least 1 and 256 at most, one left to fit on."""
+        return min(self.samples - 1, max(1, min(MAX_HELD_OUT, round(self.held_out * self.samples))))
 
     def describe(self) -> str:
         """One line for the dry run and the card."""
@@ -103,7 +100,7 @@ class Calibrate(Section):
         guard = f"guard {self.guard:g} (text the target writes)" if self.guard else "no guard"
         return (
             f"{what}; {self.steps} steps of {self.batch_size} sequences, learning rate {self.learning_rate:g}; "
-            f"{self.samples} sequences ({self.held_out} held out) of {text}; {guard}; seed {self.seed}"
+            f"{self.samples} sequences ({self.held} held out) of {text}; {guard}; seed {self.seed}"
         )
 
 

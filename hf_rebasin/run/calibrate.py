@@ -125,7 +125,7 @@ def texts(ws: Workspace, models: TransportRoles[LoadedModel], cal: Calibrate) ->
     end_own = turn_end(tokenizer)
     end = ft_rows.ids([end_own])[0] if end_own is not None else None
     tail = ft_rows.ids(_reply_tail(tokenizer)) if end is not None else []
-    held = min(cal.held_out, len(text) - 1)
+    held = min(cal.held, len(text) - 1)
     return Texts(text[held:], text[:held], guard_text, about, end, tail)
 
 
@@ -208,6 +208,8 @@ def calibrated(
     student = rebuilt(template, state, untie).float()
     fitted = fittable(student, cal.fit, rank=cal.rank, new_rows=new_rows(ws), seed=cal.seed)
     record = fit_and_measure(ws, models, student, fitted, t, start)
+    if not record.kept:
+        return dict(state), record
     fitted.fold()
     fitted_state = student.state_dict()
     return {n: fitted_state[n].detach().to(state[n].dtype) for n in state}, record
@@ -229,7 +231,15 @@ def fit_and_measure(
     stage = f"calibrating ({fitted.fit})"
     distill(student, lesson_of(models, t, ws), fitted, budget, progress=lambda d, n, _: ws.progress(stage, d, n))
     after = _measure(student, teacher, t, rows, prompts, tokens)
+    kept = after["kl"] <= before["kl"]
+    if not kept:
+        ws.notes.append(
+            f"calibration raised the KL to the fine-tune on held-out text ({before['kl']:.4g} → {after['kl']:.4g} nats "
+            "per token): the transported weights are written as they were. More steps, a lower learning rate or "
+            "a smaller `calibrate.guard` may help"
+        )
     return Calibration(
+        kept=kept,
         fit=fitted.fit,
         fitted=fitted.size,
         rank=cal.rank if fitted.fit == "low-rank" else None,

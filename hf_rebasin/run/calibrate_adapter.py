@@ -65,6 +65,8 @@ def calibrated_adapter(
     fitted = adapter_fittable(student, factors, new_rows=new_rows(ws) if adapter.vocab is not None else _none())
     record = fit_and_measure(ws, models, student, fitted, t, start)
     fitted.unhook()
+    if not record.kept:
+        return adapter, record
     out = dict(adapter.factors)
     for m, c in zip(trained, fitted.corrections, strict=True):
         out[m.key_a] = c.a.detach().to(adapter.factors[m.key_a].dtype)

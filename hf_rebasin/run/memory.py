@@ -251,16 +251,35 @@ def estimate(
         copies += sum(f32)  # canonical forms
     if recipe.evaluate is not None:
         copies += 2 * f32[0]  # the model the λ sweep rebuilds, and its interpolated weights
+    calibration = _calibration_bytes(recipe, known[0])
+    copies += calibration
     learned = bool(profile.learned(options))
     if learned:
         copies += LEARNED_COPIES * f32[0]  # B mapped and the interpolation, kept for backward; the model run
     peak = OVERHEAD + copies + lap
     factor = copies / max(f32[0], 1)
     how = f"{factor:.1f}× the reference model in float32" + (_assignment_words(known) if lap else "")
+    if calibration:
+        how += ", calibration's student, optimizer state and activations included"
     limit = None
     if learned and avail is not None:  # the largest model (reference-sized) learned matching fits here
         limit = max(0, int((avail + held - OVERHEAD - lap) / (4 * factor)))
     return MemoryEstimate(found, False, peak, avail, how, learned_limit=limit, held=held)
+
+
+def _calibration_bytes(recipe: Recipe, fp: ModelFootprint) -> int:
+    """What a transport's calibration adds: the student in float32 (with AdamW's gradient and two
+    moments where every parameter is fitted) and one step's activations of teacher and student
+    (``batch_size × block`` positions: ~16 hidden-wide values a layer, and three vocabulary-wide
+    rows of logits; the vocabulary is taken as the embedding, the largest tensor, over the width)."""
+    cal = getattr(recipe, "calibrate", None)
+    if cal is None:
+        return 0
+    student = 4 * fp.params * (4 if cal.fit == "full" else 1)
+    positions = cal.batch_size * (cal.block_size or 128)
+    vocab = fp.largest // max(fp.hidden, 1) if fp.hidden else 0
+    activations = 2 * 4 * positions * (16 * fp.hidden * fp.layers + 3 * vocab)
+    return student + activations
 
 
 def streams(recipe: Recipe) -> bool:

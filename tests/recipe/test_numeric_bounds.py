@@ -49,6 +49,7 @@ BASES: dict[str, dict[str, Any]] = {  # an otherwise valid recipe of each job; i
 COMPANIONS: dict[tuple[str, ...], dict[tuple[str, ...], Any]] = {
     ("alpha",): {("alpha", "auto"): True},  # `support_budget` belongs to `alpha: auto`
     ("evaluate", "support"): {("evaluate", "support", "dataset"): "shakespeare"},
+    ("calibrate", "data"): {("calibrate", "data", "dataset"): "shakespeare"},
 }
 # strategy options that apply only beside another option
 STRATEGY_COMPANIONS: dict[str, dict[tuple[str, ...], Any]] = {"generalized-orthogonal": {("strategy", "learned"): True}}

@@ -97,9 +97,9 @@ def distill(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        history.append(float(loss))
+        history.append(float(loss.detach()))
         if progress is not None:
-            progress(step + 1, budget.steps, float(loss))
+            progress(step + 1, budget.steps, history[-1])
     student.eval()
     return history
 

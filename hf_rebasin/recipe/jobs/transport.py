@@ -176,6 +176,8 @@ def _describe(recipe: TransportRecipe) -> list[str]:
             f"transport: θ = B + α·π(A_ft − A), α chosen automatically from {alphas}; π aligns A to B",
             f"  saved: {describe_auto(auto.support_budget)}",
         ]
+    cal = recipe.calibrate
+    out.append(f"calibrate: {cal.describe()}" if cal is not None else "calibrate: no (the data-free transport)")
     ev = recipe.evaluate
     if ev is None:
         return [*out, "evaluate: no"]

@@ -33,7 +33,15 @@ from hf_rebasin.run.card.alignment import (
 from hf_rebasin.run.card.inputs import _dtype, _inputs, _load, data_source
 from hf_rebasin.run.card.metadata import _adapter, _part, _typed, card_metadata, writes_model
 from hf_rebasin.run.card.text import _cell, _fence, _value, redact
-from hf_rebasin.run.card.transport import _chosen, _moved, _scored, _tradeoff_reading, _tradeoff_table, _transport_rows
+from hf_rebasin.run.card.transport import (
+    _calibration,
+    _chosen,
+    _moved,
+    _scored,
+    _tradeoff_reading,
+    _tradeoff_table,
+    _transport_rows,
+)
 
 
 def render_card(record: RunRecord | Mapping[str, Any], *, recipe_text: str, command: str) -> str:
@@ -88,6 +96,7 @@ def _context(record: RunRecord, recipe_text: str, command: str) -> dict[str, Any
         "tradeoff_missing": _scored(transport) and transport.support is None,
         "adapter": _adapter(found),
         "moved": _moved(transport),
+        "calibration": _calibration(transport),
         "function_preserved": _function_preserved(found.function_preserved, part.pair),
         "notes": list(record.notes),
         "canonical": found.canonical and model,

@@ -131,3 +131,50 @@ def _tradeoff_reading(transport: Transport) -> str | None:
             return None
         text += f" This model, over B: task gain {gain:+.4f} nats, support cost {cost:+.4f} nats."
     return text
+
+
+def _calibration(transport: Transport) -> dict[str, Any] | None:
+    """The card's "Calibration": what was fitted on which text, and the measures before and after."""
+    cal = transport.calibration
+    if cal is None:
+        return None
+    text = cal.text or {}
+    source = str(text.get("source", "?"))
+    if "opening" in text:
+        source += f", each sequence started on {text['opening']}"
+    if "dataset" in text:
+        source += f" (`{_cell(str(text['dataset']))}`)"
+    what = {
+        "rows": "the rows of the tokens the target lacks",
+        "norms": "every norm and bias, and the rows of the tokens the target lacks",
+        "low-rank": f"a rank-{cal.rank} correction of every linear layer (folded into its weight), every norm and "
+        "bias, and the rows of the tokens the target lacks",
+        "full": "every parameter",
+        "adapter": "the adapter's own LoRA factors at their rank, and the rows of its new tokens",
+    }.get(cal.fit, cal.fit)
+    rows = []
+    for label, measured, fmt in (
+        ("KL to the fine-tune (nats per token)", cal.kl, "{:.4f}"),
+        ("turn-end token top-1 where a turn ends", cal.turn_end, "{:.1%}"),
+        ("greedy replies that end their turn", cal.replies, "{:.1%}"),
+    ):
+        if measured is not None:
+            cells = [
+                fmt.format(v) if v is not None else "—" for v in (measured.teacher, measured.before, measured.after)
+            ]
+            rows.append({"measure": label, "teacher": cells[0], "before": cells[1], "after": cells[2]})
+    return {
+        "what": _cell(what),
+        "text": _cell(
+            f"{text.get('sequences', '?')} sequences of {text.get('block_size', '?')} tokens "
+            f"({text.get('tokens', '?')} tokens), {source}"
+        ),
+        "guard": _cell(str(text.get("guard", "none"))),
+        "steps": cal.steps,
+        "fitted": f"{cal.fitted:,}" if cal.fitted is not None else "?",
+        "seconds": f"{_float(cal.seconds):.0f}",
+        "rows": rows,
+        "replies": text.get("reply_prompts"),
+        "kept": cal.kept,
+        "reply_tokens": text.get("reply_tokens"),
+    }

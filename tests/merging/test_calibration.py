@@ -1,0 +1,154 @@
+"""Calibration's parts, each against an independent computation: a folded correction gives the
+logits of the hooked one (plain transformers forward), an adapter's factors hooked on give what PEFT
+computes with the same factors, the chat opening and turn end are the template's own tokens,
+written text is reproducible and never uses a row the model lacks, and distillation recovers a
+known perturbation of the teacher."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as T
+
+from hf_rebasin.evaluation.data import bpe_tokenizer
+from hf_rebasin.merging.calibration.distill import Budget, Lesson, distill, kl
+from hf_rebasin.merging.calibration.fit import adapter_fittable, fittable
+from hf_rebasin.merging.calibration.text import continued, opening, self_written, turn_end
+from hf_rebasin.merging.calibration.vocab import Rows
+from vocab_models import CHATML, tiny_llama, vocab_tokenizer
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _gpt2(seed: int = 0, rows: int = 40, std: float = 0.02) -> T.GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = T.GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=rows,
+        n_positions=32,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=std,
+    )
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return T.GPT2LMHeadModel(config).eval()
+
+
+def _ids(rows: int = 40) -> torch.Tensor:
+    return torch.randint(0, rows, (3, 12), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("make", [_gpt2, lambda: tiny_llama(40, 0)], ids=["gpt2-conv1d", "llama-linear"])
+def test_a_folded_correction_gives_the_logits_of_the_hooked_one(make) -> None:
+    model = make()
+    fitted = fittable(model, "low-rank", rank=3, new_rows=torch.tensor([38, 39]), seed=0)
+    with torch.no_grad():
+        for c in fitted.corrections:  # B starts at zero: give it something to fold
+            c.b.normal_(0, 0.3)
+        for p in fitted.params:
+            p.add_(0.01)
+        hooked = model(input_ids=_ids()).logits
+    fitted.fold()
+    assert not fitted.hooks and not fitted.corrections
+    plain = copy.deepcopy(model)  # a plain forward: nothing hooked any more
+    assert torch.allclose(plain(input_ids=_ids()).logits, hooked, atol=1e-4)
+
+
+def test_a_fresh_correction_leaves_the_model_as_it_was_and_rows_train_alone() -> None:
+    model = _gpt2()
+    before = model(input_ids=_ids()).logits.detach()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fitted = fittable(model, "rows", rank=2, new_rows=torch.tensor([38, 39]), seed=0)
+    assert torch.equal(model(input_ids=_ids()).logits.detach(), before)
+    loss = model(input_ids=_ids()).logits.square().mean()
+    loss.backward()
+    torch.optim.SGD(fitted.params, lr=1.0).step()
+    for name, p in model.named_parameters():
+        changed = (p.detach() != original[name]).any(-1) if p.dim() == 2 else p.detach() != original[name]
+        if name == "transformer.wte.weight":  # the tied head: the new rows only
+            assert changed.nonzero().flatten().tolist() == [38, 39]
+        else:
+            assert not changed.any(), name
+
+
+def test_an_adapters_factors_hooked_on_compute_what_peft_computes() -> None:
+    peft = pytest.importorskip("peft")
+    model = _gpt2()
+    config = peft.LoraConfig(
+        r=2, lora_alpha=6, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, init_lora_weights=False
+    )
+    wrapped = peft.get_peft_model(copy.deepcopy(model), config).eval()
+    factors = {}
+    for name, module in wrapped.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            inner = name.removeprefix("base_model.model.")
+            factors[inner] = (
+                module.lora_A["default"].weight,
+                module.lora_B["default"].weight,
+                module.scaling["default"],
+            )
+    assert len(factors) == 4
+    with torch.no_grad():
+        expected = wrapped(input_ids=_ids()).logits
+    fitted = adapter_fittable(model, factors, new_rows=torch.zeros(0, dtype=torch.long))
+    assert torch.allclose(model(input_ids=_ids()).logits, expected, atol=1e-5)
+    fitted.unhook()
+    assert not torch.allclose(model(input_ids=_ids()).logits, expected, atol=1e-3)
+
+
+def test_the_chat_opening_and_turn_end_are_the_templates_own_tokens() -> None:
+    tok = bpe_tokenizer("the user asked and the assistant answered\n" * 20, 300)  # byte-level: any text encodes
+    tok.add_special_tokens({"additional_special_tokens": CHATML})
+    tok.chat_template = CHATML_TEMPLATE
+    ids, about = opening(tok)
+    assert tok.decode(ids) == "<|im_start|>user\n" and "chat template" in about
+    assert turn_end(tok) == tok.convert_tokens_to_ids("<|im_end|>")
+    plain = vocab_tokenizer(64)
+    assert opening(plain) == ([plain.bos_token_id], "its BOS token") and turn_end(plain) is None
+
+
+def test_written_text_is_reproducible_and_never_uses_a_row_the_model_lacks() -> None:
+    model = _gpt2()
+    rows = Rows(columns=torch.arange(0, 30))
+    a = self_written(model, [1, 5], 5, 20, seed=3, rows=rows, batch_size=2)
+    assert torch.equal(a, self_written(model, [1, 5], 5, 20, seed=3, rows=rows, batch_size=2))
+    assert not torch.equal(a, self_written(model, [1, 5], 5, 20, seed=4, rows=rows))
+    assert a.shape == (5, 20) and (a[:, :2] == torch.tensor([1, 5])).all() and int(a[:, 2:].max()) < 30
+    # the cached sampling equals sampling with a full forward pass at every step
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[1, 5]] * 2)
+    with torch.no_grad():
+        while ids.shape[1] < 20:
+            probs = torch.softmax(rows.mask(model(input_ids=ids).logits[:, -1]), -1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], 1)
+    assert torch.equal(ids, a[:2])
+    greedy = continued(model, a[:2, :6], 20, rows)
+    with torch.no_grad():
+        step = a[:2, :6]
+        while step.shape[1] < 20:
+            step = torch.cat([step, rows.mask(model(input_ids=step).logits[:, -1]).argmax(-1, keepdim=True)], 1)
+    assert torch.equal(greedy, step)
+
+
+def test_distillation_recovers_a_known_perturbation_of_the_teacher() -> None:
+    teacher = _gpt2(0, std=0.4)  # sharp distributions, as a trained model's
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():  # a known change the `norms` fit can undo: every norm's scale and shift
+        for name, p in student.named_parameters():
+            if ".ln_" in name:
+                p.mul_(1.6).add_(0.2)
+    text = self_written(teacher, [1], 48, 24, seed=0)
+    rows = Rows()
+    before = kl(teacher, student, text, rows, 16)
+    fitted = fittable(student, "norms", rank=1, new_rows=torch.zeros(0, dtype=torch.long), seed=0)
+    lesson = Lesson(teacher, text, rows)
+    history = distill(student, lesson, fitted, Budget(steps=300, batch_size=16, learning_rate=5e-2, guard=0, seed=0))
+    after = kl(teacher, student, text, rows, 16)
+    assert before > 0.05 and after < before / 20 and history[-1] < history[0]
