@@ -33,9 +33,13 @@ IM_END, IM_START = "<|im_end|>", "<|im_start|>"
 
 
 def load(folder: Path, target: Path | None) -> tuple[Any, Any]:
-    """A folder as a user loads it: a model, or an adapter on the target resized to its rows."""
+    """A folder as a user loads it: a model, or an adapter on the target resized to its rows
+    (``ADAPTER::BASE``: an adapter on another base, resized to the adapter's embedding rows)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if "::" in str(folder):
+        adapter, base = (Path(p) for p in str(folder).split("::"))
+        return _on_base(adapter, base)
     if not (folder / "adapter_config.json").is_file():
         return AutoModelForCausalLM.from_pretrained(str(folder)).eval(), AutoTokenizer.from_pretrained(str(folder))
     from peft import PeftModel
@@ -47,10 +51,23 @@ def load(folder: Path, target: Path | None) -> tuple[Any, Any]:
     record = folder / "rebasin.json"
     rows = None
     if record.is_file():
-        rows = json.loads(record.read_text(encoding="utf-8")).get("transport", {}).get("adapter", {}).get("embedding_rows")
+        rows = (
+            json.loads(record.read_text(encoding="utf-8")).get("transport", {}).get("adapter", {}).get("embedding_rows")
+        )
     if rows:
         model.resize_token_embeddings(int(rows))
     return PeftModel.from_pretrained(model, str(folder)).eval(), tokenizer
+
+
+def _on_base(adapter: Path, base: Path) -> tuple[Any, Any]:
+    """A PEFT adapter on its own base, resized to its tokenizer (PEFT's guide for new tokens)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+    model = AutoModelForCausalLM.from_pretrained(str(base))
+    model.resize_token_embeddings(len(tokenizer))
+    return PeftModel.from_pretrained(model, str(adapter)).eval(), tokenizer
 
 
 def blocks(tokenizer: Any, text: str, block: int, max_tokens: int) -> torch.Tensor:
@@ -126,7 +143,9 @@ def turn_ends(model: Any, tokenizer: Any, prompts: list[dict[str, Any]], new_tok
     done = 0
     example = ""
     for k, p in enumerate(prompts):
-        ids = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = tokenizer.apply_chat_template(
+            p["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         prompt = ids["input_ids"]
         out = model.generate(
             input_ids=prompt,
@@ -145,11 +164,11 @@ def turn_ends(model: Any, tokenizer: Any, prompts: list[dict[str, Any]], new_tok
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("folders", nargs="+", type=Path, help="model or adapter folders (ADAPTER::BASE: on BASE)")
     parser.add_argument("--task", type=Path, required=True)
     parser.add_argument("--support", type=Path)
     parser.add_argument("--prompts", type=Path)
-    parser.add_argument("--teacher", type=Path)
+    parser.add_argument("--teacher", type=Path, help="the fine-tune (ADAPTER::BASE for an adapter)")
     parser.add_argument("--target", type=Path)
     parser.add_argument("--chat", action="store_true")
     parser.add_argument("--block", type=int, default=128)
@@ -167,7 +186,9 @@ def main() -> None:
         model, tokenizer = load(folder, args.target)
         row: dict[str, Any] = {"folder": str(folder), "task": text_scores(model, tokenizer, task, args, teacher)}
         if support is not None:
-            row["support"] = text_scores(model, tokenizer, support, argparse.Namespace(**{**vars(args), "chat": False}), None)
+            row["support"] = text_scores(
+                model, tokenizer, support, argparse.Namespace(**{**vars(args), "chat": False}), None
+            )
         if prompts:
             row["generation"] = turn_ends(model, tokenizer, prompts, args.new_tokens)
         rows.append(row)
@@ -177,7 +198,11 @@ def main() -> None:
             + (f", kl {t['kl']:.4f}" if "kl" in t else "")
             + (f", <|im_end|> top-1 {t['im_end']:.1%} of {t['turn_ends']}" if "im_end" in t else "")
             + (f", support {row['support']['loss']:.4f}" if support is not None else "")
-            + (f", replies ended {row['generation']['ends']:.1%}" if prompts and not math.isnan(row['generation']['ends']) else ""),
+            + (
+                f", replies ended {row['generation']['ends']:.1%}"
+                if prompts and not math.isnan(row["generation"]["ends"])
+                else ""
+            ),
             flush=True,
         )
     if args.json:

@@ -57,6 +57,11 @@ class Calibrate(Section):
         description="share of each batch the moved model writes itself (a prefix of the calibration text "
         "continued greedily) for the fine-tune to correct: where its own text goes, a loop or a turn never ended",
     )
+    divergence: Literal["forward", "reverse", "symmetric"] = Field(
+        "forward",
+        description="what is minimized against the fine-tune: `forward` KL(fine-tune ‖ moved), which covers all "
+        "it says; `reverse` KL(moved ‖ fine-tune), which seeks its most likely tokens; `symmetric`, their mean",
+    )
     data: DataSpec | None = Field(
         None,
         description="calibration text (read with the fine-tune's tokenizer); default: the recipe's `data`, "

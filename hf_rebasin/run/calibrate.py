@@ -107,6 +107,7 @@ def texts(ws: Workspace, models: TransportRoles[LoadedModel], cal: Calibrate) ->
     ft_rows = _rows(ws, 2)
     start_own, start_about = opening(tokenizer)
     given = cal.data if cal.data is not None else ws.recipe.data
+    about: dict[str, Any]
     if given is not None:
         text, about = _read(ws, given, cal, length, teacher), {"source": "data", "dataset": given.dataset}
     else:
@@ -227,7 +228,7 @@ def fit_and_measure(
     teacher, rows = models.finetune.model, _rows(ws, 2)
     own = _measure(teacher, teacher, t, rows, prompts, tokens)
     before = _measure(student, teacher, t, rows, prompts, tokens)
-    budget = Budget(cal.steps, cal.batch_size, cal.learning_rate, cal.guard, cal.seed, cal.on_policy)
+    budget = Budget(cal.steps, cal.batch_size, cal.learning_rate, cal.guard, cal.seed, cal.on_policy, cal.divergence)
     stage = f"calibrating ({fitted.fit})"
     distill(student, lesson_of(models, t, ws), fitted, budget, progress=lambda d, n, _: ws.progress(stage, d, n))
     after = _measure(student, teacher, t, rows, prompts, tokens)

@@ -33,6 +33,7 @@ class Budget:
     guard: float
     seed: int
     on_policy: float = 0.0  # share of each batch the student writes itself (from a prefix of the text)
+    divergence: str = "forward"  # of the teacher term: forward KL(teacher ‖ student), reverse, or symmetric
 
 
 @dataclass(frozen=True)
@@ -48,22 +49,37 @@ class Lesson:
     guard_rows: Rows = field(default_factory=Rows)
 
 
-def _kl(teacher_logits: Tensor, student_logits: Tensor, rows: Rows) -> Tensor:
-    """KL(teacher ‖ student) per position, over the tokens the teacher has."""
+def _kl(
+    teacher_logits: Tensor, student_logits: Tensor, rows: Rows, divergence: str = "forward", *, whole: bool = False
+) -> Tensor:
+    """KL(teacher ‖ student) per position, over the tokens the teacher has; ``reverse``:
+    KL(student ‖ teacher), which seeks the teacher's modes; ``symmetric``: their mean. ``whole``:
+    the student's distribution over all its rows (the guard: mass on a token the target lacks,
+    where the target writes, counts against it), not renormalized over the teacher's."""
     t = torch.log_softmax(rows.read(teacher_logits).float(), -1)
-    s = torch.log_softmax(rows.read(student_logits).float(), -1)
-    return (t.exp() * (t - s)).sum(-1)
+    s = (
+        rows.read(torch.log_softmax(student_logits.float(), -1))
+        if whole
+        else torch.log_softmax(rows.read(student_logits).float(), -1)
+    )
+    forward = (t.exp() * (t - s)).sum(-1)
+    if divergence == "forward":
+        return forward
+    reverse = (s.exp() * (s - t)).sum(-1)
+    return reverse if divergence == "reverse" else 0.5 * (forward + reverse)
 
 
 def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def _term(teacher: Any, student: Any, ids: Tensor, rows: Rows) -> Tensor:
+def _term(
+    teacher: Any, student: Any, ids: Tensor, rows: Rows, divergence: str = "forward", *, whole: bool = False
+) -> Tensor:
     with torch.no_grad():
         t = teacher(input_ids=ids.to(_device(teacher))).logits
     s = student(input_ids=ids.to(_device(student))).logits
-    return _kl(t.to(s.device), s, rows).mean()
+    return _kl(t.to(s.device), s, rows, divergence, whole=whole).mean()
 
 
 def distill(
@@ -85,15 +101,15 @@ def distill(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
     student.train()
     history = []
+    pool = _Pool()
     for step in range(budget.steps):
-        ids = _batch(student, lesson, budget, gen)
-        loss = _term(lesson.teacher, student, ids, lesson.teacher_rows)
+        ids = _batch(student, lesson, budget, gen, pool)
+        loss = _term(lesson.teacher, student, ids, lesson.teacher_rows, budget.divergence)
         total = loss
         if budget.guard > 0 and lesson.guard is not None and lesson.guard_text is not None:
             g = lesson.guard_text[torch.randint(0, len(lesson.guard_text), (budget.batch_size,), generator=gen)]
-            total = loss + budget.guard * _term(lesson.guard, student, g, lesson.guard_rows)
+            total = loss + budget.guard * _term(lesson.guard, student, g, lesson.guard_rows, whole=True)
         total.backward()
-        torch.nn.utils.clip_grad_norm_(fitted.params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -104,20 +120,39 @@ def distill(
     return history
 
 
-def _batch(student: Any, lesson: Lesson, budget: Budget, gen: torch.Generator) -> Tensor:
-    """A batch of calibration text; its on-policy share is a prefix of the text the student continues
-    greedily (as in GKD, Agarwal et al. 2024: the teacher then corrects the student where the
-    student's own text goes, e.g. a loop or a turn it does not end)."""
+REFRESH = 10  # steps an on-policy pool serves before the student writes a new one
+
+
+class _Pool:
+    """Text the student wrote itself, rewritten every ``REFRESH`` steps: writing token by token
+    costs far more than a step, and a few steps' drift of the student changes little."""
+
+    def __init__(self) -> None:
+        self.text: Tensor | None = None
+        self.age = REFRESH
+
+    def take(self, student: Any, lesson: Lesson, n: int, gen: torch.Generator) -> Tensor:
+        if self.text is None or self.age >= REFRESH:
+            prefixes = lesson.text[torch.randint(0, len(lesson.text), (n,), generator=gen)]
+            length = prefixes.shape[1]
+            cut = int(torch.randint(max(1, length // 8), max(2, length // 2), (1,), generator=gen))
+            student.eval()
+            self.text = continued(student, prefixes[:, :cut], length, lesson.teacher_rows)
+            student.train()
+            self.age = 0
+        self.age += 1
+        return self.text
+
+
+def _batch(student: Any, lesson: Lesson, budget: Budget, gen: torch.Generator, pool: _Pool) -> Tensor:
+    """A batch of calibration text; its on-policy share is a prefix of the text that the student
+    continues greedily (as in GKD, Agarwal et al. 2024: the teacher then corrects the student where
+    the student's own text goes, e.g. a loop or a turn it does not end)."""
     ids = lesson.text[torch.randint(0, len(lesson.text), (budget.batch_size,), generator=gen)]
     own = round(budget.batch_size * budget.on_policy)
     if own == 0:
         return ids
-    length = ids.shape[1]
-    cut = int(torch.randint(max(1, length // 8), max(2, length // 2), (1,), generator=gen))
-    student.eval()
-    written = continued(student, ids[:own, :cut], length, lesson.teacher_rows)
-    student.train()
-    return torch.cat([written, ids[own:]])
+    return torch.cat([pool.take(student, lesson, own, gen), ids[own:]])
 
 
 @torch.no_grad()

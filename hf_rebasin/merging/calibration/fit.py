@@ -32,7 +32,7 @@ FITS: tuple[Fit, ...] = ("rows", "norms", "low-rank", "full")
 class Correction:
     """A rank-r update of one linear layer's output: ``x ↦ x·Aᵀ·Bᵀ``."""
 
-    module: nn.Module
+    module: Any  # an nn.Linear or GPT-2's Conv1D
     a: nn.Parameter  # (r, in)
     b: nn.Parameter  # (out, r)
     transposed: bool  # GPT-2's Conv1D stores its weight (in, out)
@@ -78,7 +78,7 @@ class Fitted:
         self.corrections.clear()
 
 
-def _linear(module: nn.Module) -> tuple[int, int, bool] | None:
+def _linear(module: Any) -> tuple[int, int, bool] | None:
     """(in, out, transposed) of a linear layer; None for anything else."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, False
@@ -88,7 +88,7 @@ def _linear(module: nn.Module) -> tuple[int, int, bool] | None:
     return None
 
 
-def _norms(model: nn.Module) -> Iterator[nn.Parameter]:
+def _norms(model: Any) -> Iterator[nn.Parameter]:
     for module in model.modules():
         if "norm" in type(module).__name__.lower():
             yield from module.parameters(recurse=False)
@@ -96,7 +96,7 @@ def _norms(model: nn.Module) -> Iterator[nn.Parameter]:
             yield module.bias
 
 
-def _row_params(model: nn.Module, new_rows: Tensor) -> list[nn.Parameter]:
+def _row_params(model: Any, new_rows: Tensor) -> list[nn.Parameter]:
     """The embedding and (untied) head, their gradients kept to ``new_rows``."""
     out: list[nn.Parameter] = []
     mask: Tensor | None = None
@@ -115,7 +115,7 @@ def _row_params(model: nn.Module, new_rows: Tensor) -> list[nn.Parameter]:
     return out
 
 
-def _corrections(model: nn.Module, rank: int, generator: torch.Generator) -> list[Correction]:
+def _corrections(model: Any, rank: int, generator: torch.Generator) -> list[Correction]:
     head = model.get_output_embeddings()
     out = []
     for module in model.modules():
@@ -132,7 +132,7 @@ def _corrections(model: nn.Module, rank: int, generator: torch.Generator) -> lis
     return out
 
 
-def fittable(model: nn.Module, fit: Fit, *, rank: int, new_rows: Tensor, seed: int) -> Fitted:
+def fittable(model: Any, fit: Fit, *, rank: int, new_rows: Tensor, seed: int) -> Fitted:
     """``model``'s parameters for ``fit`` made trainable (every other one frozen), with the
     corrections of ``low-rank`` hooked onto their layers."""
     for p in model.parameters():
@@ -161,9 +161,7 @@ def _hook(c: Correction) -> Any:
     return add
 
 
-def adapter_fittable(
-    model: nn.Module, factors: Mapping[str, tuple[Tensor, Tensor, float]], *, new_rows: Tensor
-) -> Fitted:
+def adapter_fittable(model: Any, factors: Mapping[str, tuple[Tensor, Tensor, float]], *, new_rows: Tensor) -> Fitted:
     """An adapter's factors (module name → (A, B, scale) as PEFT stores them: A (r, in), B (out, r))
     hooked onto ``model``'s layers and fitted, with the new tokens' rows; nothing else trains."""
     for p in model.parameters():

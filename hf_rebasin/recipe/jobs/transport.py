@@ -59,7 +59,7 @@ class TransportRecipe(AlignedRecipe):
     )
 
     calibrate: Calibrate | None = Field(
-        None,
+        True,  # type: ignore[arg-type]  # `true`: the defaults (the validator makes the section)
         validate_default=True,
         description="after the weights move, fit part of the moved model to the fine-tune's next-token "
         "distributions (distillation, no labels) so it does what the fine-tune does, e.g. ends its chat turns: "
