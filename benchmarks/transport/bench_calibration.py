@@ -157,7 +157,7 @@ def table(rows: list[dict[str, Any]], seconds: dict[str, float]) -> None:
         cost = sup - target["support"]["loss"]
         ends = r.get("generation", {}).get("ends")
         print(
-            f"| {Path(r['folder']).name} | {t['loss']:.3f} | {gain / gap:.1%} | {t.get('kl', float('nan')):.3f} "
+            f"| {Path(r['folder'].split('::')[0]).name} | {t['loss']:.3f} | {gain / gap:.1%} | {t.get('kl', float('nan')):.3f} "
             f"| {t.get('im_end', float('nan')):.1%} | {'' if ends is None else f'{ends:.0%}'} | {sup:.3f} "
             f"| {cost / gain if gain else float('nan'):.2f} | {seconds.get(r['folder'], 0):.0f} |"
         )
