@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_rebasin.core.errors import DataError, IncompatibleModelsError
+from hf_rebasin.core.errors import DataError, IncompatibleModelsError, ModelNotFoundError
 from hf_rebasin.core.roles import TransportRoles
 from hf_rebasin.evaluation.scores import Calibration, Measured
 from hf_rebasin.io.models import LoadedModel
@@ -69,7 +69,7 @@ def _teacher_tokenizer(ws: Workspace) -> Any:
     for planned in (inputs.finetune, inputs.base):
         try:
             return processor(planned.path, "causal-lm")
-        except Exception:  # a folder without tokenizer files: the next one
+        except ModelNotFoundError:  # a folder without tokenizer files: the next one
             continue
     raise IncompatibleModelsError(
         "`calibrate`: neither the fine-tune nor its base has tokenizer files to write calibration text with; "
