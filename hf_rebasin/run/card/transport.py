@@ -166,8 +166,8 @@ def _calibration(transport: Transport) -> dict[str, Any] | None:
     return {
         "what": _cell(what),
         "text": _cell(
-            f"{text.get('sequences', '?')} sequences of {text.get('block_size', '?')} tokens "
-            f"({text.get('tokens', '?')} tokens), {source}"
+            f"{_count(text.get('sequences'))} sequences of {_count(text.get('block_size'))} tokens "
+            f"({_count(text.get('tokens'))} tokens), {source}"
         ),
         "guard": _cell(str(text.get("guard", "none"))),
         "steps": cal.steps,
@@ -178,3 +178,8 @@ def _calibration(transport: Transport) -> dict[str, Any] | None:
         "kept": cal.kept,
         "reply_tokens": text.get("reply_tokens"),
     }
+
+
+def _count(value: Any) -> str:
+    """A whole number with thousands separators; ``?`` where a damaged record lacks it."""
+    return f"{value:,}" if isinstance(value, int) else "?"
