@@ -195,6 +195,12 @@ class MemoryEstimate:
                 f"{self.learned_limit / 1e6:,.0f}M parameters here. Drop `learned` (the data-free alignment streams "
                 "without `evaluate` and `data`), use a machine with more memory"
             )
+        elif not self.streamed and "calibration" in self.how:
+            hint = (
+                "Calibration holds the fine-tune, the target and the student whole: set `calibrate: false` (the "
+                "data-free transport, which streams its models tensor by tensor without `evaluate` and `data`), use a "
+                "machine with more memory"
+            )
         elif not self.streamed:
             hint = (
                 "Remove `evaluate` and `data` (a merge or transport by a data-free strategy then streams its models "

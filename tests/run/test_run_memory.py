@@ -16,6 +16,7 @@ from safetensors import safe_open
 import tiny
 from hf_rebasin.cli import main
 from hf_rebasin.core.errors import CheckpointError
+from hf_rebasin.core.memory import InsufficientMemoryError
 from hf_rebasin.recipe import loads_recipe
 from hf_rebasin.run import load as run_load
 from hf_rebasin.run import memory
@@ -123,3 +124,23 @@ def test_a_damaged_checkpoint_is_refused_as_the_file_it_is(tmp_path: Path) -> No
     (tmp_path / "model.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{}")
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*header claims 1,099,511,627,776 bytes"):
         memory.footprint(tmp_path)
+
+
+def test_a_calibrating_transport_counts_its_student_and_its_refusal_says_calibrate_false(
+    pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, b = pair
+    body = {"job": "transport", "base": str(a), "finetuned": str(b), "target": str(a), "output": {"dir": "out"}}
+    calibrating = loads_recipe(yaml.safe_dump(body))
+    data_free = loads_recipe(yaml.safe_dump({**body, "calibrate": False}))
+    models = [("target.model", a), ("base.model", a), ("finetuned.model", b)]
+    fp = memory.footprint(a)
+    assert fp is not None
+    with_student = memory.estimate(calibrating, models, streamed=False, available=1 << 40)
+    without = memory.estimate(data_free, models, streamed=False, available=1 << 40)
+    assert with_student.peak is not None and without.peak is not None
+    assert with_student.peak - without.peak >= 4 * fp.params  # the student in float32, at least
+    assert "calibration" in with_student.how and "calibration" not in without.how
+    small = memory.estimate(calibrating, models, streamed=False, available=without.peak // 4)
+    with pytest.raises(InsufficientMemoryError, match="calibrate: false"):
+        small.check()
