@@ -27,6 +27,7 @@ from hf_rebasin.merging.calibration.fit import Fitted, fittable
 from hf_rebasin.merging.calibration.text import opening, self_written, turn_end
 from hf_rebasin.merging.calibration.vocab import Rows
 from hf_rebasin.recipe.calibrate import Calibrate
+from hf_rebasin.run.checks import cannot_calibrate
 from hf_rebasin.run.data import BatchSpec, _block_size, batches, processor
 from hf_rebasin.run.load import Workspace
 
@@ -90,12 +91,8 @@ def _reader(ws: Workspace) -> Any:
 
 
 def _check_generates(ws: Workspace, models: TransportRoles[LoadedModel]) -> None:
-    if ws.task != "causal-lm":
-        raise IncompatibleModelsError(
-            f"`calibrate`: calibration fits next-token distributions, and the fine-tune is a "
-            f"{type(models.finetune.model).__name__} ({ws.task}), which writes no text to calibrate on: "
-            "set `calibrate: false` for the data-free transport"
-        )
+    if ws.task != "causal-lm":  # a model the plan could not see (not downloaded or trained then)
+        raise cannot_calibrate(type(models.finetune.model).__name__, ws.task)
 
 
 def texts(ws: Workspace, models: TransportRoles[LoadedModel], cal: Calibrate) -> Texts:

@@ -189,6 +189,24 @@ def check_task_of_folder(recipe: Recipe, folder: Path) -> None:
         raise task_mismatch(recipe.evaluate.task, str(architectures[0]), implied)
 
 
+def cannot_calibrate(cls: str, task: str) -> IncompatibleModelsError:
+    """The refusal of a calibration whose fine-tune writes no text (a classifier, a masked LM)."""
+    return IncompatibleModelsError(
+        f"`calibrate`: calibration fits next-token distributions, and the fine-tune is a {cls} ({task}), which "
+        "writes no text to calibrate on: set `calibrate: false` for the data-free transport"
+    )
+
+
+def check_calibration(recipe: Recipe, folder: Path) -> None:
+    """A calibrating transport needs a fine-tune that writes text: its head, from config.json."""
+    if getattr(recipe, "calibrate", None) is None:
+        return
+    architectures = _config_json(folder).get("architectures") or []  # none yet: checked after loading
+    implied = task_of_class(str(architectures[0])) if architectures else None
+    if implied is not None and implied != "causal-lm":
+        raise cannot_calibrate(str(architectures[0]), implied)
+
+
 def check_push_token(recipe: Recipe) -> None:
     """A push needs a token: refused before any work is done, not after an hour of it."""
     push = recipe.output.push_to_hub
@@ -255,6 +273,7 @@ def check_plan(recipe: Recipe, models: Roles[PlannedModel], output: Path, field:
     folder = task_folder(models)
     if folder is not None:
         check_task_of_folder(recipe, folder)
+        check_calibration(recipe, folder)
     if recipe.data is not None:
         check_data_files(recipe.data, "data")
     if recipe.evaluate is not None:

@@ -148,6 +148,8 @@ def test_a_teacher_that_cannot_write_text_exits_2_and_writes_nothing(tmp_path: P
     done = _run(tmp_path, _body(folders))
     assert_user_error(done, "calibrate", "BertForSequenceClassification", "calibrate: false")
     assert not (tmp_path / "out").exists()
+    planned = _run(tmp_path, _body(folders), "--dry-run")  # refused by the plan, before a weight is read
+    assert_user_error(planned, "calibrate", "BertForSequenceClassification", "calibrate: false")
 
 
 def test_calibration_data_that_is_not_text_exits_2_naming_the_field(tmp_path: Path) -> None:
