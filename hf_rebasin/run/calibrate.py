@@ -24,7 +24,7 @@ from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.rebuild import rebuilt
 from hf_rebasin.merging.calibration.distill import Budget, Lesson, distill, kl, replies_ended, turn_end_rate
 from hf_rebasin.merging.calibration.fit import Fitted, fittable
-from hf_rebasin.merging.calibration.text import opening, self_written, turn_end
+from hf_rebasin.merging.calibration.text import opening, plain_start, self_written, turn_end
 from hf_rebasin.merging.calibration.vocab import Rows
 from hf_rebasin.recipe.calibrate import Calibrate
 from hf_rebasin.run.checks import cannot_calibrate
@@ -117,7 +117,7 @@ def texts(ws: Workspace, models: TransportRoles[LoadedModel], cal: Calibrate) ->
     guard_text = None
     if cal.guard > 0:
         g_tokenizer = ws.rows.tokenizers[0] if ws.rows is not None else tokenizer
-        g_start = _rows(ws, 0).ids(_plain_start(g_tokenizer))
+        g_start = _rows(ws, 0).ids(plain_start(g_tokenizer)[0])  # plain text, never a chat turn
         guard_text = self_written(guard, g_start, len(text), length, seed=cal.seed + 1, rows=_rows(ws, 0))
         about["guard"] = f"{len(guard_text)} sequences written by the target"
     end_own = turn_end(tokenizer)
@@ -125,15 +125,6 @@ def texts(ws: Workspace, models: TransportRoles[LoadedModel], cal: Calibrate) ->
     tail = ft_rows.ids(_reply_tail(tokenizer)) if end is not None else []
     held = min(cal.held, len(text) - 1)
     return Texts(text[held:], text[:held], guard_text, about, end, tail)
-
-
-def _plain_start(tokenizer: Any) -> list[int]:
-    """The target writes plain text: from its BOS (or EOS) token, never a chat turn."""
-    for name in ("bos_token_id", "eos_token_id"):
-        token = getattr(tokenizer, name, None)
-        if isinstance(token, int):
-            return [token]
-    return [0]
 
 
 def _reply_tail(tokenizer: Any) -> list[int]:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from hf_rebasin.merging.calibration.vocab import Rows
 
-__all__ = ["continued", "forward", "opening", "self_written", "turn_end"]
+__all__ = ["continued", "forward", "opening", "plain_start", "self_written", "turn_end"]
 
 _SENTINEL = "\x00user words\x00"
 
@@ -37,6 +37,11 @@ def opening(tokenizer: Any) -> tuple[list[int], str]:
             ids = tokenizer(head, add_special_tokens=False)["input_ids"]
             if ids:
                 return list(ids), f"its chat template's user turn ({head!r})"
+    return plain_start(tokenizer)
+
+
+def plain_start(tokenizer: Any) -> tuple[list[int], str]:
+    """Where plain text starts: the BOS token, else EOS (a model trained on documents joined by it)."""
     for name in ("bos_token_id", "eos_token_id"):
         token = getattr(tokenizer, name, None)
         if isinstance(token, int):
@@ -125,6 +130,17 @@ def forward(model: Any, ids: Tensor, previous: Any = None) -> Any:
     names it ``cache`` in newer models, ``past_key_values`` in others)."""
     if previous is None:
         return model(input_ids=ids, use_cache=True)
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    key = _cache_argument(model)
     found = getattr(previous, "cache", None)
     return model(input_ids=ids, use_cache=True, **{key: found if found is not None else previous.past_key_values})
+
+
+_CACHE_ARGUMENT: dict[type, str] = {}
+
+
+def _cache_argument(model: Any) -> str:
+    """The name a model's forward takes its cache by (read once per class, not per token)."""
+    cls = type(model)
+    if cls not in _CACHE_ARGUMENT:
+        _CACHE_ARGUMENT[cls] = "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    return _CACHE_ARGUMENT[cls]
