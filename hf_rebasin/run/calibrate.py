@@ -24,11 +24,11 @@ from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.rebuild import rebuilt
 from hf_rebasin.merging.calibration.distill import Budget, Lesson, distill, kl, replies_ended, turn_end_rate
 from hf_rebasin.merging.calibration.fit import Fitted, fittable
-from hf_rebasin.merging.calibration.text import opening, plain_start, self_written, turn_end
+from hf_rebasin.merging.calibration.text import opening, plain_start, reply_tail, self_written, turn_end
 from hf_rebasin.merging.calibration.vocab import Rows
 from hf_rebasin.recipe.calibrate import Calibrate
 from hf_rebasin.run.checks import cannot_calibrate
-from hf_rebasin.run.data import BatchSpec, _block_size, batches, processor
+from hf_rebasin.run.data import BatchSpec, _block_size, batches, data_processor, processor
 from hf_rebasin.run.load import Workspace
 
 __all__ = ["Texts", "calibrated", "fit_and_measure", "new_rows", "settings", "texts"]
@@ -84,10 +84,7 @@ def _reader(ws: Workspace) -> Any:
         return ws.processor
     if ws.rows is None:
         return _teacher_tokenizer(ws)
-    out = ws.rows.output
-    if out.rows[: out.tokens] == tuple(range(out.tokens)):
-        return ws.rows.tokenizer()
-    return ws.rows.tokenizers[0]
+    return data_processor(ws.inputs, "causal-lm", ws.rows)  # the run's data reader: ids in working rows
 
 
 def _check_generates(ws: Workspace, models: TransportRoles[LoadedModel]) -> None:
@@ -122,18 +119,9 @@ def texts(ws: Workspace, models: TransportRoles[LoadedModel], cal: Calibrate) ->
         about["guard"] = f"{len(guard_text)} sequences written by the target"
     end_own = turn_end(tokenizer)
     end = ft_rows.ids([end_own])[0] if end_own is not None else None
-    tail = ft_rows.ids(_reply_tail(tokenizer)) if end is not None else []
+    tail = ft_rows.ids(reply_tail(tokenizer)) if end is not None else []
     held = min(cal.held, len(text) - 1)
     return Texts(text[held:], text[:held], guard_text, about, end, tail)
-
-
-def _reply_tail(tokenizer: Any) -> list[int]:
-    """The ids from the end of a user's words to where the assistant's reply starts."""
-    words = "\x00user words\x00"
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": words}], tokenize=False, add_generation_prompt=True
-    )
-    return list(tokenizer(text[text.index(words) + len(words) :], add_special_tokens=False)["input_ids"])
 
 
 def _read(ws: Workspace, spec: Any, cal: Calibrate, length: int, teacher: Any) -> Tensor:
@@ -180,7 +168,8 @@ def _prompts(t: Texts, context: int) -> list[list[int]]:
 
 
 def _measure(model: Any, teacher: Any, t: Texts, rows: Rows, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"kl": kl(teacher, model, t.held, rows, 8)}
+    """KL to the teacher, turn-end top-1 and replies ended; the teacher itself is at KL 0 by definition."""
+    out: dict[str, Any] = {"kl": 0.0 if model is teacher else kl(teacher, model, t.held, rows, 8)}
     if t.end is not None:
         out["turn_end"] = turn_end_rate(model, t.held, t.end, 8)
         out["replies"] = replies_ended(model, prompts, t.end, tokens)

@@ -30,6 +30,7 @@ __all__ = [
     "BatchSpec",
     "RunData",
     "batches",
+    "data_processor",
     "metrics",
     "processor",
     "read_data",
@@ -228,12 +229,12 @@ def read_data(
     vocabularies where they differ)."""
     task, align_task = _tasks(recipe, models)
     ev = recipe.evaluate
-    proc = _processor(inputs, task, rows) if (recipe.data is not None or ev is not None) else None
+    proc = data_processor(inputs, task, rows) if (recipe.data is not None or ev is not None) else None
     align = _alignment_data(recipe, base_dir, align_task, proc, models.reference)
     return RunData(task, proc, align, _eval_batches(recipe, task, base_dir, proc, models))
 
 
-def _processor(inputs: Roles[PlannedModel], task: Task, rows: RunVocabulary | None) -> Any:
+def data_processor(inputs: Roles[PlannedModel], task: Task, rows: RunVocabulary | None) -> Any:
     """The reference's tokenizer or processor; where the vocabularies differ and the output's
     tokens are the first working rows, the output's tokenizer (a fine-tune's chat tokens encode)."""
     out = rows.output if rows is not None else None

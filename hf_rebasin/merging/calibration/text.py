@@ -19,25 +19,44 @@ from torch import Tensor
 
 from hf_rebasin.merging.calibration.vocab import Rows
 
-__all__ = ["continued", "forward", "opening", "plain_start", "self_written", "turn_end"]
+__all__ = ["continued", "forward", "opening", "plain_start", "reply_tail", "self_written", "turn_end"]
 
 _SENTINEL = "\x00user words\x00"
 
 
 def opening(tokenizer: Any) -> tuple[list[int], str]:
     """The ids a written sample starts from, and what they are (for the card)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if template:
-        try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
-        except Exception:  # a template that cannot render a user turn: no chat opening
-            text = ""
-        if isinstance(text, str) and _SENTINEL in text:
-            head = text[: text.index(_SENTINEL)]
-            ids = tokenizer(head, add_special_tokens=False)["input_ids"]
-            if ids:
-                return list(ids), f"its chat template's user turn ({head!r})"
+    around = _user_turn(tokenizer)
+    if around is not None:
+        head = around[0]
+        ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+        if ids:
+            return list(ids), f"its chat template's user turn ({head!r})"
     return plain_start(tokenizer)
+
+
+def reply_tail(tokenizer: Any) -> list[int]:
+    """The template's ids from the end of a user's words to where the assistant's reply starts
+    (``<|im_end|>\n<|im_start|>assistant\n`` for ChatML); none without a chat template."""
+    around = _user_turn(tokenizer, reply=True)
+    return list(tokenizer(around[1], add_special_tokens=False)["input_ids"]) if around is not None else []
+
+
+def _user_turn(tokenizer: Any, *, reply: bool = False) -> tuple[str, str] | None:
+    """The chat template's text before and after a user's words (``reply``: with the opening of
+    the assistant's reply after them); None for a tokenizer without a template that renders one."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=reply
+        )
+    except Exception:  # a template that cannot render a user turn: no chat opening
+        return None
+    if not isinstance(text, str) or _SENTINEL not in text:
+        return None
+    at = text.index(_SENTINEL)
+    return text[:at], text[at + len(_SENTINEL) :]
 
 
 def plain_start(tokenizer: Any) -> tuple[list[int], str]:
@@ -88,21 +107,16 @@ def self_written(
     """``samples`` sequences of ``length`` tokens sampled from ``model`` after ``start`` (temperature
     1, the whole distribution over the ``rows`` it has tokens for), deterministic under ``seed``;
     no early stop, so every sequence is full and a chat model writes turn after turn."""
-    device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def sample(logits: Tensor) -> Tensor:
+        probs = torch.softmax(logits, -1).cpu()
+        return torch.multinomial(probs, 1, generator=gen).to(logits.device)
+
     out = []
     for i in range(0, samples, batch_size):
         n = min(batch_size, samples - i)
-        ids = torch.tensor([start] * n, device=device)
-        step = forward(model, ids)
-        while ids.shape[1] < length:
-            logits = step.logits[:, -1].float()
-            probs = torch.softmax(rows.mask(logits) if rows is not None else logits, -1).cpu()
-            nxt = torch.multinomial(probs, 1, generator=gen).to(device)
-            ids = torch.cat([ids, nxt], 1)
-            if ids.shape[1] < length:
-                step = forward(model, nxt, step)
-        out.append(ids.cpu())
+        out.append(_extend(model, torch.tensor([start] * n), length, rows, sample))
         if progress is not None:
             progress(i + n, samples)
     return torch.cat(out)
@@ -113,15 +127,19 @@ def continued(model: Any, prefix: Tensor, length: int, rows: Rows | None = None)
     """``prefix`` (a batch of equal-length prefixes) continued greedily by ``model`` to ``length``
     tokens: the text the model itself writes, where its own mistakes (a loop, a turn never ended)
     show and can be corrected."""
-    device = next(model.parameters()).device
-    ids = prefix.to(device)
+    return _extend(model, prefix, length, rows, lambda logits: logits.argmax(-1, keepdim=True))
+
+
+def _extend(model: Any, ids: Tensor, length: int, rows: Rows | None, pick: Callable[[Tensor], Tensor]) -> Tensor:
+    """``ids`` extended token by token to ``length`` (the key/value cache kept), each next token
+    chosen by ``pick`` from the logits over the ``rows`` the model has tokens for."""
+    ids = ids.to(next(model.parameters()).device)
     step = forward(model, ids)
     while ids.shape[1] < length:
         logits = step.logits[:, -1].float()
-        nxt = (rows.mask(logits) if rows is not None else logits).argmax(-1, keepdim=True)
-        ids = torch.cat([ids, nxt], 1)
+        ids = torch.cat([ids, pick(rows.mask(logits) if rows is not None else logits)], 1)
         if ids.shape[1] < length:
-            step = forward(model, nxt, step)
+            step = forward(model, ids[:, -1:], step)
     return ids.cpu()
 
 
