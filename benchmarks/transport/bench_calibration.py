@@ -9,6 +9,8 @@ The fine-tune, the target and (for a LoRA adapter) PEFT's own merge of it are sc
     python benchmarks/transport/bench_calibration.py --case chat                  # bench-gpt2-chat 0 → bench-gpt2 1
     python benchmarks/transport/bench_calibration.py --case chat-lora --variants default data-free
     python benchmarks/transport/bench_calibration.py --case ft                    # bench-gpt2-ft (KJV) 0 → 1
+    python benchmarks/transport/bench_calibration.py --case ft-lora               # bench-gpt2-ft as a LoRA adapter
+    python benchmarks/transport/bench_calibration.py --case qwen3-chat            # bench-qwen3-chat 0 → bench-qwen3 1
 
 Prints one row per model: task loss (chat tokens left out), the share of the target-to-fine-tune
 gap closed, KL to the fine-tune, `<|im_end|>` top-1 at turn ends and greedy replies that end their
@@ -34,6 +36,8 @@ CASES = {  # base, fine-tune, target (zoo names), whether it is a chat fine-tune
     "chat": ("bench-gpt2-seed0", "bench-gpt2-chat-seed0", "bench-gpt2-seed1", True),
     "chat-lora": ("bench-gpt2-seed0", "bench-gpt2-chat-lora-seed0", "bench-gpt2-seed1", True),
     "ft": ("bench-gpt2-seed0", "bench-gpt2-ft-seed0", "bench-gpt2-seed1", False),
+    "ft-lora": ("bench-gpt2-seed0", "bench-gpt2-ft-lora-seed0", "bench-gpt2-seed1", False),
+    "qwen3-chat": ("bench-qwen3-seed0", "bench-qwen3-chat-seed0", "bench-qwen3-seed1", True),
 }
 VARIANTS: dict[str, Any] = {
     "data-free": False,

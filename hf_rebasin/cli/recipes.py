@@ -69,7 +69,9 @@ def add_zoo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "and vit (head width kept) for models of different widths, 2 to 7 min; gpt2-d96-h4: gpt2's 4 heads, each "
             "wider; one CPU core each; and the benchmark zoo, models closer to released ones that defaults are chosen on: bench-gpt2, "
             "bench-modernbert, bench-vit, bench-qwen3, bench-gemma2, 4 layers of width 128, 20 to 45 min each, and bench-gpt2-ft, bench-gpt2 fine-tuned "
-            "on the King James Bible, pip install 'hf-rebasin[bench]'). Prints one folder per seed; recipes "
+            "on the King James Bible (bench-gpt2-ft-lora: as a LoRA adapter), bench-gpt2-chat, bench-qwen3-chat: "
+            "fine-tuned on it as ChatML dialogue (bench-gpt2-chat-lora: as a LoRA adapter), about 5 min each, pip "
+            "install 'hf-rebasin[bench]'). Prints one folder per seed; recipes "
             "name them as zoo:KIND-seedN."
         ),
     )

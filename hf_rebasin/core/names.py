@@ -135,6 +135,8 @@ Kind = Literal[
     "bench-gemma2",
     "bench-gpt2-chat",
     "bench-gpt2-chat-lora",
+    "bench-qwen3-chat",
+    "bench-gpt2-ft-lora",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 

@@ -22,6 +22,8 @@ MAX_RANK = 1 << 16
 MAX_BATCH = 1 << 16
 MAX_SEED = 2**32 - 1
 MAX_HELD_OUT = 256  # held-out sequences measured before and after: enough for a rate, cheap to score
+STEPS = 400  # the default budget of a full model's correction
+ADAPTER_STEPS = 800  # of an adapter's own factors: at 400 steps half as many of its greedy replies end
 
 
 class Calibrate(Section):
@@ -34,7 +36,14 @@ class Calibrate(Section):
         "layer, folded into the weights), `full` (every parameter). A LoRA adapter fits its own factors",
     )
     rank: int = Field(8, ge=1, le=MAX_RANK, strict=True, description="rank of the low-rank correction")
-    steps: int = Field(200, ge=1, le=MAX_STEPS, strict=True, description="optimizer steps (the budget)")
+    steps: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_STEPS,
+        strict=True,
+        description=f"optimizer steps (the budget); default {STEPS}, or {ADAPTER_STEPS} for a LoRA adapter, whose "
+        "few factors need more steps to end its chat turns",
+    )
     batch_size: int = Field(16, ge=1, le=MAX_BATCH, strict=True, description="sequences per step")
     learning_rate: float = Field(
         2e-3, gt=0, le=1, strict=True, allow_inf_nan=False, description="AdamW's rate (warm-up, then cosine)"
@@ -55,7 +64,8 @@ class Calibrate(Section):
         strict=True,
         allow_inf_nan=False,
         description="share of each batch the moved model writes itself (a prefix of the calibration text "
-        "continued greedily) for the fine-tune to correct: where its own text goes, a loop or a turn never ended",
+        "continued greedily; for a chat model, a reply after a user turn) for the fine-tune to correct: where its "
+        "own text goes, a loop or a turn never ended",
     )
     divergence: Literal["forward", "reverse", "symmetric"] = Field(
         "forward",
@@ -68,7 +78,7 @@ class Calibrate(Section):
         "else text the fine-tune writes itself (through its chat template where it has one)",
     )
     samples: int = Field(
-        256,
+        1024,
         ge=2,
         le=MAX_SAMPLES,
         strict=True,
@@ -97,15 +107,24 @@ class Calibrate(Section):
         """The held-out sequences: ``held_out`` of ``samples``, at least 1 and 256 at most, one left to fit on."""
         return min(self.samples - 1, max(1, min(MAX_HELD_OUT, round(self.held_out * self.samples))))
 
+    def budget(self, adapter: bool) -> int:
+        """The steps to fit for: the recipe's, else the default of a full model or of an adapter."""
+        return self.steps if self.steps is not None else ADAPTER_STEPS if adapter else STEPS
+
     def describe(self) -> str:
         """One line for the dry run and the card."""
         parts = {"rows": "new tokens' rows", "norms": "norms, biases and new rows", "full": "every parameter"}
         what = parts.get(self.fit, f"a rank-{self.rank} correction of every linear layer, norms, biases and new rows")
         text = "its `data`" if self.data is not None else "the recipe's data, else text the fine-tune writes"
         guard = f"guard {self.guard:g} (text the target writes)" if self.guard else "no guard"
+        block = self.block_size or 128
+        tokens = self.budget(False) * self.batch_size * block * (2 if self.guard else 1)
+        steps = f"{STEPS} steps ({ADAPTER_STEPS} for a LoRA adapter)" if self.steps is None else f"{self.steps} steps"
         return (
-            f"{what}; {self.steps} steps of {self.batch_size} sequences, learning rate {self.learning_rate:g}; "
-            f"{self.samples} sequences ({self.held} held out) of {text}; {guard}; seed {self.seed}"
+            f"{what}; {steps} of {self.batch_size} sequences, learning rate {self.learning_rate:g} "
+            f"({tokens:,} tokens through the moved model at {'up to ' if self.block_size is None else ''}{block} a "
+            f"sequence{', half of them the guard' if self.guard else ''}); {self.samples} sequences "
+            f"({self.held} held out) of {text}; {guard}; seed {self.seed}"
         )
 
 

@@ -143,7 +143,9 @@ def _bar(ws: Workspace) -> Any:
 
 
 def lesson_of(models: TransportRoles[LoadedModel], t: Texts, ws: Workspace) -> Lesson:
-    return Lesson(models.finetune.model, t.train, _rows(ws, 2), models.target.model, t.guard, _rows(ws, 0))
+    return Lesson(
+        models.finetune.model, t.train, _rows(ws, 2), models.target.model, t.guard, _rows(ws, 0), tuple(t.reply_tail)
+    )
 
 
 def new_rows(ws: Workspace) -> Tensor:
@@ -205,7 +207,8 @@ def fit_and_measure(
     teacher, rows = models.finetune.model, _rows(ws, 2)
     own = _measure(teacher, teacher, t, rows, prompts, tokens)
     before = _measure(student, teacher, t, rows, prompts, tokens)
-    budget = Budget(cal.steps, cal.batch_size, cal.learning_rate, cal.guard, cal.seed, cal.on_policy, cal.divergence)
+    steps = cal.budget(fitted.fit == "adapter")
+    budget = Budget(steps, cal.batch_size, cal.learning_rate, cal.guard, cal.seed, cal.on_policy, cal.divergence)
     stage = f"calibrating ({fitted.fit})"
     distill(student, lesson_of(models, t, ws), fitted, budget, progress=lambda d, n, _: ws.progress(stage, d, n))
     after = _measure(student, teacher, t, rows, prompts, tokens)
@@ -221,7 +224,7 @@ def fit_and_measure(
         fit=fitted.fit,
         fitted=fitted.size,
         rank=cal.rank if fitted.fit == "low-rank" else None,
-        steps=cal.steps,
+        steps=steps,
         guard=cal.guard,
         seconds=time.perf_counter() - start,
         text=t.about | ({"reply_prompts": len(prompts), "reply_tokens": tokens} if prompts else {}),

@@ -147,3 +147,32 @@ def test_todays_families_at_the_benchmark_size_have_grouped_heads_and_a_gated_ml
     assert abs(gated - 2 * 128 * 512) / (2 * 128 * 512) < 0.04  # GPT-2's c_fc and c_proj weights
     hashes = {zoo.config_hash(k, zoo.DEFAULT_CONFIGS[k]) for k in ("bench-gpt2", "bench-qwen3", "bench-gemma2")}
     assert len(hashes) == 3
+
+
+@pytest.mark.slow  # trains a base, then its LoRA adapter (a few seconds)
+def test_a_task_adapter_is_a_peft_adapter_on_its_zoo_base_with_its_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    base_cfg = _small(
+        "bench-gpt2", plays=("macbeth",), vocab_size=300, steps=2, hidden_size=32, num_layers=1, eval_tokens=512
+    )
+    base = train.cached_model("bench-gpt2", 0, tmp_path, config=base_cfg)
+    cached = train.cached_model
+    monkeypatch.setattr(
+        train, "cached_model", lambda kind, seed, *a, **k: base if kind == "bench-gpt2" else cached(kind, seed, *a, **k)
+    )
+    cfg = _small("bench-gpt2-ft-lora", steps=2, eval_tokens=512)
+    adapter = train.cached_model("bench-gpt2-ft-lora", 0, tmp_path, config=cfg)
+    written = json.loads((adapter / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == "zoo:bench-gpt2-seed0" and written["r"] == 16
+    assert json.loads((adapter / "tokenizer.json").read_text()) == json.loads((base / "tokenizer.json").read_text())
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(adapter))
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())  # it trained
+    first = data.kjv_text(split="test")
+    from transformers import PreTrainedTokenizerFast
+
+    ids = train.held_out_batches(adapter)[0]["input_ids"][0]  # scored on its base's context, on the Bible
+    assert first.startswith(PreTrainedTokenizerFast.from_pretrained(str(adapter)).decode(ids))

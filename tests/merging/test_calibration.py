@@ -152,3 +152,20 @@ def test_distillation_recovers_a_known_perturbation_of_the_teacher() -> None:
     history = distill(student, lesson, fitted, Budget(steps=300, batch_size=16, learning_rate=5e-2, guard=0, seed=0))
     after = kl(teacher, student, text, rows, 16)
     assert before > 0.05 and after < before / 20 and history[-1] < history[0]
+
+
+def test_on_policy_replies_start_where_the_texts_replies_start() -> None:
+    from hf_rebasin.merging.calibration.distill import _reply_prefixes
+
+    tail = (7, 8, 9)  # a user turn's end and the opening of a reply
+    text = torch.randint(10, 30, (6, 32), generator=torch.Generator().manual_seed(0))
+    text[0, 6:9] = torch.tensor(tail)  # a reply starting at 9: inside [32 // 8, 32 // 2]
+    text[1, 10:13] = torch.tensor(tail)  # at 13
+    text[2, 25:28] = torch.tensor(tail)  # at 28: no room left for a reply, never a prefix
+    lesson = Lesson(None, text, Rows(), reply_tail=tail)
+    prefixes = _reply_prefixes(lesson, 12, torch.Generator().manual_seed(1))
+    assert prefixes is not None and prefixes.shape == (12, 9)  # cut to the shortest, so they stack
+    ends = {tuple(p.tolist()) for p in prefixes}
+    assert ends <= {tuple(text[0, :9].tolist()), tuple(text[1, 4:13].tolist())} and len(ends) == 2
+    assert all(p[-3:].tolist() == list(tail) for p in prefixes)
+    assert _reply_prefixes(Lesson(None, text[3:], Rows(), reply_tail=tail), 4, torch.Generator()) is None

@@ -167,6 +167,6 @@ def test_the_dry_run_says_what_calibration_will_fit_and_on_which_text(tmp_path: 
     done = _run(tmp_path, _body(folders), "--dry-run")
     assert done.returncode == 0, done.stderr
     text = flat(done.stdout)
-    assert "calibrate:" in text and "rank-8 correction" in text and "200 steps" in text
+    assert "calibrate:" in text and "rank-8 correction" in text and "400 steps (800 for a LoRA adapter)" in text
     off = _run(tmp_path, _body(folders, calibrate=False), "--dry-run")
     assert "calibrate: no (the data-free transport)" in flat(off.stdout)

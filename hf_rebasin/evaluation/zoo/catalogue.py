@@ -101,7 +101,7 @@ class GPT2FineTuneConfig:
 
 @dataclass(frozen=True)
 class ChatFineTuneConfig:
-    """A chat fine-tune of a zoo GPT-2 (``base``, the same seed): ChatML's ``<|im_start|>`` and
+    """A chat fine-tune of a zoo causal LM (``base``, the same seed): ChatML's ``<|im_start|>`` and
     ``<|im_end|>`` added to its tokenizer as special tokens and the embeddings resized (new rows at
     the mean of the old, as transformers' ``resize_token_embeddings`` does), then trained on the
     speeches of ``plays`` as ChatML turns (`data.chatml_dialogue`), the way the PEFT guide "LoRA
@@ -138,6 +138,15 @@ class ChatLoraConfig:
     target_modules: tuple[str, ...] = ("c_attn", "c_proj", "c_fc")
     plays: tuple[str, ...] = ()
     eval_tokens: int = 65536
+
+
+@dataclass(frozen=True)
+class DomainLoraConfig(ChatLoraConfig):
+    """`DomainFineTuneConfig`'s fine-tune as a PEFT LoRA adapter (``ChatLoraConfig``'s layers, rank and
+    rate), no token added: a task adapter that shares its base's vocabulary."""
+
+    corpus: str = "kjv"
+    eval_tokens: int = 131072
 
 
 @dataclass(frozen=True)
@@ -543,6 +552,9 @@ DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
         lr=1e-3,
         options=(("query_pre_attn_scalar", 32),),
     ),
+    # bench-gpt2-chat's fine-tune of the Qwen3-shaped model (the same rate: bench-qwen3 trains at bench-gpt2's)
+    "bench-gpt2-ft-lora": DomainLoraConfig(),
+    "bench-qwen3-chat": ChatFineTuneConfig(base="bench-qwen3", corpus="kjv-chatml", steps=1000, lr=5e-4, warmup=50),
 }
 
 

@@ -42,6 +42,7 @@ from hf_rebasin.evaluation.zoo.catalogue import (
     ChatFineTuneConfig,
     ChatLoraConfig,
     DomainFineTuneConfig,
+    DomainLoraConfig,
     GPT2FineTuneConfig,
     GPT2LoraConfig,
     GPT2NextConfig,
@@ -143,7 +144,7 @@ def lora_tiny_gpt2(
     ``base_model_name_or_path`` is ``zoo:gpt2-seed<seed>``, the way a recipe names its base.
     """
     try:
-        from peft import LoraConfig, get_peft_model
+        import peft  # noqa: F401
     except ImportError:
         raise ModelNotFoundError(
             "the zoo's LoRA adapters are trained with peft: pip install 'hf-rebasin[peft]'"
@@ -154,23 +155,27 @@ def lora_tiny_gpt2(
     base, tokenizer, train, test = _finetune_data(seed, cfg.plays, cfg.eval_tokens)
 
     def build() -> Any:
-        lora = LoraConfig(
-            r=cfg.rank,
-            lora_alpha=cfg.lora_alpha,
-            target_modules=list(cfg.target_modules),
-            fan_in_fan_out=True,  # GPT-2's Conv1D stores weights as [in, out]
-            lora_dropout=0.0,
-        )
-        return get_peft_model(GPT2LMHeadModel.from_pretrained(str(base)), lora)
+        return _with_lora(GPT2LMHeadModel.from_pretrained(str(base)), cfg)
 
     folder = run_text(
         "gpt2-lora", seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads
     )
-    adapter_config = folder / "adapter_config.json"
-    written = json.loads(adapter_config.read_text())
-    written["base_model_name_or_path"] = f"zoo:gpt2-seed{seed}"
-    adapter_config.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
-    return folder
+    return _on_zoo_base(folder, "gpt2", seed)
+
+
+def _with_lora(model: Any, cfg: GPT2LoraConfig | ChatLoraConfig, **options: Any) -> Any:
+    """``model`` with PEFT LoRA on ``cfg``'s layers at its rank (GPT-2's Conv1D stores weights as [in, out])."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.lora_alpha,
+        target_modules=list(cfg.target_modules),
+        fan_in_fan_out=True,
+        lora_dropout=0.0,
+        **options,
+    )
+    return get_peft_model(model, lora)
 
 
 def finetune_on_domain(
@@ -258,7 +263,6 @@ def lora_chat(
 ) -> Path:
     """`ChatLoraConfig`: a LoRA adapter with ChatML's tokens as trainable tokens on the zoo GPT-2
     ``config.base`` of ``seed``, resized; saved as an adapter with its tokenizer."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     cfg = config or ChatLoraConfig()
@@ -268,20 +272,40 @@ def lora_chat(
     def build() -> Any:
         model = AutoModelForCausalLM.from_pretrained(str(base))
         model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-        lora = LoraConfig(
-            r=cfg.rank,
-            lora_alpha=cfg.lora_alpha,
-            target_modules=list(cfg.target_modules),
-            fan_in_fan_out=True,  # GPT-2's Conv1D stores weights as [in, out]
-            lora_dropout=0.0,
-            trainable_token_indices={"wte": list(new_ids)},
-        )
-        return get_peft_model(model, lora)
+        return _with_lora(model, cfg, trainable_token_indices={"wte": list(new_ids)})
 
     folder = run_text(kind, seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads)
+    return _on_zoo_base(folder, cfg.base, seed)
+
+
+def lora_on_domain(
+    kind: Kind,
+    seed: int,
+    out_dir: Path,
+    config: DomainLoraConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """`DomainLoraConfig`: a LoRA adapter on the zoo model ``config.base`` of ``seed``, trained on
+    ``config.corpus`` with its base's tokenizer; saved as an adapter."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = config or DomainLoraConfig()
+    base, tokenizer, train, test = _finetune_data(seed, None, cfg.eval_tokens, base_kind=cfg.base, corpus=cfg.corpus)
+
+    def build() -> Any:
+        return _with_lora(AutoModelForCausalLM.from_pretrained(str(base)), cfg)
+
+    folder = run_text(kind, seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads)
+    return _on_zoo_base(folder, cfg.base, seed)
+
+
+def _on_zoo_base(folder: Path, base: str, seed: int) -> Path:
+    """``folder``'s adapter names its base as a recipe does (``zoo:KIND-seedN``), not a cache path."""
     adapter_config = folder / "adapter_config.json"
     written = json.loads(adapter_config.read_text())
-    written["base_model_name_or_path"] = f"zoo:{cfg.base}-seed{seed}"
+    written["base_model_name_or_path"] = f"zoo:{base}-seed{seed}"
     adapter_config.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     return folder
 
@@ -336,6 +360,7 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
         if isinstance(config, DomainFineTuneConfig)
     },
     "bench-gpt2-chat-lora": functools.partial(lora_chat, "bench-gpt2-chat-lora"),
+    "bench-gpt2-ft-lora": functools.partial(lora_on_domain, "bench-gpt2-ft-lora"),
     **{
         kind: functools.partial(finetune_chat, kind)
         for kind, config in DEFAULT_CONFIGS.items()
@@ -408,9 +433,7 @@ def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tenso
     if "block_size" in cfg:  # the blocks it was trained on (XLM-R's positions are 2 more)
         block = int(cfg["block_size"])
     else:  # trained on top of the zoo GPT-2: its context
-        on = {"gpt2-lora": "gpt2", "bench-gpt2-chat-lora": cfg.get("base", "bench-gpt2")}.get(
-            kind
-        )  # an adapter: its base's
+        on = "gpt2" if kind == "gpt2-lora" else cfg.get("base") if kind.endswith("-lora") else None  # an adapter's base
         block = _block(cached_model(on, int(record["seed"])) if on else Path(folder))
     blocks = data.text_blocks(tokenizer, text, block, max_tokens=cfg["eval_tokens"])
     if TASKS.get(kind) == "masked-lm":

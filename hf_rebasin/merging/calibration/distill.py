@@ -47,6 +47,7 @@ class Lesson:
     guard: Any | None = None
     guard_text: Tensor | None = None
     guard_rows: Rows = field(default_factory=Rows)
+    reply_tail: tuple[int, ...] = ()  # the chat template's ids from a user turn's end to a reply's first word
 
 
 def _kl(
@@ -133,15 +134,38 @@ class _Pool:
 
     def take(self, student: Any, lesson: Lesson, n: int, gen: torch.Generator) -> Tensor:
         if self.text is None or self.age >= REFRESH:
-            prefixes = lesson.text[torch.randint(0, len(lesson.text), (n,), generator=gen)]
-            length = prefixes.shape[1]
-            cut = int(torch.randint(max(1, length // 8), max(2, length // 2), (1,), generator=gen))
+            length = lesson.text.shape[1]
+            prefixes = _reply_prefixes(lesson, n, gen) if lesson.reply_tail else None
+            if prefixes is None:
+                rows = lesson.text[torch.randint(0, len(lesson.text), (n,), generator=gen)]
+                cut = int(torch.randint(max(1, length // 8), max(2, length // 2), (1,), generator=gen))
+                prefixes = rows[:, :cut]
             student.eval()
-            self.text = continued(student, prefixes[:, :cut], length, lesson.teacher_rows)
+            self.text = continued(student, prefixes, length, lesson.teacher_rows)
             student.train()
             self.age = 0
         self.age += 1
         return self.text
+
+
+def _reply_prefixes(lesson: Lesson, n: int, gen: torch.Generator) -> Tensor | None:
+    """``n`` prefixes that each end where an assistant's reply starts (a user turn, its end and the
+    template's reply opening), cut to the shortest so they stack: the student then writes replies,
+    where a loop or a turn never ended is what a user meets. None when the text has no reply that
+    starts early enough to leave a reply's room."""
+    text, tail = lesson.text, torch.tensor(lesson.reply_tail)
+    length, k = text.shape[1], len(lesson.reply_tail)
+    windows = text.unfold(1, k, 1)  # (rows, starts, k)
+    row, at = torch.nonzero((windows == tail).all(-1), as_tuple=True)
+    cut = at + k
+    ok = (cut >= max(k + 1, length // 8)) & (cut <= length // 2)
+    row, cut = row[ok], cut[ok]
+    if len(row) == 0:
+        return None
+    pick = torch.randint(0, len(row), (n,), generator=gen)
+    row, cut = row[pick], cut[pick]
+    keep = int(cut.min())
+    return torch.stack([text[r, c - keep : c] for r, c in zip(row.tolist(), cut.tolist(), strict=True)])
 
 
 def _batch(student: Any, lesson: Lesson, budget: Budget, gen: torch.Generator, pool: _Pool) -> Tensor:
