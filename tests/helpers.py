@@ -78,3 +78,21 @@ def assert_user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> 
     for needle in needles:
         assert needle in err, (needle, proc.stderr)
     return err
+
+
+def sparse_bf16_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
+    """A safetensors file whose header states ``shapes`` in bfloat16 and whose data are a hole (a
+    sparse file): what a plan reads of a 7B-class checkpoint, without its bytes on disk."""
+    import json
+    import math
+    import struct
+
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + 2 * math.prod(shape)]}
+        offset += 2 * math.prod(shape)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as h:
+        h.write(struct.pack("<Q", len(raw)) + raw)
+        h.truncate(8 + len(raw) + offset)

@@ -79,7 +79,11 @@ a ``job: transport`` recipe per strategy: ``base`` seed 0, ``finetuned`` the fin
 seed 1, ``alpha: 1.0``, ``cache: true``. The alignment cache lives under ``--cache-root`` (set as
 ``$HF_REBASIN_CACHE`` for every run; ``--clear-cache`` empties it first), so a second run of the
 same transport reads the alignment back: its ``align`` ≈ 0 and the ``cache`` column (hits/misses
-of ``rebasin.json``) shows the hit.
+of ``rebasin.json``) shows the hit. The transport is data-free (``calibrate: false``) unless
+``--calibrate STEPS`` is given: then the fine-tune writes ``--samples`` sequences of 128 tokens with
+the character tokenizer above (a quarter held out), and the moved model is fitted for STEPS steps. The
+transport still streams; calibration then holds the fine-tune and the target as stored and the
+student in float32, and the peak RSS against the dry run's estimate is what this measures.
 """
 
 from __future__ import annotations
@@ -601,9 +605,11 @@ def recipe_of(
     models: dict[str, Path],
     max_iter: int | None,
     text: dict[str, Any] | None = None,
+    calibrate: dict[str, Any] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The recipe (dict) of ``job`` and its name, without an output folder yet; ``text`` is the
-    alignment data section of a strategy that reads data."""
+    alignment data section of a strategy that reads data; ``calibrate``: a transport's
+    calibration settings (None: ``calibrate: false``, the data-free transport)."""
     if job == "merge":
         name = f"{shape}-{layout}-{strategy}"
         body: dict[str, Any] = {
@@ -623,7 +629,10 @@ def recipe_of(
             "strategy": strategy_spec(strategy, max_iter),
             "alpha": 1.0,
             "cache": True,
+            "calibrate": calibrate if calibrate is not None else False,
         }
+        if calibrate is not None:
+            name += "-calibrated"
     if strategy in DATA_STRATEGIES:
         if text is None:
             raise SystemExit(f"{strategy} reads alignment text: give `text`")
@@ -808,13 +817,18 @@ def run_one(
     base: int | None,
 ) -> list[Result]:
     from hf_rebasin.recipe import load_recipe
-    from hf_rebasin.run.plan import streams
+    from hf_rebasin.run.memory import streams
 
     text = None
     if strategy in DATA_STRATEGIES:
         corpus = alignment_text(root, models, args.tokens)
         text = {"dataset": "text", "data_files": str(corpus), "max_tokens": args.tokens, "block_size": args.block_size}
-    name, body = recipe_of(job, root, shape, args.layout, strategy, models, args.max_iter, text)
+    calibrate = None
+    if job == "transport" and args.calibrate:
+        alignment_text(root, models, args.tokens)  # the tokenizer the fine-tune writes its text with
+        calibrate = {"steps": args.calibrate, "samples": args.samples, "block_size": 128, "held_out": 0.25}
+        calibrate["batch_size"] = args.calibrate_batch
+    name, body = recipe_of(job, root, shape, args.layout, strategy, models, args.max_iter, text, calibrate)
     recipe_path, output = write_recipe(root, name, body)
     model_bytes = disk_bytes(next(iter(models.values())))
     estimated, line = dry_run_estimate(recipe_path)
@@ -967,6 +981,13 @@ def main() -> None:
     p.add_argument("--max-iter", type=int, default=None, help="passes (max_iter / iterations) of iterative strategies")
     p.add_argument("--tokens", type=int, default=64 * 512, help="head-perm: tokens of alignment text (data.max_tokens)")
     p.add_argument("--block-size", type=int, default=512, help="head-perm: tokens per sequence (data.block_size)")
+    p.add_argument("--calibrate", type=int, default=0, help="transport: calibrate for this many steps (0: data-free)")
+    p.add_argument(
+        "--samples", type=int, default=32, help="--calibrate: sequences the fine-tune writes (a quarter held out)"
+    )
+    p.add_argument(
+        "--calibrate-batch", type=int, default=16, help="--calibrate: sequences a step (calibrate.batch_size)"
+    )
     p.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per run (default 3 hours)")
     p.add_argument("--compare-in-memory", action="store_true", help="also run the in-memory path; compare outputs")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")

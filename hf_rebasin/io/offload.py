@@ -20,7 +20,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["empty_model", "loaded", "offloaded"]
+__all__ = ["empty_model", "loaded", "materialized", "offloaded"]
 
 
 def empty_model(cls: type[PreTrainedModel], config: Any) -> PreTrainedModel:
@@ -30,6 +30,41 @@ def empty_model(cls: type[PreTrainedModel], config: Any) -> PreTrainedModel:
     with init_empty_weights(include_buffers=False):
         model = cls(config)
     return model.eval()
+
+
+def materialized(
+    cls: type[PreTrainedModel],
+    config: Any,
+    state: Mapping[str, Tensor],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> PreTrainedModel:
+    """A whole model of ``cls`` holding ``state``'s tensors (a `LazyState` read one tensor at a
+    time), in ``dtype`` where given (floating tensors), on ``device``: built on ``meta`` and
+    filled, so neither a random initialisation (minutes at 7B) nor a second copy is ever made.
+    A parameter the class ties (an LM head on its embedding) is read once and stays tied."""
+    model = empty_model(cls, config)
+    model.tie_weights()  # on meta: a tied head is then one parameter, read once
+    device = torch.device(device)
+    persistent = set(model.state_dict(keep_vars=True))
+    filled: dict[int, tuple[Any, nn.Parameter]] = {}  # id(meta parameter) -> (it, its replacement)
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for n, meta in list(module._parameters.items()):
+            if meta is None:
+                continue
+            if id(meta) not in filled:
+                value = state[f"{prefix}{n}"]
+                if dtype is not None and value.is_floating_point():
+                    value = value.to(dtype)
+                filled[id(meta)] = (meta, nn.Parameter(value.to(device), requires_grad=False))
+            module._parameters[n] = filled[id(meta)][1]
+        for n, b in list(module._buffers.items()):
+            if f"{prefix}{n}" in persistent and n not in module._non_persistent_buffers_set:
+                module._buffers[n] = state[f"{prefix}{n}"].to(device)
+            elif b is not None:
+                module._buffers[n] = b.to(device)
+    return model
 
 
 def _assign(module: nn.Module, name: str, value: Tensor, device: torch.device) -> Any:

@@ -9,6 +9,7 @@ the models were loaded into), so the moved weights come back in the form the wri
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,10 +19,12 @@ import torch
 from torch import Tensor
 
 from hf_rebasin.core.errors import DataError, IncompatibleModelsError, ModelNotFoundError
+from hf_rebasin.core.lazy import LazyState
 from hf_rebasin.core.roles import TransportRoles
 from hf_rebasin.evaluation.scores import Calibration, Measured
 from hf_rebasin.io.models import LoadedModel
-from hf_rebasin.io.rebuild import rebuilt
+from hf_rebasin.io.offload import materialized
+from hf_rebasin.io.rebuild import output_config, rebuilt
 from hf_rebasin.merging.calibration.distill import Budget, Lesson, distill, kl, replies_ended, turn_end_rate
 from hf_rebasin.merging.calibration.fit import Fitted, fittable
 from hf_rebasin.merging.calibration.text import opening, plain_start, reply_tail, self_written, turn_end
@@ -31,7 +34,7 @@ from hf_rebasin.run.checks import cannot_calibrate
 from hf_rebasin.run.data import BatchSpec, _block_size, batches, data_processor, processor
 from hf_rebasin.run.load import Workspace
 
-__all__ = ["Texts", "calibrated", "fit_and_measure", "new_rows", "settings", "texts"]
+__all__ = ["Texts", "calibrated", "fit_and_measure", "new_rows", "settings", "texts", "whole"]
 
 REPLY_PROMPTS = 16  # held-out user turns the replies are measured on
 REPLY_TOKENS = 96  # new tokens a reply may take to end its turn
@@ -180,19 +183,46 @@ def _measure(model: Any, teacher: Any, t: Texts, rows: Rows, prompts: list[list[
 
 def calibrated(
     ws: Workspace, models: TransportRoles[LoadedModel], template: Any, state: Mapping[str, Tensor], untie: bool
-) -> tuple[dict[str, Tensor], Calibration]:
+) -> tuple[Mapping[str, Tensor], Calibration]:
     """``state`` (the moved model's weights, working rows) fitted to the fine-tune, and the record."""
     cal = settings(ws)
     start = time.perf_counter()
+    models = whole(ws, models)
     t = texts(ws, models, cal)
-    student = rebuilt(template, state, untie).float()
+    student = _student(ws, template, state, untie)
     fitted = fittable(student, cal.fit, rank=cal.rank, new_rows=new_rows(ws), seed=cal.seed)
     record = fit_and_measure(ws, models, student, fitted, t, start)
     if not record.kept:
-        return dict(state), record
+        return state, record
     fitted.fold()
     fitted_state = student.state_dict()
-    return {n: fitted_state[n].detach().to(state[n].dtype) for n in state}, record
+    dtype = state.dtype if isinstance(state, LazyState) else (lambda n: state[n].dtype)
+    return {n: fitted_state[n].detach().to(dtype(n)) for n in state}, record
+
+
+def whole(ws: Workspace, models: TransportRoles[LoadedModel]) -> TransportRoles[LoadedModel]:
+    """``models`` with the fine-tune and (with a guard) the target in memory, where the transport
+    streamed them: read once from their files into their class, in the dtype they are stored in
+    (bfloat16 or float16; float32 otherwise). Only these run (teacher and guard); the base stays on
+    disk."""
+
+    def loaded(lm: LoadedModel) -> LoadedModel:
+        if lm.source is None:
+            return lm
+        dtype = lm.stored_dtype if lm.stored_dtype in (torch.bfloat16, torch.float16) else torch.float32
+        model = materialized(type(lm.model), lm.model.config, lm.source, ws.device, dtype)
+        return dataclasses.replace(lm, model=model, source=None)
+
+    target = loaded(models.target) if settings(ws).guard > 0 else models.target
+    return dataclasses.replace(models, finetune=loaded(models.finetune), target=target)
+
+
+def _student(ws: Workspace, template: Any, state: Mapping[str, Tensor], untie: bool) -> Any:
+    """The moved model in float32, to fit: a streamed transport's weights are computed once, tensor
+    by tensor, into a model built without a random initialisation."""
+    if isinstance(state, LazyState):
+        return materialized(type(template), output_config(template, untie), state, ws.device, torch.float32)
+    return rebuilt(template, state, untie).float()
 
 
 def fit_and_measure(

@@ -160,9 +160,11 @@ def _loading_notes(
         where = f"; tensor math on {on}" + (
             " (MPS has no float64: forward passes only on mps)" if dev.type == "mps" else ""
         )
+        why = f"a {recipe.job} without evaluation needs no model whole in memory"
+        if getattr(recipe, "calibrate", None) is not None:
+            why += "; calibration then holds the fine-tune and the target as stored, and the moved model it fits"
         notes.append(
-            "weights streamed: read from the safetensors files one tensor at a time and written the same way "
-            f"(a {recipe.job} without evaluation needs no model whole in memory){where}"
+            f"weights streamed: read from the safetensors files one tensor at a time and written the same way ({why}){where}"
         )
     return notes
 

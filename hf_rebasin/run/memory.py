@@ -24,6 +24,7 @@ from hf_rebasin.core.roles import Roles, TransportRoles
 from hf_rebasin.io.files import read_config, read_header
 from hf_rebasin.io.gate import safetensors_files
 from hf_rebasin.io.schemas import SAFETENSORS_DTYPES
+from hf_rebasin.merging.calibration.distill import CHECKPOINT_BYTES
 from hf_rebasin.recipe import Recipe
 from hf_rebasin.recipe.jobs import get_job
 from hf_rebasin.run.resolve import PlannedModel
@@ -195,11 +196,12 @@ class MemoryEstimate:
                 f"{self.learned_limit / 1e6:,.0f}M parameters here. Drop `learned` (the data-free alignment streams "
                 "without `evaluate` and `data`), use a machine with more memory"
             )
-        elif not self.streamed and "calibration" in self.how:
+        elif "calibration" in self.how:
             hint = (
-                "Calibration holds the fine-tune, the target and the student whole: set `calibrate: false` (the "
-                "data-free transport, which streams its models tensor by tensor without `evaluate` and `data`), use a "
-                "machine with more memory"
+                "Calibration holds the fine-tune and the target as stored and the student in float32: set "
+                "`calibrate: false` (the data-free transport, which streams its models tensor by tensor), "
+                + ("" if self.streamed else "remove `evaluate` (the transport then streams before it calibrates), ")
+                + "use a machine with more memory"
             )
         elif not self.streamed:
             hint = (
@@ -247,6 +249,8 @@ def estimate(
             peak += hidden_states + layer + moments
             assumed = "" if recipe.data.max_tokens else ", assumed: set data.max_tokens"
             how += f", one layer of each model and the hidden states of {tokens:,} tokens{assumed}"
+        extra, words = _streamed_calibration(recipe, known)
+        peak, how = peak + extra, how + words
         return MemoryEstimate(found, True, peak, avail, how, held=held)
     f32 = [4 * fp.params for fp in known]
     copies = sum(f32)  # every model in float32
@@ -273,19 +277,46 @@ def estimate(
     return MemoryEstimate(found, False, peak, avail, how, learned_limit=limit, held=held)
 
 
+def _streamed_calibration(recipe: Recipe, known: list[ModelFootprint]) -> tuple[int, str]:
+    """What calibration holds after a streamed transport (`run.calibrate.whole`): the fine-tune
+    (the last model) and, with a guard, the target (the first) as stored, and the student."""
+    calibration = _calibration_bytes(recipe, known[0])
+    if not calibration:
+        return 0, ""
+    cal = getattr(recipe, "calibrate", None)
+    guard = known[0] if cal is not None and cal.guard > 0 else None
+    building = 3 * 4 * max(fp.largest for fp in known)  # B, π(τ) and their sum, a tensor at a time
+    held = calibration + building + _as_run(known[-1]) + (_as_run(guard) if guard is not None else 0)
+    return held, (
+        "; then calibration: the fine-tune"
+        + (" and the target" if guard is not None else "")
+        + " as stored, the student in float32 (built tensor by tensor) with its optimizer state and one step's "
+        "activations"
+    )
+
+
+def _as_run(fp: ModelFootprint) -> int:
+    """A model's bytes as calibration runs it: in its stored dtype where that is a float one."""
+    return fp.nbytes if fp.dtype in ("float32", "bfloat16", "float16") else 4 * fp.params
+
+
 def _calibration_bytes(recipe: Recipe, fp: ModelFootprint) -> int:
     """What a transport's calibration adds: the student in float32 (with AdamW's gradient and two
-    moments where every parameter is fitted) and one step's activations of teacher and student
-    (``batch_size × block`` positions: ~16 hidden-wide values a layer, and three vocabulary-wide
-    rows of logits; the vocabulary is taken as the embedding, the largest tensor, over the width)."""
+    moments where every parameter is fitted) and one step's activations (``batch_size × block``
+    positions): ~16 hidden-wide values a layer of teacher and student, and three vocabulary-wide rows
+    of logits (the vocabulary is taken as the embedding, the largest tensor, over the width). Where
+    those activations would pass `CHECKPOINT_BYTES` the student's layers are checkpointed: each
+    layer's input is kept and one layer's activations are live at a time."""
     cal = getattr(recipe, "calibrate", None)
     if cal is None:
         return 0
     student = 4 * fp.params * (4 if cal.fit == "full" else 1)
     positions = cal.batch_size * (cal.block_size or 128)
     vocab = fp.largest // max(fp.hidden, 1) if fp.hidden else 0
-    activations = 2 * 4 * positions * (16 * fp.hidden * fp.layers + 3 * vocab)
-    return student + activations
+    layers = 4 * positions * 16 * fp.hidden * fp.layers  # `activation_bytes` of the student
+    if layers <= CHECKPOINT_BYTES:
+        return student + 2 * (layers + 4 * positions * 3 * vocab)
+    return student + 4 * positions * (fp.hidden * fp.layers + 2 * 16 * fp.hidden + 4 * vocab)
 
 
 def streams(recipe: Recipe) -> bool:

@@ -84,9 +84,20 @@ class Plan:
         lines.extend(self.vocabulary_notes)
         if self.memory is not None:
             lines.extend(self.memory.lines())
+        lines.extend(self.compute_lines())
         lines.append("steps: " + " → ".join(self.step_words()))
         lines.append("checks: models, data files and the output folder are in order; no weights were loaded")
         return lines
+
+    def compute_lines(self) -> list[str]:
+        """A calibrating transport's arithmetic and its time here, once the target's size is known."""
+        cal = getattr(self.recipe, "calibrate", None)
+        known = self.memory.models[0][1] if self.memory is not None and self.memory.models else None
+        if cal is None or known is None:
+            return []
+        from hf_rebasin.run.compute import compute_line
+
+        return [compute_line(cal, known.params, self.device)]
 
     def step_words(self) -> list[str]:
         """The steps the run takes, in words: ``load (streamed) → merge → write → push to org/name``."""

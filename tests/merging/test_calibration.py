@@ -169,3 +169,28 @@ def test_on_policy_replies_start_where_the_texts_replies_start() -> None:
     assert ends <= {tuple(text[0, :9].tolist()), tuple(text[1, 4:13].tolist())} and len(ends) == 2
     assert all(p[-3:].tolist() == list(tail) for p in prefixes)
     assert _reply_prefixes(Lesson(None, text[3:], Rows(), reply_tail=tail), 4, torch.Generator()) is None
+
+
+@pytest.mark.parametrize("make", [_gpt2, lambda: tiny_llama(40, 0)], ids=["gpt2-conv1d", "llama-linear"])
+def test_checkpointed_layers_fit_the_same_correction(make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Activation checkpointing (on where a step's activations would pass 1 GiB) only trades memory
+    for a recomputed forward pass: the fitted factors are the same as without it, and the student
+    comes back without it (so it generates with its key/value cache)."""
+    from hf_rebasin.merging.calibration import distill as module
+
+    teacher, text = make(), _ids()
+    fitted_b, used = [], []
+    real = module._checkpointing
+    monkeypatch.setattr(module, "_checkpointing", lambda s, on: used.append(real(s, on)) or used[-1])
+    for limit in (module.CHECKPOINT_BYTES, 0):
+        monkeypatch.setattr(module, "CHECKPOINT_BYTES", limit)
+        student = copy.deepcopy(teacher)
+        with torch.no_grad():
+            for p in student.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+        fitted = fittable(student, "low-rank", rank=2, new_rows=torch.zeros(0, dtype=torch.long), seed=0)
+        distill(student, Lesson(teacher, text, Rows()), fitted, Budget(5, 3, 1e-2, 0.0, 0, on_policy=0.34))
+        assert not student.is_activation_checkpointing and not student.training
+        fitted_b.append(torch.cat([c.b.detach().flatten() for c in fitted.corrections]))
+    assert used == [False, True] and fitted_b[0].abs().max() > 0
+    torch.testing.assert_close(fitted_b[1], fitted_b[0], rtol=1e-5, atol=1e-7)

@@ -7,16 +7,19 @@ and checks that the moved model ends its turns when it generates."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers as T
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from helpers import assert_user_error, flat, run_main
 from lm_folders import write_recipe
+from streamed import both_ways
 from vocab_models import save_chat_transport, tiny_llama
 
 ENV = {"HF_HUB_OFFLINE": "1", "HF_REBASIN_NO_CACHE": "1"}
@@ -96,6 +99,45 @@ def test_calibrate_false_writes_b_plus_alpha_tau_exactly(tmp_path: Path) -> None
     assert "calibration" not in json.loads((tmp_path / "out" / "rebasin.json").read_text())["transport"]
 
 
+def test_a_streamed_calibration_fits_what_one_held_in_memory_fits(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The transport streams, then calibration loads the fine-tune, the target and the student
+    itself (no random initialisation): the same model as the run that holds everything whole."""
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    folders = _chat_folders(tmp_path)
+    memory, streamed = both_ways(_body(folders, calibrate=SMALL), tmp_path, capsys, monkeypatch, exact=False)
+    records = [json.loads((f / "rebasin.json").read_text()) for f in (memory, streamed)]
+    assert any("weights streamed" in n for n in records[1]["notes"])
+    assert not any("weights streamed" in n for n in records[0]["notes"])
+    kls = [r["transport"]["calibration"]["kl"] for r in records]
+    assert kls[1]["after"] < kls[1]["before"] and kls[1]["before"] == pytest.approx(kls[0]["before"], rel=1e-5)
+    assert kls[1]["after"] == pytest.approx(kls[0]["after"], rel=1e-3)
+
+
+@pytest.mark.parametrize("guard", [1.0, 0.0], ids=["guarded", "no-guard"])
+def test_a_bf16_fine_tune_calibrates_streamed_and_stays_bf16(tmp_path: Path, guard: float) -> None:
+    """bf16 files (as Hub releases are): the teacher and the guard run in bf16, the student is
+    fitted in float32, and the output is written back in bf16 (read from the safetensors header).
+    Without a guard the target is never loaded whole."""
+    folders = _chat_folders(tmp_path)
+    for folder in folders.values():
+        model = T.AutoModelForCausalLM.from_pretrained(str(folder)).to(torch.bfloat16)
+        model.save_pretrained(str(folder))
+    done = _run(tmp_path, _body(folders, calibrate={**SMALL, "guard": guard}))
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as h:
+        assert {h.get_slice(k).get_dtype() for k in h.keys()} == {"BF16"}
+    record = json.loads((out / "rebasin.json").read_text())
+    assert any("weights streamed" in n for n in record["notes"])
+    kl = record["transport"]["calibration"]["kl"]
+    assert record["transport"]["calibration"]["kept"] and kl["after"] < kl["before"]
+    model = T.AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.dtype == torch.bfloat16 and model.config.vocab_size == 66
+
+
 def test_a_calibrated_adapter_stays_an_adapter_peft_loads_on_the_target(tmp_path: Path) -> None:
     peft = pytest.importorskip("peft")
     folders = _chat_folders(tmp_path)
@@ -168,5 +210,8 @@ def test_the_dry_run_says_what_calibration_will_fit_and_on_which_text(tmp_path: 
     assert done.returncode == 0, done.stderr
     text = flat(done.stdout)
     assert "calibrate:" in text and "rank-8 correction" in text and "400 steps (800 for a LoRA adapter)" in text
+    assert re.search(
+        r"compute: calibration ≈ [0-9.e+]+ floating-point operations .* GFLOP/s, measured now\) about", text
+    )
     off = _run(tmp_path, _body(folders, calibrate=False), "--dry-run")
     assert "calibrate: no (the data-free transport)" in flat(off.stdout)

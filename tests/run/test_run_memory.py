@@ -14,6 +14,7 @@ import yaml
 from safetensors import safe_open
 
 import tiny
+from helpers import sparse_bf16_safetensors
 from hf_rebasin.cli import main
 from hf_rebasin.core.errors import CheckpointError
 from hf_rebasin.core.memory import InsufficientMemoryError
@@ -144,3 +145,58 @@ def test_a_calibrating_transport_counts_its_student_and_its_refusal_says_calibra
     small = memory.estimate(calibrating, models, streamed=False, available=without.peak // 4)
     with pytest.raises(InsufficientMemoryError, match="calibrate: false"):
         small.check()
+
+
+def _sparse_mistral7b(folder: Path) -> Path:
+    """Mistral-7B's config and a safetensors file of its tensors' shapes in bfloat16, sparse: the
+    header is real, the 14.5 GB of data are a hole (the estimate reads headers only)."""
+    config = T.MistralConfig(architectures=["MistralForCausalLM"])
+    folder.mkdir(parents=True)
+    config.save_pretrained(str(folder))
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * (d // config.num_attention_heads)
+    shapes = {"model.embed_tokens.weight": [v, d], "lm_head.weight": [v, d], "model.norm.weight": [d]}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {f"{p}self_attn.{x}_proj.weight": [d if x in "qo" else kv, d] for x in "qkvo"}
+        shapes |= {f"{p}mlp.{x}_proj.weight": [f, d] for x in ("gate", "up")} | {f"{p}mlp.down_proj.weight": [d, f]}
+        shapes |= {f"{p}{x}_layernorm.weight": [d] for x in ("input", "post_attention")}
+    sparse_bf16_safetensors(folder / "model.safetensors", shapes)
+    return folder
+
+
+def test_a_calibrating_transport_streams_and_holds_teacher_guard_and_student_only(tmp_path: Path) -> None:
+    """At Mistral-7B's shape (bf16 files): the transport streams, then calibration holds the
+    fine-tune and the target in bf16 and the student in float32, its layers checkpointed:
+    under 80 GiB (one H100), where holding every model whole took 349 GiB."""
+    a, ft, b = (_sparse_mistral7b(tmp_path / n) for n in ("a", "ft", "b"))
+    body = {"job": "transport", "base": str(a), "finetuned": str(ft), "target": str(b), "output": {"dir": "out"}}
+    calibrating = loads_recipe(yaml.safe_dump(body))
+    unguarded = loads_recipe(yaml.safe_dump({**body, "calibrate": {"guard": 0}}))
+    data_free = loads_recipe(yaml.safe_dump({**body, "calibrate": False}))
+    models = [("target.model", b), ("base.model", a), ("finetuned.model", ft)]
+    assert memory.streams(calibrating)
+    fp = memory.footprint(a)
+    assert fp is not None and fp.dtype == "bfloat16"
+    peaks = [memory.estimate(r, models, streamed=True, available=1 << 45) for r in (calibrating, unguarded, data_free)]
+    full, no_guard, free = (p.peak for p in peaks)
+    assert full is not None and no_guard is not None and free is not None
+    assert full - free >= 2 * fp.nbytes + 4 * fp.params  # fine-tune and target as stored, the student in float32
+    assert full - no_guard == fp.nbytes  # without a guard the target is not loaded
+    assert full < 80 * 2**30 < memory.estimate(calibrating, models, streamed=False, available=1 << 45).peak
+    assert "then calibration" in peaks[0].how
+
+
+def test_the_calibration_compute_counts_the_budget_it_runs() -> None:
+    """Operations scale with the model and the steps; a LoRA adapter's doubled budget doubles the
+    fitted part; at 7B shape the default is ~10¹⁷ (six times N per token trained, Kaplan et al.'s
+    rule, gives 6 · 7.2e9 · 1.6e6 = 7e16 for the fitting alone)."""
+    from hf_rebasin.recipe.calibrate import Calibrate
+    from hf_rebasin.run.compute import calibration_flops, matmul_rate
+
+    cal = Calibrate()
+    full, adapter = calibration_flops(cal, 7_241_732_096), calibration_flops(cal, 7_241_732_096, adapter=True)
+    assert 7e16 < full < 2e17 and 1.8 < adapter / full < 2.0
+    assert calibration_flops(cal, 2_000) == 2 * calibration_flops(cal, 1_000)
+    rate, where = matmul_rate("cpu")
+    assert rate > 1e8 and where == "cpu"

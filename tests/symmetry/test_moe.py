@@ -7,10 +7,7 @@ The 3-D expert tensors are read as matrices through a view, checked here against
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import re
-import struct
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ import transformers as T
 import yaml
 
 import tiny
+from helpers import sparse_bf16_safetensors
 from hf_rebasin.alignment.experts import center_routers, fit_router_shifts
 from hf_rebasin.alignment.verify import example_inputs, outputs_of
 from hf_rebasin.cli import main
@@ -264,15 +262,7 @@ def _sparse_mixtral(folder: Path) -> None:
         for j in range(E):
             q = p + f"block_sparse_moe.experts.{j}."
             shapes |= {q + "w1.weight": [f, d], q + "w3.weight": [f, d], q + "w2.weight": [d, f]}
-    header, offset = {}, 0
-    for name, shape in shapes.items():
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + 2 * math.prod(shape)]}
-        offset += 2 * math.prod(shape)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(folder / "model.safetensors", "wb") as h:
-        h.write(struct.pack("<Q", len(raw)) + raw)
-        h.truncate(8 + len(raw) + offset)
+    sparse_bf16_safetensors(folder / "model.safetensors", shapes)
 
 
 def test_a_mixtral_8x7b_plan_states_its_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,16 @@ from hf_rebasin.merging.calibration.fit import Fitted
 from hf_rebasin.merging.calibration.text import continued, forward
 from hf_rebasin.merging.calibration.vocab import Rows
 
-__all__ = ["Budget", "Lesson", "distill", "kl", "replies_ended", "turn_end_rate"]
+__all__ = [
+    "CHECKPOINT_BYTES",
+    "Budget",
+    "Lesson",
+    "activation_bytes",
+    "distill",
+    "kl",
+    "replies_ended",
+    "turn_end_rate",
+]
 
 
 @dataclass(frozen=True)
@@ -78,8 +87,8 @@ def _term(
     teacher: Any, student: Any, ids: Tensor, rows: Rows, divergence: str = "forward", *, whole: bool = False
 ) -> Tensor:
     with torch.no_grad():
-        t = teacher(input_ids=ids.to(_device(teacher))).logits
-    s = student(input_ids=ids.to(_device(student))).logits
+        t = teacher(input_ids=ids.to(_device(teacher)), use_cache=False).logits
+    s = student(input_ids=ids.to(_device(student)), use_cache=False).logits  # no key/value cache to hold
     return _kl(t.to(s.device), s, rows, divergence, whole=whole).mean()
 
 
@@ -101,7 +110,58 @@ def distill(
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
     student.train()
-    history = []
+    positions = budget.batch_size * lesson.text.shape[1]
+    checkpointed = _checkpointing(student, activation_bytes(student.config, positions) > CHECKPOINT_BYTES)
+    try:
+        return _steps(student, lesson, budget, opt, sched, gen, progress)
+    finally:
+        if checkpointed:
+            _unchecked(student)
+        student.eval()
+
+
+CHECKPOINT_BYTES = 1 << 30  # a step's activations above this: the student's layers are checkpointed
+
+
+def activation_bytes(config: Any, positions: int) -> int:
+    """What a step keeps for the backward pass of ``positions`` tokens without checkpointing: about
+    16 hidden-wide float32 values a layer (attention and MLP inputs and outputs)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None) or 0
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 0
+    return 4 * positions * 16 * int(hidden) * int(layers)
+
+
+def _checkpointing(student: Any, on: bool) -> bool:
+    """Activation checkpointing of ``student``'s layers where its class has it: a step then holds
+    each layer's input, not its activations (a 7B model's step of 16 × 128 tokens: ~1 GiB, not
+    ~34 GiB), for one more forward pass. Whether it is on now."""
+    if not on or not getattr(student, "supports_gradient_checkpointing", False):
+        return False
+    if hasattr(student, "activation_checkpointing_enable"):  # transformers ≥ 5.x's name
+        student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return True
+
+
+def _unchecked(student: Any) -> None:
+    if hasattr(student, "activation_checkpointing_disable"):
+        student.activation_checkpointing_disable()
+    else:
+        student.gradient_checkpointing_disable()
+
+
+def _steps(
+    student: Any,
+    lesson: Lesson,
+    budget: Budget,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    gen: torch.Generator,
+    progress: Callable[[int, int, float], None] | None,
+) -> list[float]:
+    history: list[float] = []
     pool = _Pool()
     for step in range(budget.steps):
         ids = _batch(student, lesson, budget, gen, pool)
@@ -117,7 +177,6 @@ def distill(
         history.append(float(loss.detach()))
         if progress is not None:
             progress(step + 1, budget.steps, history[-1])
-    student.eval()
     return history
 
 

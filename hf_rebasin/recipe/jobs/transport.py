@@ -192,9 +192,10 @@ def _describe(recipe: TransportRecipe) -> list[str]:
 
 
 def _streams(recipe: TransportRecipe) -> bool:
-    """Tensor by tensor without an evaluation, a calibration or learned matching (and, checked on the files, for
-    a full fine-tune of its base's class: `run.memory.streamed`)."""
-    return recipe.evaluate is None and recipe.calibrate is None and not recipe.strategy.runs_learned_matching
+    """Tensor by tensor without an evaluation or learned matching (and, checked on the files, for a full
+    fine-tune of its base's class: `run.memory.streamed`). A calibration then loads only what it runs:
+    the fine-tune, the target and the moved model it fits."""
+    return recipe.evaluate is None and not recipe.strategy.runs_learned_matching
 
 
 def _vocabulary(source: str | None, pad_to: int | None) -> VocabularyChoice:
