@@ -181,9 +181,10 @@ class Calibration(Block):
     text (``text``: its ``source``, ``sequences``, ``tokens`` and ``opening``), how long (``steps``,
     ``seconds``), and the measures on held-out text: ``kl`` (KL to the fine-tune per token),
     ``turn_end`` (its turn-end token top-1 where a turn ends) and ``replies`` (greedy replies that end
-    their turn), the last two where the fine-tune has a chat template."""
+    their turn), the last two where the fine-tune has a chat template; for a chat model also the
+    points of the fit that were judged (``judged``) and the one written (``kept_step``)."""
 
-    _omit_none = frozenset({"turn_end", "replies", "rank", "adapter"})
+    _omit_none = frozenset({"turn_end", "replies", "rank", "adapter", "judged", "kept_step"})
 
     fit: str = ""
     fitted: int | None = None
@@ -197,6 +198,8 @@ class Calibration(Block):
     replies: Measured | None = None
     adapter: bool | None = None  # the factors of a LoRA adapter were fitted
     kept: bool = True  # False: the fit raised the held-out KL, and the transported weights were written
+    judged: list[tuple[int, float]] | None = None  # chat: (step, share of judging replies that end) per point
+    kept_step: int | None = None  # chat: the point of the fit written (`merging.calibration.select`)
 
 
 class Transport(Scores):

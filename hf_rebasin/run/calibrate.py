@@ -27,6 +27,7 @@ from hf_rebasin.io.offload import materialized
 from hf_rebasin.io.rebuild import output_config, rebuilt
 from hf_rebasin.merging.calibration.distill import Budget, Lesson, distill, kl, replies_ended, turn_end_rate
 from hf_rebasin.merging.calibration.fit import Fitted, fittable
+from hf_rebasin.merging.calibration.select import BestPoint
 from hf_rebasin.merging.calibration.text import opening, plain_start, reply_tail, self_written, turn_end
 from hf_rebasin.merging.calibration.vocab import Rows
 from hf_rebasin.recipe.calibrate import Calibrate
@@ -38,6 +39,7 @@ __all__ = ["Texts", "calibrated", "fit_and_measure", "new_rows", "settings", "te
 
 REPLY_PROMPTS = 16  # held-out user turns the replies are measured on
 REPLY_TOKENS = 96  # new tokens a reply may take to end its turn
+SELECT_PROMPTS = 32  # further held-out user turns the fit's points are judged on (`BestPoint`)
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,9 @@ def new_rows(ws: Workspace) -> Tensor:
     return torch.nonzero(~ws.rows.layout.present(0)).squeeze(-1)
 
 
-def _prompts(t: Texts, context: int) -> list[list[int]]:
+def _prompts(t: Texts, context: int, skip: int = 0, n: int = REPLY_PROMPTS) -> list[list[int]]:
     """Held-out user turns, each up to its turn end, then the template's opening of a reply: the
-    shortest, so that most leave a whole reply's room in the context."""
+    shortest (after the ``skip`` shortest), so that most leave a whole reply's room in the context."""
     if t.end is None:
         return []
     out = []
@@ -169,7 +171,7 @@ def _prompts(t: Texts, context: int) -> list[list[int]]:
             prompt = row[: row.index(t.end, 1)] + t.reply_tail
             if len(prompt) + 8 <= context:
                 out.append(prompt)
-    return sorted(out, key=len)[:REPLY_PROMPTS]
+    return sorted(out, key=len)[skip : skip + n]
 
 
 def _measure(model: Any, teacher: Any, t: Texts, rows: Rows, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
@@ -240,7 +242,17 @@ def fit_and_measure(
     steps = cal.budget(fitted.fit == "adapter")
     budget = Budget(steps, cal.batch_size, cal.learning_rate, cal.guard, cal.seed, cal.on_policy, cal.divergence)
     stage = f"calibrating ({fitted.fit})"
-    distill(student, lesson_of(models, t, ws), fitted, budget, progress=lambda d, n, _: ws.progress(stage, d, n))
+    select = _selector(student, fitted, t, context, steps)
+
+    def report(done: int, total: int, _loss: float) -> None:
+        ws.progress(stage, done, total)
+        if select is not None:
+            select.progress(done)
+
+    distill(student, lesson_of(models, t, ws), fitted, budget, progress=report)
+    kept_step = select.finish() if select is not None else None
+    if select is not None and kept_step is not None:
+        _note_selected(ws, select, kept_step)
     after = _measure(student, teacher, t, rows, prompts, tokens)
     kept = after["kl"] <= before["kl"]
     if not kept:
@@ -262,6 +274,29 @@ def fit_and_measure(
         turn_end=_measured("turn_end", own, before, after),
         replies=_measured("replies", own, before, after),
         adapter=True if fitted.fit == "adapter" else None,
+        judged=sorted(select.seen.items()) if select is not None else None,
+        kept_step=kept_step,
+    )
+
+
+def _selector(student: Any, fitted: Fitted, t: Texts, context: int, steps: int) -> BestPoint | None:
+    """For a chat model, the judge of the fit's points (`merging.calibration.select`), on held-out
+    user turns other than the record's; None where there is no turn end, nothing to judge on, or
+    every parameter is fitted (a copy of the point kept would be a second model)."""
+    prompts = _prompts(t, context, skip=REPLY_PROMPTS, n=SELECT_PROMPTS)
+    if t.end is None or not prompts or fitted.fit == "full":
+        return None
+    tokens = min(REPLY_TOKENS, context - max(len(p) for p in prompts))
+    return BestPoint(student, fitted, prompts, t.end, tokens, steps)
+
+
+def _note_selected(ws: Workspace, select: BestPoint, step: int) -> None:
+    if step == select.steps:
+        return
+    seen = ", ".join(f"{s}: {100 * r:.0f} %" for s, r in sorted(select.seen.items()))
+    ws.notes.append(
+        f"calibration kept the fit at step {step} of {select.steps}: of {len(select.prompts)} held-out user turns "
+        f"(not those the record reports), greedy replies ended at step {seen}"
     )
 
 

@@ -194,3 +194,51 @@ def test_checkpointed_layers_fit_the_same_correction(make, monkeypatch: pytest.M
         fitted_b.append(torch.cat([c.b.detach().flatten() for c in fitted.corrections]))
     assert used == [False, True] and fitted_b[0].abs().max() > 0
     torch.testing.assert_close(fitted_b[1], fitted_b[0], rtol=1e-5, atol=1e-7)
+
+
+def _perturbed_fit(teacher: T.GPT2LMHeadModel) -> tuple[T.GPT2LMHeadModel, object]:
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    return student, fittable(student, "low-rank", rank=2, new_rows=torch.zeros(0, dtype=torch.long), seed=0)
+
+
+def test_the_best_judged_point_of_a_fit_is_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Judged at half, three quarters and the end of 8 steps (scripted: 50 %, 75 %, 25 % of replies
+    end), the fit keeps step 6's numbers exactly; a tie goes to the later point."""
+    from hf_rebasin.merging.calibration import select
+
+    teacher, text = _gpt2(), _ids()
+    for scripted, kept in (([0.5, 0.75, 0.25], 6), ([0.5, 0.5, 0.5], 8)):
+        student, fitted = _perturbed_fit(teacher)
+        replies = iter(scripted)
+        monkeypatch.setattr(select, "replies_ended", lambda *_, replies=replies: next(replies))
+        point = select.BestPoint(student, fitted, [[1, 2, 3]], end=5, tokens=4, steps=8)
+        seen: dict[int, list[torch.Tensor]] = {}
+
+        def report(done: int, _total: int, _loss: float, point=point, seen=seen, fitted=fitted) -> None:
+            seen[done] = [p.detach().clone() for p in fitted.params]
+            point.progress(done)
+
+        distill(student, Lesson(teacher, text, Rows()), fitted, Budget(8, 3, 1e-2, 0.0, 0), progress=report)
+        assert point.finish() == kept and sorted(point.seen) == [4, 6, 8]
+        assert all(torch.equal(p, s) for p, s in zip(fitted.params, seen[kept], strict=True))
+        assert any(not torch.equal(a, b) for a, b in zip(seen[6], seen[8], strict=True))
+
+
+def test_judging_a_fit_leaves_its_course_unchanged() -> None:
+    """Greedy replies read no random numbers: the fit's end is the same, judged or not."""
+    from hf_rebasin.merging.calibration.select import BestPoint
+
+    teacher, text = _gpt2(), _ids()
+    ends = []
+    for judged in (False, True):
+        student, fitted = _perturbed_fit(teacher)
+        point = BestPoint(student, fitted, [[1, 2, 3], [4, 5]], end=7, tokens=6, steps=8)
+        progress = (lambda d, _n, _l, point=point: point.progress(d)) if judged else None
+        budget = Budget(8, 3, 1e-2, 0.0, 0, on_policy=0.34)
+        distill(student, Lesson(teacher, text, Rows()), fitted, budget, progress=progress)
+        ends.append([p.detach().clone() for p in fitted.params])
+        assert student.training is False
+    assert all(torch.equal(a, b) for a, b in zip(*ends, strict=True))

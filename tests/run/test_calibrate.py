@@ -77,6 +77,29 @@ def test_the_default_recipe_calibrates_and_the_record_and_card_say_what_was_fitt
     assert model.config.vocab_size == 66 and "calibrate" in flat(done.stdout)
 
 
+def test_a_chat_fit_is_judged_at_three_points_and_the_record_and_card_say_which_was_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A random tiny model rarely ends a turn in the text it writes, so the held-out user turns are
+    given here: the wiring from the judge to ``rebasin.json``, the notes and the card is what is
+    checked (the judge itself: tests/merging/test_calibration.py)."""
+    from hf_rebasin.run import calibrate
+
+    monkeypatch.setattr(calibrate, "_prompts", lambda t, _context, skip=0, n=16: [[1, 3, 4, 5]] * 4)
+    folders = _chat_folders(tmp_path)
+    _with_template(folders)
+    done = _run(tmp_path, _body(folders, calibrate=SMALL))
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "out" / "rebasin.json").read_text())
+    cal = record["transport"]["calibration"]
+    assert [step for step, _ in cal["judged"]] == [10, 15, 20] and cal["kept_step"] in (10, 15, 20)
+    assert all(0 <= share <= 1 for _, share in cal["judged"])
+    card = flat((tmp_path / "out" / "README.md").read_text())
+    assert f"this model is the fit at step {cal['kept_step']}" in card
+    kept_note = [n for n in record["notes"] if n.startswith("calibration kept the fit at step")]
+    assert bool(kept_note) == (cal["kept_step"] != 20)
+
+
 def test_calibrate_false_writes_b_plus_alpha_tau_exactly(tmp_path: Path) -> None:
     folders = _chat_folders(tmp_path)
     body = {**_body(folders, calibrate=False), "strategy": "vanilla", "alpha": 0.5, "tokenizer": {"source": "target"}}

@@ -177,6 +177,8 @@ def _calibration(transport: Transport) -> dict[str, Any] | None:
         "replies": text.get("reply_prompts"),
         "kept": cal.kept,
         "reply_tokens": text.get("reply_tokens"),
+        "judged": ", ".join(f"{step} ({share:.0%})" for step, share in cal.judged or []),
+        "kept_step": cal.kept_step,
     }
 
 
