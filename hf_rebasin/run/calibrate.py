@@ -250,8 +250,9 @@ def fit_and_measure(
             select.progress(done)
 
     distill(student, lesson_of(models, t, ws), fitted, budget, progress=report)
-    kept_step = select.finish() if select is not None else None
-    if select is not None and kept_step is not None:
+    kept_step = None
+    if select is not None:
+        kept_step = select.finish()
         _note_selected(ws, select, kept_step)
     after = _measure(student, teacher, t, rows, prompts, tokens)
     kept = after["kl"] <= before["kl"]

@@ -24,7 +24,7 @@ from hf_rebasin.core.roles import Roles, TransportRoles
 from hf_rebasin.io.files import read_config, read_header
 from hf_rebasin.io.gate import safetensors_files
 from hf_rebasin.io.schemas import SAFETENSORS_DTYPES
-from hf_rebasin.merging.calibration.distill import CHECKPOINT_BYTES
+from hf_rebasin.merging.calibration.distill import CHECKPOINT_BYTES, activation_bytes
 from hf_rebasin.recipe import Recipe
 from hf_rebasin.recipe.jobs import get_job
 from hf_rebasin.run.resolve import PlannedModel
@@ -313,7 +313,7 @@ def _calibration_bytes(recipe: Recipe, fp: ModelFootprint) -> int:
     student = 4 * fp.params * (4 if cal.fit == "full" else 1)
     positions = cal.batch_size * (cal.block_size or 128)
     vocab = fp.largest // max(fp.hidden, 1) if fp.hidden else 0
-    layers = 4 * positions * 16 * fp.hidden * fp.layers  # `activation_bytes` of the student
+    layers = activation_bytes(fp.hidden, fp.layers, positions)
     if layers <= CHECKPOINT_BYTES:
         return student + 2 * (layers + 4 * positions * 3 * vocab)
     return student + 4 * positions * (fp.hidden * fp.layers + 2 * 16 * fp.hidden + 4 * vocab)

@@ -111,7 +111,7 @@ def distill(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
     student.train()
     positions = budget.batch_size * lesson.text.shape[1]
-    checkpointed = _checkpointing(student, activation_bytes(student.config, positions) > CHECKPOINT_BYTES)
+    checkpointed = _checkpointing(student, activation_bytes(*_shape(student.config), positions) > CHECKPOINT_BYTES)
     try:
         return _steps(student, lesson, budget, opt, sched, gen, progress)
     finally:
@@ -123,13 +123,19 @@ def distill(
 CHECKPOINT_BYTES = 1 << 30  # a step's activations above this: the student's layers are checkpointed
 
 
-def activation_bytes(config: Any, positions: int) -> int:
+def activation_bytes(hidden: int, layers: int, positions: int) -> int:
     """What a step keeps for the backward pass of ``positions`` tokens without checkpointing: about
-    16 hidden-wide float32 values a layer (attention and MLP inputs and outputs)."""
+    16 hidden-wide float32 values a layer (attention and MLP inputs and outputs). The run decides
+    on it, and the plan's memory estimate counts with it."""
+    return 4 * positions * 16 * hidden * layers
+
+
+def _shape(config: Any) -> tuple[int, int]:
+    """(width, layers) of a config (its text part, for a model with several)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None) or 0
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 0
-    return 4 * positions * 16 * int(hidden) * int(layers)
+    return int(hidden), int(layers)
 
 
 def _checkpointing(student: Any, on: bool) -> bool:
