@@ -51,6 +51,7 @@ def _python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
     )
 
 
+@pytest.mark.slow  # every module imported afresh, one after another (40 s)
 def test_every_module_imports_on_its_own() -> None:
     # one interpreter; before each module every hf_rebasin module is dropped from sys.modules, so
     # each import finds its own dependencies (third-party libraries stay loaded: that is only speed)

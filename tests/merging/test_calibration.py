@@ -205,12 +205,12 @@ def _perturbed_fit(teacher: T.GPT2LMHeadModel) -> tuple[T.GPT2LMHeadModel, objec
 
 
 def test_the_best_judged_point_of_a_fit_is_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Judged at half, three quarters and the end of 8 steps (scripted: 50 %, 75 %, 25 % of replies
-    end), the fit keeps step 6's numbers exactly; a tie goes to the later point."""
+    """Judged at every step of 8 (every eighth of the budget; scripted: 75 % of replies end at step 6,
+    fewer elsewhere), the fit keeps step 6's numbers exactly; a tie goes to the later point."""
     from hf_rebasin.merging.calibration import select
 
     teacher, text = _gpt2(), _ids()
-    for scripted, kept in (([0.5, 0.75, 0.25], 6), ([0.5, 0.5, 0.5], 8)):
+    for scripted, kept in (([0.5, 0.25, 0, 0.5, 0.5, 0.75, 0.25, 0.25], 6), ([0.5] * 8, 8)):
         student, fitted = _perturbed_fit(teacher)
         replies = iter(scripted)
         monkeypatch.setattr(select, "replies_ended", lambda *_, replies=replies: next(replies))
@@ -222,7 +222,7 @@ def test_the_best_judged_point_of_a_fit_is_put_back(monkeypatch: pytest.MonkeyPa
             point.progress(done)
 
         distill(student, Lesson(teacher, text, Rows()), fitted, Budget(8, 3, 1e-2, 0.0, 0), progress=report)
-        assert point.finish() == kept and sorted(point.seen) == [4, 6, 8]
+        assert point.finish() == kept and sorted(point.seen) == list(range(1, 9))
         assert all(torch.equal(p, s) for p, s in zip(fitted.params, seen[kept], strict=True))
         assert any(not torch.equal(a, b) for a, b in zip(seen[6], seen[8], strict=True))
 

@@ -77,7 +77,7 @@ def test_the_default_recipe_calibrates_and_the_record_and_card_say_what_was_fitt
     assert model.config.vocab_size == 66 and "calibrate" in flat(done.stdout)
 
 
-def test_a_chat_fit_is_judged_at_three_points_and_the_record_and_card_say_which_was_kept(
+def test_a_chat_fit_is_judged_at_every_eighth_and_the_record_and_card_say_which_was_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A random tiny model rarely ends a turn in the text it writes, so the held-out user turns are
@@ -92,7 +92,8 @@ def test_a_chat_fit_is_judged_at_three_points_and_the_record_and_card_say_which_
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text())
     cal = record["transport"]["calibration"]
-    assert [step for step, _ in cal["judged"]] == [10, 15, 20] and cal["kept_step"] in (10, 15, 20)
+    judged_at = [2, 5, 8, 10, 12, 15, 18, 20]  # every eighth of 20 steps, rounded half to even
+    assert [step for step, _ in cal["judged"]] == judged_at and cal["kept_step"] in judged_at
     assert all(0 <= share <= 1 for _, share in cal["judged"])
     card = flat((tmp_path / "out" / "README.md").read_text())
     assert f"this model is the fit at step {cal['kept_step']}" in card

@@ -2,10 +2,12 @@
 
 Teacher-forced, a calibrated chat model ends its turns as the fine-tune does at every point of the
 fit; run freely, a small difference in the fitted weights decides whether a reply loops until the
-token limit, and which point does best moves from one calibration seed to the next. So the fit is
-judged at a few points (``AT``, shares of the budget, and its end) on held-out user turns that the
-record does not report, and the best point's fitted numbers are put back: the most replies ended,
-then the later point. Judging reads no random numbers, so the fit's own course is unchanged.
+token limit. Along one fit the share of replies that end swings (19 → 84 → 16 % at steps 100,
+150 and 200 of one small model's fit), and which point does best moves from one calibration seed to
+the next. So the fit is judged at every eighth of its budget (``AT``, and its end) on held-out user
+turns that the record does not report, and the best point's fitted numbers are put back: the most
+replies ended, then the later point. Judging reads no random numbers, so the fit's own course is
+unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from hf_rebasin.merging.calibration.fit import Fitted
 
 __all__ = ["AT", "BestPoint"]
 
-AT = (0.5, 0.75)  # shares of the budget at which the fit is judged, besides its end
+AT = tuple(k / 8 for k in range(1, 8))  # shares of the budget at which the fit is judged, besides its end
 
 
 @dataclass
