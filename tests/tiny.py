@@ -566,7 +566,41 @@ def qwen3_moe(seed: int = 0) -> torch.nn.Module:
     )
 
 
+def _bart_config(**kw: object) -> T.BartConfig:
+    return T.BartConfig(
+        vocab_size=V,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=40,
+        max_position_embeddings=64,
+        **kw,
+    )
+
+
+def bart(seed: int = 0) -> torch.nn.Module:
+    """Encoder and decoder with different head counts and MLP widths; the head tied to ``shared``."""
+    _seed(seed)
+    return _randomize_norms(T.BartForConditionalGeneration(_bart_config()), seed)
+
+
+def bart_cls(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.BartForSequenceClassification(_bart_config(num_labels=3)), seed)
+
+
+def bart_base(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.BartModel(_bart_config()), seed)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
+    "bart": bart,
+    "bart-cls": bart_cls,
+    "bart-base": bart_base,
     "bert-mlm": bert_mlm,
     "bert-cls": bert_cls,
     "bert-base": bert_base,

@@ -180,7 +180,7 @@ def space_classes(graph: SymmetryGraph, cls: str) -> dict[str, str]:
         if isinstance(space, Space):
             got = plain_class(space, _as_class("orthogonal" if cls == INVERTIBLE else cls), strict=True)
             out[name] = got + (" (fixing 1)" if got == "orthogonal" and space.centered else "")
-        elif cls == INVERTIBLE:
+        elif cls == INVERTIBLE and isinstance(space, HeadSpace):  # experts keep their orthogonal-class draw
             qk = {"free": "invertible", "planes": "scaled plane rotations", "fixed": "fixed"}[space.qk]
             out[name] = f"head-permutation + invertible inner (Q/K {qk})"
     return out

@@ -101,11 +101,15 @@ def check_preserved(gap: float, scale: float, what: str) -> None:
 def example_inputs(spec: ArchitectureSpec, config: Any, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """A small fixed batch the model accepts (token ids with one padded row, and/or pixels)."""
     inputs: dict[str, torch.Tensor] = {}
-    if spec.inputs in ("text", "text-image"):
+    if spec.inputs in ("text", "text-image", "seq2seq"):
         t = getattr(config, "text_config", None) or config
         max_len = int(getattr(t, "max_position_embeddings", None) or getattr(t, "n_positions", None) or 64)
         # RoBERTa reserves padding_idx + 1 positions
         inputs.update(token_inputs(t.vocab_size, max_len - 2, generator))
+    if spec.inputs == "seq2seq" and getattr(config, "eos_token_id", None) is not None:
+        ids, eos = inputs["input_ids"], int(config.eos_token_id)
+        ids[ids == eos] = (eos + 1) % config.vocab_size  # one end per row, the last token (BART's classifier reads it)
+        ids[:, -1] = eos
     if spec.inputs in ("image", "text-image"):
         v = getattr(config, "vision_config", None) or config
         inputs.update(image_inputs(v.num_channels, v.image_size, generator))

@@ -53,12 +53,15 @@ WIDTH_FIELDS = (
     "shared_expert_intermediate_size",  # MLP / expert units
     "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "head_dim",  # heads
     "projection_dim", "projection_size",  # a joint embedding (CLIP, SigLIP)
+    "encoder_ffn_dim", "decoder_ffn_dim", "encoder_attention_heads", "decoder_attention_heads",  # BART's stacks
 )  # fmt: skip
 # fields that must agree: what a wider shape cannot change (depth, vocabulary, experts)
 FIXED_FIELDS = {
     "num_hidden_layers": "depth",
     "n_layer": "depth",
     "n_layers": "depth",
+    "encoder_layers": "encoder depth",
+    "decoder_layers": "decoder depth",
     "vocab_size": "vocabulary",
     "num_local_experts": "number of experts",
     "num_experts": "number of experts",

@@ -127,6 +127,14 @@ def load_metric(entry: str, base_dir: Path, kwargs: Mapping[str, Any] | None = N
     return Metric(name=entry, module=module, kwargs=dict(kwargs or {}))
 
 
+# what an encoder-decoder can do before its sequence-to-sequence loss exists
+SEQ2SEQ_NOT_YET = (
+    "an encoder-decoder's sequence-to-sequence loss and alignment data are not supported yet; it is aligned "
+    "and merged from its weights alone (weight-matching, transfusion or generalized-orthogonal, without "
+    "`data` or `evaluate`), and `hf-rebasin verify` checks it"
+)
+
+
 def task_of_class(name: str) -> Task | None:
     """The task implied by a model class name (``GPT2LMHeadModel`` → ``causal-lm``), else None.
 
@@ -142,6 +150,8 @@ def task_of(model: nn.Module) -> Task:
     task = task_of_class(name)
     if task is not None:
         return task
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise UnsupportedArchitectureError(f"cannot evaluate a {name}: {SEQ2SEQ_NOT_YET}")
     raise UnsupportedArchitectureError(
         f"cannot tell which loss to evaluate for a {name}: supported heads are "
         f"{', '.join(s for s, _ in _SUFFIXES)} (tasks {', '.join(TASKS)}); set `evaluate.task` "

@@ -245,6 +245,13 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
             f"{cls_a} (model_type {type_a!r}): only models of one architecture can be aligned"
         )
     depth_a, depth_b = depth_of(a), depth_of(b)
+    decoders = [getattr(lm.model.config, "decoder_layers", None) for lm in (a, b)]
+    if getattr(a.model.config, "is_encoder_decoder", False) and (depth_a != depth_b or decoders[0] != decoders[1]):
+        raise IncompatibleModelsError(
+            f"{str(b.path)!r} has {depth_b} encoder and {decoders[1]} decoder layers but the reference "
+            f"{str(a.path)!r} has {depth_a} and {decoders[0]}: encoder-decoders are compared, merged and transported "
+            "at one depth (layer i with layer i in each stack); layer maps across depths are not built for them yet"
+        )
     if depth_a != depth_b:
         raise IncompatibleModelsError(
             f"{str(b.path)!r} has {depth_b} layers but the reference {str(a.path)!r} has {depth_a}: merge and "

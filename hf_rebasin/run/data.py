@@ -16,7 +16,7 @@ from hf_rebasin.alignment.strategies import AlignmentData
 from hf_rebasin.core.errors import DataError, ModelNotFoundError, UnsupportedArchitectureError
 from hf_rebasin.core.roles import Roles, TransportRoles
 from hf_rebasin.evaluation.evaldata import classification_batches, load_records, text_batches
-from hf_rebasin.evaluation.evaluate import Metric, Task, load_metric, task_of
+from hf_rebasin.evaluation.evaluate import SEQ2SEQ_NOT_YET, Metric, Task, load_metric, task_of
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.merging.vocabulary.output import RunVocabulary
 from hf_rebasin.recipe import DataSpec, Recipe
@@ -263,6 +263,10 @@ def _task(recipe: Recipe, model: Any) -> Task:
         if implied is not None and implied != ev.task:
             raise task_mismatch(ev.task, type(model).__name__, implied)
         return ev.task
+    if implied is None and recipe.data is not None and getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedArchitectureError(
+            f"`data`: cannot batch alignment data for a {type(model).__name__}: {SEQ2SEQ_NOT_YET}"
+        )
     if implied is None and recipe.data is not None:
         raise UnsupportedArchitectureError(
             f"`data`: cannot tell how to batch alignment data for a {type(model).__name__}; "

@@ -114,6 +114,9 @@ class SymmetryGraph:
     # norm weight -> what reads a norm whose output is also the model's output (a bare model's final
     # norm, read by ViT's pooler): never folded into, since that norm keeps its γ
     output_readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # module prefixes of the stacks that run one after the other on the residual stream (an encoder's,
+    # then its decoder's); empty for one stack
+    stacks: tuple[str, ...] = ()
 
     # ---- structure -------------------------------------------------------------------------
 

@@ -85,6 +85,12 @@ def per_sublayer(graph: SymmetryGraph) -> SymmetryGraph:
     is returned as it is."""
     if is_per_sublayer(graph):
         return graph
+    if len(graph.stacks) > 1:
+        raise AdapterError(
+            f"residual maps per sublayer are not defined for an encoder-decoder ({graph.family!r}): the decoder's "
+            "stream starts again after the encoder's, and cross-attention reads the encoder's last one; use "
+            "`strategy.residual_maps: global`"
+        )
     residuals = _residuals(graph)
     if not graph.sublayers:
         raise AdapterError(

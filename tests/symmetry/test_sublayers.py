@@ -62,6 +62,11 @@ def test_streams_follow_the_order_the_model_runs_its_modules(case):
             "parallel residual: the MLP runs after the attention writes but reads the stream before it "
             "(test_adapters_decoders.py::test_streams_follow_the_data_flow)"
         )
+    if getattr(model.config, "is_encoder_decoder", False):
+        pytest.skip(
+            "encoder-decoder: the decoder's embeddings start a second stream after the encoder has run, and "
+            "cross-attention reads the encoder's last one; per-sublayer streams are not defined there yet"
+        )
     if getattr(model.config, "shared_expert_intermediate_size", 0):
         pytest.skip(
             "a shared expert runs after the routed experts have written: two branches of one sublayer, "

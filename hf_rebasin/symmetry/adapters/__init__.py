@@ -9,6 +9,7 @@ from typing import Any
 
 from hf_rebasin.core.errors import UnsupportedArchitectureError
 from hf_rebasin.symmetry.adapters import (
+    bart,
     bert,
     clip,
     dinov2,
@@ -80,6 +81,7 @@ for _spec in (
     moe.SPEC,
     moe.QWEN2_MOE,
     moe.QWEN3_MOE,
+    bart.BART,
 ):
     REGISTRY.register(_spec)
 

@@ -152,7 +152,9 @@ class GluT:
     down: TensorAt
 
 
-Inputs = Literal["text", "image", "text-image"]
+# "seq2seq": token ids for an encoder-decoder, each row ending in its end-of-sentence token (a
+# classifier reads the decoder there); the decoder reads the source shifted right
+Inputs = Literal["text", "image", "text-image", "seq2seq"]
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,9 @@ class ArchitectureSpec:
     # RMSNorms over a role of a head space, e.g. ``NormT("{L}.q_norm", "{ATTN}:q")`` (OLMo 2: over every
     # head's features); their weight is bound in ``tensors``
     role_norms: tuple[NormT, ...] = ()
+    # module templates of the stacks that run one after the other on the residual stream (an
+    # encoder-decoder's: encoder, then decoder); empty for one stack
+    stacks: tuple[str, ...] = ()
 
     def graph(self, config: Any, keys: Collection[str]) -> SymmetryGraph:
         """The symmetry graph of a concrete model (its config and state-dict keys)."""
@@ -255,6 +260,7 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
     graph.embedding_scales = {_fmt(t, env0): p for t, p in spec.embedding_scales.items() if _fmt(t, env0) in keys}
     graph.role_norms = _role_norms(spec, dims, env0, keys)
     graph.output_readers = output_readers
+    graph.stacks = tuple(_fmt(st, env0) for st in spec.stacks)
     used = {name for name in spaces if graph.users(name)}
     graph.spaces = {k: v for k, v in spaces.items() if k in used}
     graph.glus = _glus(spec, dims, env0, graph)
@@ -413,14 +419,17 @@ def _head_space(st: HeadsT, name: str, dims: Mapping[str, int]) -> HeadSpace:
 
 
 def _sublayers(spec: ArchitectureSpec, dims: Mapping[str, int], env0: Mapping[str, str]) -> tuple[Sublayer, ...]:
-    """Every sublayer in forward order: by layer index, then in the spec's order within a layer."""
-    found: list[tuple[tuple[int, ...], int, Sublayer]] = []
+    """Every sublayer in forward order: by stack (the order of ``loops``: an encoder's layers run
+    before its decoder's), then layer index, then the spec's order within a layer."""
+    rank = {v: k for k, v in enumerate(spec.loops)}
+    found: list[tuple[tuple[int, ...], tuple[int, ...], int, Sublayer]] = []
     for order, st in enumerate(spec.sublayers):
         for env in _expansions([*st.reads, *st.writes], spec.loops, dims):
             full = {**env0, **env}
             sub = Sublayer(tuple(_fmt(r, full) for r in st.reads), tuple(_fmt(w, full) for w in st.writes))
-            found.append((tuple(int(v) for _, v in sorted(env.items())), order, sub))
-    return tuple(sub for *_, sub in sorted(found, key=lambda f: (f[0], f[1])))
+            stack = tuple(sorted(rank[v] for v in env))
+            found.append((stack, tuple(int(v) for _, v in sorted(env.items())), order, sub))
+    return tuple(sub for *_, sub in sorted(found, key=lambda f: f[:3]))
 
 
 def _limit_unfoldable(graph: SymmetryGraph) -> None:

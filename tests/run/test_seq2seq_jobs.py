@@ -1,0 +1,118 @@
+"""Encoder-decoders (BART) through the jobs that need no data, checked with stock transformers
+(``AutoModelForSeq2SeqLM``, not hf-rebasin's loader); the jobs that need a seq2seq loss or
+alignment data refuse with the reason, and write nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+import yaml
+from safetensors.torch import load_file
+
+import tiny
+from helpers import flat, run_cli, run_main
+
+
+@pytest.fixture
+def barts(tmp_path: Path) -> list[Path]:
+    folders = []
+    for seed in range(2):
+        folder = tmp_path / f"bart-{seed}"
+        tiny.bart(seed).save_pretrained(str(folder))
+        folders.append(folder)
+    return folders
+
+
+def _recipe(tmp_path: Path, body: dict) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**body, "output": {"dir": str(tmp_path / "out")}}, sort_keys=False))
+    return str(path)
+
+
+def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = T.AutoModelForSeq2SeqLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        return model(input_ids=ids, decoder_input_ids=ids[:, :7]).logits
+
+
+def test_align_writes_two_barts_in_one_basis_each_computing_what_it_did(tmp_path: Path, barts: list[Path]) -> None:
+    proc = run_main(
+        _recipe(tmp_path, {"job": "align", "models": [str(b) for b in barts], "strategy": "weight-matching"})
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    ids = torch.randint(3, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
+    for given, written in zip(barts, (out / "a", out / "b"), strict=True):
+        assert (_logits(given, ids) - _logits(written, ids)).abs().max() <= 1e-4
+    b, b_given = load_file(str(out / "b" / "model.safetensors")), load_file(str(barts[1] / "model.safetensors"))
+    assert set(b) == set(b_given)  # the shared table stored once, as the input stored it
+    moved = [k for k in b if not torch.equal(b[k], b_given[k])]
+    assert any(".encoder." in k for k in moved) and any(".decoder." in k for k in moved)
+
+
+def test_a_data_free_merge_of_two_barts_loads_with_the_stock_class(tmp_path: Path, barts: list[Path]) -> None:
+    body = {"job": "merge", "models": [str(b) for b in barts], "strategy": "weight-matching"}
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "function preserved" in flat(proc.stdout)
+    model = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
+    assert type(model).__name__ == "BartForConditionalGeneration"
+
+
+@pytest.mark.parametrize("job", ["merge-head-perm", "transport"])
+def test_jobs_that_need_a_seq2seq_loss_or_data_refuse_and_write_nothing(
+    tmp_path: Path, barts: list[Path], job: str
+) -> None:
+    models = [str(b) for b in barts]
+    if job == "transport":
+        body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[1], "calibrate": False}
+        reason = "cannot evaluate a BartForConditionalGeneration: an encoder-decoder's sequence-to-sequence loss"
+    else:
+        body = {"job": "merge", "models": models, "strategy": "head-perm", "data": {"dataset": "shakespeare"}}
+        reason = "cannot batch alignment data for a BartForConditionalGeneration: an encoder-decoder's"
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert reason in flat(proc.stderr + proc.stdout)
+    assert not (tmp_path / "out").exists()
+
+
+def test_embed_writes_a_bart_into_wider_mlps_computing_the_same_logits(tmp_path: Path, barts: list[Path]) -> None:
+    wide = tmp_path / "wide"
+    config = tiny.bart(0).config
+    config.encoder_ffn_dim, config.decoder_ffn_dim = 64, 56
+    T.BartForConditionalGeneration(config).save_pretrained(str(wide))
+    proc = run_cli("embed", str(barts[0]), "--like", str(wide), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
+    assert written.config.encoder_ffn_dim == 64 and written.config.decoder_ffn_dim == 56
+    ids = torch.randint(3, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert (_logits(barts[0], ids) - _logits(tmp_path / "out", ids)).abs().max() <= 1e-4
+
+
+def test_lineage_tells_a_barts_fine_tune_from_a_bart_trained_apart(tmp_path: Path, barts: list[Path]) -> None:
+    model = tiny.bart(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * p.std() * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    tuned = tmp_path / "bart-0-tuned"
+    model.save_pretrained(str(tuned))
+    verdicts = []
+    for other in (tuned, barts[1]):
+        proc = run_cli("lineage", str(barts[0]), str(other), "--json")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        verdicts.append(json.loads(proc.stdout)["pairs"][0]["verdict"])
+    assert verdicts == ["same basis", "independent"]
+
+
+def test_barts_of_other_depths_are_refused_with_the_reason(tmp_path: Path, barts: list[Path]) -> None:
+    config = tiny.bart(0).config
+    config.decoder_layers = 3
+    deeper = tmp_path / "deeper"
+    T.BartForConditionalGeneration(config).save_pretrained(str(deeper))
+    proc = run_cli("lineage", str(barts[0]), str(deeper))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "has 2 encoder and 3 decoder layers" in flat(proc.stderr) and "not built for them yet" in flat(proc.stderr)
