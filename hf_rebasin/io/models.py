@@ -235,6 +235,21 @@ def depth_of(lm: LoadedModel) -> int:
     return int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
 
 
+def check_stack_depths(a: LoadedModel, b: LoadedModel) -> None:
+    """Encoder-decoders are compared, merged and transported at one depth in each stack: layer maps
+    across depths (lineage's, the widths of one stack) are not built for two stacks."""
+    if not getattr(a.model.config, "is_encoder_decoder", False):
+        return
+    depths = [(depth_of(lm), getattr(lm.model.config, "decoder_layers", None)) for lm in (a, b)]
+    if depths[0] != depths[1]:
+        (enc_a, dec_a), (enc_b, dec_b) = depths
+        raise IncompatibleModelsError(
+            f"{str(b.path)!r} has {enc_b} encoder and {dec_b} decoder layers but the reference "
+            f"{str(a.path)!r} has {enc_a} and {dec_a}: encoder-decoders are compared, merged and transported "
+            "at one depth (layer i with layer i in each stack); layer maps across depths are not built for them yet"
+        )
+
+
 def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
     """``b`` can be aligned to ``a``: same model type, class and tensor shapes."""
     type_a, type_b = a.model.config.model_type, b.model.config.model_type
@@ -244,14 +259,8 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
             f"{str(b.path)!r} is a {cls_b} (model_type {type_b!r}) but the reference {str(a.path)!r} is a "
             f"{cls_a} (model_type {type_a!r}): only models of one architecture can be aligned"
         )
+    check_stack_depths(a, b)
     depth_a, depth_b = depth_of(a), depth_of(b)
-    decoders = [getattr(lm.model.config, "decoder_layers", None) for lm in (a, b)]
-    if getattr(a.model.config, "is_encoder_decoder", False) and (depth_a != depth_b or decoders[0] != decoders[1]):
-        raise IncompatibleModelsError(
-            f"{str(b.path)!r} has {depth_b} encoder and {decoders[1]} decoder layers but the reference "
-            f"{str(a.path)!r} has {depth_a} and {decoders[0]}: encoder-decoders are compared, merged and transported "
-            "at one depth (layer i with layer i in each stack); layer maps across depths are not built for them yet"
-        )
     if depth_a != depth_b:
         raise IncompatibleModelsError(
             f"{str(b.path)!r} has {depth_b} layers but the reference {str(a.path)!r} has {depth_a}: merge and "

@@ -13,7 +13,7 @@ from hf_rebasin.core.errors import IncompatibleModelsError, RebasinUserError
 from hf_rebasin.core.lazy import shape_of
 from hf_rebasin.core.memory import OVERHEAD, InsufficientMemoryError, available_memory
 from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
-from hf_rebasin.io.models import LoadedModel, check_compatible, depth_of
+from hf_rebasin.io.models import LoadedModel, check_compatible, check_stack_depths, depth_of
 from hf_rebasin.lineage.compare import (
     ALPHA,
     KEEP_IDENTITY,
@@ -56,6 +56,8 @@ def check_comparable(models: Sequence[LoadedModel], names: Sequence[str]) -> Non
 def check_depths(models: Sequence[LoadedModel], names: Sequence[str]) -> str | None:
     """Where depths differ: the module list holding the layers, after checking that every model's
     layers have the reference's tensors and shapes (a layer map renames layers, nothing else)."""
+    for lm in models[1:]:
+        check_stack_depths(models[0], lm)
     depths = [depth_of(lm) for lm in models]
     if len(set(depths)) == 1:
         return None

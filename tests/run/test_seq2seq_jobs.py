@@ -108,11 +108,16 @@ def test_lineage_tells_a_barts_fine_tune_from_a_bart_trained_apart(tmp_path: Pat
     assert verdicts == ["same basis", "independent"]
 
 
-def test_barts_of_other_depths_are_refused_with_the_reason(tmp_path: Path, barts: list[Path]) -> None:
+@pytest.mark.parametrize(
+    ("stack", "said"), [("decoder_layers", "2 encoder and 3 decoder"), ("encoder_layers", "3 encoder and 2 decoder")]
+)
+def test_barts_of_other_depths_are_refused_with_the_reason(
+    tmp_path: Path, barts: list[Path], stack: str, said: str
+) -> None:
     config = tiny.bart(0).config
-    config.decoder_layers = 3
+    setattr(config, stack, 3)
     deeper = tmp_path / "deeper"
     T.BartForConditionalGeneration(config).save_pretrained(str(deeper))
     proc = run_cli("lineage", str(barts[0]), str(deeper))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "has 2 encoder and 3 decoder layers" in flat(proc.stderr) and "not built for them yet" in flat(proc.stderr)
+    assert f"has {said} layers" in flat(proc.stderr) and "not built for them yet" in flat(proc.stderr)

@@ -7,7 +7,6 @@ are free in every layer of both stacks, cross-attention's heads included."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import Any
 
 from hf_rebasin.symmetry.adapters.base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
@@ -64,6 +63,11 @@ _TENSORS: dict[str, tuple[AxisRef, ...]] = {
     **_attention(f"{DEC}.encoder_attn", DEC_CROSS),
     **_mlp(DEC, DEC_MLP),
     "qa_outputs.weight": (None, "res"),
+    # BartClassificationHead (dense → tanh → out_proj) reads the decoder's last state at the
+    # end-of-sentence token: the stream
+    "classification_head.dense.weight": ("head", "res"),
+    "classification_head.dense.bias": ("head",),
+    "classification_head.out_proj.weight": (None, "head"),
 }
 
 _NORMS = (
@@ -106,18 +110,6 @@ def _dims(c: Any) -> dict[str, int]:
     }
 
 
-def _classifier(keys: Collection[str]) -> dict[str, tuple[AxisRef, ...]]:
-    """``BartClassificationHead`` (dense → tanh → out_proj) reads the decoder's last state at the
-    end-of-sentence token: the stream."""
-    if "classification_head.dense.weight" not in keys:
-        return {}
-    return {
-        "classification_head.dense.weight": ("head", "res"),
-        "classification_head.dense.bias": ("head",),
-        "classification_head.out_proj.weight": (None, "head"),
-    }
-
-
 BART = ArchitectureSpec(
     family="bart",
     model_types=("bart",),
@@ -141,7 +133,6 @@ BART = ArchitectureSpec(
         for part in ("embed_tokens", "embed_positions", "layernorm_embedding")
     ),
     last_hidden={"res": "{base}encoder"},
-    alternatives=_classifier,
     inputs="seq2seq",
     stacks=("{base}encoder", "{base}decoder"),
 )
