@@ -41,7 +41,7 @@ __all__ = [
 
 TextTask = Literal["causal-lm", "masked-lm"]
 ClassificationTask = Literal["sequence-classification", "image-classification"]
-Task = Literal["causal-lm", "masked-lm", "sequence-classification", "image-classification"]
+Task = Literal["causal-lm", "masked-lm", "sequence-classification", "image-classification", "seq2seq"]
 TASKS: tuple[Task, ...] = get_args(Task)
 CLASSIFICATION_TASKS: tuple[Task, ...] = get_args(ClassificationTask)
 

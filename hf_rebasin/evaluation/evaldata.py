@@ -48,6 +48,8 @@ SPEC_KEYS: tuple[str, ...] = (
     "column",
     "label_column",
     "image_column",
+    "source_column",
+    "target_column",
     "max_examples",
     "max_tokens",
     "sample_by",
@@ -239,7 +241,7 @@ def text_options(dataset: str, sample_by: Any) -> dict[str, Any]:
 
 def _checked(records: datasets.Dataset, given: Mapping[str, Any], where: str) -> datasets.Dataset:
     """``records`` with the named columns checked and ``max_examples`` applied."""
-    for key in ("column", "label_column", "image_column"):
+    for key in ("column", "label_column", "image_column", "source_column", "target_column"):
         if key in given:
             check_column(records, given[key], key, where)
     if "max_examples" in given:

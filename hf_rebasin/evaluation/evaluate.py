@@ -127,12 +127,14 @@ def load_metric(entry: str, base_dir: Path, kwargs: Mapping[str, Any] | None = N
     return Metric(name=entry, module=module, kwargs=dict(kwargs or {}))
 
 
-# what an encoder-decoder can do before its sequence-to-sequence loss exists
-SEQ2SEQ_NOT_YET = (
-    "an encoder-decoder's sequence-to-sequence loss and alignment data are not supported yet; it is aligned "
-    "and merged from its weights alone (weight-matching, transfusion or generalized-orthogonal, without "
-    "`data` or `evaluate`), and `hf-rebasin verify` checks it"
-)
+def _seq2seq_classes() -> frozenset[str]:
+    """Classes transformers itself maps to sequence-to-sequence generation (by name, so that
+    ``Gemma3ForConditionalGeneration`` is not one and ``MarianMTModel`` is)."""
+    from transformers.models.auto import modeling_auto as auto  # names only: no model code is imported
+
+    names = {*auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values()}
+    names |= {*auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES.values()}
+    return frozenset(n for n in names if isinstance(n, str))
 
 
 def task_of_class(name: str) -> Task | None:
@@ -141,7 +143,10 @@ def task_of_class(name: str) -> Task | None:
     Works on ``config.json``'s ``architectures`` too, so a dry run can check a recipe's task
     without loading weights.
     """
-    return next((task for suffix, task in _SUFFIXES if name.endswith(suffix)), None)
+    task = next((task for suffix, task in _SUFFIXES if name.endswith(suffix)), None)
+    if task is None and (name.endswith("ForConditionalGeneration") or name.endswith("MTModel")):
+        return "seq2seq" if name in _seq2seq_classes() else None
+    return task
 
 
 def task_of(model: nn.Module) -> Task:
@@ -151,11 +156,14 @@ def task_of(model: nn.Module) -> Task:
     if task is not None:
         return task
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise UnsupportedArchitectureError(f"cannot evaluate a {name}: {SEQ2SEQ_NOT_YET}")
+        raise UnsupportedArchitectureError(
+            f"cannot evaluate a {name}: it has no language-model head; load it with its sequence-to-sequence "
+            "class (AutoModelForSeq2SeqLM) or a classification head"
+        )
     raise UnsupportedArchitectureError(
         f"cannot tell which loss to evaluate for a {name}: supported heads are "
-        f"{', '.join(s for s, _ in _SUFFIXES)} (tasks {', '.join(TASKS)}); set `evaluate.task` "
-        "and load the model with a matching head"
+        f"{', '.join(s for s, _ in _SUFFIXES)} and sequence-to-sequence LMs (tasks {', '.join(TASKS)}); "
+        "set `evaluate.task` and load the model with a matching head"
     )
 
 
@@ -175,7 +183,8 @@ def evaluate_loss(model: nn.Module, batches: Iterable[Batch], task: Task, metric
 
     Summing (instead of averaging batch means) makes the result independent of how the data were
     batched and of padding. Causal LM: every non-pad next token (labels -100 are skipped); masked
-    LM: positions whose label is not -100; classification: every example, plus accuracy and each
+    LM: positions whose label is not -100; seq2seq: every target token (the batch carries the decoder's
+    inputs, labels unshifted); classification: every example, plus accuracy and each
     of ``metrics`` on the argmax predictions. The model is put in eval mode; no gradients are kept.
     """
     _check_task(task)
@@ -197,6 +206,8 @@ def evaluate_loss(model: nn.Module, batches: Iterable[Batch], task: Task, metric
             logits = model(**inputs).logits.float()
             if task == "causal-lm":
                 logits, labels = logits[:, :-1], labels[:, 1:]
+            elif task == "seq2seq" and "decoder_input_ids" not in inputs:
+                raise DataError("a seq2seq batch needs `decoder_input_ids`: the model would shift the source instead")
             flat = logits.reshape(-1, logits.shape[-1])
             target = labels.reshape(-1)
             loss = torch.nn.functional.cross_entropy(flat, target, ignore_index=-100, reduction="sum")
@@ -213,7 +224,7 @@ def evaluate_loss(model: nn.Module, batches: Iterable[Batch], task: Task, metric
         raise DataError("no predictions to evaluate: the data are empty or every label is -100")
     mean = float(total) / count
     metric: dict[str, float]
-    if task == "causal-lm":
+    if task in ("causal-lm", "seq2seq"):
         metric = {"perplexity": _exp(mean)}
     elif task == "masked-lm":
         metric = {"pseudo_perplexity": _exp(mean)}

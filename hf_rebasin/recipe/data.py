@@ -39,6 +39,12 @@ class DataSpec(Section):
     column: str | None = Field(None, description="text column; default: `text`")
     image_column: str | None = Field(None, description="image column (image models); default: `image`")
     label_column: str | None = Field(None, description="label column (classification); default: `label`")
+    source_column: str | None = Field(
+        None,
+        description="source text column (seq2seq pairs, with `target_column`); default: `source` where the data "
+        "have both `source` and `target`, else `column`'s plain text is noised",
+    )
+    target_column: str | None = Field(None, description="target text column (seq2seq pairs); default: `target`")
     max_tokens: int | None = Field(None, ge=1, le=MAX_DATA, strict=True, description="read at most this many tokens")
     max_examples: int | None = Field(
         None, ge=1, le=MAX_DATA, strict=True, description="read at most this many examples"
@@ -74,6 +80,13 @@ class DataSpec(Section):
     @model_validator(mode="after")
     def _resolve_local(self, info: ValidationInfo) -> DataSpec:
         base = recipe_dir(info)
+        if (self.source_column is None) != (self.target_column is None):
+            one, other = ("source_column", "target_column")[:: 1 if self.target_column is None else -1]
+            raise PydanticCustomError(
+                "recipe",
+                "`{one}` pairs with `{other}`: give both (seq2seq sources and targets) or neither",
+                {"one": one, "other": other, "at": other},
+            )
         if self.sample_by is not None and self.dataset != "text":
             raise PydanticCustomError(
                 "recipe",

@@ -190,7 +190,14 @@ def check_task_of_folder(recipe: Recipe, folder: Path) -> None:
 
 
 def cannot_calibrate(cls: str, task: str) -> IncompatibleModelsError:
-    """The refusal of a calibration whose fine-tune writes no text (a classifier, a masked LM)."""
+    """The refusal of a calibration whose fine-tune writes no text (a classifier, a masked LM), or
+    writes it from a source (an encoder-decoder: calibrating its decoder on sources is not built)."""
+    if task == "seq2seq":
+        return IncompatibleModelsError(
+            f"`calibrate`: calibration fits a decoder-only model's next-token distributions on text it writes; "
+            f"the fine-tune is a {cls}, whose decoder writes from a source, and calibrating it is not supported "
+            "yet: set `calibrate: false` for the data-free transport"
+        )
     return IncompatibleModelsError(
         f"`calibrate`: calibration fits next-token distributions, and the fine-tune is a {cls} ({task}), which "
         "writes no text to calibrate on: set `calibrate: false` for the data-free transport"

@@ -16,7 +16,8 @@ from hf_rebasin.alignment.strategies import AlignmentData
 from hf_rebasin.core.errors import DataError, ModelNotFoundError, UnsupportedArchitectureError
 from hf_rebasin.core.roles import Roles, TransportRoles
 from hf_rebasin.evaluation.evaldata import classification_batches, load_records, text_batches
-from hf_rebasin.evaluation.evaluate import SEQ2SEQ_NOT_YET, Metric, Task, load_metric, task_of
+from hf_rebasin.evaluation.evaluate import Metric, Task, load_metric, task_of
+from hf_rebasin.evaluation.seq2seq import seq2seq_batches
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.merging.vocabulary.output import RunVocabulary
 from hf_rebasin.recipe import DataSpec, Recipe
@@ -37,6 +38,11 @@ __all__ = [
 ]
 
 TEXT_TASKS = ("causal-lm", "masked-lm")
+SEQ2SEQ_ALIGNMENT_DATA = (
+    "`data`: alignment from the activations of an encoder-decoder is not supported yet (its two stacks read "
+    "sources and targets of other lengths); align it from its weights (weight-matching, transfusion or "
+    "generalized-orthogonal) without `data`, and score it with `evaluate`"
+)
 MAX_BLOCK = 128  # tokens per block of evaluation / alignment text
 ALIGN_BATCH_SIZE = 8  # alignment data without an `evaluate` section: its defaults
 ALIGN_SEED = 0
@@ -132,9 +138,17 @@ def _label2id(records: Any, column: str, config: Any) -> Mapping[str, int] | Non
 
 
 def batches(
-    spec: DataSpec, batching: BatchSpec, base_dir: Path, proc: Any, config: Any, *, where: str
+    spec: DataSpec,
+    batching: BatchSpec,
+    base_dir: Path,
+    proc: Any,
+    config: Any,
+    *,
+    where: str,
+    notes: list[str] | None = None,
 ) -> list[dict[str, Tensor]]:
-    """Batches of ``batching.task`` from a recipe data section, built once."""
+    """Batches of ``batching.task`` from a recipe data section, built once (``notes`` get how
+    sequence-to-sequence data were made)."""
     raw = spec.model_dump()
     raw.pop("max_tokens", None)
     image = batching.task == "image-classification"
@@ -156,6 +170,8 @@ def batches(
                 max_tokens=batching.max_tokens,
                 seed=batching.seed,
             )
+        if batching.task == "seq2seq":
+            return _seq2seq(spec, batching, records, proc, config, length, where, notes)
         out = _classification(spec, batching, records, proc, config, length)
     except DataError as e:
         raise DataError(f"`{where}`: {e}") from None
@@ -180,6 +196,41 @@ def _classification(
         max_length=None if image else length,
         image_mode=("L" if _channels(config) == 1 else "RGB") if image else None,
     )
+
+
+def _seq2seq(
+    spec: DataSpec,
+    batching: BatchSpec,
+    records: Any,
+    proc: Any,
+    config: Any,
+    length: int,
+    where: str,
+    notes: list[str] | None,
+) -> list[dict[str, Tensor]]:
+    """Source → target pairs (named columns, or ``source`` and ``target`` where the data have both),
+    else ``column``'s plain text noised as the model's family was pretrained (said in a note)."""
+    columns = (spec.source_column, spec.target_column)
+    if columns[0] is None and {"source", "target"} <= set(records.column_names) and spec.column is None:
+        columns = ("source", "target")
+    start = getattr(config, "decoder_start_token_id", None)
+    start = start if start is not None else getattr(config, "pad_token_id", None)
+    if start is None:
+        raise DataError(f"`{where}`: the model's config names no decoder_start_token_id (nor pad_token_id)")
+    made = seq2seq_batches(
+        records,
+        proc,
+        start_id=int(start),
+        columns=None if columns[0] is None or columns[1] is None else (columns[0], columns[1]),
+        column=spec.column or "text",
+        block_size=length,
+        batch_size=batching.batch_size,
+        max_tokens=batching.max_tokens,
+        seed=batching.seed,
+    )
+    if notes is not None:
+        notes.append(f"`{where}` scored as {made.description}")
+    return made.batches
 
 
 def _channels(config: Any) -> int:
@@ -216,6 +267,7 @@ class RunData:
     processor: Any  # A's tokenizer or image processor (None without data)
     align: AlignInput | None
     eval_batches: list[dict[str, Tensor]] | None
+    notes: tuple[str, ...] = ()  # how the data were made, where a choice was made for the user
 
 
 def read_data(
@@ -230,8 +282,9 @@ def read_data(
     task, align_task = _tasks(recipe, models)
     ev = recipe.evaluate
     proc = data_processor(inputs, task, rows) if (recipe.data is not None or ev is not None) else None
-    align = _alignment_data(recipe, base_dir, align_task, proc, models.reference)
-    return RunData(task, proc, align, _eval_batches(recipe, task, base_dir, proc, models))
+    notes: list[str] = []
+    align = _alignment_data(recipe, base_dir, align_task, proc, models.reference, notes)
+    return RunData(task, proc, align, _eval_batches(recipe, task, base_dir, proc, models, notes), tuple(notes))
 
 
 def data_processor(inputs: Roles[PlannedModel], task: Task, rows: RunVocabulary | None) -> Any:
@@ -263,10 +316,6 @@ def _task(recipe: Recipe, model: Any) -> Task:
         if implied is not None and implied != ev.task:
             raise task_mismatch(ev.task, type(model).__name__, implied)
         return ev.task
-    if implied is None and recipe.data is not None and getattr(model.config, "is_encoder_decoder", False):
-        raise UnsupportedArchitectureError(
-            f"`data`: cannot batch alignment data for a {type(model).__name__}: {SEQ2SEQ_NOT_YET}"
-        )
     if implied is None and recipe.data is not None:
         raise UnsupportedArchitectureError(
             f"`data`: cannot tell how to batch alignment data for a {type(model).__name__}; "
@@ -275,19 +324,23 @@ def _task(recipe: Recipe, model: Any) -> Task:
     return implied or "causal-lm"
 
 
-def _alignment_data(recipe: Recipe, base_dir: Path, task: Task, proc: Any, reference: LoadedModel) -> AlignInput | None:
+def _alignment_data(
+    recipe: Recipe, base_dir: Path, task: Task, proc: Any, reference: LoadedModel, notes: list[str]
+) -> AlignInput | None:
     """``data`` batched once, with the spec that batched it (None without ``data``)."""
     spec = BatchSpec.for_alignment(recipe, task)
     if recipe.data is None or spec is None:
         return None
-    made = batches(recipe.data, spec, base_dir, proc, reference.model.config, where="data")
+    if task == "seq2seq":
+        raise UnsupportedArchitectureError(SEQ2SEQ_ALIGNMENT_DATA)
+    made = batches(recipe.data, spec, base_dir, proc, reference.model.config, where="data", notes=notes)
     special = frozenset(int(t) for t in getattr(proc, "all_special_ids", []) or [])
     data = AlignmentData(made, special, description=f"{recipe.data.dataset} ({recipe.data.split})")
     return AlignInput(spec, made, data)
 
 
 def _eval_batches(
-    recipe: Recipe, task: Task, base_dir: Path, proc: Any, models: Roles[LoadedModel]
+    recipe: Recipe, task: Task, base_dir: Path, proc: Any, models: Roles[LoadedModel], notes: list[str]
 ) -> list[dict[str, Tensor]] | None:
     """``evaluate.data`` batched once (None without ``evaluate``); a transport's for the fine-tune,
     whose task and head it is scored on."""
@@ -296,4 +349,4 @@ def _eval_batches(
     if ev is None or eval_spec is None:
         return None
     config = (models.finetune if isinstance(models, TransportRoles) else models.reference).model.config
-    return batches(ev.data, eval_spec, base_dir, proc, config, where="evaluate.data")
+    return batches(ev.data, eval_spec, base_dir, proc, config, where="evaluate.data", notes=notes)

@@ -118,6 +118,7 @@ def load_workspace(plan: Plan, *, progress: Progress | None = None) -> Workspace
         notes.extend(rows.notes() if rows is not None else [])
         written, dtype_entry = output_dtype(recipe, models, adapter, notes)
         data = read_data(recipe, base_dir, inputs, models, rows)
+        notes.extend(data.notes)
     return Workspace(
         plan=plan,
         inputs=inputs,

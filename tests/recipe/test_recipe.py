@@ -144,6 +144,18 @@ def test_shorthands_and_multi_model_weights(tmp_path: Path) -> None:
     )
 
 
+def test_seq2seq_pairs_name_both_columns_or_neither(tmp_path: Path) -> None:
+    data = yaml.safe_load(BARRIER)
+    pairs = {"dataset": "json", "data_files": "pairs.jsonl", "source_column": "en", "target_column": "fr"}
+    data["evaluate"] = {"task": "seq2seq", "data": pairs}
+    ev = parse_recipe(data, "inline", tmp_path).evaluate
+    assert ev is not None and (ev.data.source_column, ev.data.target_column) == ("en", "fr")
+    del pairs["target_column"]
+    with pytest.raises(RecipeError, match="`source_column` pairs with `target_column`") as info:
+        parse_recipe(data, "inline", tmp_path)
+    assert paths(info.value) == ["evaluate.data.target_column"]
+
+
 def test_image_data_and_evaluation_budget(tmp_path: Path) -> None:
     data = yaml.safe_load(BARRIER)
     data["evaluate"] = {

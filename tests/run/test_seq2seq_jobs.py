@@ -1,10 +1,13 @@
-"""Encoder-decoders (BART) through the jobs that need no data, checked with stock transformers
-(``AutoModelForSeq2SeqLM``, not hf-rebasin's loader); the jobs that need a seq2seq loss or
-alignment data refuse with the reason, and write nothing."""
+"""Encoder-decoders (BART) through every job, checked with stock transformers (``AutoModelForSeq2SeqLM``,
+not hf-rebasin's loader): losses on source → target pairs against the model's own loss, plain text
+noised as BART was trained; what is not built yet (alignment from activations, calibration) refuses
+with the reason, and writes nothing."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,16 +18,55 @@ from safetensors.torch import load_file
 
 import tiny
 from helpers import flat, run_cli, run_main
+from hf_rebasin.evaluation.data import char_tokenizer
+
+TEXT = (
+    "to be, or not to be, that is the question:\n"
+    "whether 'tis nobler in the mind to suffer\n"
+    "the slings and arrows of outrageous fortune,\n"
+    "or to take arms against a sea of troubles\n"
+    "and by opposing end them. to die, to sleep;\n"
+)
 
 
 @pytest.fixture
 def barts(tmp_path: Path) -> list[Path]:
+    tokenizer = char_tokenizer(TEXT, mask=True)
+    assert len(tokenizer) <= tiny.V
     folders = []
     for seed in range(2):
         folder = tmp_path / f"bart-{seed}"
         tiny.bart(seed).save_pretrained(str(folder))
+        tokenizer.save_pretrained(str(folder))
         folders.append(folder)
     return folders
+
+
+@pytest.fixture
+def texts(tmp_path: Path) -> dict[str, Path]:
+    lines = TEXT.splitlines()
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"source": a, "target": b}) + "\n" for a, b in itertools.pairwise(lines) for _ in "ab")
+    )
+    plain = tmp_path / "plain.txt"
+    plain.write_text(TEXT * 4)
+    return {"pairs": pairs, "plain": plain}
+
+
+def _stock_loss(folder: Path, pairs: Path) -> float:
+    """The mean loss per target token, from the model's own loss (labels shifted by BART itself)."""
+    model = T.AutoModelForSeq2SeqLM.from_pretrained(str(folder)).eval()
+    tokenizer = T.AutoTokenizer.from_pretrained(str(folder))
+    total, count = 0.0, 0
+    for line in pairs.read_text().splitlines():
+        row = json.loads(line)
+        source = torch.tensor([tokenizer(row["source"])["input_ids"]])
+        target = torch.tensor([tokenizer(row["target"])["input_ids"]])
+        with torch.no_grad():
+            total += float(model(input_ids=source, labels=target).loss) * target.numel()
+        count += target.numel()
+    return total / count
 
 
 def _recipe(tmp_path: Path, body: dict) -> str:
@@ -63,17 +105,61 @@ def test_a_data_free_merge_of_two_barts_loads_with_the_stock_class(tmp_path: Pat
     assert type(model).__name__ == "BartForConditionalGeneration"
 
 
-@pytest.mark.parametrize("job", ["merge-head-perm", "transport"])
-def test_jobs_that_need_a_seq2seq_loss_or_data_refuse_and_write_nothing(
+def test_a_barrier_on_pairs_scores_each_end_as_the_models_own_loss_does(
+    tmp_path: Path, barts: list[Path], texts: dict[str, Path]
+) -> None:
+    data = {"dataset": "json", "data_files": str(texts["pairs"])}
+    body = {
+        "job": "barrier",
+        "models": [str(b) for b in barts],
+        "strategy": "weight-matching",
+        "evaluate": {"task": "seq2seq", "data": data, "points": 3},
+    }
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "`evaluate.data` scored as source → target pairs" in flat(proc.stdout)
+    record = json.loads((tmp_path / "out" / "rebasin.json").read_text())
+    for curve in record["curves"].values():
+        assert curve["loss"][-1] == pytest.approx(_stock_loss(barts[0], texts["pairs"]), abs=1e-5)  # λ = 1: A
+        assert curve["loss"][0] == pytest.approx(_stock_loss(barts[1], texts["pairs"]), abs=1e-5)
+        assert curve["metric"]["perplexity"][0] == pytest.approx(math.exp(curve["loss"][0]), rel=1e-6)
+
+
+def test_a_transport_scored_on_plain_text_noises_it_and_writes_a_seq2seq_card(
+    tmp_path: Path, barts: list[Path], texts: dict[str, Path]
+) -> None:
+    models = [str(b) for b in barts]
+    data = {"dataset": "text", "data_files": str(texts["plain"])}
+    body = {
+        "job": "transport",
+        "base": models[0],
+        "finetuned": models[1],
+        "target": models[0],
+        "calibrate": False,
+        "alpha": "auto",
+        "evaluate": {"task": "seq2seq", "data": data, "support": data},
+    }
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = flat(proc.stdout)
+    assert "`evaluate.data` scored as BART text infilling" in said and "`evaluate.support` scored as BART" in said
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "pipeline_tag: text2text-generation" in card and "AutoModelForSeq2SeqLM.from_pretrained" in card
+    model = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
+    assert type(model).__name__ == "BartForConditionalGeneration"
+
+
+@pytest.mark.parametrize("job", ["merge-head-perm", "calibrated-transport"])
+def test_jobs_that_are_not_built_for_encoder_decoders_refuse_and_write_nothing(
     tmp_path: Path, barts: list[Path], job: str
 ) -> None:
     models = [str(b) for b in barts]
-    if job == "transport":
-        body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[1], "calibrate": False}
-        reason = "cannot evaluate a BartForConditionalGeneration: an encoder-decoder's sequence-to-sequence loss"
+    if job == "calibrated-transport":
+        body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[1]}
+        reason = "the fine-tune is a BartForConditionalGeneration, whose decoder writes from a source"
     else:
         body = {"job": "merge", "models": models, "strategy": "head-perm", "data": {"dataset": "shakespeare"}}
-        reason = "cannot batch alignment data for a BartForConditionalGeneration: an encoder-decoder's"
+        reason = "`data`: alignment from the activations of an encoder-decoder is not supported yet"
     proc = run_main(_recipe(tmp_path, body))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert reason in flat(proc.stderr + proc.stdout)

@@ -70,6 +70,7 @@ AUTO_CLASSES = {
     "masked-lm": "AutoModelForMaskedLM",
     "sequence-classification": "AutoModelForSequenceClassification",
     "image-classification": "AutoModelForImageClassification",
+    "seq2seq": "AutoModelForSeq2SeqLM",
 }
 
 

@@ -24,6 +24,7 @@ PIPELINE_TAGS = {
     "masked-lm": "fill-mask",
     "sequence-classification": "text-classification",
     "image-classification": "image-classification",
+    "seq2seq": "text2text-generation",
 }
 
 

@@ -240,7 +240,8 @@ def _scores(ws: Workspace, models: TransportRoles[LoadedModel], moved: Moved, na
             if ev.support is not None:
                 spec = BatchSpec(ws.task, ev.batch_size, ev.support.max_tokens, ev.support.max_examples, ev.seed)
                 config = models.finetune.model.config
-                support = batches(ev.support, spec, ws.base_dir, ws.processor, config, where="evaluate.support")
+                where = "evaluate.support"
+                support = batches(ev.support, spec, ws.base_dir, ws.processor, config, where=where, notes=ws.notes)
                 record["support"] = _scores_on(ws, models, support, moved, naive)
                 record["tradeoff"] = tradeoff(record)
     return record
