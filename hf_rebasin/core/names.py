@@ -137,6 +137,10 @@ Kind = Literal[
     "bench-gpt2-chat-lora",
     "bench-qwen3-chat",
     "bench-gpt2-ft-lora",
+    # encoder-decoders pretrained by denoising: a tiny character-level BART, the benchmark BART and T5
+    "bart",
+    "bench-bart",
+    "bench-t5",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 

@@ -14,7 +14,7 @@ token): BART called without them shifts the *source*, which would silently score
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -28,7 +28,17 @@ if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["NOISE_DENSITY", "Objective", "Seq2SeqData", "objective_of", "seq2seq_batches"]
+__all__ = [
+    "NOISE_DENSITY",
+    "Objective",
+    "Seq2SeqData",
+    "block_room",
+    "collate",
+    "content_blocks",
+    "noised_pairs",
+    "objective_of",
+    "seq2seq_batches",
+]
 
 Objective = Literal["pairs", "span-corruption", "text-infilling", "prefix-split"]
 NOISE_DENSITY = 0.15  # T5: 15 % of tokens corrupted, in spans of mean length 3
@@ -141,7 +151,7 @@ def text_infilling(ids: Sequence[int], mask_id: int, g: torch.Generator) -> list
     return [mask_id if starts[i] else int(t) for i, t in enumerate(ids) if starts[i] or not masked[i]]
 
 
-def _content_blocks(
+def content_blocks(
     tokenizer: PreTrainedTokenizerBase, records: datasets.Dataset, column: str, size: int, max_tokens: int | None
 ) -> Iterator[list[int]]:
     """Consecutive blocks of ``size`` content tokens (no special tokens) over all texts of ``column``;
@@ -181,6 +191,21 @@ def _noised(
         return _framed(frame, text_infilling(block, int(tokenizer.mask_token_id), g)), _framed(frame, block)
     half = len(block) // 2
     return _framed(frame, block[:half]), _framed(frame, block[half:])
+
+
+def block_room(tokenizer: PreTrainedTokenizerBase, objective: Objective, block_size: int) -> int:
+    """Content tokens per block of plain text, so that source and target fit ``block_size`` once framed
+    (a span-corruption target starts with a sentinel)."""
+    return max(4, block_size - len(_framed(_frame(tokenizer), [])) - (1 if objective == "span-corruption" else 0))
+
+
+def noised_pairs(
+    tokenizer: PreTrainedTokenizerBase, objective: Objective, blocks: Iterable[list[int]], seed: int
+) -> Iterator[tuple[list[int], list[int]]]:
+    """(source, target) of each block of content ids, all noise drawn from one generator seeded by ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    for block in blocks:
+        yield _noised(tokenizer, objective, block, g)
 
 
 def _pairs(
@@ -264,11 +289,8 @@ def seq2seq_batches(
     if columns is not None:
         pairs = _pairs(tokenizer, records, columns, (block_size, block_size), max_tokens)
     else:
-        g = torch.Generator().manual_seed(seed)
-        room = block_size - len(_framed(_frame(tokenizer), [])) - (1 if objective == "span-corruption" else 0)
-        size = max(4, room)
-        blocks = _content_blocks(tokenizer, records, column, size, max_tokens)
-        pairs = (_noised(tokenizer, objective, b, g) for b in blocks)
+        blocks = content_blocks(tokenizer, records, column, block_room(tokenizer, objective, block_size), max_tokens)
+        pairs = noised_pairs(tokenizer, objective, blocks, seed)
     made: list[tuple[list[int], list[int]]] = list(pairs)
     if not made:
         where = f"columns {columns[0]!r} and {columns[1]!r}" if columns else f"column {column!r}"

@@ -38,11 +38,6 @@ __all__ = [
 ]
 
 TEXT_TASKS = ("causal-lm", "masked-lm")
-SEQ2SEQ_ALIGNMENT_DATA = (
-    "`data`: alignment from the activations of an encoder-decoder is not supported yet (its two stacks read "
-    "sources and targets of other lengths); align it from its weights (weight-matching, transfusion or "
-    "generalized-orthogonal) without `data`, and score it with `evaluate`"
-)
 MAX_BLOCK = 128  # tokens per block of evaluation / alignment text
 ALIGN_BATCH_SIZE = 8  # alignment data without an `evaluate` section: its defaults
 ALIGN_SEED = 0
@@ -229,7 +224,7 @@ def _seq2seq(
         seed=batching.seed,
     )
     if notes is not None:
-        notes.append(f"`{where}` scored as {made.description}")
+        notes.append(f"`{where}`: {made.description}")
     return made.batches
 
 
@@ -331,8 +326,6 @@ def _alignment_data(
     spec = BatchSpec.for_alignment(recipe, task)
     if recipe.data is None or spec is None:
         return None
-    if task == "seq2seq":
-        raise UnsupportedArchitectureError(SEQ2SEQ_ALIGNMENT_DATA)
     made = batches(recipe.data, spec, base_dir, proc, reference.model.config, where="data", notes=notes)
     special = frozenset(int(t) for t in getattr(proc, "all_special_ids", []) or [])
     data = AlignmentData(made, special, description=f"{recipe.data.dataset} ({recipe.data.split})")

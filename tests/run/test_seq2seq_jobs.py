@@ -117,7 +117,7 @@ def test_a_barrier_on_pairs_scores_each_end_as_the_models_own_loss_does(
     }
     proc = run_main(_recipe(tmp_path, body))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "`evaluate.data` scored as source → target pairs" in flat(proc.stdout)
+    assert "`evaluate.data`: source → target pairs" in flat(proc.stdout)
     record = json.loads((tmp_path / "out" / "rebasin.json").read_text())
     for curve in record["curves"].values():
         assert curve["loss"][-1] == pytest.approx(_stock_loss(barts[0], texts["pairs"]), abs=1e-5)  # λ = 1: A
@@ -142,11 +142,28 @@ def test_a_transport_scored_on_plain_text_noises_it_and_writes_a_seq2seq_card(
     proc = run_main(_recipe(tmp_path, body))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     said = flat(proc.stdout)
-    assert "`evaluate.data` scored as BART text infilling" in said and "`evaluate.support` scored as BART" in said
+    assert "`evaluate.data`: BART text infilling" in said and "`evaluate.support`: BART" in said
     card = (tmp_path / "out" / "README.md").read_text()
     assert "pipeline_tag: text2text-generation" in card and "AutoModelForSeq2SeqLM.from_pretrained" in card
     model = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
     assert type(model).__name__ == "BartForConditionalGeneration"
+
+
+def test_learned_matching_reads_a_barts_loss_on_noised_text(
+    tmp_path: Path, barts: list[Path], texts: dict[str, Path]
+) -> None:
+    strategy = {"name": "generalized-orthogonal", "learned": True, "steps": 6, "eval_every": 3}
+    body = {
+        "job": "merge",
+        "models": [str(b) for b in barts],
+        "strategy": strategy,
+        "data": {"dataset": "text", "data_files": str(texts["plain"])},
+    }
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = flat(proc.stdout)
+    assert "`data`: BART text infilling" in said and "learned matching (6 steps" in said
+    T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
 
 
 @pytest.mark.parametrize("job", ["merge-head-perm", "calibrated-transport"])
@@ -159,7 +176,7 @@ def test_jobs_that_are_not_built_for_encoder_decoders_refuse_and_write_nothing(
         reason = "the fine-tune is a BartForConditionalGeneration, whose decoder writes from a source"
     else:
         body = {"job": "merge", "models": models, "strategy": "head-perm", "data": {"dataset": "shakespeare"}}
-        reason = "`data`: alignment from the activations of an encoder-decoder is not supported yet"
+        reason = "a bart model: activation statistics of an encoder-decoder are not collected yet"
     proc = run_main(_recipe(tmp_path, body))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert reason in flat(proc.stderr + proc.stdout)

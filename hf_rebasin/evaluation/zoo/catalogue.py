@@ -18,6 +18,7 @@ from typing import Any
 from hf_rebasin.core.errors import UnsupportedArchitectureError
 from hf_rebasin.core.names import ALL_PLAYS, DEFAULT_PLAYS, KINDS, Kind
 from hf_rebasin.core.resources import cache_root
+from hf_rebasin.evaluation.zoo.seq2seq_config import SEQ2SEQ_CONFIGS, Seq2SeqTrainConfig
 
 __all__ = [
     "DEFAULT_CONFIGS",
@@ -33,6 +34,7 @@ __all__ = [
     "GPT2TrainConfig",
     "ImageTrainConfig",
     "MaskedLMTrainConfig",
+    "Seq2SeqTrainConfig",
     "SubwordLMTrainConfig",
     "SubwordMaskedLMTrainConfig",
     "TrainConfig",
@@ -410,6 +412,7 @@ TrainConfig = (
     | DomainFineTuneConfig
     | ChatFineTuneConfig
     | ChatLoraConfig
+    | Seq2SeqTrainConfig
 )
 DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
     "gpt2": GPT2TrainConfig(),
@@ -555,6 +558,7 @@ DEFAULT_CONFIGS: dict[Kind, TrainConfig] = {
     # bench-gpt2-chat's fine-tune of the Qwen3-shaped model (the same rate: bench-qwen3 trains at bench-gpt2's)
     "bench-gpt2-ft-lora": DomainLoraConfig(),
     "bench-qwen3-chat": ChatFineTuneConfig(base="bench-qwen3", corpus="kjv-chatml", steps=1000, lr=5e-4, warmup=50),
+    **SEQ2SEQ_CONFIGS,
 }
 
 

@@ -32,6 +32,7 @@ from hf_rebasin.evaluation.zoo.catalogue import (
     GPT2TrainConfig,
     ImageTrainConfig,
     MaskedLMTrainConfig,
+    Seq2SeqTrainConfig,
     TrainConfig,
     ViTTrainConfig,
     check_kind,
@@ -52,6 +53,7 @@ TASKS: dict[Kind, Task] = {
     **{
         kind: "image-classification" for kind, config in DEFAULT_CONFIGS.items() if isinstance(config, ImageTrainConfig)
     },
+    **{kind: "seq2seq" for kind, config in DEFAULT_CONFIGS.items() if isinstance(config, Seq2SeqTrainConfig)},
 }
 
 

@@ -49,6 +49,7 @@ from hf_rebasin.evaluation.zoo.catalogue import (
     GPT2TrainConfig,
     ImageTrainConfig,
     MaskedLMTrainConfig,
+    Seq2SeqTrainConfig,
     TrainConfig,
     ViTTrainConfig,
     check_kind,
@@ -60,6 +61,7 @@ from hf_rebasin.evaluation.zoo.causal import run_text, train_tiny_causal_lm, tra
 from hf_rebasin.evaluation.zoo.images import train_tiny_image_classifier, train_tiny_vit
 from hf_rebasin.evaluation.zoo.loop import TASKS, Progress
 from hf_rebasin.evaluation.zoo.masked import masked_lm_batches, train_tiny_bert, train_tiny_masked_lm
+from hf_rebasin.evaluation.zoo.seq2seq import seq2seq_held_out, train_tiny_seq2seq
 
 
 def _finetune_data(
@@ -359,6 +361,11 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
         for kind, config in DEFAULT_CONFIGS.items()
         if isinstance(config, DomainFineTuneConfig)
     },
+    **{
+        kind: functools.partial(train_tiny_seq2seq, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, Seq2SeqTrainConfig)
+    },
     "bench-gpt2-chat-lora": functools.partial(lora_chat, "bench-gpt2-chat-lora"),
     "bench-gpt2-ft-lora": functools.partial(lora_on_domain, "bench-gpt2-ft-lora"),
     **{
@@ -404,6 +411,20 @@ def cached_model(
     return final
 
 
+def _seq2seq_held_out(folder: Path, record: dict[str, Any], tokenizer: Any, batch_size: int) -> list[dict[str, Tensor]]:
+    """An encoder-decoder's held-out text noised as it was scored after training (its recorded config)."""
+    from transformers import AutoConfig
+
+    from hf_rebasin.evaluation.zoo.seq2seq import held_out_blocks
+
+    given = record["config"]
+    cfg = Seq2SeqTrainConfig(
+        **{**given, "plays": tuple(given["plays"]), "options": tuple(tuple(o) for o in given["options"])}
+    )
+    start = int(AutoConfig.from_pretrained(str(folder)).decoder_start_token_id)
+    return seq2seq_held_out(tokenizer, held_out_blocks(tokenizer, cfg), start, batch_size)
+
+
 def training_record(folder: Path) -> dict[str, Any]:
     """What ``training.json`` in a zoo folder says: kind, seed, config, time, held-out loss."""
     path = Path(folder) / TRAINING_FILE
@@ -428,6 +449,8 @@ def held_out_batches(folder: Path, batch_size: int = 64) -> list[dict[str, Tenso
 
     cfg = record["config"]  # every text kind names its plays (or another corpus) and eval_tokens
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    if TASKS.get(kind) == "seq2seq":
+        return _seq2seq_held_out(folder, record, tokenizer, batch_size)
     plays = tuple(cfg["plays"]) if "plays" in cfg else None
     text = data.corpus_text(cfg.get("corpus", "shakespeare"), plays, split="test")
     if "block_size" in cfg:  # the blocks it was trained on (XLM-R's positions are 2 more)

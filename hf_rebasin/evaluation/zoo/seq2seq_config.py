@@ -1,0 +1,76 @@
+"""The zoo's encoder-decoders: what they are trained with (torch-free, like the rest of the catalogue).
+
+Plain text has no targets, so every kind is pretrained as its family was: BART on text infilling,
+T5 on span corruption (`hf_rebasin.evaluation.seq2seq`), with fresh noise every epoch (the seed of
+an epoch draws it) and held-out text noised once with a fixed seed. Two sizes: a character-level
+BART of the tiny zoo's size (recipes and slow tests), and the benchmark zoo's BART and T5 with a
+BPE vocabulary, 4 + 4 layers of width 128, blocks of 128 tokens over every play.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from hf_rebasin.core.names import ALL_PLAYS, DEFAULT_PLAYS, Kind
+
+__all__ = ["SENTINELS", "SEQ2SEQ_CONFIGS", "Seq2SeqTrainConfig"]
+
+SENTINELS = 32  # T5 sentinels added to a BPE vocabulary (<extra_id_0> …): a 128-token block uses about 6
+
+
+@dataclass(frozen=True)
+class Seq2SeqTrainConfig:
+    """An encoder-decoder of ``family`` (``bart`` or ``t5``) pretrained by denoising.
+
+    ``vocab_size`` 0 means characters (the tiny zoo's vocabulary), else a byte-level BPE vocabulary
+    of that size learned on the training split. ``num_layers`` counts each stack. ``head_dim`` is
+    T5's ``d_kv`` (BART's heads are ``hidden_size / num_heads``). ``options`` sets any other field of
+    the family's config, as transformers names it (kept in the cache key).
+    """
+
+    family: str
+    vocab_size: int = 0
+    steps: int = 2500
+    batch_size: int = 16
+    block_size: int = 64
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    head_dim: int | None = None
+    intermediate_size: int = 256
+    lr: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    options: tuple[tuple[str, Any], ...] = ()
+    plays: tuple[str, ...] = DEFAULT_PLAYS
+    eval_tokens: int = 65536
+
+
+def _bench(family: str, **changes: Any) -> Seq2SeqTrainConfig:
+    """The benchmark zoo's size (bench-gpt2's): a BPE vocabulary of 2048, 4 + 4 layers of width 128,
+    blocks of 128 tokens, every play, 4000 steps."""
+    base = Seq2SeqTrainConfig(
+        family=family,
+        vocab_size=2048,
+        steps=4000,
+        block_size=128,
+        hidden_size=128,
+        num_layers=4,
+        warmup=200,
+        plays=ALL_PLAYS,
+        eval_tokens=131072,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+SEQ2SEQ_CONFIGS: dict[Kind, Seq2SeqTrainConfig] = {
+    # BART at the tiny zoo's size: post-LayerNorm, characters, the tied head
+    "bart": Seq2SeqTrainConfig(family="bart"),
+    # the benchmark BART: MLPs of 4 × width; post-norm, so a gentler rate than bench-gpt2's
+    "bench-bart": _bench("bart", intermediate_size=512, lr=1e-3),
+    # the benchmark T5 (v1.1-style: gated-GELU MLP of ⅔ · 512 units, the head apart from the embeddings,
+    # 4 heads of width 32, RMSNorm, relative positions), bench-gpt2's rate
+    "bench-t5": _bench("t5", head_dim=32, intermediate_size=352, lr=2e-3, weight_decay=0.1),
+}
