@@ -4,6 +4,10 @@ one per sublayer, at every α of ``alpha: auto``'s grid.
 
     python benchmarks/transport/bench_transport_zoo.py                  # pairs 0:1 0:2 (trains the zoo first: benchmarks/zoo/bench_zoo.py)
     python benchmarks/transport/bench_transport_zoo.py --pairs 0:1 --tokens 65536
+    python benchmarks/transport/bench_transport_zoo.py --kind bench-t5 --pairs 0:1   # the T5's, span corruption
+
+``--kind bench-t5``: the encoder-decoder pair and its fine-tune ``bench-t5-ft``, scored on held-out text
+noised as it was trained (per-sublayer maps do not apply to two stacks: those rows are left out).
 
 For each pair, method and α: the task loss (held-out Bible text), the share of the task-loss gap
 between B and the fine-tune on A that is closed, the support loss (B's held-out Shakespeare) and
@@ -26,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "alignment"))  # be
 from bench_barriers import first_tokens
 
 from hf_rebasin.alignment.strategies import Pair, align
-from hf_rebasin.evaluation.evaluate import evaluate_loss
+from hf_rebasin.evaluation.evaluate import evaluate_loss, task_of
 from hf_rebasin.evaluation.zoo.train import cached_model, held_out_batches
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.merging.transport import add_task_vector, task_vector
@@ -46,20 +50,22 @@ METHODS = [  # (label, strategy, residual maps)
 
 
 def _model(folder: Any) -> Any:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    seq2seq = AutoConfig.from_pretrained(str(folder)).is_encoder_decoder
+    return (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(str(folder)).eval()
 
 
-def pair_rows(seed_a: int, seed_b: int, tokens: int, budget: float) -> list[dict[str, Any]]:
-    a_folder, b_folder = cached_model("bench-gpt2", seed_a), cached_model("bench-gpt2", seed_b)
-    ft_folder = cached_model("bench-gpt2-ft", seed_a)
+def pair_rows(seed_a: int, seed_b: int, tokens: int, budget: float, kind: str = "bench-gpt2") -> list[dict[str, Any]]:
+    a_folder, b_folder = cached_model(kind, seed_a), cached_model(kind, seed_b)  # type: ignore[arg-type]
+    ft_folder = cached_model(f"{kind}-ft", seed_a)  # type: ignore[arg-type]
     task = first_tokens(held_out_batches(ft_folder, 32), tokens)
     support = first_tokens(held_out_batches(b_folder, 32), tokens)
     a, b, ft = _model(a_folder), _model(b_folder), _model(ft_folder)
+    scored = task_of(a)
 
     def losses(model: Any) -> tuple[float, float]:
-        return evaluate_loss(model, task, "causal-lm").loss, evaluate_loss(model, support, "causal-lm").loss
+        return evaluate_loss(model, task, scored).loss, evaluate_loss(model, support, scored).loss
 
     b_task, b_support = losses(b)
     ft_task, ft_support = losses(ft)
@@ -73,6 +79,8 @@ def pair_rows(seed_a: int, seed_b: int, tokens: int, budget: float) -> list[dict
     graph = graph_for(b.config, sd_b.keys())
     rows = []
     for label, strategy, maps in METHODS:
+        if maps == "per-sublayer" and len(graph.stacks) > 1:
+            continue  # one chain of sublayers per stream: not an encoder-decoder's
         start = time.perf_counter()
         options = {} if strategy == "vanilla" else {"residual_maps": maps}
         alignment = align(strategy, Pair(graph, sd_b, sd_a), options)  # B is the reference
@@ -139,6 +147,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
     ]
     for label, _, _ in METHODS:
         mine = [r for r in rows if r["method"] == label]
+        if not mine:
+            continue
         at1 = sorted(100 * r["gap"][AUTO_ALPHAS.index(1.0)] for r in mine)
         cost1 = sorted(r["cost"][AUTO_ALPHAS.index(1.0)] for r in mine)
         auto = sorted(100 * r["gap"][r["auto"].index] for r in mine)
@@ -152,6 +162,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kind", default="bench-gpt2", choices=["bench-gpt2", "bench-t5"], help="the base pair's kind")
     parser.add_argument("--pairs", nargs="+", default=["0:1", "0:2"], help="A:B seed pairs (A's fine-tune moves)")
     parser.add_argument("--tokens", type=int, default=32768, help="held-out tokens scored per data set")
     parser.add_argument("--budget", type=float, default=0.1, help="support budget (nats) of the capped choice")
@@ -161,7 +172,7 @@ def main() -> None:
     rows = []
     for pair in args.pairs:
         seed_a, seed_b = (int(s) for s in pair.split(":"))
-        rows += pair_rows(seed_a, seed_b, args.tokens, args.budget)
+        rows += pair_rows(seed_a, seed_b, args.tokens, args.budget, args.kind)
     print()
     print(markdown(rows, args.budget))
     print()

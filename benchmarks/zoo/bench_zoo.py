@@ -12,7 +12,9 @@ it transport barely moves and strategies differ by noise. Defaults are chosen on
   (+ ``<mask>``; a BERT of this size stalls near the unigram loss, 5.55 nats after 4,000 steps);
 - ``bench-vit``: a ViT of the same size on scikit-learn's digits, trained longer than the tiny one;
 - ``bench-qwen3``, ``bench-gemma2``: today's families at the same size, trained like ``bench-gpt2``
-  (4 heads of width 32 over 2 KV heads, a gated MLP of 352 units).
+  (4 heads of width 32 over 2 KV heads, a gated MLP of 352 units);
+- ``bench-t5``, ``bench-bart``: encoder-decoders of 4 + 4 layers at the same width, pretrained by
+  denoising the same text (T5 v1.1's span corruption, BART's text infilling).
 
 Every model is cached like the tiny zoo's (``zoo:bench-gpt2-seed1`` works in recipes); training
 needs ``pip install 'hf-rebasin[bench]'`` for the Bible text.
@@ -44,6 +46,8 @@ SCRATCH = (
     "bench-modernbert",
     "bench-qwen3",
     "bench-gemma2",
+    "bench-t5",
+    "bench-bart",
 )  # trained from scratch, one per seed
 TUNED = ("bench-gpt2-ft",)  # trained on top of seed 0 of their base
 

@@ -141,6 +141,9 @@ Kind = Literal[
     "bart",
     "bench-bart",
     "bench-t5",
+    # bench-t5 of a seed fine-tuned on the King James Bible (full, and as a LoRA adapter)
+    "bench-t5-ft",
+    "bench-t5-ft-lora",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 

@@ -12,7 +12,9 @@ import torch
 import transformers as T
 from safetensors.torch import load_file
 
-from hf_rebasin.evaluation.zoo.catalogue import DEFAULT_CONFIGS, Seq2SeqTrainConfig
+from hf_rebasin.evaluation.zoo import train
+from hf_rebasin.evaluation.zoo.catalogue import DEFAULT_CONFIGS, Seq2SeqFineTuneConfig, Seq2SeqTrainConfig
+from hf_rebasin.evaluation.zoo.seq2seq import finetune_seq2seq
 from hf_rebasin.evaluation.zoo.train import held_out_batches, train_tiny_seq2seq
 
 
@@ -58,3 +60,26 @@ def test_a_zoo_t5_stores_its_head_apart_as_t5_v1_1_does(tmp_path: Path) -> None:
     assert "<extra_id_0>" in tokenizer.get_vocab()
     record = json.loads((folder / "training.json").read_text())
     assert _own_loss(model, held_out_batches(folder)) == pytest.approx(record["held_out"]["loss"], abs=1e-4)
+
+
+@pytest.mark.slow  # the whole Bible tokenized by characters: about 50 s each
+@pytest.mark.parametrize("rank", [0, 4])
+def test_a_zoo_fine_tune_of_a_bart_learns_the_bible_and_loads_as_users_load_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    base = train_tiny_seq2seq("bart", 0, tmp_path / "base", _short("bart", plays=("hamlet",), num_layers=1))
+    monkeypatch.setattr(train, "cached_model", lambda kind, seed, *a, **k: base)
+    modules = ("q_proj", "v_proj", "fc1")
+    config = Seq2SeqFineTuneConfig(
+        base="bart", steps=8, block_size=64, eval_tokens=1024, rank=rank, target_modules=modules
+    )
+    folder = finetune_seq2seq("bench-t5-ft-lora" if rank else "bench-t5-ft", 0, tmp_path / "ft", config)
+    record = json.loads((folder / "training.json").read_text())
+    if rank:
+        import peft
+
+        assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "zoo:bart-seed0"
+        model = peft.PeftModel.from_pretrained(T.AutoModelForSeq2SeqLM.from_pretrained(str(base)), str(folder))
+    else:
+        model = T.AutoModelForSeq2SeqLM.from_pretrained(str(folder))
+    assert _own_loss(model.eval(), held_out_batches(folder)) == pytest.approx(record["held_out"]["loss"], abs=1e-4)

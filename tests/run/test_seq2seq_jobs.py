@@ -149,6 +149,41 @@ def test_a_transport_scored_on_plain_text_noises_it_and_writes_a_seq2seq_card(
     assert type(model).__name__ == "BartForConditionalGeneration"
 
 
+def test_a_moved_bart_lora_adapter_loads_with_peft_and_scores_what_the_run_said(
+    tmp_path: Path, barts: list[Path], texts: dict[str, Path]
+) -> None:
+    import peft
+
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "fc1"], task_type="SEQ_2_SEQ_LM")
+    tuned = peft.get_peft_model(T.AutoModelForSeq2SeqLM.from_pretrained(str(barts[0])), config)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    adapter = tmp_path / "lora"
+    tuned.save_pretrained(str(adapter))
+    data = {"dataset": "json", "data_files": str(texts["pairs"])}
+    body = {
+        "job": "transport",
+        "base": str(barts[0]),
+        "finetuned": {"model": str(adapter), "check_base": False},
+        "target": str(barts[1]),
+        "calibrate": False,
+        "evaluate": {"task": "seq2seq", "data": data},
+    }
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    assert json.loads((out / "adapter_config.json").read_text())["task_type"] == "SEQ_2_SEQ_LM"
+    moved = peft.PeftModel.from_pretrained(T.AutoModelForSeq2SeqLM.from_pretrained(str(barts[1])), str(out))
+    record = json.loads((out / "rebasin.json").read_text())
+    said = record["transport"]["loss"]["transported"][0]
+    merged = tmp_path / "merged"
+    moved.merge_and_unload().save_pretrained(str(merged))
+    char_tokenizer(TEXT, mask=True).save_pretrained(str(merged))
+    assert _stock_loss(merged, texts["pairs"]) == pytest.approx(said, abs=1e-4)
+
+
 def test_learned_matching_reads_a_barts_loss_on_noised_text(
     tmp_path: Path, barts: list[Path], texts: dict[str, Path]
 ) -> None:

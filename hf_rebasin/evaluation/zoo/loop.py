@@ -32,6 +32,7 @@ from hf_rebasin.evaluation.zoo.catalogue import (
     GPT2TrainConfig,
     ImageTrainConfig,
     MaskedLMTrainConfig,
+    Seq2SeqFineTuneConfig,
     Seq2SeqTrainConfig,
     TrainConfig,
     ViTTrainConfig,
@@ -53,7 +54,11 @@ TASKS: dict[Kind, Task] = {
     **{
         kind: "image-classification" for kind, config in DEFAULT_CONFIGS.items() if isinstance(config, ImageTrainConfig)
     },
-    **{kind: "seq2seq" for kind, config in DEFAULT_CONFIGS.items() if isinstance(config, Seq2SeqTrainConfig)},
+    **{
+        kind: "seq2seq"
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, Seq2SeqTrainConfig | Seq2SeqFineTuneConfig)
+    },
 }
 
 

@@ -4,7 +4,8 @@ fresh noise every epoch and held-out text noised once with a fixed seed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,9 +18,16 @@ from hf_rebasin.evaluation import data
 from hf_rebasin.evaluation.seq2seq import block_room, collate, noised_pairs, objective_of
 from hf_rebasin.evaluation.zoo.catalogue import DEFAULT_CONFIGS, EVAL_MASK_SEED, check_kind
 from hf_rebasin.evaluation.zoo.loop import Progress, _run
-from hf_rebasin.evaluation.zoo.seq2seq_config import SENTINELS, Seq2SeqTrainConfig
+from hf_rebasin.evaluation.zoo.seq2seq_config import SENTINELS, Seq2SeqFineTuneConfig, Seq2SeqTrainConfig
 
-__all__ = ["held_out_blocks", "model_config", "seq2seq_data", "seq2seq_held_out", "train_tiny_seq2seq"]
+__all__ = [
+    "held_out_blocks",
+    "model_config",
+    "seq2seq_data",
+    "seq2seq_held_out",
+    "train_tiny_seq2seq",
+    "training_batches",
+]
 
 
 def _tokenizer(cfg: Seq2SeqTrainConfig) -> Any:
@@ -41,26 +49,46 @@ def _tokenizer(cfg: Seq2SeqTrainConfig) -> Any:
     return tokenizer
 
 
-def _blocks(
-    tokenizer: Any, cfg: Seq2SeqTrainConfig, split: Literal["train", "test"], max_tokens: int | None
-) -> list[list[int]]:
-    """The split's text as consecutive blocks of content ids that fit ``block_size`` once noised and framed."""
+def _blocks(tokenizer: Any, text: str, block_size: int, max_tokens: int | None) -> list[list[int]]:
+    """``text`` as consecutive blocks of content ids that fit ``block_size`` once noised and framed."""
     objective = objective_of(tokenizer, paired=False)
-    ids = tokenizer(data.shakespeare_text(cfg.plays, split=split), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     ids = ids[:max_tokens] if max_tokens is not None else ids
-    size = block_room(tokenizer, objective, cfg.block_size)
+    size = block_room(tokenizer, objective, block_size)
     return [ids[i : i + size] for i in range(0, len(ids) - size + 1, size)]
 
 
-def held_out_blocks(tokenizer: Any, cfg: Seq2SeqTrainConfig) -> list[list[int]]:
-    """The held-out blocks a zoo encoder-decoder is scored on."""
-    return _blocks(tokenizer, cfg, "test", cfg.eval_tokens)
+def _text(cfg: Seq2SeqTrainConfig | Seq2SeqFineTuneConfig, split: Literal["train", "test"]) -> str:
+    if isinstance(cfg, Seq2SeqFineTuneConfig):
+        return data.corpus_text(cfg.corpus, split=split)
+    return data.shakespeare_text(cfg.plays, split=split)
+
+
+def held_out_blocks(tokenizer: Any, cfg: Seq2SeqTrainConfig | Seq2SeqFineTuneConfig) -> list[list[int]]:
+    """The held-out blocks a zoo encoder-decoder (or its fine-tune) is scored on."""
+    return _blocks(tokenizer, _text(cfg, "test"), cfg.block_size, cfg.eval_tokens)
+
+
+def training_batches(
+    tokenizer: Any,
+    cfg: Seq2SeqTrainConfig | Seq2SeqFineTuneConfig,
+    start: int,
+    max_tokens: int,
+    batch_size: int = 16,
+    seed: int = 0,
+) -> list[dict[str, Tensor]]:
+    """The first ``max_tokens`` of the training text noised once with ``seed``, in order: alignment
+    data for the benchmarks (never the held-out text)."""
+    blocks = _blocks(tokenizer, _text(cfg, "train"), cfg.block_size, max_tokens)
+    pairs = list(noised_pairs(tokenizer, objective_of(tokenizer, paired=False), blocks, seed))
+    pad = int(tokenizer.pad_token_id)
+    return [collate(pairs[i : i + batch_size], pad, start) for i in range(0, len(pairs), batch_size)]
 
 
 def seq2seq_data(cfg: Seq2SeqTrainConfig) -> tuple[Any, list[list[int]], list[list[int]]]:
     """(tokenizer, training blocks, held-out blocks) of a zoo encoder-decoder."""
     tokenizer = _tokenizer(cfg)
-    return tokenizer, _blocks(tokenizer, cfg, "train", None), held_out_blocks(tokenizer, cfg)
+    return tokenizer, _blocks(tokenizer, _text(cfg, "train"), cfg.block_size, None), held_out_blocks(tokenizer, cfg)
 
 
 def _batches(
@@ -138,6 +166,31 @@ def build(config: Any) -> Any:
     return model
 
 
+def _train(
+    kind: Kind,
+    seed: int,
+    cfg: Seq2SeqTrainConfig | Seq2SeqFineTuneConfig,
+    out_dir: Path,
+    parts: tuple[Any, Callable[[], Any], int],
+    *,
+    progress: Progress | None,
+    threads: int | None,
+) -> Path:
+    """`_run` for an encoder-decoder: ``parts`` = (tokenizer, model builder, decoder start id); every
+    epoch's training text noised afresh, full batches only; the tokenizer saved beside the result."""
+    tokenizer, make, start = parts
+    train = _blocks(tokenizer, _text(cfg, "train"), cfg.block_size, None)
+
+    def epoch(s: int) -> Iterator[dict[str, Tensor]]:
+        made = _batches(tokenizer, train, cfg.batch_size, s, start)
+        return iter([b for b in made if len(b["labels"]) == cfg.batch_size])
+
+    held_out = seq2seq_held_out(tokenizer, held_out_blocks(tokenizer, cfg), start)
+    return _run(
+        kind, seed, cfg, out_dir, make, epoch, held_out, progress=progress, threads=threads, processor=tokenizer
+    )
+
+
 def train_tiny_seq2seq(
     kind: Kind,
     seed: int,
@@ -152,24 +205,56 @@ def train_tiny_seq2seq(
     if not isinstance(default, Seq2SeqTrainConfig):
         raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by train_tiny_seq2seq")
     cfg = config or default
-    tokenizer, train, test = seq2seq_data(cfg)
+    tokenizer = _tokenizer(cfg)
     model_cfg = model_config(cfg, tokenizer)
-    start = int(model_cfg.decoder_start_token_id)
+    parts = (tokenizer, lambda: build(model_cfg), int(model_cfg.decoder_start_token_id))
+    return _train(kind, seed, cfg, out_dir, parts, progress=progress, threads=threads)
 
-    def epoch(s: int) -> Iterator[dict[str, Tensor]]:
-        return iter(
-            [b for b in _batches(tokenizer, train, cfg.batch_size, s, start) if len(b["labels"]) == cfg.batch_size]
-        )
 
-    return _run(
-        kind,
-        seed,
-        cfg,
-        out_dir,
-        lambda: build(model_cfg),
-        epoch,
-        seq2seq_held_out(tokenizer, test, start),
-        progress=progress,
-        threads=threads,
-        processor=tokenizer,
+def finetune_seq2seq(
+    kind: Kind,
+    seed: int,
+    out_dir: Path,
+    config: Seq2SeqFineTuneConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Fine-tune the zoo encoder-decoder ``config.base`` of ``seed`` (trained first if needed) on
+    ``config.corpus``, denoised as it was pretrained; a LoRA adapter where ``config.rank`` > 0."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+
+    from hf_rebasin.evaluation.zoo.train import cached_model
+
+    default = DEFAULT_CONFIGS[check_kind(kind)]
+    if not isinstance(default, Seq2SeqFineTuneConfig):
+        raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by finetune_seq2seq")
+    cfg = config or default
+    base = cached_model(cfg.base, seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
+    start = int(AutoConfig.from_pretrained(str(base)).decoder_start_token_id)
+
+    def make() -> Any:
+        model = AutoModelForSeq2SeqLM.from_pretrained(str(base))
+        return _with_lora(model, cfg) if cfg.rank else model
+
+    folder = _train(kind, seed, cfg, out_dir, (tokenizer, make, start), progress=progress, threads=threads)
+    if cfg.rank:
+        adapter_config = folder / "adapter_config.json"
+        written = json.loads(adapter_config.read_text())
+        written["base_model_name_or_path"] = f"zoo:{cfg.base}-seed{seed}"  # as a recipe names it
+        adapter_config.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+def _with_lora(model: Any, cfg: Seq2SeqFineTuneConfig) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.lora_alpha,
+        target_modules=list(cfg.target_modules),
+        lora_dropout=0.0,
+        task_type="SEQ_2_SEQ_LM",
     )
+    return get_peft_model(model, lora)

@@ -74,3 +74,33 @@ SEQ2SEQ_CONFIGS: dict[Kind, Seq2SeqTrainConfig] = {
     # 4 heads of width 32, RMSNorm, relative positions), bench-gpt2's rate
     "bench-t5": _bench("t5", head_dim=32, intermediate_size=352, lr=2e-3, weight_decay=0.1),
 }
+
+
+@dataclass(frozen=True)
+class Seq2SeqFineTuneConfig:
+    """A fine-tune of a zoo encoder-decoder (kind ``base``, the same seed) on text of another domain,
+    denoised as the base was pretrained: the King James Bible, as ``bench-gpt2-ft``'s, so that the
+    fine-tune gains a lot on it and forgets some Shakespeare. ``rank`` > 0 trains a PEFT LoRA adapter
+    (``SEQ_2_SEQ_LM``) on ``target_modules`` instead of every weight."""
+
+    base: str = "bench-t5"
+    corpus: str = "kjv"
+    steps: int = 1000
+    batch_size: int = 16
+    block_size: int = 128
+    lr: float = 5e-4
+    warmup: int = 50
+    weight_decay: float = 0.0
+    rank: int = 0
+    lora_alpha: int = 32
+    target_modules: tuple[str, ...] = ()
+    eval_tokens: int = 131072
+
+
+SEQ2SEQ_TUNED: dict[Kind, Seq2SeqFineTuneConfig] = {
+    "bench-t5-ft": Seq2SeqFineTuneConfig(),
+    # the same as a rank-16 LoRA adapter on every projection (bench-gpt2-ft-lora's rank and rate)
+    "bench-t5-ft-lora": Seq2SeqFineTuneConfig(
+        lr=1e-3, rank=16, target_modules=("q", "k", "v", "o", "wi_0", "wi_1", "wo")
+    ),
+}

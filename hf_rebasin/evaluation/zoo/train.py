@@ -49,6 +49,7 @@ from hf_rebasin.evaluation.zoo.catalogue import (
     GPT2TrainConfig,
     ImageTrainConfig,
     MaskedLMTrainConfig,
+    Seq2SeqFineTuneConfig,
     Seq2SeqTrainConfig,
     TrainConfig,
     ViTTrainConfig,
@@ -61,7 +62,7 @@ from hf_rebasin.evaluation.zoo.causal import run_text, train_tiny_causal_lm, tra
 from hf_rebasin.evaluation.zoo.images import train_tiny_image_classifier, train_tiny_vit
 from hf_rebasin.evaluation.zoo.loop import TASKS, Progress
 from hf_rebasin.evaluation.zoo.masked import masked_lm_batches, train_tiny_bert, train_tiny_masked_lm
-from hf_rebasin.evaluation.zoo.seq2seq import seq2seq_held_out, train_tiny_seq2seq
+from hf_rebasin.evaluation.zoo.seq2seq import finetune_seq2seq, seq2seq_held_out, train_tiny_seq2seq
 
 
 def _finetune_data(
@@ -366,6 +367,11 @@ _TRAINERS: dict[Kind, Callable[..., Path]] = {
         for kind, config in DEFAULT_CONFIGS.items()
         if isinstance(config, Seq2SeqTrainConfig)
     },
+    **{
+        kind: functools.partial(finetune_seq2seq, kind)
+        for kind, config in DEFAULT_CONFIGS.items()
+        if isinstance(config, Seq2SeqFineTuneConfig)
+    },
     "bench-gpt2-chat-lora": functools.partial(lora_chat, "bench-gpt2-chat-lora"),
     "bench-gpt2-ft-lora": functools.partial(lora_on_domain, "bench-gpt2-ft-lora"),
     **{
@@ -412,16 +418,21 @@ def cached_model(
 
 
 def _seq2seq_held_out(folder: Path, record: dict[str, Any], tokenizer: Any, batch_size: int) -> list[dict[str, Tensor]]:
-    """An encoder-decoder's held-out text noised as it was scored after training (its recorded config)."""
+    """An encoder-decoder's held-out text noised as it was scored after training (its recorded config;
+    a fine-tune's decoder starts as its base's does)."""
     from transformers import AutoConfig
 
     from hf_rebasin.evaluation.zoo.seq2seq import held_out_blocks
 
     given = record["config"]
-    cfg = Seq2SeqTrainConfig(
-        **{**given, "plays": tuple(given["plays"]), "options": tuple(tuple(o) for o in given["options"])}
-    )
-    start = int(AutoConfig.from_pretrained(str(folder)).decoder_start_token_id)
+    cfg: Seq2SeqTrainConfig | Seq2SeqFineTuneConfig
+    if "corpus" in given:
+        cfg = Seq2SeqFineTuneConfig(**{**given, "target_modules": tuple(given["target_modules"])})
+        model = cached_model(cfg.base, int(record["seed"]))
+    else:
+        options = tuple(tuple(o) for o in given["options"])
+        cfg, model = Seq2SeqTrainConfig(**{**given, "plays": tuple(given["plays"]), "options": options}), folder
+    start = int(AutoConfig.from_pretrained(str(model)).decoder_start_token_id)
     return seq2seq_held_out(tokenizer, held_out_blocks(tokenizer, cfg), start, batch_size)
 
 
