@@ -14,7 +14,7 @@ import yaml
 from safetensors import safe_open
 
 import tiny
-from helpers import flat, run_main
+from helpers import flat, run_cli, run_main
 
 
 def _save(tmp_path: Path, name: str, factory: str = "t5", seeds: int = 2) -> list[Path]:
@@ -111,4 +111,30 @@ def test_jobs_that_need_a_seq2seq_loss_refuse_for_t5(tmp_path: Path, t5s: list[P
     proc = run_main(_recipe(tmp_path, body))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "cannot evaluate a T5ForConditionalGeneration: an encoder-decoder's" in flat(proc.stderr + proc.stdout)
+    assert not (tmp_path / "out").exists()
+
+
+def test_embed_writes_a_t5_into_wider_feed_forwards_computing_the_same_logits(tmp_path: Path, t5s: list[Path]) -> None:
+    wide = tmp_path / "wide"
+    config = tiny.t5(0).config
+    config.d_ff = 64
+    T.T5ForConditionalGeneration(config).save_pretrained(str(wide))
+    proc = run_cli("embed", str(t5s[0]), "--like", str(wide), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
+    assert written.config.d_ff == 64
+    ids = torch.randint(3, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert (_logits(t5s[0], ids) - _logits(tmp_path / "out", ids)).abs().max() <= 1e-4
+    assert set(_stored(tmp_path / "out")) == set(_stored(t5s[0]))
+
+
+@pytest.mark.parametrize(("field", "value"), [("d_kv", 8), ("num_heads", 8), ("d_model", 64)])
+def test_embed_refuses_the_t5_widths_it_does_not_build(tmp_path: Path, t5s: list[Path], field: str, value: int) -> None:
+    wide = tmp_path / "wide"
+    config = tiny.t5(0).config
+    setattr(config, field, value)
+    T.T5ForConditionalGeneration(config).save_pretrained(str(wide))
+    proc = run_cli("embed", str(t5s[0]), "--like", str(wide), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"`{field}` is" in flat(proc.stderr) and "a t5 model is not embedded" in flat(proc.stderr)
     assert not (tmp_path / "out").exists()

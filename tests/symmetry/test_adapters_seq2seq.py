@@ -142,3 +142,24 @@ def test_a_rotation_of_the_t5_encoder_models_stream_is_refused_and_wrong() -> No
     assert _hidden_moved(model, graph.apply(sd, transform, check=False), graph, transform) > 1e-3
     signed = graph.random_transform("orthogonal", torch.Generator().manual_seed(1))  # what it allows
     assert _hidden_moved(model, graph.apply(sd, signed), graph, signed) < 1e-4
+
+
+def test_a_bare_t5_is_told_by_its_missing_head_not_by_a_prefix() -> None:
+    """T5ForConditionalGeneration has no prefix yet is no bare model: its final norms fold (the
+    stream stays orthogonal). T5Model has no head: both final norms' outputs are outputs, their
+    readers kept apart, and its stream keeps signed permutations, which preserve its hidden states."""
+    import transformers as T
+
+    from hf_rebasin.alignment.verify import TOLERANCE, verify_model
+    from hf_rebasin.symmetry.adapters import graph_for
+
+    lm = tiny.t5(0)
+    assert graph_for(lm.config, lm.state_dict().keys()).spaces["res"].max_class == "orthogonal"
+    torch.manual_seed(0)
+    bare = tiny._randomize_norms(T.T5Model(tiny._t5_config()), 0)
+    graph = graph_for(bare.config, bare.state_dict().keys())
+    assert graph.spaces["res"].max_class == "signed-permutation"
+    assert set(graph.output_readers) == {"encoder.final_layer_norm.weight"}  # the decoder's has no reader
+    assert len(graph.output_readers["encoder.final_layer_norm.weight"]) == 2 * bare.config.num_decoder_layers
+    report = verify_model(bare, "orthogonal", seed=1)
+    assert report.compared == ["last_hidden_state"] and report.max_abs_diff <= TOLERANCE

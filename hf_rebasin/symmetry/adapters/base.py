@@ -205,6 +205,9 @@ class ArchitectureSpec:
     # tie aliases the config class re-ties on load whatever ``tie_word_embeddings`` says (T5Config
     # forces the tie): they stay tied when a tied LM head is read or written apart
     forced_ties: tuple[str, ...] = ()
+    # config width fields a model of this family cannot be embedded at another value of, with why
+    # (``embed`` and runs of models of different widths refuse them by name)
+    fixed_widths: Mapping[str, str] = field(default_factory=dict)
 
     def graph(self, config: Any, keys: Collection[str]) -> SymmetryGraph:
         """The symmetry graph of a concrete model (its config and state-dict keys)."""

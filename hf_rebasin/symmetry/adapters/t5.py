@@ -172,6 +172,13 @@ T5 = ArchitectureSpec(
     stacks=("{base}encoder", "{base}decoder"),
     glus=(_glu(f"{ENC}.layer.1", ENC_MLP), _glu(f"{DEC}.layer.2", DEC_MLP)),
     head_tensors=("lm_head.weight", "classification_head.dense.weight"),
+    # only the feed-forward units (d_ff) grow: the rest is not built for T5 yet
+    fixed_widths={
+        "d_model": "the head's d_model**-0.5 rescale (scale_decoder_outputs) changes with it",
+        "d_kv": "T5 does not divide its scores by √d_kv, so the query rescaling a wider head gets elsewhere "
+        "would change them",
+        "num_heads": "each stack's relative position bias holds one column per head, shared by all its layers",
+    },
 )
 
 # mT5: T5 v1.1's layout under its own model type (MT5Config forces the tie; it never rescales)
