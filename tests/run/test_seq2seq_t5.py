@@ -5,6 +5,7 @@ in a half-precision output, as ``from_pretrained`` does."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,18 @@ def test_embed_refuses_the_t5_widths_it_does_not_build(tmp_path: Path, t5s: list
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"`{field}` is" in flat(proc.stderr) and "a t5 model is not embedded" in flat(proc.stderr)
     assert not (tmp_path / "out").exists()
+
+
+def test_lineage_tells_a_t5s_fine_tune_from_a_t5_trained_apart(tmp_path: Path, t5s: list[Path]) -> None:
+    model = tiny.t5(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * p.std() * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    tuned = tmp_path / "t5-0-tuned"
+    model.save_pretrained(str(tuned))
+    verdicts = []
+    for other in (tuned, t5s[1]):
+        proc = run_cli("lineage", str(t5s[0]), str(other), "--json")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        verdicts.append(json.loads(proc.stdout)["pairs"][0]["verdict"])
+    assert verdicts == ["same basis", "independent"]
