@@ -597,6 +597,61 @@ def bart_base(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(T.BartModel(_bart_config()), seed)
 
 
+def _t5_config(cls: type = T.T5Config, **kw: object) -> T.T5Config:
+    """inner_dim = 4 heads × d_kv 4 = 16 ≠ d_model 32; the decoder one layer deeper than the encoder."""
+    kw = {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False, **kw}
+    return cls(
+        vocab_size=V,
+        d_model=32,
+        d_kv=4,
+        num_heads=4,
+        d_ff=48,
+        num_layers=2,
+        num_decoder_layers=3,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        **kw,
+    )
+
+
+def _head_apart(model: torch.nn.Module) -> torch.nn.Module:
+    """A v1.1 / Flan-T5 / mT5 checkpoint as transformers 5 loads it: ``lm_head`` stored apart from
+    ``shared`` (other values), so not tied, while the stacks' ``embed_tokens`` stay tied to it; the
+    config then says ``tie_word_embeddings: false``, as hf-rebasin's loader reads such a model."""
+    model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone())
+    model.all_tied_weights_keys = {a: s for a, s in model.all_tied_weights_keys.items() if a != "lm_head.weight"}
+    model.config.tie_word_embeddings = False
+    return model
+
+
+def t5(seed: int = 0) -> torch.nn.Module:
+    """T5 v1.1: gated-GELU, the LM head apart from the embeddings, no rescale before it."""
+    _seed(seed)
+    return _randomize_norms(_head_apart(T.T5ForConditionalGeneration(_t5_config())), seed)
+
+
+def t5_relu(seed: int = 0) -> torch.nn.Module:
+    """The original T5: ReLU feed-forward, the head tied, scaled by d_model**-0.5."""
+    _seed(seed)
+    config = _t5_config(feed_forward_proj="relu", tie_word_embeddings=True)
+    return _randomize_norms(T.T5ForConditionalGeneration(config), seed)
+
+
+def t5_encoder(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.T5EncoderModel(_t5_config()), seed)
+
+
+def t5_cls(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.T5ForSequenceClassification(_t5_config(num_labels=3)), seed)
+
+
+def mt5(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(_head_apart(T.MT5ForConditionalGeneration(_t5_config(T.MT5Config))), seed)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -644,4 +699,9 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "mixtral": mixtral,
     "qwen2-moe": qwen2_moe,
     "qwen3-moe": qwen3_moe,
+    "t5": t5,
+    "t5-relu": t5_relu,
+    "t5-encoder": t5_encoder,
+    "t5-cls": t5_cls,
+    "mt5": mt5,
 }

@@ -5,6 +5,7 @@ This is the proof that an adapter is right, and what ``hf-rebasin verify`` runs 
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -110,6 +111,11 @@ def example_inputs(spec: ArchitectureSpec, config: Any, generator: torch.Generat
         ids, eos = inputs["input_ids"], int(config.eos_token_id)
         ids[ids == eos] = (eos + 1) % config.vocab_size  # one end per row, the last token (BART's classifier reads it)
         ids[:, -1] = eos
+    if spec.inputs == "seq2seq":  # T5 needs the decoder's ids; BART would shift the source alike
+        start = getattr(config, "decoder_start_token_id", None)
+        start = int(start if start is not None else getattr(config, "pad_token_id", None) or 0)
+        ids = inputs["input_ids"]
+        inputs["decoder_input_ids"] = torch.cat([torch.full_like(ids[:, :1], start), ids[:, :-1]], dim=1)
     if spec.inputs in ("image", "text-image"):
         v = getattr(config, "vision_config", None) or config
         inputs.update(image_inputs(v.num_channels, v.image_size, generator))
@@ -124,6 +130,8 @@ def accepted_inputs(model: Any, inputs: dict[str, torch.Tensor]) -> dict[str, to
     """``inputs`` less those of a modality ``model`` does not read (its ``input_modalities``): a
     model type with text and images has one-tower classes (``SiglipForImageClassification`` takes
     pixels only, and passes other keyword arguments on into its encoder)."""
+    if "decoder_input_ids" in inputs and "decoder_input_ids" not in inspect.signature(model.forward).parameters:
+        inputs = {k: v for k, v in inputs.items() if not k.startswith("decoder_")}  # an encoder alone (T5EncoderModel)
     modalities = getattr(model, "input_modalities", None)
     if not modalities:
         return inputs
@@ -135,7 +143,7 @@ def accepted_inputs(model: Any, inputs: dict[str, torch.Tensor]) -> dict[str, to
 def outputs_of(
     model: PreTrainedModel, spec: ArchitectureSpec, inputs: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    out = model(**(accepted_inputs(model, inputs) if spec.inputs == "text-image" else inputs))
+    out = model(**(accepted_inputs(model, inputs) if spec.inputs in ("text-image", "seq2seq") else inputs))
     return {k: out[k] for k in spec.outputs if k in out and isinstance(out[k], torch.Tensor)}
 
 

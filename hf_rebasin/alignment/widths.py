@@ -23,7 +23,8 @@ from hf_rebasin.core.errors import IncompatibleModelsError
 from hf_rebasin.io.files import read_config
 from hf_rebasin.io.models import LoadedModel, to_device
 from hf_rebasin.io.offload import empty_model
-from hf_rebasin.io.rebuild import rebuild
+from hf_rebasin.io.rebuild import keep_float32, rebuild
+from hf_rebasin.io.ties import keep_forced_ties
 from hf_rebasin.symmetry.adapters import get_adapter, graph_for
 from hf_rebasin.symmetry.canonical import canonicalize
 from hf_rebasin.symmetry.embed import (
@@ -54,6 +55,7 @@ WIDTH_FIELDS = (
     "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "head_dim",  # heads
     "projection_dim", "projection_size",  # a joint embedding (CLIP, SigLIP)
     "encoder_ffn_dim", "decoder_ffn_dim", "encoder_attention_heads", "decoder_attention_heads",  # BART's stacks
+    "d_ff", "d_kv", "num_heads",  # T5
 )  # fmt: skip
 # fields that must agree: what a wider shape cannot change (depth, vocabulary, experts)
 FIXED_FIELDS = {
@@ -62,6 +64,9 @@ FIXED_FIELDS = {
     "n_layers": "depth",
     "encoder_layers": "encoder depth",
     "decoder_layers": "decoder depth",
+    "num_layers": "depth",
+    "num_decoder_layers": "decoder depth",
+    "relative_attention_num_buckets": "number of relative position buckets",
     "vocab_size": "vocabulary",
     "num_local_experts": "number of experts",
     "num_experts": "number of experts",
@@ -91,6 +96,7 @@ def widened_config(narrow: Any, like: Any) -> Any:
             f"model_type {getattr(narrow, 'model_type', None)!r} cannot be embedded in a "
             f"{getattr(like, 'model_type', None)!r}: only models of one family embed"
         )
+    _check_fixed_widths(narrow, like)
     wide = copy.deepcopy(narrow)
     for (where, small), (_, big), (_, out) in zip(
         sub_configs(narrow), sub_configs(like), sub_configs(wide), strict=False
@@ -106,6 +112,18 @@ def widened_config(narrow: Any, like: Any) -> Any:
             if hasattr(big, name) and (hasattr(out, name) or getattr(big, name) is not None):
                 setattr(out, name, getattr(big, name))
     return wide
+
+
+def _check_fixed_widths(narrow: Any, like: Any) -> None:
+    """Refuse a width the family's adapter cannot embed at another value (T5's ``d_kv``), by name."""
+    spec = get_adapter(getattr(narrow, "model_type", None))
+    for name, why in spec.fixed_widths.items():
+        a, b = getattr(narrow, name, None), getattr(like, name, None)
+        if a != b:
+            raise IncompatibleModelsError(
+                f"`{name}` is {a} in one model and {b} in the other: a {spec.family} model is not embedded at "
+                f"another {name} ({why})"
+            )
 
 
 def embed_model(model: Any, like: Any, *, exact_eps: bool = True) -> tuple[Any, Embedding]:
@@ -143,8 +161,10 @@ def embed_model(model: Any, like: Any, *, exact_eps: bool = True) -> tuple[Any, 
     role_eps = _write_eps(model.config, config, like, report, exact_eps)
     state = embed_state(graph, sd, wide_graph, shapes, role_eps=role_eps)
     wide = type(model)(config)
+    keep_forced_ties(wide)
     wide.load_state_dict(state, strict=True)
     wide.to(dtype=next(model.parameters()).dtype)
+    keep_float32(wide)
     return wide.eval(), report
 
 
@@ -303,8 +323,10 @@ def _with_eps(model: Any, like: Any) -> Any:
             if isinstance(getattr(wide, name, None), float):
                 setattr(out, name, getattr(wide, name))
     new = type(model)(config)
+    keep_forced_ties(new)
     new.load_state_dict(model.state_dict(), strict=True)
     new.to(dtype=next(model.parameters()).dtype)
+    keep_float32(new)
     to_device(new, next(model.parameters()).device)
     return new.eval()
 

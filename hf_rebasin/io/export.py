@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +20,7 @@ from hf_rebasin.core.names import DEFAULT_SHARD_SIZE
 from hf_rebasin.io.gate import support_files
 from hf_rebasin.io.offload import empty_model
 from hf_rebasin.io.output import write_text
-from hf_rebasin.io.rebuild import output_config, rebuild
+from hf_rebasin.io.rebuild import float32_tensors, output_config, rebuild
 from hf_rebasin.io.renames import expert_pieces
 from hf_rebasin.io.tensors import write_safetensors
 
@@ -115,8 +115,10 @@ def save_merged_model(
         return
     model = rebuild(template, dict(state_dict), untie=untie)  # rebuilt on the CPU
     cast: set[int] = set()  # a tied tensor is one object under two names: cast once, from float32
+    fp32 = float32_tensors(model)  # T5's wo: from_pretrained keeps them in float32 whatever the dtype
     for name, tensor in model.state_dict(keep_vars=True).items():
         target = (dtypes or {}).get(name) or dtype
+        target = _kept_float32(name, target, fp32) if target is not None else None
         if target is not None and tensor.is_floating_point() and id(tensor) not in cast:
             tensor.data = tensor.data.to(target)
             cast.add(id(tensor))
@@ -149,7 +151,8 @@ def save_streamed(
     config = output_config(template, untie)
     model = empty_model(type(template), config)  # which names the output ties, and how it saves them
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})  # stored once, under the name it is tied to
-    saved, origin = _saved_tensors(model, state, tied, dtype, dtypes, expert_layout)
+    fp32 = float32_tensors(model)  # T5's wo: from_pretrained keeps them in float32 whatever the dtype
+    saved, origin = _saved_tensors(model, state, tied, dtype, dtypes, expert_layout, fp32)
     split = split_torch_state_dict_into_shards(saved, max_shard_size=max_shard_size)
     _write_shards(Path(dest), state, saved, origin, split, progress)
     if split.is_sharded:
@@ -166,6 +169,12 @@ def save_streamed(
         model.generation_config.save_pretrained(str(dest))
 
 
+def _kept_float32(name: str, target: torch.dtype, fp32: Collection[str]) -> torch.dtype:
+    """``target``, or float32 for a tensor of a module the class keeps in float32 (``fp32``) that
+    ``target`` would write in half precision."""
+    return torch.float32 if name in fp32 and target in (torch.bfloat16, torch.float16) else target
+
+
 def _saved_tensors(
     model: PreTrainedModel,
     state: LazyState,
@@ -173,6 +182,7 @@ def _saved_tensors(
     dtype: torch.dtype | None,
     dtypes: Mapping[str, torch.dtype] | None,
     expert_layout: str | None,
+    fp32: Collection[str] = (),
 ) -> tuple[dict[str, Tensor], dict[str, _Origin]]:
     """The tensors `save_pretrained` would write for ``model`` (meta tensors of their shapes and
     written dtypes), each with its origin, ordered so that the pieces cut from one model tensor
@@ -183,7 +193,7 @@ def _saved_tensors(
         stored = state.dtype(name)
         if not stored.is_floating_point:
             return stored
-        return (dtypes or {}).get(name) or dtype or stored
+        return _kept_float32(name, (dtypes or {}).get(name) or dtype or stored, fp32)
 
     meta = {n: torch.empty(t.shape, dtype=written(n), device="meta") for n, t in model.state_dict().items()}
     kept = {n: t for n, t in meta.items() if n not in tied}

@@ -24,11 +24,15 @@ __all__ = ["empty_model", "loaded", "materialized", "offloaded"]
 
 
 def empty_model(cls: type[PreTrainedModel], config: Any) -> PreTrainedModel:
-    """``cls(config)`` with parameters on ``meta`` (no memory) and buffers computed as usual."""
+    """``cls(config)`` with parameters on ``meta`` (no memory) and buffers computed as usual; the
+    ties its config class forces kept (`ties.keep_forced_ties`)."""
     from accelerate import init_empty_weights
+
+    from hf_rebasin.io.ties import keep_forced_ties
 
     with init_empty_weights(include_buffers=False):
         model = cls(config)
+    keep_forced_ties(model)
     return model.eval()
 
 

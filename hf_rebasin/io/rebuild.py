@@ -16,6 +16,7 @@ from torch import Tensor
 
 from hf_rebasin.core.lazy import LazyState
 from hf_rebasin.io.models import to_device
+from hf_rebasin.io.ties import keep_forced_ties
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -34,9 +35,32 @@ def rebuild(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], *, unti
     """A fresh model of the same stock class holding ``state_dict`` (untied when asked), in
     ``model``'s dtype (the caller casts for writing)."""
     new = type(model)(output_config(model, untie))
+    keep_forced_ties(new)
     new.load_state_dict(state_dict, strict=True)
     new.to(dtype=next(model.parameters()).dtype)  # type: ignore[call-arg]  # transformers wraps .to
+    keep_float32(new)
     return new.eval()
+
+
+def float32_tensors(model: PreTrainedModel) -> set[str]:
+    """The floating tensors of modules ``model``'s class keeps in float32 whatever the dtype it is
+    loaded in (``_keep_in_fp32_modules``: T5's ``wo``), as `from_pretrained` matches them: a module
+    whose name has one of them as a component."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not keep:
+        return set()
+    return {
+        name for name, t in model.state_dict().items() if t.is_floating_point() and keep & set(name.split(".")[:-1])
+    }
+
+
+def keep_float32(model: PreTrainedModel) -> None:
+    """The tensors `float32_tensors` names back in float32 after a cast, as `from_pretrained` keeps them."""
+    keep = float32_tensors(model)
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name in keep and t.dtype != torch.float32:
+            t.data = t.data.to(torch.float32)
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from hf_rebasin.core.lazy import ROW_BLOCK_ELEMENTS, LazyState, shape_of
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["read_ties", "stored_apart", "untied_note"]
+__all__ = ["forced_ties", "keep_forced_ties", "read_ties", "stored_apart", "untied_note"]
 
 
 def _same(state: Mapping[str, Tensor], a: str, b: str) -> bool:
@@ -72,15 +72,54 @@ def read_ties(model: PreTrainedModel, stored: Collection[str], state: Mapping[st
     for config in _configs(model):
         if getattr(config, "tie_word_embeddings", None) is not None:
             config.tie_word_embeddings = False
-    model.all_tied_weights_keys = {}
+    forced = forced_ties(model)
+    model.all_tied_weights_keys = {a: s for a, s in model.all_tied_weights_keys.items() if a in forced}
     return apart
+
+
+def forced_ties(model: Any) -> dict[str, str]:
+    """The ties (alias -> source) ``model``'s config class makes whatever ``tie_word_embeddings``
+    says (T5's stacks' ``embed_tokens`` on ``shared``), by the model's names: the adapter's
+    ``forced_ties``; none for a model type hf-rebasin does not support."""
+    from hf_rebasin.core.errors import UnsupportedArchitectureError
+    from hf_rebasin.symmetry.adapters import get_adapter
+
+    try:
+        spec = get_adapter(getattr(model.config, "model_type", None))
+    except UnsupportedArchitectureError:
+        return {}
+    if not spec.forced_ties:
+        return {}
+    names = set(model.state_dict())
+    base = spec.base_prefix if any(n.startswith(spec.base_prefix) for n in names) else ""
+    out = {}
+    for alias in spec.forced_ties:
+        a, s = alias.replace("{base}", base), spec.ties[alias].replace("{base}", base)
+        if a in names and s in names:
+            out[a] = s
+    return out
+
+
+def keep_forced_ties(model: Any) -> None:
+    """Tie again what ``model``'s config class ties on load whatever ``tie_word_embeddings`` says
+    (T5's stacks' ``embed_tokens`` on ``shared``), in a model built from a config that unties its
+    LM head: built from it, transformers unties them all, and the model would be written with
+    three vocabulary tables where `from_pretrained` reads one (and a head apart)."""
+    forced = forced_ties(model)
+    if not forced:
+        return
+    for alias, source in forced.items():
+        module, _, name = alias.rpartition(".")
+        setattr(model.get_submodule(module), name, model.get_parameter(source))
+    model.all_tied_weights_keys = {**(getattr(model, "all_tied_weights_keys", None) or {}), **forced}
 
 
 def untied_note(model: str, apart: Mapping[str, str]) -> str:
     """What the run says about a tie its files contradict (the model, then each tensor)."""
     pairs = "; ".join(f"{alias} differs from {source}" for alias, source in sorted(apart.items()))
     return (
-        f"{model}: config.json ties the head to the embeddings (tie_word_embeddings: true), but its files store "
+        f"{model}: its config ties the head to the embeddings (tie_word_embeddings: true, or a config class "
+        "that forces the tie, as T5's does), but its files store "
         f"the two with different values ({pairs}); read untied, as transformers 5 loads it (a model written "
         "from it says tie_word_embeddings: false)"
     )

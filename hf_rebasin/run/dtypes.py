@@ -19,6 +19,7 @@ from hf_rebasin.core.roles import Roles, TransportRoles
 from hf_rebasin.evaluation.record import DtypeEntry
 from hf_rebasin.io.checkpoint import dtype_name
 from hf_rebasin.io.models import WRITABLE_DTYPES, LoadedModel
+from hf_rebasin.io.rebuild import float32_tensors
 from hf_rebasin.merging.lora import LoraAdapter
 from hf_rebasin.recipe import Recipe
 from hf_rebasin.recipe.jobs import get_job
@@ -70,9 +71,17 @@ def output_dtype(
             f"{names[0]} is stored in {dtype_name(chosen)}, which hf-rebasin does not write: written as float32"
         )
         chosen = torch.float32
+    fp32 = _float32_modules(models.reference, chosen, own) if adapter is None else {}
+    if fp32:
+        notes.append(
+            f"{len(fp32)} tensor{'s' * (len(fp32) > 1)} of modules {type(models.reference.model).__name__} keeps in "
+            f"float32 (_keep_in_fp32_modules) written in float32, the rest in {dtype_name(chosen)}, as from_pretrained "
+            "loads them (listed in rebasin.json's dtype.kept)"
+        )
+    own = {**own, **fp32}
     kept = {name: dtype_name(dtype) for name, dtype in sorted(own.items())}
     entry = DtypeEntry(inputs=inputs, output=dtype_name(chosen), source=source, kept=kept)
-    if own:
+    if own and len(own) > len(fp32):
         counts = Counter(kept.values())
         shown = ", ".join(f"{n} tensor{'s' * (n > 1)} in {d}" for d, n in sorted(counts.items()))
         notes.append(
@@ -80,3 +89,13 @@ def output_dtype(
             f"{dtype_name(chosen)}; listed in rebasin.json's dtype.kept); set `output.dtype` to write one dtype"
         )
     return OutputDtype(chosen, own), entry
+
+
+def _float32_modules(
+    reference: LoadedModel, chosen: torch.dtype, own: Mapping[str, torch.dtype]
+) -> dict[str, torch.dtype]:
+    """The tensors of modules the class keeps in float32 (T5's ``wo``) that a half-precision output
+    would cast, and which none of ``own`` already writes apart: written in float32."""
+    if chosen not in (torch.bfloat16, torch.float16):
+        return {}
+    return {name: torch.float32 for name in sorted(float32_tensors(reference.model)) if name not in own}

@@ -125,7 +125,7 @@ class SymmetryGraph:
         space = self.spaces[name]
         if isinstance(space, HeadSpace):
             if role not in ROLES:
-                raise AdapterError(f"head space {name!r} needs a role q/k/v/o, got {ref!r}")
+                raise AdapterError(f"head space {name!r} needs a role q/k/v/o/h, got {ref!r}")
             return space.role_size(role)
         if isinstance(space, ExpertSpace):
             if role not in EXPERT_ROLES:

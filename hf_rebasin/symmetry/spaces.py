@@ -23,7 +23,9 @@ TransformClass = Literal["permutation", "signed-permutation", "orthogonal"]
 # richest last; "signed-permutation" (a permutation times diag(±1)) is exact wherever every norm on
 # the space is sign-blind (RMSNorm: rms(Sx) = rms(x)), even where a norm's γ cannot be folded away
 TRANSFORM_CLASSES: tuple[TransformClass, ...] = ("permutation", "signed-permutation", "orthogonal")
-ROLES = ("q", "k", "v", "o")
+# a head space's roles: q/k/v/o hold head_dim features per head; "h" one feature per query head (a
+# per-head tensor such as T5's relative position bias, [buckets, heads]: it follows the head order)
+ROLES = ("q", "k", "v", "o", "h")
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,7 +76,8 @@ class HeadSpace:
       ``k_norm``) or partial rotary embeddings (rotated and pass-through features in one head).
 
     ``rotary`` records that the layer has rotary position embeddings; ``reason`` says why Q/K are
-    fixed, for messages.
+    fixed, for messages. Role ``h`` has one feature per query head (a per-head tensor: T5's
+    relative position bias); it takes the head order only, no inner map.
     """
 
     name: str
@@ -97,6 +100,8 @@ class HeadSpace:
         return self.num_heads // self.num_kv_heads
 
     def role_size(self, role: str) -> int:
+        if role == "h":
+            return self.num_heads
         heads = self.num_heads if role in ("q", "o") else self.num_kv_heads
         return heads * self.head_dim
 

@@ -121,6 +121,8 @@ class HeadMap:
 
     def expand(self, space: HeadSpace, role: str) -> AxisMap:
         dh, r = space.head_dim, space.group_size
+        if role == "h":  # one feature per query head: the head order alone
+            return AxisMap(space.num_heads, index=(self.kv_perm[:, None] * r + self.q_perm).reshape(-1))
         inner = self.inner(role)
         if role in ("k", "v"):
             heads = self.kv_perm

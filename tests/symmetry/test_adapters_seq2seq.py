@@ -4,11 +4,13 @@ break the rule in one place each, and the outputs must move."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 import tiny
-from hf_rebasin.alignment.verify import example_inputs, outputs_of, transformed_model
+from hf_rebasin.alignment.verify import compare, example_inputs, outputs_of, transformed_model
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters import REGISTRY
 from hf_rebasin.symmetry.transforms import AxisMap
@@ -65,3 +67,99 @@ def test_per_sublayer_residual_maps_are_refused_for_an_encoder_decoder() -> None
     assert graph.stacks == ("model.encoder", "model.decoder")
     with pytest.raises(AdapterError, match="encoder-decoder"):
         per_sublayer(graph)
+
+
+def _heads_index(perm: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The features of heads ``perm`` (new head h is old head perm[h]), ``head_dim`` each."""
+    return (perm[:, None] * head_dim + torch.arange(head_dim)).reshape(-1)
+
+
+def _hidden_moved(model: torch.nn.Module, sd: dict[str, torch.Tensor], graph: Any, transform: Any) -> float:
+    """max |Δ| of the outputs, the hidden states mapped by ``transform`` first (their basis moves)."""
+    spec = REGISTRY.get(model.config.model_type)
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(7))
+    before, after = outputs_of(model, spec, inputs), outputs_of(rebuild(model, sd), spec, inputs)
+    return compare(spec, graph, transform, before, after)
+
+
+T5_BIAS = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+
+
+def test_t5_heads_keep_one_order_per_stack_because_the_position_bias_is_shared() -> None:
+    """Every encoder layer adds block 0's position bias to its scores, column h to head h: heads
+    permuted layer by layer (each layer its own order) with the bias left as it is move the logits,
+    though each layer's q/k/v/o move together; so do the bias columns permuted without the heads."""
+    model = tiny.t5(0)
+    original = dict(model.state_dict())
+    heads, dh = model.config.num_heads, model.config.d_kv
+    g = torch.Generator().manual_seed(4)
+    sd = dict(original)
+    for i in range(model.config.num_layers):
+        index = _heads_index(torch.randperm(heads, generator=g), dh)
+        attn = f"encoder.block.{i}.layer.0.SelfAttention"
+        for r in "qkv":
+            sd[f"{attn}.{r}.weight"] = sd[f"{attn}.{r}.weight"][index]
+        sd[f"{attn}.o.weight"] = sd[f"{attn}.o.weight"][:, index]
+    assert _moved_max_diff(model, sd) > 1e-3
+    columns = dict(original)
+    columns[T5_BIAS] = original[T5_BIAS][:, torch.roll(torch.arange(heads), 1)]
+    assert _moved_max_diff(model, columns) > 1e-3
+
+
+def test_t5_heads_and_their_bias_columns_permuted_together_keep_the_logits() -> None:
+    """The positive twin of the controls above: one head order for the whole encoder, the bias
+    columns with it (the adapter's role ``h``), through the graph."""
+    from hf_rebasin.symmetry.adapters import graph_for
+
+    model = tiny.t5(0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    transform = graph.identity()
+    transform["enc.self"] = graph.random_transform("permutation", torch.Generator().manual_seed(2))["enc.self"]
+    moved = graph.apply(sd, transform)
+    assert not torch.equal(moved[T5_BIAS], sd[T5_BIAS])
+    assert _moved_max_diff(model, moved) < 1e-4
+
+
+def test_a_rotation_of_the_t5_encoder_models_stream_is_refused_and_wrong() -> None:
+    """T5EncoderModel's final norm is its output: its γ cannot be folded, so its stream keeps signed
+    permutations only; a rotation (after canonical form) is refused and, forced through, moves the
+    hidden states."""
+    from hf_rebasin.core.errors import TransformError
+    from hf_rebasin.symmetry.adapters import graph_for
+    from hf_rebasin.symmetry.canonical import canonicalize
+    from hf_rebasin.symmetry.transforms import random_orthogonal
+
+    model = tiny.t5_encoder(0)
+    sd, graph, untied = canonicalize(graph_for(model.config, model.state_dict().keys()), model.state_dict())
+    assert not untied and graph.spaces["res"].max_class == "signed-permutation"
+    transform = graph.identity()
+    assert _hidden_moved(model, sd, graph, transform) < 1e-4  # the canonical form alone is exact
+    size = graph.spaces["res"].size
+    transform["res"] = AxisMap(size, blocks=random_orthogonal(size, torch.Generator().manual_seed(1))[None])
+    with pytest.raises(TransformError, match="signed permutations"):
+        graph.apply(sd, transform)
+    assert _hidden_moved(model, graph.apply(sd, transform, check=False), graph, transform) > 1e-3
+    signed = graph.random_transform("orthogonal", torch.Generator().manual_seed(1))  # what it allows
+    assert _hidden_moved(model, graph.apply(sd, signed), graph, signed) < 1e-4
+
+
+def test_a_bare_t5_is_told_by_its_missing_head_not_by_a_prefix() -> None:
+    """T5ForConditionalGeneration has no prefix yet is no bare model: its final norms fold (the
+    stream stays orthogonal). T5Model has no head: both final norms' outputs are outputs, their
+    readers kept apart, and its stream keeps signed permutations, which preserve its hidden states."""
+    import transformers as T
+
+    from hf_rebasin.alignment.verify import TOLERANCE, verify_model
+    from hf_rebasin.symmetry.adapters import graph_for
+
+    lm = tiny.t5(0)
+    assert graph_for(lm.config, lm.state_dict().keys()).spaces["res"].max_class == "orthogonal"
+    torch.manual_seed(0)
+    bare = tiny._randomize_norms(T.T5Model(tiny._t5_config()), 0)
+    graph = graph_for(bare.config, bare.state_dict().keys())
+    assert graph.spaces["res"].max_class == "signed-permutation"
+    assert set(graph.output_readers) == {"encoder.final_layer_norm.weight"}  # the decoder's has no reader
+    assert len(graph.output_readers["encoder.final_layer_norm.weight"]) == 2 * bare.config.num_decoder_layers
+    report = verify_model(bare, "orthogonal", seed=1)
+    assert report.compared == ["last_hidden_state"] and report.max_abs_diff <= TOLERANCE

@@ -22,7 +22,8 @@ from hf_rebasin.symmetry.transforms import AxisMap
 
 BROKEN = 1e-3
 GLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "phi3", "modernbert", "mixtral")
-GLU_CASES = sorted(c for c in tiny.FACTORIES if c.startswith(GLU_FAMILIES))
+T5_GATED_CASES = ("t5", "t5-encoder", "t5-cls", "mt5")  # "t5-relu" has a plain ReLU feed-forward
+GLU_CASES = sorted(c for c in tiny.FACTORIES if c.startswith(GLU_FAMILIES) or c in T5_GATED_CASES)
 STREAM_CASES = [c for c in ("llama-tied-bias", "qwen3-tied", "gemma", "phi3", "modernbert-bias") if c in tiny.FACTORIES]
 # a gated MLP's gate weight, by its name in each family (independent of the adapters)
 GATED = re.compile(r"layers\.(\d+)\.mlp\.(gate_proj|gate_up_proj|Wi)\.weight$")
@@ -30,6 +31,8 @@ GATED = re.compile(r"layers\.(\d+)\.mlp\.(gate_proj|gate_up_proj|Wi)\.weight$")
 # Qwen2-MoE's shared expert
 EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
 SHARED = re.compile(r"layers\.(\d+)\.mlp\.shared_expert\.gate_proj\.weight$")
+# T5 v1.1 / mT5: wo(act(wi_0 x) * wi_1 x), per stack
+T5_GATE = re.compile(r"(encoder|decoder)\.block\.(\d+)\.layer\.\d\.DenseReluDense\.wi_0\.weight$")
 
 _MODELS: dict[str, torch.nn.Module] = {}
 
@@ -86,6 +89,10 @@ def mlp_parts(sd: dict[str, torch.Tensor]) -> dict[str, tuple[str, torch.Tensor,
             act_in, lin = w.chunk(2, 0)
             out[m.group(1)] = ("fused", act_in, lin, sd[prefix + "Wo.weight"].double())
     for name, w in sd.items():
+        if t5 := T5_GATE.search(name):
+            prefix = name[: -len("wi_0.weight")]
+            up, down = sd[prefix + "wi_1.weight"].double(), sd[prefix + "wo.weight"].double()
+            out[f"{t5.group(1)}.{t5.group(2)}"] = ("split", w.double(), up, down)
         m = SHARED.search(name)
         if m is not None:
             prefix = name[: -len("gate_proj.weight")]
@@ -111,6 +118,8 @@ def unit_layers(sd: dict[str, torch.Tensor], config: object) -> dict[str, int]:
     for name in sd:
         if m := GATED.search(name):
             out[f"{m.group(1)}.dense"] = config.intermediate_size
+        elif m := T5_GATE.search(name):
+            out[f"{m.group(1)}.{m.group(2)}"] = config.d_ff
         elif m := EXPERTS.search(name):
             experts = getattr(config, "num_local_experts", None) or config.num_experts
             out[f"{m.group(1)}.experts"] = experts * (

@@ -78,11 +78,19 @@ def test_streams_follow_the_order_the_model_runs_its_modules(case):
     for res in _residuals(graph):
         streams = stream_of(graph, res)
         tower = res[: -len("res")]  # CLIP: "text." / "vision."; one tower otherwise
-        # SigLIP's pooling attention reads the finished stream and writes a space of its own: no layer
+        # one output projection per attention layer (T5's layers share one head space); SigLIP's
+        # pooling attention reads the finished stream and writes a space of its own: no layer
         layers = [
-            s
-            for s, sp in graph.spaces.items()
-            if isinstance(sp, HeadSpace) and s.startswith(tower) and ".pool." not in s
+            t
+            for t, b in graph.bindings.items()
+            if any(
+                isinstance(a, str)
+                and a.endswith(":o")
+                and a.startswith(tower)
+                and ".pool." not in a
+                and isinstance(graph.spaces[a.split(":")[0]], HeadSpace)
+                for a in b.axes
+            )
         ]
         # one module may both read and write the stream (a MoE layer's experts: gate_up_proj reads,
         # down_proj writes): inside it, what it reads comes first

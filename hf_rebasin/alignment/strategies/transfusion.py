@@ -42,6 +42,8 @@ def head_spectra(graph: SymmetryGraph, sd: Mapping[str, Tensor], space: str) -> 
     parts: dict[str, list[Tensor]] = {}
     for tensor, axis, role, offset in graph.users(space):
         assert role is not None
+        if role == "h":  # one number per head (T5's position bias): no spectrum
+            continue
         size = sp.role_size(role)
         t = graph.part(tensor, sd[tensor], axis, offset, size).to(torch.float64).movedim(axis, 0)
         parts.setdefault(role, []).append(t.reshape(size // sp.head_dim, sp.head_dim, -1))

@@ -23,6 +23,7 @@ from hf_rebasin.symmetry.adapters import (
     olmo2,
     phi3,
     siglip,
+    t5,
     vit,
 )
 from hf_rebasin.symmetry.adapters.base import ArchitectureSpec
@@ -82,6 +83,8 @@ for _spec in (
     moe.QWEN2_MOE,
     moe.QWEN3_MOE,
     bart.BART,
+    t5.T5,
+    t5.MT5,
 ):
     REGISTRY.register(_spec)
 

@@ -198,6 +198,16 @@ class ArchitectureSpec:
     # module templates of the stacks that run one after the other on the residual stream (an
     # encoder-decoder's: encoder, then decoder); empty for one stack
     stacks: tuple[str, ...] = ()
+    # tensor templates of the task heads: a model with none of them is a bare base model (its final
+    # norm's output is an output). Empty: a model is bare when it lacks ``base_prefix`` (T5's
+    # conditional-generation class has no prefix, so its head's presence says it)
+    head_tensors: tuple[str, ...] = ()
+    # tie aliases the config class re-ties on load whatever ``tie_word_embeddings`` says (T5Config
+    # forces the tie): they stay tied when a tied LM head is read or written apart
+    forced_ties: tuple[str, ...] = ()
+    # config width fields a model of this family cannot be embedded at another value of, with why
+    # (``embed`` and runs of models of different widths refuse them by name)
+    fixed_widths: Mapping[str, str] = field(default_factory=dict)
 
     def graph(self, config: Any, keys: Collection[str]) -> SymmetryGraph:
         """The symmetry graph of a concrete model (its config and state-dict keys)."""
@@ -235,10 +245,14 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
     dims = spec.dims(config)
     base = spec.base_prefix if any(k.startswith(spec.base_prefix) for k in keys) else ""
     env0 = {"base": base}
+    if spec.head_tensors:
+        bare = not any(_fmt(t, env0) in keys for t in spec.head_tensors)
+    else:
+        bare = bool(spec.base_prefix) and not base
 
     spaces = _spaces(spec, dims)
     bindings = _bindings(spec, dims, env0, keys)
-    norm_bindings, norms, output_readers = _norms(spec, dims, env0, keys, bare=bool(spec.base_prefix) and not base)
+    norm_bindings, norms, output_readers = _norms(spec, dims, env0, keys, bare=bare)
     bindings.update(norm_bindings)
     scale_bindings, scales = _scales(spec, dims, env0, keys)
     bindings.update(scale_bindings)
@@ -260,7 +274,8 @@ def _build(spec: ArchitectureSpec, config: Any, keys: set[str]) -> SymmetryGraph
     graph.embedding_scales = {_fmt(t, env0): p for t, p in spec.embedding_scales.items() if _fmt(t, env0) in keys}
     graph.role_norms = _role_norms(spec, dims, env0, keys)
     graph.output_readers = output_readers
-    graph.stacks = tuple(_fmt(st, env0) for st in spec.stacks)
+    stacks = (_fmt(st, env0) for st in spec.stacks)  # those the model has (T5EncoderModel: one)
+    graph.stacks = tuple(st for st in stacks if any(k.startswith(st + ".") for k in keys))
     used = {name for name in spaces if graph.users(name)}
     graph.spaces = {k: v for k, v in spaces.items() if k in used}
     graph.glus = _glus(spec, dims, env0, graph)
@@ -306,15 +321,16 @@ def _bindings(
 def _norms(
     spec: ArchitectureSpec, dims: Mapping[str, int], env0: Mapping[str, str], keys: set[str], *, bare: bool
 ) -> tuple[dict[str, Binding], list[Norm], dict[str, tuple[str, ...]]]:
-    """Every norm the model has, with the bindings of its weight (a norm scale) and bias. In a bare
-    base model (``bare``) the final norm's output is the model's output: its readers are kept apart
-    (norm weight -> readers), never folded into."""
+    """Every norm the model has, with the bindings of its weight (a norm scale) and bias. A reader
+    may loop over a variable the norm lacks (T5's encoder output, read by every decoder layer's
+    cross-attention): one norm, its readers gathered over that variable. In a bare base model
+    (``bare``) the final norm's output is the model's output: its readers are kept apart (norm
+    weight -> readers), never folded into."""
     bindings: dict[str, Binding] = {}
     norms: list[Norm] = []
     output_readers: dict[str, tuple[str, ...]] = {}
     for nt in spec.norms:
-        strings = [nt.prefix, nt.space, *nt.readers]
-        for env in _expansions(strings, spec.loops, dims):
+        for env in _expansions([nt.prefix, nt.space], spec.loops, dims):
             env = {**env0, **env}
             weight = _fmt(nt.prefix, env) + ".weight"
             if weight not in keys:
@@ -322,7 +338,7 @@ def _norms(
             bias = _fmt(nt.prefix, env) + ".bias" if nt.bias else None
             bias = bias if bias in keys else None
             space = _fmt(nt.space, env)
-            readers = tuple(r for r in (_fmt(x, env) for x in nt.readers) if r in keys)
+            readers = tuple(r for r in _fanned(nt.readers, env, spec.loops, dims) if r in keys)
             if nt.final and bare:
                 if readers:
                     output_readers[weight] = readers
@@ -332,6 +348,17 @@ def _norms(
                 bindings[bias] = Binding(bias, (space,))
             norms.append(Norm(weight, bias, space, readers, nt.offset))
     return bindings, norms, output_readers
+
+
+def _fanned(
+    templates: tuple[str, ...], env: Mapping[str, str], loops: Mapping[str, str], dims: Mapping[str, int]
+) -> list[str]:
+    """``templates`` formatted with ``env``, each expanded over the loop variables ``env`` leaves open."""
+    out: list[str] = []
+    for tmpl in templates:
+        partial = _fmt(tmpl, env)
+        out.extend(_fmt(partial, more) for more in _expansions([partial], loops, dims))
+    return out
 
 
 def _scales(
@@ -355,12 +382,14 @@ def _scales(
 
 
 def _ties(spec: ArchitectureSpec, config: Any, env0: Mapping[str, str], keys: set[str]) -> dict[str, str]:
-    """The tied aliases (alias -> source) the model has, unless its config unties its embeddings."""
+    """The tied aliases (alias -> source) the model has: none where its config unties its
+    embeddings, except those its config class forces (``forced_ties``)."""
     ties: dict[str, str] = {}
     tie_on = getattr(config, "tie_word_embeddings", True) is not False
     for alias, source in spec.ties.items():
+        forced = alias in spec.forced_ties
         alias, source = _fmt(alias, env0), _fmt(source, env0)
-        if tie_on and alias in keys and source in keys:
+        if (tie_on or forced) and alias in keys and source in keys:
             ties[alias] = source
     return ties
 

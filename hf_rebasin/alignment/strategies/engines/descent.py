@@ -121,6 +121,16 @@ class HeadPairs:
         return cls(q, k, v, o)
 
 
+def head_terms(space: HeadSpace, views: Views, like: Tensor) -> Tensor:
+    """``[G, G, r, r]``: what pairing query head i of A's group a with j of B's group b adds through
+    the per-head role ``h`` (T5's position bias columns, no inner map); zeros without one."""
+    G, r = space.num_kv_heads, space.group_size
+    view = views.get("h")
+    if view is None:
+        return torch.zeros(G, G, r, r, dtype=torch.float64, device=like.device)
+    return dense(view).to(device=like.device, dtype=torch.float64).reshape(G, r, G, r).permute(0, 2, 1, 3)
+
+
 def _rotation_part(m: Tensor) -> tuple[Tensor, Tensor]:
     """Per rotary plane, the part of a 2×2 block that commutes with rotations (α I + β J)."""
     h = m.shape[-1] // 2
@@ -171,6 +181,7 @@ def solve_heads(
     G, r = space.num_kv_heads, space.group_size
     qk_kind, vo_kind = inner_kinds(space, cls)
     pairs = HeadPairs.from_views(space, views)
+    per_head = head_terms(space, views, pairs.q)
     a_idx = torch.arange(G)
     if outer is not None:
         kv, q_perm = outer
@@ -179,9 +190,9 @@ def solve_heads(
     else:
         b_idx = None
         if ranking == "circuit":
-            score = circuit_similarity(pairs, space.qk == "planes")
+            score = circuit_similarity(pairs, space.qk == "planes") + per_head
         else:
-            score = inner_values(pairs.q, qk_kind) + inner_values(pairs.o, vo_kind)
+            score = inner_values(pairs.q, qk_kind) + inner_values(pairs.o, vo_kind) + per_head
         tau = (
             lap_batch(score.reshape(G * G, r, r)).reshape(G, G, r) if r > 1 else torch.zeros(G, G, 1, dtype=torch.long)
         )
@@ -195,7 +206,7 @@ def solve_heads(
         if ranking == "circuit":
             cost = score[gi, gj, ii, tau].sum(2)
         else:
-            cost = inner_values(qk, qk_kind) + inner_values(vo, vo_kind)
+            cost = inner_values(qk, qk_kind) + inner_values(vo, vo_kind) + per_head[gi, gj, ii, tau].sum(2)
         b_idx, _ = lap(cost)
     chosen_tau = tau[a_idx, b_idx]
     return HeadMap(

@@ -39,6 +39,8 @@ def head_rows(graph: SymmetryGraph, sd: Mapping[str, Tensor], space: str) -> dic
     parts: dict[str, list[Tensor]] = {}
     for tensor, axis, role, offset in graph.users(space):
         assert role is not None
+        if role == "h":  # one number per head (T5's position bias): no inner map reads it
+            continue
         size = sp.role_size(role)
         t = graph.part(tensor, sd[tensor], axis, offset, size).to(torch.float64).movedim(axis, 0).reshape(size, -1)
         heads = size // dh

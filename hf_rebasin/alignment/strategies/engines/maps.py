@@ -88,8 +88,12 @@ class RelaxedHeads(HeadMap):
     def expand(self, space: HeadSpace, role: str) -> AxisMap:
         assert self.pairing is not None
         p = self.pairing
-        inner = inner_matrices(self.inner(role), p.dtype)
         G, r, dh = space.num_kv_heads, space.group_size, space.head_dim
+        if role == "h":  # one feature per query head: the pairing and the query order alone
+            within = torch.eye(r, dtype=p.dtype)[self.q_perm]
+            dense = torch.einsum("gh,gjk->gjhk", p, within).reshape(G * r, G * r)
+            return AxisMap(dense.shape[0], blocks=dense[None])
+        inner = inner_matrices(self.inner(role), p.dtype)
         if role in ("k", "v"):
             dense = torch.einsum("gh,gab->gahb", p, inner).reshape(G * dh, G * dh)
         else:

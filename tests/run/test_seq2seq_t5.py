@@ -1,0 +1,156 @@
+"""T5 through the jobs that need no data, checked with stock transformers (``AutoModelForSeq2SeqLM``,
+not hf-rebasin's loader): the outputs compute the inputs' logits, store the vocabulary table as the
+inputs store it (one ``shared`` table and, for T5 v1.1, a head apart), and keep ``wo`` in float32
+in a half-precision output, as ``from_pretrained`` does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+import yaml
+from safetensors import safe_open
+
+import tiny
+from helpers import flat, run_cli, run_main
+
+
+def _save(tmp_path: Path, name: str, factory: str = "t5", seeds: int = 2) -> list[Path]:
+    folders = []
+    for seed in range(seeds):
+        folder = tmp_path / f"{name}-{seed}"
+        tiny.FACTORIES[factory](seed).save_pretrained(str(folder))
+        folders.append(folder)
+    return folders
+
+
+@pytest.fixture
+def t5s(tmp_path: Path) -> list[Path]:
+    return _save(tmp_path, "t5")
+
+
+def _recipe(tmp_path: Path, body: dict, **output: object) -> str:
+    path = tmp_path / "recipe.yaml"
+    section = {"dir": str(tmp_path / "out"), **output}
+    path.write_text(yaml.safe_dump({**body, "output": section}, sort_keys=False))
+    return str(path)
+
+
+def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = T.AutoModelForSeq2SeqLM.from_pretrained(str(folder)).eval().float()
+    with torch.no_grad():
+        return model(input_ids=ids, decoder_input_ids=ids[:, :7]).logits
+
+
+def _stored(folder: Path) -> dict[str, str]:
+    """Each tensor of the folder's safetensors file, with the dtype it is stored in ("F32", "BF16")."""
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: f.get_slice(k).get_dtype() for k in f.keys()}
+
+
+@pytest.mark.parametrize("cls", ["permutation", "orthogonal"])
+def test_verify_a_saved_t5(t5s: list[Path], cls: str) -> None:
+    proc = run_main("verify", str(t5s[0]), "--class", cls)
+    out = flat(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "max |Δ| = " in out and "compared outputs: logits" in out
+    assert "enc.self" in out and "dec.{i}.cross" in out
+    assert ("orthogonal" in out) == (cls == "orthogonal") and "fall back" not in out
+
+
+@pytest.mark.parametrize("strategy", ["weight-matching", "transfusion", "generalized-orthogonal"])
+def test_align_writes_two_t5s_in_one_basis_each_computing_what_it_did(
+    tmp_path: Path, t5s: list[Path], strategy: str
+) -> None:
+    proc = run_main(_recipe(tmp_path, {"job": "align", "models": [str(b) for b in t5s], "strategy": strategy}))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    ids = torch.randint(3, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
+    for given, written in zip(t5s, (out / "a", out / "b"), strict=True):
+        assert (_logits(given, ids) - _logits(written, ids)).abs().max() <= 1e-4
+        # one vocabulary table and the head apart, as the input: never three tables
+        assert set(_stored(written)) == set(_stored(given))
+        assert "lm_head.weight" in _stored(written) and "encoder.embed_tokens.weight" not in _stored(written)
+
+
+def test_a_tied_t5_aligned_with_rotations_stores_its_head_apart_and_nothing_else(tmp_path: Path) -> None:
+    """The original T5 (tied head, scaled by d_model**-0.5): canonical form folds the decoder's final
+    norm into the head, which then comes apart from ``shared``; the stacks' tables stay tied."""
+    models = _save(tmp_path, "t5-relu", "t5-relu")
+    body = {"job": "align", "models": [str(m) for m in models], "strategy": "generalized-orthogonal"}
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = tmp_path / "out" / "b"
+    ids = torch.randint(3, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert (_logits(models[1], ids) - _logits(written, ids)).abs().max() <= 1e-4
+    assert set(_stored(written)) == set(_stored(models[1])) | {"lm_head.weight"}
+    reloaded = T.AutoModelForSeq2SeqLM.from_pretrained(str(written))
+    assert reloaded.config.scale_decoder_outputs
+    assert reloaded.encoder.embed_tokens.weight is reloaded.shared.weight
+
+
+def test_a_merge_of_two_t5s_in_bfloat16_keeps_wo_in_float32(tmp_path: Path, t5s: list[Path]) -> None:
+    body = {"job": "merge", "models": [str(b) for b in t5s], "strategy": "weight-matching"}
+    proc = run_main(_recipe(tmp_path, body, dtype="bfloat16"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "function preserved" in flat(proc.stdout)
+    stored = _stored(tmp_path / "out")
+    assert len(stored) == len(_stored(t5s[0]))
+    wo = {k: d for k, d in stored.items() if k.endswith(".wo.weight")}
+    assert wo and set(wo.values()) == {"F32"}
+    assert {d for k, d in stored.items() if k not in wo} == {"BF16"}
+    model = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
+    assert type(model).__name__ == "T5ForConditionalGeneration"
+
+
+def test_jobs_that_need_a_seq2seq_loss_refuse_for_t5(tmp_path: Path, t5s: list[Path]) -> None:
+    models = [str(b) for b in t5s]
+    body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[1], "calibrate": False}
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot evaluate a T5ForConditionalGeneration: an encoder-decoder's" in flat(proc.stderr + proc.stdout)
+    assert not (tmp_path / "out").exists()
+
+
+def test_embed_writes_a_t5_into_wider_feed_forwards_computing_the_same_logits(tmp_path: Path, t5s: list[Path]) -> None:
+    wide = tmp_path / "wide"
+    config = tiny.t5(0).config
+    config.d_ff = 64
+    T.T5ForConditionalGeneration(config).save_pretrained(str(wide))
+    proc = run_cli("embed", str(t5s[0]), "--like", str(wide), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
+    assert written.config.d_ff == 64
+    ids = torch.randint(3, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert (_logits(t5s[0], ids) - _logits(tmp_path / "out", ids)).abs().max() <= 1e-4
+    assert set(_stored(tmp_path / "out")) == set(_stored(t5s[0]))
+
+
+@pytest.mark.parametrize(("field", "value"), [("d_kv", 8), ("num_heads", 8), ("d_model", 64)])
+def test_embed_refuses_the_t5_widths_it_does_not_build(tmp_path: Path, t5s: list[Path], field: str, value: int) -> None:
+    wide = tmp_path / "wide"
+    config = tiny.t5(0).config
+    setattr(config, field, value)
+    T.T5ForConditionalGeneration(config).save_pretrained(str(wide))
+    proc = run_cli("embed", str(t5s[0]), "--like", str(wide), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"`{field}` is" in flat(proc.stderr) and "a t5 model is not embedded" in flat(proc.stderr)
+    assert not (tmp_path / "out").exists()
+
+
+def test_lineage_tells_a_t5s_fine_tune_from_a_t5_trained_apart(tmp_path: Path, t5s: list[Path]) -> None:
+    model = tiny.t5(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * p.std() * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    tuned = tmp_path / "t5-0-tuned"
+    model.save_pretrained(str(tuned))
+    verdicts = []
+    for other in (tuned, t5s[1]):
+        proc = run_cli("lineage", str(t5s[0]), str(other), "--json")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        verdicts.append(json.loads(proc.stdout)["pairs"][0]["verdict"])
+    assert verdicts == ["same basis", "independent"]
