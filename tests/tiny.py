@@ -610,6 +610,7 @@ def _t5_config(cls: type = T.T5Config, **kw: object) -> T.T5Config:
         num_decoder_layers=3,
         relative_attention_num_buckets=8,
         relative_attention_max_distance=16,
+        decoder_start_token_id=0,  # as every released T5 config.json says (T5 shifts labels after it)
         **kw,
     )
 

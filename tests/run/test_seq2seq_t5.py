@@ -5,6 +5,7 @@ in a half-precision output, as ``from_pretrained`` does."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -16,6 +17,13 @@ from safetensors import safe_open
 
 import tiny
 from helpers import flat, run_cli, run_main
+from hf_rebasin.evaluation.data import char_tokenizer
+
+TEXT = (
+    "to be, or not to be, that is the question:\n"
+    "whether 'tis nobler in the mind to suffer\n"
+    "the slings and arrows of outrageous fortune,\n"
+)
 
 
 def _save(tmp_path: Path, name: str, factory: str = "t5", seeds: int = 2) -> list[Path]:
@@ -106,12 +114,65 @@ def test_a_merge_of_two_t5s_in_bfloat16_keeps_wo_in_float32(tmp_path: Path, t5s:
     assert type(model).__name__ == "T5ForConditionalGeneration"
 
 
-def test_jobs_that_need_a_seq2seq_loss_refuse_for_t5(tmp_path: Path, t5s: list[Path]) -> None:
+def _tokenizer() -> T.PreTrainedTokenizerFast:
+    """Characters and T5's sentinels (``<extra_id_0>`` …), inside the tiny vocabulary."""
+    tokenizer = char_tokenizer(TEXT)
+    tokenizer.add_special_tokens({"additional_special_tokens": [f"<extra_id_{i}>" for i in range(8)]})
+    assert len(tokenizer) <= tiny.V
+    return tokenizer
+
+
+def test_a_t5_barrier_on_pairs_scores_each_end_as_the_models_own_loss_does(tmp_path: Path, t5s: list[Path]) -> None:
+    for folder in t5s:
+        _tokenizer().save_pretrained(str(folder))
+    lines = TEXT.splitlines()
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"source": a, "target": b}) + "\n" for a, b in itertools.pairwise(lines)))
+    data = {"dataset": "json", "data_files": str(pairs)}
+    evaluate = {"task": "seq2seq", "data": data, "points": 3}
+    body = {
+        "job": "barrier",
+        "models": [str(b) for b in t5s],
+        "strategy": "generalized-orthogonal",
+        "evaluate": evaluate,
+    }
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tokenizer = T.AutoTokenizer.from_pretrained(str(t5s[0]))
+    for curve in json.loads((tmp_path / "out" / "rebasin.json").read_text())["curves"].values():
+        for folder, loss in zip(t5s, (curve["loss"][-1], curve["loss"][0]), strict=True):  # λ = 1 is A
+            model = T.AutoModelForSeq2SeqLM.from_pretrained(str(folder)).eval()
+            total, count = 0.0, 0
+            for a, b in itertools.pairwise(lines):
+                source = torch.tensor([tokenizer(a)["input_ids"]])
+                target = torch.tensor([tokenizer(b)["input_ids"]])
+                with torch.no_grad():  # T5 shifts the labels after its decoder start token itself
+                    total += float(model(input_ids=source, labels=target).loss) * target.numel()
+                count += target.numel()
+            assert loss == pytest.approx(total / count, abs=1e-5)
+
+
+def test_a_t5_transport_scored_on_plain_text_reads_it_by_span_corruption(tmp_path: Path, t5s: list[Path]) -> None:
+    for folder in t5s:
+        _tokenizer().save_pretrained(str(folder))
+    plain = tmp_path / "plain.txt"
+    plain.write_text(TEXT * 4)
     models = [str(b) for b in t5s]
-    body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[1], "calibrate": False}
+    evaluate = {"task": "seq2seq", "data": {"dataset": "text", "data_files": str(plain)}}
+    body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[0], "calibrate": False}
+    proc = run_main(_recipe(tmp_path, {**body, "evaluate": evaluate}))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "`evaluate.data`: T5 span corruption of plain text" in flat(proc.stdout)
+    model = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
+    assert type(model).__name__ == "T5ForConditionalGeneration"
+
+
+def test_a_calibrated_t5_transport_refuses_with_the_reason(tmp_path: Path, t5s: list[Path]) -> None:
+    models = [str(b) for b in t5s]
+    body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[1]}
     proc = run_main(_recipe(tmp_path, body))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "cannot evaluate a T5ForConditionalGeneration: an encoder-decoder's" in flat(proc.stderr + proc.stdout)
+    assert "the fine-tune is a T5ForConditionalGeneration, whose decoder writes from a source" in flat(proc.stderr)
     assert not (tmp_path / "out").exists()
 
 
@@ -154,3 +215,13 @@ def test_lineage_tells_a_t5s_fine_tune_from_a_t5_trained_apart(tmp_path: Path, t
         assert proc.returncode == 0, proc.stdout + proc.stderr
         verdicts.append(json.loads(proc.stdout)["pairs"][0]["verdict"])
     assert verdicts == ["same basis", "independent"]
+
+
+def test_aligning_a_relu_t5_says_that_mergekit_refuses_it(tmp_path: Path) -> None:
+    folders = _save(tmp_path, "relu", "t5-relu")
+    body = {"job": "align", "models": [str(f) for f in folders], "strategy": "weight-matching"}
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # checked with mergekit 0.1.5 (benchmarks/alignment/mergekit_seq2seq.py): its t5 definition requires wi_0
+    assert "mergekit 0.1.5's T5 definition lists only the gated feed-forward" in flat(proc.stdout)
+    assert (tmp_path / "out" / "mergekit.yaml").exists()

@@ -16,7 +16,7 @@ from hf_rebasin.io.checkpoint import dtype_name
 from hf_rebasin.io.export import copy_support_files, save_merged_model
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.output import write_text
-from hf_rebasin.merging.basis import Gap, check_gaps, function_gap, mergekit_config, written_dtype
+from hf_rebasin.merging.basis import Gap, check_gaps, function_gap, mergekit_config, mergekit_limit, written_dtype
 from hf_rebasin.recipe.jobs.align import folder_name, mergekit_method
 from hf_rebasin.run.jobs.barrier import aligned_preservation, alignment_diagnostics, save_diagnostics
 from hf_rebasin.run.load import Workspace
@@ -38,6 +38,9 @@ def run(ws: Workspace) -> JobOutput:
     with ws.clock.stage("check"):  # A too, in the form written (canonical or not)
         gaps = _written_gaps(models, states, untie) if primary.exact else {}
     check_gaps(gaps)
+    limit = mergekit_limit(models.reference.model.config)
+    if limit is not None:
+        ws.notes.append(limit)
     diagnostics = alignment_diagnostics(ws, primary)
     diagnostics["distance"] = {
         names: {"before": relative_distance(primary.sd_a, al.sd_b), "after": relative_distance(primary.sd_a, state)}
