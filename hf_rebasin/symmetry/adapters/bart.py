@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_rebasin.symmetry.adapters.base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
+from hf_rebasin.symmetry.adapters.base import SHARED_TABLE_TIES, ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
 from hf_rebasin.symmetry.spaces import AxisRef
 
 POST_NORM = "post-norm: LayerNorm sits on the residual path"
@@ -119,11 +119,7 @@ BART = ArchitectureSpec(
     spaces=_SPACES,
     tensors=_TENSORS,
     norms=_NORMS,
-    ties={
-        "{base}encoder.embed_tokens.weight": "{base}shared.weight",
-        "{base}decoder.embed_tokens.weight": "{base}shared.weight",
-        "lm_head.weight": "{base}shared.weight",
-    },
+    ties=SHARED_TABLE_TIES,
     invariant=("final_logits_bias", "classification_head.out_proj.bias", "qa_outputs.bias"),
     outputs={"logits": None, "last_hidden_state": "res", "encoder_last_hidden_state": "res"},
     sublayers=_SUBLAYERS,

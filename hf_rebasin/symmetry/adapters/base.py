@@ -157,6 +157,14 @@ class GluT:
 Inputs = Literal["text", "image", "text-image", "seq2seq"]
 
 
+# an encoder-decoder whose one ``shared`` table feeds both stacks and the LM head (BART, T5)
+SHARED_TABLE_TIES = {
+    "{base}encoder.embed_tokens.weight": "{base}shared.weight",
+    "{base}decoder.embed_tokens.weight": "{base}shared.weight",
+    "lm_head.weight": "{base}shared.weight",
+}
+
+
 @dataclass(frozen=True)
 class ArchitectureSpec:
     family: str

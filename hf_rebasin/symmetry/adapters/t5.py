@@ -28,7 +28,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hf_rebasin.symmetry.adapters.base import ArchitectureSpec, GluT, HeadsT, NormT, SpaceT, SublayerT
+from hf_rebasin.symmetry.adapters.base import (
+    SHARED_TABLE_TIES,
+    ArchitectureSpec,
+    GluT,
+    HeadsT,
+    NormT,
+    SpaceT,
+    SublayerT,
+)
 from hf_rebasin.symmetry.spaces import AxisRef
 
 ENC = "{base}encoder.block.{i}"
@@ -155,11 +163,7 @@ T5 = ArchitectureSpec(
     spaces=_SPACES,
     tensors=_TENSORS,
     norms=_NORMS,
-    ties={
-        "{base}encoder.embed_tokens.weight": "{base}shared.weight",
-        "{base}decoder.embed_tokens.weight": "{base}shared.weight",
-        "lm_head.weight": "{base}shared.weight",
-    },
+    ties=SHARED_TABLE_TIES,
     forced_ties=("{base}encoder.embed_tokens.weight", "{base}decoder.embed_tokens.weight"),
     invariant=("classification_head.out_proj.bias",),
     norm_type="rmsnorm",
