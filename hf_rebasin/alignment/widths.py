@@ -23,7 +23,7 @@ from hf_rebasin.core.errors import IncompatibleModelsError
 from hf_rebasin.io.files import read_config
 from hf_rebasin.io.models import LoadedModel, to_device
 from hf_rebasin.io.offload import empty_model
-from hf_rebasin.io.rebuild import keep_float32, rebuild
+from hf_rebasin.io.rebuild import cast_as_loaded, rebuild
 from hf_rebasin.io.ties import keep_forced_ties
 from hf_rebasin.symmetry.adapters import get_adapter, graph_for
 from hf_rebasin.symmetry.canonical import canonicalize
@@ -163,8 +163,7 @@ def embed_model(model: Any, like: Any, *, exact_eps: bool = True) -> tuple[Any, 
     wide = type(model)(config)
     keep_forced_ties(wide)
     wide.load_state_dict(state, strict=True)
-    wide.to(dtype=next(model.parameters()).dtype)
-    keep_float32(wide)
+    cast_as_loaded(wide, next(model.parameters()).dtype)
     return wide.eval(), report
 
 
@@ -325,8 +324,7 @@ def _with_eps(model: Any, like: Any) -> Any:
     new = type(model)(config)
     keep_forced_ties(new)
     new.load_state_dict(model.state_dict(), strict=True)
-    new.to(dtype=next(model.parameters()).dtype)
-    keep_float32(new)
+    cast_as_loaded(new, next(model.parameters()).dtype)
     to_device(new, next(model.parameters()).device)
     return new.eval()
 

@@ -115,7 +115,7 @@ def save_merged_model(
         return
     model = rebuild(template, dict(state_dict), untie=untie)  # rebuilt on the CPU
     cast: set[int] = set()  # a tied tensor is one object under two names: cast once, from float32
-    fp32 = float32_tensors(model)  # T5's wo: from_pretrained keeps them in float32 whatever the dtype
+    fp32 = _float32_by_dtype(model)  # T5's wo in a float16 output: from_pretrained keeps them in float32
     for name, tensor in model.state_dict(keep_vars=True).items():
         target = (dtypes or {}).get(name) or dtype
         target = _kept_float32(name, target, fp32) if target is not None else None
@@ -151,7 +151,7 @@ def save_streamed(
     config = output_config(template, untie)
     model = empty_model(type(template), config)  # which names the output ties, and how it saves them
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})  # stored once, under the name it is tied to
-    fp32 = float32_tensors(model)  # T5's wo: from_pretrained keeps them in float32 whatever the dtype
+    fp32 = _float32_by_dtype(model)  # T5's wo in a float16 output: from_pretrained keeps them in float32
     saved, origin = _saved_tensors(model, state, tied, dtype, dtypes, expert_layout, fp32)
     split = split_torch_state_dict_into_shards(saved, max_shard_size=max_shard_size)
     _write_shards(Path(dest), state, saved, origin, split, progress)
@@ -169,10 +169,14 @@ def save_streamed(
         model.generation_config.save_pretrained(str(dest))
 
 
-def _kept_float32(name: str, target: torch.dtype, fp32: Collection[str]) -> torch.dtype:
-    """``target``, or float32 for a tensor of a module the class keeps in float32 (``fp32``) that
-    ``target`` would write in half precision."""
-    return torch.float32 if name in fp32 and target in (torch.bfloat16, torch.float16) else target
+def _float32_by_dtype(model: PreTrainedModel) -> dict[torch.dtype, set[str]]:
+    return {dtype: float32_tensors(model, dtype) for dtype in (torch.float16, torch.bfloat16)}
+
+
+def _kept_float32(name: str, target: torch.dtype, fp32: Mapping[torch.dtype, Collection[str]]) -> torch.dtype:
+    """``target``, or float32 for a tensor that `from_pretrained` keeps in float32 when it loads the
+    class in ``target`` (``fp32``: those names per half-precision dtype)."""
+    return torch.float32 if name in fp32.get(target, ()) else target
 
 
 def _saved_tensors(
@@ -182,7 +186,7 @@ def _saved_tensors(
     dtype: torch.dtype | None,
     dtypes: Mapping[str, torch.dtype] | None,
     expert_layout: str | None,
-    fp32: Collection[str] = (),
+    fp32: Mapping[torch.dtype, Collection[str]] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, _Origin]]:
     """The tensors `save_pretrained` would write for ``model`` (meta tensors of their shapes and
     written dtypes), each with its origin, ordered so that the pieces cut from one model tensor
@@ -193,7 +197,7 @@ def _saved_tensors(
         stored = state.dtype(name)
         if not stored.is_floating_point:
             return stored
-        return _kept_float32(name, (dtypes or {}).get(name) or dtype or stored, fp32)
+        return _kept_float32(name, (dtypes or {}).get(name) or dtype or stored, fp32 or {})
 
     meta = {n: torch.empty(t.shape, dtype=written(n), device="meta") for n, t in model.state_dict().items()}
     kept = {n: t for n, t in meta.items() if n not in tied}

@@ -37,17 +37,18 @@ def rebuild(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], *, unti
     new = type(model)(output_config(model, untie))
     keep_forced_ties(new)
     new.load_state_dict(state_dict, strict=True)
-    new.to(dtype=next(model.parameters()).dtype)  # type: ignore[call-arg]  # transformers wraps .to
-    keep_float32(new)
+    cast_as_loaded(new, next(model.parameters()).dtype)
     return new.eval()
 
 
-def float32_tensors(model: PreTrainedModel) -> set[str]:
-    """The floating tensors of modules ``model``'s class keeps in float32 whatever the dtype it is
-    loaded in (``_keep_in_fp32_modules``: T5's ``wo``), as `from_pretrained` matches them: a module
-    whose name has one of them as a component."""
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+def float32_tensors(model: PreTrainedModel, dtype: torch.dtype) -> set[str]:
+    """The floating tensors `from_pretrained` keeps in float32 when it loads ``model``'s class in
+    ``dtype``: those of ``_keep_in_fp32_modules`` (T5's ``wo``) under float16 only, of
+    ``_keep_in_fp32_modules_strict`` under float16 and bfloat16; a module counts when its name has
+    one of them as a component."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else set()
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
     if not keep:
         return set()
     return {
@@ -55,9 +56,11 @@ def float32_tensors(model: PreTrainedModel) -> set[str]:
     }
 
 
-def keep_float32(model: PreTrainedModel) -> None:
-    """The tensors `float32_tensors` names back in float32 after a cast, as `from_pretrained` keeps them."""
-    keep = float32_tensors(model)
+def cast_as_loaded(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """``model`` cast to ``dtype`` but for the tensors `float32_tensors` names, as `from_pretrained`
+    would load it in ``dtype``."""
+    model.to(dtype=dtype)  # type: ignore[call-arg]  # transformers wraps .to
+    keep = float32_tensors(model, dtype)
     for name, t in model.state_dict(keep_vars=True).items():
         if name in keep and t.dtype != torch.float32:
             t.data = t.data.to(torch.float32)

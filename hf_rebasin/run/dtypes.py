@@ -94,8 +94,6 @@ def output_dtype(
 def _float32_modules(
     reference: LoadedModel, chosen: torch.dtype, own: Mapping[str, torch.dtype]
 ) -> dict[str, torch.dtype]:
-    """The tensors of modules the class keeps in float32 (T5's ``wo``) that a half-precision output
-    would cast, and which none of ``own`` already writes apart: written in float32."""
-    if chosen not in (torch.bfloat16, torch.float16):
-        return {}
-    return {name: torch.float32 for name in sorted(float32_tensors(reference.model)) if name not in own}
+    """The tensors `from_pretrained` keeps in float32 when it loads the class in ``chosen`` (T5's ``wo``
+    in float16, not in bfloat16), and which none of ``own`` already writes apart: written in float32."""
+    return {name: torch.float32 for name in sorted(float32_tensors(reference.model, chosen)) if name not in own}
