@@ -45,6 +45,9 @@ FAMILIES: dict[str, Callable[..., torch.nn.Module]] = {
     "qwen3-tied": tiny.qwen3_tied,
     "phi3": tiny.phi3,
     "gpt-neox": tiny.gpt_neox,
+    "bart": tiny.bart,
+    "t5": tiny.FACTORIES["t5"],  # v1.1: the head stored apart
+    "t5-relu": tiny.FACTORIES["t5-relu"],  # the original T5: ReLU, the head tied and rescaled
 }
 
 
@@ -74,6 +77,12 @@ def _legacy_buffers(model: torch.nn.Module, prefix: str) -> dict[str, torch.Tens
             out[f"{prefix}layers.{i}.attention.bias"] = torch.tril(torch.ones(n, n, dtype=torch.bool)).view(1, 1, n, n)
             out[f"{prefix}layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
             out[f"{prefix}layers.{i}.attention.rotary_emb.inv_freq"] = inv_freq.clone()
+    elif kind == "t5":  # the original t5-* files: a cross-attention bias no layer reads (transformers ignores it)
+        bias = torch.randn(config.relative_attention_num_buckets, config.num_heads)
+        out[f"{prefix}decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = bias
+    elif kind == "bart":  # fairseq-converted BART files: each stack's version counter
+        out[f"{prefix}encoder.version"] = torch.tensor([2.0])
+        out[f"{prefix}decoder.version"] = torch.tensor([2.0])
     elif kind == "clip":
         out["text_model.embeddings.position_ids"] = torch.arange(config.text_config.max_position_embeddings)[None]
         patches = (config.vision_config.image_size // config.vision_config.patch_size) ** 2

@@ -151,6 +151,9 @@ def _first_mlp(model: torch.nn.Module) -> str:
                 "mlp.dense_h_to_4h.weight",
                 "ffn.lin1.weight",
                 "mlp.Wi.weight",
+                "layers.0.fc1.weight",  # BART
+                "DenseReluDense.wi_1.weight",  # T5 v1.1
+                "DenseReluDense.wi.weight",  # the original T5
             )
         )
     ]
