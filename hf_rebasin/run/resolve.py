@@ -77,10 +77,10 @@ def resolve_model(
     Without ``fetch`` (a dry run) nothing is trained or downloaded: a zoo model says where it will
     be, a Hub model is resolved to its commit from metadata alone. ``checked`` is that earlier
     resolution: the download then takes its commit. A PEFT adapter is accepted only as a
-    transport's ``finetuned``.
+    transport's ``finetuned``, or by ``hf-rebasin zoo`` (``where`` "zoo"), which lists folders.
     """
     resolved = _resolve(ref, where, progress=progress, fetch=fetch, allow_pickle=allow_pickle, checked=checked)
-    if resolved.folder is not None and not where.startswith("finetuned"):
+    if resolved.folder is not None and not where.startswith("finetuned") and where != "zoo":
         if is_adapter(resolved.folder) and not (resolved.folder / "config.json").is_file():
             raise ModelNotFoundError(
                 f"`{where}`: {ref} is a PEFT adapter, not a model; an adapter can only be the `finetuned` of a "

@@ -93,6 +93,19 @@ def test_zoo_cli_prints_the_cached_folders(tmp_path: Path) -> None:
     assert proc.stdout.split() == [str(f) for f in folders]
 
 
+def test_zoo_cli_prints_an_adapters_folder_too(tmp_path: Path) -> None:
+    import peft
+
+    folder = train.zoo_folder("bench-t5-ft-lora", 0, tmp_path / "zoo")
+    cfg = T.T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    lora = peft.LoraConfig(r=2, target_modules=["q", "v"], task_type="SEQ_2_SEQ_LM")
+    peft.get_peft_model(T.T5ForConditionalGeneration(cfg), lora).save_pretrained(str(folder))
+    (folder / train.TRAINING_FILE).write_text(json.dumps({"kind": "bench-t5-ft-lora", "seed": 0}))
+    proc = run_main("zoo", "bench-t5-ft-lora", "0", env={"HF_REBASIN_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(folder)]
+
+
 def test_zoo_cli_offers_every_kind_the_trainer_has_without_importing_torch() -> None:
     code = "import sys, hf_rebasin.cli as c; print(' '.join(c.build_parser()._actions[-1].choices['zoo']._actions[1].choices)); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
