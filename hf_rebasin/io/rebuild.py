@@ -26,9 +26,19 @@ def output_config(template: PreTrainedModel, untie: bool) -> Any:
     """A copy of ``template``'s config for a model built from transformed weights: with a tied LM
     head stored apart when ``untie`` (canonical forms)."""
     config = copy.deepcopy(template.config)
-    if untie:
+    if untie or _head_apart(template):
         config.tie_word_embeddings = False
     return config
+
+
+def _head_apart(template: PreTrainedModel) -> bool:
+    """A head the config ties that the model holds apart: transformers 5 reads a head stored with other
+    values untied ("by value") and leaves the config saying tied (T5 v1.1 and Flan-T5 loaded with the
+    stock class); built from that config, the new model would tie it again and lose the head."""
+    if not getattr(template.config, "tie_word_embeddings", False):
+        return False
+    head, table = template.get_output_embeddings(), template.get_input_embeddings()
+    return head is not None and table is not None and head.weight is not table.weight
 
 
 def rebuild(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], *, untie: bool = False) -> PreTrainedModel:

@@ -231,3 +231,18 @@ def test_aligning_a_relu_t5_says_that_mergekit_refuses_it(tmp_path: Path) -> Non
     # checked with mergekit 0.1.5 (benchmarks/alignment/mergekit_seq2seq.py): its t5 definition requires wi_0
     assert "mergekit 0.1.5's T5 definition lists only the gated feed-forward" in flat(proc.stdout)
     assert (tmp_path / "out" / "mergekit.yaml").exists()
+
+
+def test_a_stock_loaded_t5_v1_1_rebuilt_keeps_its_head_apart(tmp_path: Path, t5s: list[Path]) -> None:
+    """transformers 5 loads the head apart by value and leaves the config saying tied: a model built
+    from that config must not tie the head again (it would read the embeddings as its head)."""
+    from hf_rebasin.io.rebuild import rebuild
+
+    stock = T.AutoModelForSeq2SeqLM.from_pretrained(str(t5s[0])).eval()
+    assert stock.config.tie_word_embeddings and stock.lm_head.weight is not stock.shared.weight
+    again = rebuild(stock, stock.state_dict())
+    assert again.lm_head.weight is not again.shared.weight and again.encoder.embed_tokens.weight is again.shared.weight
+    ids = torch.randint(3, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gap = stock(input_ids=ids, decoder_input_ids=ids).logits - again(input_ids=ids, decoder_input_ids=ids).logits
+    assert gap.abs().max() <= 1e-5
