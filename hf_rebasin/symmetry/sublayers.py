@@ -21,6 +21,11 @@ from hf_rebasin.symmetry.transforms import Transform
 
 __all__ = ["PER_SUBLAYER_NOTE", "depth_order", "is_per_sublayer", "is_stream", "per_sublayer", "spread", "stream_of"]
 
+# a transport's default on an encoder-decoder: one global map instead (said, never silent)
+PER_SUBLAYER_STACKS_NOTE = (
+    "residual maps per sublayer are not defined for an encoder-decoder (the decoder's stream starts again after "
+    "the encoder's, and cross-attention reads the encoder's last one): one global residual map is used"
+)
 PER_SUBLAYER_NOTE = (
     "residual maps per sublayer: every stream between sublayers has its own map, refined from the "
     "global one, so they move a task vector's tensors (each by its own sublayer's maps) but no whole model"

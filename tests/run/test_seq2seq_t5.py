@@ -246,3 +246,15 @@ def test_a_stock_loaded_t5_v1_1_rebuilt_keeps_its_head_apart(tmp_path: Path, t5s
     with torch.no_grad():
         gap = stock(input_ids=ids, decoder_input_ids=ids).logits - again(input_ids=ids, decoder_input_ids=ids).logits
     assert gap.abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["weight-matching", "generalized-orthogonal"])
+def test_per_sublayer_residual_maps_fall_back_to_one_map_for_t5_and_say_so(strategy: str) -> None:
+    from hf_rebasin.alignment.strategies import Pair, align
+    from hf_rebasin.symmetry.adapters import graph_for
+
+    a, b = tiny.t5(0), tiny.t5(1)
+    sd_a, sd_b = a.state_dict(), b.state_dict()
+    pair = Pair(graph_for(a.config, sd_a.keys()), sd_a, sd_b, a, b)
+    alignment = align(strategy, pair, {"residual_maps": "per-sublayer"})
+    assert any("one global residual map is used" in n for n in alignment.notes) and alignment.exact

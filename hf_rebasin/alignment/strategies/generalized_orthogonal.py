@@ -46,7 +46,7 @@ from hf_rebasin.symmetry import glu
 from hf_rebasin.symmetry.canonical import canonicalize
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import HeadSpace
-from hf_rebasin.symmetry.sublayers import PER_SUBLAYER_NOTE
+from hf_rebasin.symmetry.sublayers import PER_SUBLAYER_NOTE, PER_SUBLAYER_STACKS_NOTE
 from hf_rebasin.symmetry.transforms import Transform
 
 
@@ -84,7 +84,7 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         sd_a,
         sd_b,
         transform,
-        exact=not split_notes,
+        exact=PER_SUBLAYER_NOTE not in split_notes,  # one global map stays exact
         canonical=True,
         glu_matched=balanced,
         glu_scales=scales,
@@ -140,7 +140,9 @@ def _data_free(
             if all(transform[n] is before[n] for n in others):
                 break
     split_notes = []
-    if options.residual_maps == "per-sublayer":
+    if options.residual_maps == "per-sublayer" and len(graph.stacks) > 1:
+        split_notes = [PER_SUBLAYER_STACKS_NOTE]
+    elif options.residual_maps == "per-sublayer":
         split_notes = [PER_SUBLAYER_NOTE]
         graph, transform = per_sublayer_descent(
             graph,

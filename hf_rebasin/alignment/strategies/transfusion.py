@@ -32,6 +32,7 @@ from hf_rebasin.alignment.strategies.options import TRANSFUSION as STRATEGY  # n
 from hf_rebasin.alignment.strategies.options import TransfusionOptions
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import HeadSpace
+from hf_rebasin.symmetry.sublayers import PER_SUBLAYER_NOTE
 from hf_rebasin.symmetry.transforms import HeadMap
 
 
@@ -108,7 +109,7 @@ def run(pair: Pair, options: TransfusionOptions, progress: Progress | None) -> A
         pair.sd_a,
         sd_b,
         transform,
-        exact=not notes,
+        exact=PER_SUBLAYER_NOTE not in notes,  # one global map stays exact
         glu_matched=balanced,
         notes=notes,
         timings=timings,

@@ -27,6 +27,7 @@ from hf_rebasin.alignment.strategies.options import WEIGHT_MATCHING as STRATEGY 
 from hf_rebasin.alignment.strategies.options import WeightMatchingOptions
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import TransformClass
+from hf_rebasin.symmetry.sublayers import PER_SUBLAYER_NOTE
 from hf_rebasin.symmetry.transforms import Transform
 
 
@@ -67,7 +68,7 @@ def run(pair: Pair, options: WeightMatchingOptions, progress: Progress | None) -
         pair.sd_a,
         sd_b,
         transform,
-        exact=not notes,
+        exact=PER_SUBLAYER_NOTE not in notes,  # one global map stays exact
         glu_matched=balanced,
         notes=notes,
         timings=timings,

@@ -567,7 +567,10 @@ def permutation_streams(
     sublayer when ``options.residual_maps`` asks for it (head pairings ``outer`` stay fixed)."""
     if options.residual_maps != "per-sublayer":
         return pair.graph, transform, []
-    from hf_rebasin.symmetry.sublayers import PER_SUBLAYER_NOTE
+    from hf_rebasin.symmetry.sublayers import PER_SUBLAYER_NOTE, PER_SUBLAYER_STACKS_NOTE
+
+    if len(pair.graph.stacks) > 1:
+        return pair.graph, transform, [PER_SUBLAYER_STACKS_NOTE]
 
     solver = functools.partial(space_solver, cls="permutation", outer=outer)
     graph, transform = per_sublayer_descent(
