@@ -304,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         help="instead: the barriers over these seed pairs (median, range)",
     )
     parser.add_argument("--tokens", type=int, default=None, help="score this many held-out tokens (text kinds)")
+    parser.add_argument("--points", type=int, default=21, help="λ values of each curve")
     parser.add_argument("--head-perm", action="store_true", help="add a head-perm row per `residual` option")
     parser.add_argument("--learned", action="store_true", help="add learned-matching rows (defaults, other lr/steps)")
     parser.add_argument(
@@ -338,7 +339,9 @@ def main(argv: list[str] | None = None) -> None:
             print(ablation(kind, max(1, args.seeds)) + "\n")
             continue
         print(
-            seed_spread(kind, args.seeds) if args.seeds else markdown(kind, barrier_table(kind, strategies=strategies))
+            seed_spread(kind, args.seeds)
+            if args.seeds
+            else markdown(kind, barrier_table(kind, points=args.points, strategies=strategies, tokens=args.tokens))
         )
         print()
 
