@@ -238,3 +238,12 @@ def default_config(kind: Kind, cls: type[_C]) -> _C:
     if not isinstance(default, cls):
         raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained from a {cls.__name__}")
     return default
+
+
+def on_zoo_base(folder: Path, base: str, seed: int) -> Path:
+    """``folder``'s adapter names its base as a recipe does (``zoo:KIND-seedN``), not a cache path."""
+    adapter_config = folder / "adapter_config.json"
+    written = json.loads(adapter_config.read_text())
+    written["base_model_name_or_path"] = f"zoo:{base}-seed{seed}"
+    adapter_config.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    return folder

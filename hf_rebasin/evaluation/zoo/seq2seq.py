@@ -4,7 +4,6 @@ fresh noise every epoch and held-out text noised once with a fixed seed."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +16,7 @@ from hf_rebasin.core.names import Kind
 from hf_rebasin.evaluation import data
 from hf_rebasin.evaluation.seq2seq import block_room, collate, noised_pairs, objective_of
 from hf_rebasin.evaluation.zoo.catalogue import DEFAULT_CONFIGS, EVAL_MASK_SEED, check_kind
-from hf_rebasin.evaluation.zoo.loop import Progress, _run
+from hf_rebasin.evaluation.zoo.loop import Progress, _run, on_zoo_base
 from hf_rebasin.evaluation.zoo.seq2seq_config import SENTINELS, Seq2SeqFineTuneConfig, Seq2SeqTrainConfig
 
 __all__ = [
@@ -239,12 +238,7 @@ def finetune_seq2seq(
         return _with_lora(model, cfg) if cfg.rank else model
 
     folder = _train(kind, seed, cfg, out_dir, (tokenizer, make, start), progress=progress, threads=threads)
-    if cfg.rank:
-        adapter_config = folder / "adapter_config.json"
-        written = json.loads(adapter_config.read_text())
-        written["base_model_name_or_path"] = f"zoo:{cfg.base}-seed{seed}"  # as a recipe names it
-        adapter_config.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
-    return folder
+    return on_zoo_base(folder, cfg.base, seed) if cfg.rank else folder
 
 
 def _with_lora(model: Any, cfg: Seq2SeqFineTuneConfig) -> Any:

@@ -60,7 +60,7 @@ from hf_rebasin.evaluation.zoo.catalogue import (
 from hf_rebasin.evaluation.zoo.catalogue import train_steps as train_steps
 from hf_rebasin.evaluation.zoo.causal import run_text, train_tiny_causal_lm, train_tiny_gpt2
 from hf_rebasin.evaluation.zoo.images import train_tiny_image_classifier, train_tiny_vit
-from hf_rebasin.evaluation.zoo.loop import TASKS, Progress
+from hf_rebasin.evaluation.zoo.loop import TASKS, Progress, on_zoo_base
 from hf_rebasin.evaluation.zoo.masked import masked_lm_batches, train_tiny_bert, train_tiny_masked_lm
 from hf_rebasin.evaluation.zoo.seq2seq import finetune_seq2seq, seq2seq_held_out, train_tiny_seq2seq
 
@@ -163,7 +163,7 @@ def lora_tiny_gpt2(
     folder = run_text(
         "gpt2-lora", seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads
     )
-    return _on_zoo_base(folder, "gpt2", seed)
+    return on_zoo_base(folder, "gpt2", seed)
 
 
 def _with_lora(model: Any, cfg: GPT2LoraConfig | ChatLoraConfig, **options: Any) -> Any:
@@ -278,7 +278,7 @@ def lora_chat(
         return _with_lora(model, cfg, trainable_token_indices={"wte": list(new_ids)})
 
     folder = run_text(kind, seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads)
-    return _on_zoo_base(folder, cfg.base, seed)
+    return on_zoo_base(folder, cfg.base, seed)
 
 
 def lora_on_domain(
@@ -301,16 +301,7 @@ def lora_on_domain(
         return _with_lora(AutoModelForCausalLM.from_pretrained(str(base)), cfg)
 
     folder = run_text(kind, seed, cfg, out_dir, build, tokenizer, train, test, progress=progress, threads=threads)
-    return _on_zoo_base(folder, cfg.base, seed)
-
-
-def _on_zoo_base(folder: Path, base: str, seed: int) -> Path:
-    """``folder``'s adapter names its base as a recipe does (``zoo:KIND-seedN``), not a cache path."""
-    adapter_config = folder / "adapter_config.json"
-    written = json.loads(adapter_config.read_text())
-    written["base_model_name_or_path"] = f"zoo:{base}-seed{seed}"
-    adapter_config.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
-    return folder
+    return on_zoo_base(folder, cfg.base, seed)
 
 
 def next_tiny_gpt2(
