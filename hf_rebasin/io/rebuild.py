@@ -38,7 +38,9 @@ def _head_apart(template: PreTrainedModel) -> bool:
     if not getattr(template.config, "tie_word_embeddings", False):
         return False
     head, table = template.get_output_embeddings(), template.get_input_embeddings()
-    return head is not None and table is not None and head.weight is not table.weight
+    if head is None or table is None or head.weight.is_meta:  # a streamed model's skeleton ties nothing
+        return False
+    return head.weight is not table.weight
 
 
 def rebuild(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], *, untie: bool = False) -> PreTrainedModel:
