@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 
 from hf_rebasin.evaluation.zoo import train
 from hf_rebasin.evaluation.zoo.catalogue import DEFAULT_CONFIGS, Seq2SeqFineTuneConfig, Seq2SeqTrainConfig
-from hf_rebasin.evaluation.zoo.seq2seq import finetune_seq2seq
-from hf_rebasin.evaluation.zoo.train import held_out_batches, train_tiny_seq2seq
+from hf_rebasin.evaluation.zoo.train import finetune_seq2seq, held_out_batches, train_tiny_seq2seq
 
 
 def _short(kind: str, **changes: object) -> Seq2SeqTrainConfig:

@@ -16,7 +16,7 @@ from hf_rebasin.core.names import Kind
 from hf_rebasin.evaluation import data
 from hf_rebasin.evaluation.seq2seq import block_room, collate, noised_pairs, objective_of
 from hf_rebasin.evaluation.zoo.catalogue import DEFAULT_CONFIGS, EVAL_MASK_SEED, check_kind
-from hf_rebasin.evaluation.zoo.loop import Progress, _run, on_zoo_base
+from hf_rebasin.evaluation.zoo.loop import Progress, _run
 from hf_rebasin.evaluation.zoo.seq2seq_config import SENTINELS, Seq2SeqFineTuneConfig, Seq2SeqTrainConfig
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "model_config",
     "seq2seq_data",
     "seq2seq_held_out",
+    "train_seq2seq",
     "train_tiny_seq2seq",
     "training_batches",
 ]
@@ -165,7 +166,7 @@ def build(config: Any) -> Any:
     return model
 
 
-def _train(
+def train_seq2seq(
     kind: Kind,
     seed: int,
     cfg: Seq2SeqTrainConfig | Seq2SeqFineTuneConfig,
@@ -207,48 +208,4 @@ def train_tiny_seq2seq(
     tokenizer = _tokenizer(cfg)
     model_cfg = model_config(cfg, tokenizer)
     parts = (tokenizer, lambda: build(model_cfg), int(model_cfg.decoder_start_token_id))
-    return _train(kind, seed, cfg, out_dir, parts, progress=progress, threads=threads)
-
-
-def finetune_seq2seq(
-    kind: Kind,
-    seed: int,
-    out_dir: Path,
-    config: Seq2SeqFineTuneConfig | None = None,
-    *,
-    progress: Progress | None = None,
-    threads: int | None = 1,
-) -> Path:
-    """Fine-tune the zoo encoder-decoder ``config.base`` of ``seed`` (trained first if needed) on
-    ``config.corpus``, denoised as it was pretrained; a LoRA adapter where ``config.rank`` > 0."""
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
-
-    from hf_rebasin.evaluation.zoo.train import cached_model
-
-    default = DEFAULT_CONFIGS[check_kind(kind)]
-    if not isinstance(default, Seq2SeqFineTuneConfig):
-        raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by finetune_seq2seq")
-    cfg = config or default
-    base = cached_model(cfg.base, seed)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
-    start = int(AutoConfig.from_pretrained(str(base)).decoder_start_token_id)
-
-    def make() -> Any:
-        model = AutoModelForSeq2SeqLM.from_pretrained(str(base))
-        return _with_lora(model, cfg) if cfg.rank else model
-
-    folder = _train(kind, seed, cfg, out_dir, (tokenizer, make, start), progress=progress, threads=threads)
-    return on_zoo_base(folder, cfg.base, seed) if cfg.rank else folder
-
-
-def _with_lora(model: Any, cfg: Seq2SeqFineTuneConfig) -> Any:
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.lora_alpha,
-        target_modules=list(cfg.target_modules),
-        lora_dropout=0.0,
-        task_type="SEQ_2_SEQ_LM",
-    )
-    return get_peft_model(model, lora)
+    return train_seq2seq(kind, seed, cfg, out_dir, parts, progress=progress, threads=threads)

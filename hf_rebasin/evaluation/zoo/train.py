@@ -62,7 +62,7 @@ from hf_rebasin.evaluation.zoo.causal import run_text, train_tiny_causal_lm, tra
 from hf_rebasin.evaluation.zoo.images import train_tiny_image_classifier, train_tiny_vit
 from hf_rebasin.evaluation.zoo.loop import TASKS, Progress, on_zoo_base
 from hf_rebasin.evaluation.zoo.masked import masked_lm_batches, train_tiny_bert, train_tiny_masked_lm
-from hf_rebasin.evaluation.zoo.seq2seq import finetune_seq2seq, seq2seq_held_out, train_tiny_seq2seq
+from hf_rebasin.evaluation.zoo.seq2seq import seq2seq_held_out, train_seq2seq, train_tiny_seq2seq
 
 
 def _finetune_data(
@@ -316,6 +316,48 @@ def next_tiny_gpt2(
     cfg = config or GPT2NextConfig()
     reorder = seed + cfg.data_seed
     return _train_further("gpt2-next", seed, cfg, out_dir, reorder=reorder, progress=progress, threads=threads)
+
+
+def finetune_seq2seq(
+    kind: Kind,
+    seed: int,
+    out_dir: Path,
+    config: Seq2SeqFineTuneConfig | None = None,
+    *,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> Path:
+    """Fine-tune the zoo encoder-decoder ``config.base`` of ``seed`` (trained first if needed) on
+    ``config.corpus``, denoised as it was pretrained; a LoRA adapter where ``config.rank`` > 0."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedTokenizerFast
+
+    default = DEFAULT_CONFIGS[check_kind(kind)]
+    if not isinstance(default, Seq2SeqFineTuneConfig):
+        raise UnsupportedArchitectureError(f"zoo kind {kind!r} is not trained by finetune_seq2seq")
+    cfg = config or default
+    base = cached_model(cfg.base, seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(base))
+    start = int(AutoConfig.from_pretrained(str(base)).decoder_start_token_id)
+
+    def make() -> Any:
+        model = AutoModelForSeq2SeqLM.from_pretrained(str(base))
+        return _with_seq2seq_lora(model, cfg) if cfg.rank else model
+
+    folder = train_seq2seq(kind, seed, cfg, out_dir, (tokenizer, make, start), progress=progress, threads=threads)
+    return on_zoo_base(folder, cfg.base, seed) if cfg.rank else folder
+
+
+def _with_seq2seq_lora(model: Any, cfg: Seq2SeqFineTuneConfig) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.lora_alpha,
+        target_modules=list(cfg.target_modules),
+        lora_dropout=0.0,
+        task_type="SEQ_2_SEQ_LM",
+    )
+    return get_peft_model(model, lora)
 
 
 _TRAINERS: dict[Kind, Callable[..., Path]] = {
