@@ -218,6 +218,7 @@ def test_jobs_that_are_not_built_for_encoder_decoders_refuse_and_write_nothing(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # lineage and embed of encoder-decoders: covered fast by their adapter tests
 def test_embed_writes_a_bart_into_wider_mlps_computing_the_same_logits(tmp_path: Path, barts: list[Path]) -> None:
     wide = tmp_path / "wide"
     config = tiny.bart(0).config
@@ -231,6 +232,7 @@ def test_embed_writes_a_bart_into_wider_mlps_computing_the_same_logits(tmp_path:
     assert (_logits(barts[0], ids) - _logits(tmp_path / "out", ids)).abs().max() <= 1e-4
 
 
+@pytest.mark.slow  # lineage and embed of encoder-decoders: covered fast by their adapter tests
 def test_lineage_tells_a_barts_fine_tune_from_a_bart_trained_apart(tmp_path: Path, barts: list[Path]) -> None:
     model = tiny.bart(0)
     with torch.no_grad():
@@ -246,6 +248,7 @@ def test_lineage_tells_a_barts_fine_tune_from_a_bart_trained_apart(tmp_path: Pat
     assert verdicts == ["same basis", "independent"]
 
 
+@pytest.mark.slow  # lineage and embed of encoder-decoders: covered fast by their adapter tests
 @pytest.mark.parametrize(
     ("stack", "said"), [("decoder_layers", "2 encoder and 3 decoder"), ("encoder_layers", "3 encoder and 2 decoder")]
 )

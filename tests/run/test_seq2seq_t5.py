@@ -182,6 +182,7 @@ def test_a_calibrated_t5_transport_refuses_with_the_reason(tmp_path: Path, t5s: 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # lineage and embed of encoder-decoders: covered fast by their adapter tests
 def test_embed_writes_a_t5_into_wider_feed_forwards_computing_the_same_logits(tmp_path: Path, t5s: list[Path]) -> None:
     wide = tmp_path / "wide"
     config = tiny.t5(0).config
@@ -196,6 +197,7 @@ def test_embed_writes_a_t5_into_wider_feed_forwards_computing_the_same_logits(tm
     assert set(_stored(tmp_path / "out")) == set(_stored(t5s[0]))
 
 
+@pytest.mark.slow  # lineage and embed of encoder-decoders: covered fast by their adapter tests
 @pytest.mark.parametrize(("field", "value"), [("d_kv", 8), ("num_heads", 8), ("d_model", 64)])
 def test_embed_refuses_the_t5_widths_it_does_not_build(tmp_path: Path, t5s: list[Path], field: str, value: int) -> None:
     wide = tmp_path / "wide"
@@ -208,6 +210,7 @@ def test_embed_refuses_the_t5_widths_it_does_not_build(tmp_path: Path, t5s: list
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # lineage and embed of encoder-decoders: covered fast by their adapter tests
 def test_lineage_tells_a_t5s_fine_tune_from_a_t5_trained_apart(tmp_path: Path, t5s: list[Path]) -> None:
     model = tiny.t5(0)
     with torch.no_grad():

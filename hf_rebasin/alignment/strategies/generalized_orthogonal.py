@@ -139,24 +139,23 @@ def _data_free(
             transform, _ = rotate(transform, others, "invertible heads")
             if all(transform[n] is before[n] for n in others):
                 break
-    split_notes = []
-    if options.residual_maps == "per-sublayer" and len(graph.stacks) > 1:
-        split_notes = [PER_SUBLAYER_STACKS_NOTE]
-    elif options.residual_maps == "per-sublayer":
-        split_notes = [PER_SUBLAYER_NOTE]
-        graph, transform = per_sublayer_descent(
-            graph,
-            ma,
-            mb,
-            transform,
-            functools.partial(space_solver, cls="orthogonal", ranking="circuit"),
-            cls="orthogonal",
-            keep=heads if options.inner == "invertible" else (),  # least-squares inner maps stay as fitted
-            max_iter=options.iterations,
-            progress=progress,
-            stage="generalized-orthogonal: per-sublayer",
-        )
-    return graph, transform, split_notes
+    if options.residual_maps != "per-sublayer":
+        return graph, transform, []
+    if len(graph.stacks) > 1:
+        return graph, transform, [PER_SUBLAYER_STACKS_NOTE]
+    graph, transform = per_sublayer_descent(
+        graph,
+        ma,
+        mb,
+        transform,
+        functools.partial(space_solver, cls="orthogonal", ranking="circuit"),
+        cls="orthogonal",
+        keep=heads if options.inner == "invertible" else (),  # least-squares inner maps stay as fitted
+        max_iter=options.iterations,
+        progress=progress,
+        stage="generalized-orthogonal: per-sublayer",
+    )
+    return graph, transform, [PER_SUBLAYER_NOTE]
 
 
 def _learn(
