@@ -463,10 +463,13 @@ def check_kind(kind: str) -> Kind:
 
 
 def config_hash(kind: Kind, config: TrainConfig) -> str:
-    """12 hex digits identifying (kind, config, training code version): the cache key."""
-    blob = json.dumps(
-        {"kind": kind, "config": dataclasses.asdict(config), "version": RECIPE_VERSION}, sort_keys=True, default=list
-    )
+    """12 hex digits identifying (kind, config, training code version): the cache key. A fine-tune's
+    key holds its base's, so that a base trained anew is never paired with a fine-tune of the old one."""
+    key: dict[str, Any] = {"kind": kind, "config": dataclasses.asdict(config), "version": RECIPE_VERSION}
+    base = getattr(config, "base", None)
+    if base in DEFAULT_CONFIGS:
+        key["base"] = config_hash(base, DEFAULT_CONFIGS[base])
+    blob = json.dumps(key, sort_keys=True, default=list)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

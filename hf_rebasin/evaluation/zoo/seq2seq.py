@@ -146,19 +146,23 @@ def model_config(cfg: Seq2SeqTrainConfig, tokenizer: Any) -> Any:
         raise UnsupportedArchitectureError(
             f"the zoo trains encoder-decoders of families bart and t5, not {cfg.family!r}"
         )
-    return AutoConfig.for_model(cfg.family, vocab_size=len(tokenizer), **sizes, **ids, **dict(cfg.options))
+    options = {k: v for k, v in cfg.options if k != "embedding_std"}
+    return AutoConfig.for_model(cfg.family, vocab_size=len(tokenizer), **sizes, **ids, **options)
 
 
-def build(config: Any) -> Any:
-    """A fresh model of ``config``; T5's head given its own weights (transformers 5 ties it to the
-    embeddings, and a v1.1 checkpoint stores it apart, which loading reads untied), started at the
-    embeddings times d_model^-½: what the tied, rescaled head of the original T5 computes at
-    initialisation (the embeddings alone give logits of about 50 nats' loss, and most of a short
-    run is spent shrinking them)."""
+def build(config: Any, embedding_std: float | None = None) -> Any:
+    """A fresh model of ``config``, its embeddings drawn at ``embedding_std`` where given; T5's head
+    given its own weights (transformers 5 ties it to the embeddings, and a v1.1 checkpoint stores it
+    apart, which loading reads untied), started at the embeddings times d_model^-½: what the tied,
+    rescaled head of the original T5 computes at initialisation (T5's own embeddings alone give
+    logits of about 50 nats' loss, and most of a short run is spent shrinking them)."""
     import torch
     from transformers import AutoModelForSeq2SeqLM
 
     model = AutoModelForSeq2SeqLM.from_config(config)
+    if embedding_std is not None:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, embedding_std)
     if config.model_type == "t5":
         scale = config.d_model**-0.5
         model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone() * scale)
@@ -207,5 +211,6 @@ def train_tiny_seq2seq(
     cfg = config or default
     tokenizer = _tokenizer(cfg)
     model_cfg = model_config(cfg, tokenizer)
-    parts = (tokenizer, lambda: build(model_cfg), int(model_cfg.decoder_start_token_id))
+    std = dict(cfg.options).get("embedding_std")
+    parts = (tokenizer, lambda: build(model_cfg, std), int(model_cfg.decoder_start_token_id))
     return train_seq2seq(kind, seed, cfg, out_dir, parts, progress=progress, threads=threads)
