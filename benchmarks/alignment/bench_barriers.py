@@ -189,8 +189,6 @@ def barrier_table(
     data = alignment_data(kind, folder_a, batches)
     rows = []
     for label, name, options in strategies:
-        if name == "head-perm" and len(a.graph.stacks) > 1:
-            continue  # activation statistics of encoder-decoders are not collected yet
         start = time.perf_counter()
         graph = unsigned(a.graph) if label in plain else a.graph
         alignment = align(name, Pair(graph, sd_a, sd_b, a.model, b.model, data), options)

@@ -550,3 +550,74 @@ def test_two_processes_match_one(tmp_path):
             for f, x in fields.items():
                 worst = max(worst, _rel(x, b["moments"][key][f]))
     assert worst <= 1e-6
+
+
+def _seq2seq_batches(source: int, target: int) -> list[dict[str, torch.Tensor]]:
+    """Two batches of an encoder-decoder: row 1's source and row 2's target right-padded."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(2):
+        ids, dec = (
+            torch.randint(2, tiny.V, (3, source), generator=g),
+            torch.randint(2, tiny.V, (3, target), generator=g),
+        )
+        mask, dmask = torch.ones(3, source, dtype=torch.long), torch.ones(3, target, dtype=torch.long)
+        mask[1, source - 2 :], dmask[2, target - 3 :] = 0, 0
+        out.append(
+            {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec, "decoder_attention_mask": dmask}
+        )
+    return out
+
+
+def _plain_sums(model: torch.nn.Module, batches, modules: dict[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """Σ of each module's input (or output) features over the positions it should read, with plain
+    hooks: ``modules`` maps a module to (``input``/``output``, ``source``/``target``)."""
+    sums: dict[str, torch.Tensor] = {}
+    current: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def fn(_m, args, out):
+            where, positions = modules[name]
+            t = args[0] if where == "input" else out
+            mask = current["attention_mask" if positions == "source" else "decoder_attention_mask"].bool()
+            sums[name] = sums.get(name, 0) + t[mask].double().sum(0)
+
+        return fn
+
+    handles = [model.get_submodule(m).register_forward_hook(hook(m)) for m in modules]
+    with torch.no_grad():
+        for b in batches:
+            current.update(b)
+            model(**b)
+    for h in handles:
+        h.remove()
+    return sums
+
+
+@pytest.mark.parametrize(("source", "target"), [(9, 6), (7, 7)])
+def test_an_encoder_decoders_sites_read_the_sources_or_the_targets_positions(source: int, target: int) -> None:
+    """Encoder sites and cross-attention's keys read the sources' positions, the decoder's other
+    sites the targets' (also when both have one length, where shapes cannot tell); T5's one
+    self-attention head order per stack is read in every layer."""
+    model_a, model_b = tiny.t5(0), tiny.t5(1)
+    batches = _seq2seq_batches(source, target)
+    stats = activation_stats(model_a, model_b, _graph(model_a), batches, residual="none")
+    layers = (model_a.config.num_layers, model_a.config.num_decoder_layers)
+    enc_o = [f"encoder.block.{i}.layer.0.SelfAttention.o" for i in range(layers[0])]
+    dec_o = [f"decoder.block.{i}.layer.0.SelfAttention.o" for i in range(layers[1])]
+    cross_k, cross_o = "decoder.block.0.layer.1.EncDecAttention.k", "decoder.block.0.layer.1.EncDecAttention.o"
+    modules = {**{m: ("input", "source") for m in enc_o}, **{m: ("input", "target") for m in dec_o}}
+    modules |= {cross_k: ("output", "source"), cross_o: ("input", "target")}
+    sums = _plain_sums(model_a, batches, modules)
+    sources = sum(int(b["attention_mask"].sum()) for b in batches)
+    targets = sum(int(b["decoder_attention_mask"].sum()) for b in batches)
+    expected = {
+        "enc.self:o": (layers[0] * sources, sum(sums[m] for m in enc_o)),
+        "dec.self:o": (layers[1] * targets, sum(sums[m] for m in dec_o)),
+        "dec.0.cross:k": (sources, sums[cross_k]),
+        "dec.0.cross:o": (targets, sums[cross_o]),
+    }
+    for key, (count, total) in expected.items():
+        m = stats.moments[key]
+        assert int(m.count) == count, key
+        assert torch.allclose(m.sum_a, total, rtol=1e-5, atol=1e-5), key

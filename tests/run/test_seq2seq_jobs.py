@@ -1,7 +1,7 @@
 """Encoder-decoders (BART) through every job, checked with stock transformers (``AutoModelForSeq2SeqLM``,
 not hf-rebasin's loader): losses on source → target pairs against the model's own loss, plain text
-noised as BART was trained; what is not built yet (alignment from activations, calibration) refuses
-with the reason, and writes nothing."""
+noised as BART was trained; what is not built yet (calibration) refuses with the reason, and writes
+nothing."""
 
 from __future__ import annotations
 
@@ -201,17 +201,25 @@ def test_learned_matching_reads_a_barts_loss_on_noised_text(
     T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
 
 
-@pytest.mark.parametrize("job", ["merge-head-perm", "calibrated-transport"])
-def test_jobs_that_are_not_built_for_encoder_decoders_refuse_and_write_nothing(
-    tmp_path: Path, barts: list[Path], job: str
+def test_a_head_perm_merge_of_two_barts_reads_their_activations_on_noised_text(
+    tmp_path: Path, barts: list[Path], texts: dict[str, Path]
+) -> None:
+    data = {"dataset": "text", "data_files": str(texts["plain"])}
+    body = {"job": "merge", "models": [str(b) for b in barts], "strategy": "head-perm", "data": data}
+    proc = run_main(_recipe(tmp_path, body))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = flat(proc.stdout)
+    assert "`data`: BART text infilling" in said and "function preserved" in said
+    model = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
+    assert type(model).__name__ == "BartForConditionalGeneration"
+
+
+def test_a_calibrated_transport_of_an_encoder_decoder_refuses_and_writes_nothing(
+    tmp_path: Path, barts: list[Path]
 ) -> None:
     models = [str(b) for b in barts]
-    if job == "calibrated-transport":
-        body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[1]}
-        reason = "the fine-tune is a BartForConditionalGeneration, whose decoder writes from a source"
-    else:
-        body = {"job": "merge", "models": models, "strategy": "head-perm", "data": {"dataset": "shakespeare"}}
-        reason = "a bart model: activation statistics of an encoder-decoder are not collected yet"
+    body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[1]}
+    reason = "the fine-tune is a BartForConditionalGeneration, whose decoder writes from a source"
     proc = run_main(_recipe(tmp_path, body))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert reason in flat(proc.stderr + proc.stdout)
@@ -262,3 +270,15 @@ def test_barts_of_other_depths_are_refused_with_the_reason(
     proc = run_cli("lineage", str(barts[0]), str(deeper))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"has {said} layers" in flat(proc.stderr) and "not built for them yet" in flat(proc.stderr)
+
+
+def test_lineage_with_data_fits_its_maps_on_a_barts_activations(
+    tmp_path: Path, barts: list[Path], texts: dict[str, Path]
+) -> None:
+    data = {"dataset": "text", "data_files": str(texts["plain"])}
+    proc = run_main(_recipe(tmp_path, {"job": "lineage", "models": [str(b) for b in barts], "data": data}))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((tmp_path / "out" / "lineage.json").read_text())
+    assert record["pairs"][0]["verdict"] == "independent"
+    said = flat(proc.stdout)
+    assert "`data`: BART text infilling" in said and "maps fitted on both models' activations" in said

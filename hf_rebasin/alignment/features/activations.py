@@ -26,16 +26,7 @@ from hf_rebasin.alignment.features.moments import (
     distributed,
 )
 from hf_rebasin.alignment.features.sites import RESIDUAL_MODES, HookPlan, ResidualMode
-from hf_rebasin.core.errors import UnsupportedArchitectureError
 from hf_rebasin.symmetry.graph import SymmetryGraph
-
-# an encoder-decoder's activations: its stacks read sources and targets of other lengths, each with its
-# own padding, which the sites do not tell apart yet
-STACKED_ACTIVATIONS = (
-    "activation statistics of an encoder-decoder are not collected yet (its encoder reads the sources and "
-    "its decoder the targets, each with its own padding); align it from its weights (weight-matching, "
-    "transfusion, generalized-orthogonal, or `learned: true`, which reads only its loss on `data`)"
-)
 
 
 def _within_sites(moments: dict[str, CrossMoments | ExpertMoments]) -> None:
@@ -104,8 +95,6 @@ def activation_stats(
     """
     if residual not in RESIDUAL_MODES:
         raise ValueError(f"residual must be one of {RESIDUAL_MODES}, got {residual!r}")
-    if len(graph.stacks) > 1:
-        raise UnsupportedArchitectureError(f"a {graph.family} model: {STACKED_ACTIVATIONS}")
     start = time.perf_counter()
     nproc, rank = process_grid()
     plan = HookPlan.of(graph, model_a, spaces)

@@ -28,12 +28,19 @@ def process_grid() -> tuple[int, int]:
     return state.num_processes, state.process_index
 
 
-def kept_positions(batch: Mapping[str, Any], special: Tensor | None) -> Tensor | None:
+def kept_positions(batch: Mapping[str, Any], special: Tensor | None, target: bool = False) -> Tensor | None:
     """The ``[batch, seq]`` positions whose features count: not padding (``attention_mask``) and,
-    with ``special`` ids, not a special token; None when nothing is dropped (images)."""
-    mask = batch.get("attention_mask")
+    with ``special`` ids, not a special token; None when nothing is dropped (images). With
+    ``target``, an encoder-decoder's decoder positions (``decoder_attention_mask``, else the labels
+    that are scored)."""
+    if target:
+        mask, ids = batch.get("decoder_attention_mask"), batch.get("decoder_input_ids")
+        labels = batch.get("labels")
+        if not isinstance(mask, Tensor) and isinstance(labels, Tensor) and labels.dim() == 2:
+            mask = labels != -100
+    else:
+        mask, ids = batch.get("attention_mask"), batch.get("input_ids")
     mask = mask.bool() if isinstance(mask, Tensor) else None
-    ids = batch.get("input_ids")
     if special is not None and isinstance(ids, Tensor):
         plain = ~torch.isin(ids, special.to(ids.device))
         mask = plain if mask is None else mask & plain
@@ -46,20 +53,30 @@ class Batch:
 
     ``tokens`` is None until known: text batches count kept tokens up front, image batches the rows
     of the first hooked activation. ``mask_on`` caches the mask per device (models may sit on
-    different devices, or be split over several).
+    different devices, or be split over several). An encoder-decoder's batch also has ``target``,
+    the decoder's kept positions (its targets are of another length, with their own padding).
     """
 
     mask: Tensor | None
     tokens: int | None
     mask_on: dict[torch.device, Tensor] = field(default_factory=dict)
+    target: Batch | None = None
 
     @classmethod
     def of(cls, batch: Mapping[str, Any], special: Tensor | None) -> Batch:
+        target = None
+        if isinstance(batch.get("decoder_input_ids"), Tensor):
+            kept = kept_positions(batch, special, target=True)
+            target = cls(kept, int(kept.sum()) if kept is not None else batch["decoder_input_ids"].numel())
         mask = kept_positions(batch, special)
         if mask is not None:
-            return cls(mask, int(mask.sum()))
+            return cls(mask, int(mask.sum()), target=target)
         ids = batch.get("input_ids")
-        return cls(None, ids.numel() if isinstance(ids, Tensor) else None)
+        return cls(None, ids.numel() if isinstance(ids, Tensor) else None, target=target)
+
+    def at(self, positions: str) -> Batch:
+        """The positions a site reads: the sources' (this batch) or an encoder-decoder's targets'."""
+        return self.target if positions == "target" and self.target is not None else self
 
     def count(self, x: Tensor) -> None:
         """Count the batch from the first hooked activation when it has no token ids."""

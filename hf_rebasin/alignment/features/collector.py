@@ -168,6 +168,10 @@ class Collector:
         self._structure = _Structure()
         self._discovery: _Discovery | None = _Discovery()  # None once the structure is known
         self._final: Mapping[str, Site] = plan.final if residual in ("last", "all") else {}
+        # an encoder-decoder: its encoder's output, whose readers (cross-attention's keys and values) sit
+        # in the decoder but read the sources' positions
+        self._stacks = plan.graph.stacks if plan.graph is not None and len(plan.graph.stacks) > 1 else ()
+        self._sources: list[Tensor] = []
 
     @property
     def phase(self) -> Phase:
@@ -216,6 +220,12 @@ class Collector:
         for site in self.plan.experts:
             for model, side in ((self.model_a, "ab"),) if self.same else ((self.model_a, "a"), (self.model_b, "b")):
                 self._register_experts(model, site, side)  # type: ignore[arg-type]
+        if self._stacks:
+            for model in (self.model_a,) if self.same else (self.model_a, self.model_b):
+                encoder = model.get_submodule(self._stacks[0])
+                self._handles.append(
+                    encoder.register_forward_hook(lambda _m, _a, out: self._sources.append(_tensor(out)))
+                )
         self._move(Phase.READY)
 
     def _register(self, model: torch.nn.Module, module: str, side: Side) -> None:
@@ -302,6 +312,7 @@ class Collector:
             raise CollectorStateError("FORWARD_AB needs one model compared with itself, after a probe")
         self._move(phase)
         self._batch = Batch.of(batch, self.special)
+        self._sources.clear()
 
     def to_b(self) -> None:
         """A's forward is done (its structure is known from now on); the caller then runs model B."""
@@ -323,6 +334,7 @@ class Collector:
                 )
         self._move(Phase.READY)
         self._batch = None
+        self._sources.clear()
         if phase is Phase.PROBE:
             self._seal()
             return
@@ -348,9 +360,18 @@ class Collector:
             return _tensor(out), final.size
         return x, self.plan.residual[module].size
 
-    def _on_a(self, module: str, x: Tensor, out: Any) -> None:
+    def _positions(self, module: str, x: Tensor) -> Batch:
+        """The batch's positions that ``module`` reads: the sources' in an encoder and wherever the
+        encoder's output is read, the targets' elsewhere in an encoder-decoder."""
         batch = self._batch
         assert batch is not None
+        encoder = self._stacks[0] if self._stacks else ""
+        if not encoder or module == encoder or module.startswith(f"{encoder}.") or any(x is t for t in self._sources):
+            return batch
+        return batch.at("target")
+
+    def _on_a(self, module: str, x: Tensor, out: Any) -> None:
+        batch = self._positions(module, x)
         batch.count(x)
         keep = self._phase is not Phase.PROBE
         if self._discovery is not None:
@@ -428,8 +449,7 @@ class Collector:
         self._discovery = None
 
     def _on_b(self, module: str, x: Tensor, out: Any) -> None:
-        batch = self._batch
-        assert batch is not None
+        batch = self._positions(module, x)
         todo = [
             (s.key, x if s.where == "input" else out, s.offset, s.size, s.groups)
             for s in self.plan.plain.get(module, ())

@@ -8,6 +8,7 @@ residual mode (`ResidualMode`) says which of the residual stream's sites are kep
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,6 +20,7 @@ from hf_rebasin.symmetry.spaces import ExpertSpace, Fused, Space, split_ref
 
 # which residual sites a collection keeps (see `activations.activation_stats`)
 ResidualMode = Literal["none", "first", "last", "all", "separate"]
+_LAYER = re.compile(r"\.\d+\.")
 RESIDUAL_MODES: tuple[ResidualMode, ...] = ("none", "first", "last", "all", "separate")
 
 
@@ -120,7 +122,9 @@ def activation_sites(graph: SymmetryGraph, model: torch.nn.Module, spaces: Colle
     Per key an *input* site is preferred (the reader sees exactly the space: the MLP down
     projection's input is the post-activation unit, o_proj's input the attention output before
     W_O); otherwise an output site (q and k from q_proj / k_proj or slices of a fused c_attn).
-    Role v is skipped when o exists (they share the inner map). For a residual space (kind
+    Role v is skipped when o exists (they share the inner map). A space that every layer of a stack
+    shares (T5's self-attention heads, which one position bias ties) is read at that site in every
+    layer, and each layer's rows count. For a residual space (kind
     ``"residual"``) every input site is returned under the space's name: which of them are kept
     depends on forward order and tensor identity, known only when the model runs
     (:func:`~.activations.activation_stats`).
@@ -138,7 +142,13 @@ def activation_sites(graph: SymmetryGraph, model: torch.nn.Module, spaces: Colle
         if role == "v" and f"{space}:o" in chosen:
             del chosen[key]
     keep = set(chosen.values()) | set(residual)
+    keep |= {s for s in candidates if s.key in chosen and _same_site(s, chosen[s.key])}
     return [s for s in candidates if s in keep]
+
+
+def _same_site(s: Site, first: Site) -> bool:
+    """``s`` is ``first``'s site in another layer (the module's name differs in layer indices only)."""
+    return s.where == first.where and _LAYER.sub(".#.", s.module) == _LAYER.sub(".#.", first.module)
 
 
 @dataclass(frozen=True)
