@@ -235,12 +235,18 @@ def depth_of(lm: LoadedModel) -> int:
     return int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0) or 0)
 
 
+def decoder_depth(config: Any) -> int | None:
+    """An encoder-decoder's decoder layers (BART's ``decoder_layers``, T5's ``num_decoder_layers``)."""
+    found = getattr(config, "decoder_layers", None) or getattr(config, "num_decoder_layers", None)
+    return int(found) if found is not None else None
+
+
 def check_stack_depths(a: LoadedModel, b: LoadedModel) -> None:
     """Encoder-decoders are compared, merged and transported at one depth in each stack: layer maps
     across depths (lineage's, the widths of one stack) are not built for two stacks."""
     if not getattr(a.model.config, "is_encoder_decoder", False):
         return
-    depths = [(depth_of(lm), getattr(lm.model.config, "decoder_layers", None)) for lm in (a, b)]
+    depths = [(depth_of(lm), decoder_depth(lm.model.config)) for lm in (a, b)]
     if depths[0] != depths[1]:
         (enc_a, dec_a), (enc_b, dec_b) = depths
         raise IncompatibleModelsError(

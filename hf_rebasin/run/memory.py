@@ -134,7 +134,7 @@ def footprint(folder: Path) -> ModelFootprint | None:
     config = read_config(folder) if (folder / "config.json").exists() else {}
     dtype = max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else "float32"
     hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(config.get(k), int)), 0)
-    layers = next((config[k] for k in ("num_hidden_layers", "n_layer") if isinstance(config.get(k), int)), 1)
+    layers = _layers(config)
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     mixed = max((n for first, n in firsts if first != vocab), default=0)
     experts = _experts(config)
@@ -143,6 +143,21 @@ def footprint(folder: Path) -> ModelFootprint | None:
         largest, mixed = max(largest, stacked), max(mixed, stacked)
     width = max(_width(config), experts[0] * experts[1])  # a layer's expert units: one space
     return ModelFootprint(params, nbytes, dtype, largest, width, hidden, max(1, layers), mixed, experts)
+
+
+def _layers(config: dict[str, Any]) -> int:
+    """Layers of every stack: a decoder's, or an encoder-decoder's two (T5's ``num_layers`` +
+    ``num_decoder_layers``, BART's ``encoder_layers`` + ``decoder_layers``)."""
+    for keys in (
+        ("num_hidden_layers",),
+        ("n_layer",),
+        ("num_layers", "num_decoder_layers"),
+        ("encoder_layers", "decoder_layers"),
+    ):
+        found = [config[k] for k in keys if isinstance(config.get(k), int)]
+        if found:
+            return sum(found)
+    return 1
 
 
 def _gib(n: int) -> str:

@@ -261,3 +261,22 @@ def test_per_sublayer_residual_maps_fall_back_to_one_map_for_t5_and_say_so(strat
     pair = Pair(graph_for(a.config, sd_a.keys()), sd_a, sd_b, a, b)
     alignment = align(strategy, pair, {"residual_maps": "per-sublayer"})
     assert any("one global residual map is used" in n for n in alignment.notes) and alignment.exact
+
+
+def test_a_t5_of_another_decoder_depth_is_refused_with_both_stacks_depths(tmp_path: Path, t5s: list[Path]) -> None:
+    config = tiny.t5(0).config
+    config.num_decoder_layers = 2
+    shallower = tmp_path / "shallower"
+    T.T5ForConditionalGeneration(config).save_pretrained(str(shallower))
+    proc = run_cli("lineage", str(t5s[0]), str(shallower))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    said = flat(proc.stderr)
+    assert f"has {config.num_layers} encoder and 2 decoder layers" in said and "not built for them yet" in said
+
+
+def test_a_t5s_memory_footprint_counts_the_layers_of_both_stacks(t5s: list[Path]) -> None:
+    from hf_rebasin.run.memory import footprint
+
+    config = tiny.t5(0).config
+    found = footprint(t5s[0])
+    assert found is not None and found.layers == config.num_layers + config.num_decoder_layers
