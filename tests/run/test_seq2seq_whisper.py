@@ -5,6 +5,7 @@ here."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,8 @@ def test_a_whisper_merge_is_the_average_of_the_aligned_pair(tmp_path: Path, whis
     gap = (_stock_logits(tmp_path / "merged") - _logits(midpoint)).abs().max()
     assert gap <= 1e-4
     assert (_stock_logits(tmp_path / "merged") - _stock_logits(whispers[0])).abs().max() > 1e-2  # a real merge
+    # the card loads it with the speech classes, and tags it as speech recognition
+    card = (tmp_path / "merged" / "README.md").read_text()
+    assert "pipeline_tag: automatic-speech-recognition" in card
+    assert "AutoModelForSpeechSeq2Seq.from_pretrained" in card and "AutoModelForSeq2SeqLM" not in card
+    assert json.loads((tmp_path / "merged" / "rebasin.json").read_text())["speech"] is True
