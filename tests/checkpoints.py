@@ -48,6 +48,7 @@ FAMILIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": tiny.bart,
     "t5": tiny.FACTORIES["t5"],  # v1.1: the head stored apart
     "t5-relu": tiny.FACTORIES["t5-relu"],  # the original T5: ReLU, the head tied and rescaled
+    "whisper": tiny.whisper,
 }
 
 

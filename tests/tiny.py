@@ -653,6 +653,48 @@ def mt5(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(_head_apart(T.MT5ForConditionalGeneration(_t5_config(T.MT5Config))), seed)
 
 
+def _whisper_config(**kw: object) -> T.WhisperConfig:
+    """Encoder and decoder with different head counts, MLP widths and depths; 16 mel bins, 32 input
+    frames. The special ids lie inside the tiny vocabulary (Whisper's defaults, 50256 and up, do not)."""
+    return T.WhisperConfig(
+        vocab_size=V,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=40,
+        num_mel_bins=16,
+        max_source_positions=16,
+        max_target_positions=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        suppress_tokens=[],
+        begin_suppress_tokens=[],
+        classifier_proj_size=24,
+        **kw,
+    )
+
+
+def whisper(seed: int = 0) -> torch.nn.Module:
+    """The head (``proj_out``) tied to the decoder's ``embed_tokens``."""
+    _seed(seed)
+    return _randomize_norms(T.WhisperForConditionalGeneration(_whisper_config()), seed)
+
+
+def whisper_base(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.WhisperModel(_whisper_config()), seed)
+
+
+def whisper_cls(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.WhisperForAudioClassification(_whisper_config(num_labels=3)), seed)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -705,4 +747,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "t5-encoder": t5_encoder,
     "t5-cls": t5_cls,
     "mt5": mt5,
+    "whisper": whisper,
+    "whisper-base": whisper_base,
+    "whisper-cls": whisper_cls,
 }

@@ -5,8 +5,10 @@ For each family (two tiny random models of ``tests/tiny.py`` from different seed
 aligns them (weight matching) and writes ``a/``, ``b/`` and ``mergekit.yaml``; mergekit 0.1.5, in a
 virtual environment of its own, runs that file; the merged tensors are compared with a SLERP at
 t = ½ computed here from ``a/`` and ``b/`` with mergekit's published formula (lerp where the two
-tensors are nearly parallel), and the result is loaded with ``AutoModelForSeq2SeqLM``. A family
-mergekit cannot merge prints mergekit's own error.
+tensors are nearly parallel), and the result is loaded with ``AutoModelForSeq2SeqLM`` (Whisper:
+``AutoModelForSpeechSeq2Seq``). A family mergekit cannot merge prints mergekit's own error (ReLU T5:
+its definition lists only the gated feed-forward; Whisper: its decoder prefix ``model.decoder`` lacks
+a dot, so it asks for ``model.decoderembed_tokens.weight``).
 
     python benchmarks/alignment/mergekit_seq2seq.py                   # venv in ~/.cache/hf-rebasin/mergekit-0.1.5
     python benchmarks/alignment/mergekit_seq2seq.py --venv /work/mkvenv --families bart t5
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vocabularies"))
 from bench_vocab_mergekit import ensure_venv
 
-FAMILIES = ("bart", "t5", "t5-relu")
+FAMILIES = ("bart", "t5", "t5-relu", "whisper")
 
 
 def slerp(t: float, v0: torch.Tensor, v1: torch.Tensor, eps: float = 1e-8, parallel: float = 0.9995) -> torch.Tensor:
@@ -65,7 +67,8 @@ def check(family: str, exe: Path, root: Path) -> str:
         return f"| {family} | mergekit fails: {last[0] if last else done.returncode} | | |"
     a, b, merged = (load_file(str(out / d / "model.safetensors")) for d in ("a", "b", "merged"))
     gap = max(float((slerp(0.5, a[k], b[k]).float() - merged[k]).abs().max()) for k in a)
-    model = T.AutoModelForSeq2SeqLM.from_pretrained(str(out / "merged"))
+    auto = T.AutoModelForSpeechSeq2Seq if family == "whisper" else T.AutoModelForSeq2SeqLM
+    model = auto.from_pretrained(str(out / "merged"))
     same = set(merged) == set(a)
     return f"| {family} | merged ({type(model).__name__}) | {gap:.1e} | {'yes' if same else 'no'} |"
 

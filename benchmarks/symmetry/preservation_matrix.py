@@ -21,7 +21,10 @@ catch an adapter that claims too much):
 - ``qk rotation``: a random orthogonal Q/K inner map in each head space whose Q/K mode is
   ``planes`` or ``fixed``;
 - ``residual signs``: a random sign flip of each residual space that does not allow signs
-  (canonical form).
+  (canonical form);
+- ``cross-stream read``: in an encoder-decoder with a stream per stack (Whisper), the tensors of one
+  stack that read the other's stream (cross-attention's keys and values) moved with their own
+  stack's map instead: that stream permuted at random, theirs with it.
 
 Each control is applied to one space at a time; the table shows the weakest space. A space whose
 control moves nothing is checked for reach: if noise on every tensor with an axis on it leaves the
@@ -34,6 +37,7 @@ Markdown tables on stdout, progress on stderr; exits 1 when a row fails, a contr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -70,7 +74,7 @@ INVERTIBLE = "invertible heads"
 CLASSES: tuple[str, ...] = (*TRANSFORM_CLASSES, INVERTIBLE)
 SEEDS = (0, 1, 2)
 BROKEN = 1e-3  # a negative control must move the outputs by more than this
-CONTROLS = ("residual rotation", "mlp rotation", "qk rotation", "residual signs")
+CONTROLS = ("residual rotation", "mlp rotation", "qk rotation", "residual signs", "cross-stream read")
 Outputs = dict[str, torch.Tensor]
 
 
@@ -216,7 +220,52 @@ def control_targets(graph: SymmetryGraph) -> dict[str, list[str]]:
             n for n, sp in graph.spaces.items() if isinstance(sp, HeadSpace) and sp.qk in ("planes", "fixed")
         ],
         "residual signs": [n for n, sp in residual.items() if not sp.allows_signs],
+        "cross-stream read": [n for n in residual if foreign_readers(graph, n)],
     }
+
+
+def _home_streams(graph: SymmetryGraph) -> dict[str, str]:
+    """Per stack of the graph, the residual space its tensors bind most (its own stream)."""
+    residual = {n for n, sp in graph.spaces.items() if isinstance(sp, Space) and sp.kind == "residual"}
+    homes: dict[str, str] = {}
+    for stack in graph.stacks:
+        counts: dict[str, int] = {}
+        for tensor, binding in graph.bindings.items():
+            if tensor.startswith(stack + "."):
+                for ref in binding.axes:
+                    for sp in _spaces(ref):
+                        if sp in residual:
+                            counts[sp] = counts.get(sp, 0) + 1
+        if counts:
+            homes[stack] = max(counts, key=lambda k: counts[k])
+    return homes
+
+
+def foreign_readers(graph: SymmetryGraph, name: str) -> dict[str, str]:
+    """Tensors of another stack that read residual space ``name`` (cross-attention's keys and values
+    read the encoder's stream), each with its own stack's stream, of the same size."""
+    out: dict[str, str] = {}
+    for stack, home in _home_streams(graph).items():
+        if home == name or graph.spaces[home].size != graph.spaces[name].size:
+            continue
+        for tensor, binding in graph.bindings.items():
+            if tensor.startswith(stack + ".") and any(name in _spaces(ref) for ref in binding.axes):
+                out[tensor] = home
+    return out
+
+
+def cross_stream(graph: SymmetryGraph, name: str, seed: int) -> tuple[SymmetryGraph, Transform]:
+    """The graph with ``name``'s foreign readers rebound to their own stack's stream, and a random
+    permutation of that stream (the identity elsewhere): applied, they move with the wrong map."""
+    readers = foreign_readers(graph, name)
+    bindings = dict(graph.bindings)
+    for tensor, home in readers.items():
+        b = bindings[tensor]
+        bindings[tensor] = dataclasses.replace(b, axes=tuple(home if r == name else r for r in b.axes))
+    home = next(iter(readers.values()))
+    transform = graph.identity()
+    transform[home] = graph.random_transform("permutation", torch.Generator().manual_seed(seed))[home]
+    return dataclasses.replace(graph, bindings=bindings), transform
 
 
 def _spaces(ref: Any) -> tuple[str, ...]:
@@ -323,8 +372,12 @@ class Probe:
                 canonical = control in ("residual rotation", "residual signs")  # γ folded: only the claim breaks
                 sd, graph, untie = self.canonical() if canonical else (self.sd, self.graph, False)
                 for name in targets[control]:
-                    t = forbidden(graph, control, name, seed)
-                    delta = self.delta(graph, graph.apply(sd, t, check=False), t, untie, seed)
+                    if control == "cross-stream read":
+                        rebound, t = cross_stream(graph, name, seed)
+                        delta = self.delta(graph, rebound.apply(sd, t, check=False), t, untie, seed)
+                    else:
+                        t = forbidden(graph, control, name, seed)
+                        delta = self.delta(graph, graph.apply(sd, t, check=False), t, untie, seed)
                     if not delta > BROKEN and not self.reaches_outputs(name, seed):
                         c.unread.append(name)
                     else:

@@ -119,11 +119,29 @@ def example_inputs(spec: ArchitectureSpec, config: Any, generator: torch.Generat
     if spec.inputs in ("image", "text-image"):
         v = getattr(config, "vision_config", None) or config
         inputs.update(image_inputs(v.num_channels, v.image_size, generator))
+    if spec.inputs == "speech-seq2seq":
+        inputs.update(speech_inputs(config, generator))
     return inputs
 
 
+def speech_inputs(config: Any, generator: torch.Generator, batch: int = 2) -> dict[str, torch.Tensor]:
+    """Log-mel features of the one length Whisper's encoder accepts (2·max_source_positions frames:
+    it refuses any other) and decoder ids after the start token, one row padded at its end."""
+    frames = 2 * int(config.max_source_positions)
+    features = torch.randn(batch, int(config.num_mel_bins), frames, generator=generator)
+    text = token_inputs(config.vocab_size, int(config.max_target_positions) - 1, generator, batch, length=10)
+    ids = text["input_ids"]
+    start = int(config.decoder_start_token_id)
+    decoder_ids = torch.cat([torch.full_like(ids[:, :1], start), ids[:, :-1]], dim=1)
+    return {
+        "input_features": features,
+        "decoder_input_ids": decoder_ids,
+        "decoder_attention_mask": text["attention_mask"],
+    }
+
+
 # the modality of each input `example_inputs` draws
-_MODALITY = {"input_ids": "text", "attention_mask": "text", "pixel_values": "image"}
+_MODALITY = {"input_ids": "text", "attention_mask": "text", "pixel_values": "image", "input_features": "audio"}
 
 
 def accepted_inputs(model: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -143,7 +161,9 @@ def accepted_inputs(model: Any, inputs: dict[str, torch.Tensor]) -> dict[str, to
 def outputs_of(
     model: PreTrainedModel, spec: ArchitectureSpec, inputs: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    out = model(**(accepted_inputs(model, inputs) if spec.inputs in ("text-image", "seq2seq") else inputs))
+    out = model(
+        **(accepted_inputs(model, inputs) if spec.inputs in ("text-image", "seq2seq", "speech-seq2seq") else inputs)
+    )
     return {k: out[k] for k in spec.outputs if k in out and isinstance(out[k], torch.Tensor)}
 
 

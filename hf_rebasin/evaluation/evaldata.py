@@ -50,6 +50,7 @@ SPEC_KEYS: tuple[str, ...] = (
     "image_column",
     "source_column",
     "target_column",
+    "audio_column",
     "max_examples",
     "max_tokens",
     "sample_by",

@@ -119,6 +119,7 @@ class Findings(Part):
     universe: Universe | None = None  # merge.universe only
     transport: Transport | None = None  # job: transport only
     diagnostics: dict[str, Any] = Field(default_factory=dict)  # learned: barrier vs steps
+    speech: bool = False  # the models read audio (Whisper): written only when true
 
     @field_validator("function_preserved", mode="before")
     @classmethod
@@ -130,6 +131,8 @@ class Findings(Part):
         out: dict[str, Any] = handler(self)
         out["function_preserved"] = out["function_preserved"] or {}
         drop = {"merged", "merge_weights"} if self.transport is not None else {"transport"}
+        if not self.speech:
+            drop.add("speech")
         return {k: v for k, v in out.items() if k not in drop and (k != "universe" or v is not None)}
 
 

@@ -120,11 +120,20 @@ dtype: {dtype}
 
 def mergekit_limit(config: Any) -> str | None:
     """What mergekit 0.1.5 is known to refuse among the families it defines (checked with it), said in
-    the run's notes rather than found by the user: its T5 definition lists only the gated feed-forward."""
-    if getattr(config, "model_type", None) in ("t5", "mt5") and not getattr(config, "is_gated_act", True):
+    the run's notes rather than found by the user: its T5 definition lists only the gated feed-forward;
+    its Whisper definition's decoder prefix lacks a dot."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in ("t5", "mt5") and not getattr(config, "is_gated_act", True):
         return (
             "mergekit.yaml: mergekit 0.1.5's T5 definition lists only the gated feed-forward (wi_0, wi_1), so it "
             "refuses this ReLU T5 ('Tensor …wi_0.weight required but not present'); a/ and b/ merge tensor by "
+            "tensor with any other tool"
+        )
+    if model_type == "whisper":
+        return (
+            "mergekit.yaml: mergekit 0.1.5's Whisper definition gives the decoder the prefix 'model.decoder' "
+            "without a dot, so it looks for tensors such as 'model.decoderembed_tokens.weight' and refuses "
+            "('Tensor model.decoderembed_tokens.weight required but not present'); a/ and b/ merge tensor by "
             "tensor with any other tool"
         )
     return None

@@ -44,7 +44,14 @@ class DataSpec(Section):
         description="source text column (seq2seq pairs, with `target_column`); default: `source` where the data "
         "have both `source` and `target`, else `column`'s plain text is noised",
     )
-    target_column: str | None = Field(None, description="target text column (seq2seq pairs); default: `target`")
+    target_column: str | None = Field(
+        None, description="target text column (seq2seq pairs, or the transcripts of `audio_column`); default: `target`"
+    )
+    audio_column: str | None = Field(
+        None,
+        description="column of WAV file paths, relative to the recipe's folder (speech-to-text models such as "
+        "Whisper: the sources of seq2seq pairs whose targets are `target_column`'s transcripts)",
+    )
     max_tokens: int | None = Field(None, ge=1, le=MAX_DATA, strict=True, description="read at most this many tokens")
     max_examples: int | None = Field(
         None, ge=1, le=MAX_DATA, strict=True, description="read at most this many examples"
@@ -80,7 +87,13 @@ class DataSpec(Section):
     @model_validator(mode="after")
     def _resolve_local(self, info: ValidationInfo) -> DataSpec:
         base = recipe_dir(info)
-        if (self.source_column is None) != (self.target_column is None):
+        if self.audio_column is not None and self.source_column is not None:
+            raise PydanticCustomError(
+                "recipe",
+                "`audio_column` is the source of speech pairs: remove `source_column` (keep `target_column`)",
+                {"at": "source_column"},
+            )
+        if self.audio_column is None and (self.source_column is None) != (self.target_column is None):
             one, other = ("source_column", "target_column")[:: 1 if self.target_column is None else -1]
             raise PydanticCustomError(
                 "recipe",

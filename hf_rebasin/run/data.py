@@ -85,9 +85,15 @@ class BatchSpec:
 
 
 def processor(folder: Path, task: Task) -> Any:
-    """Model A's tokenizer (text tasks) or image processor, read from its folder."""
+    """Model A's tokenizer (text tasks) or image processor, read from its folder; a speech model's
+    (a seq2seq folder with a feature extractor, ``preprocessor_config.json``) with its tokenizer."""
     import transformers  # heavy: only runs that read data need it
 
+    if task == "seq2seq" and (Path(folder) / "preprocessor_config.json").is_file():
+        from hf_rebasin.evaluation.speech import SpeechProcessor
+
+        extractor = transformers.AutoFeatureExtractor.from_pretrained(str(folder), trust_remote_code=False)
+        return SpeechProcessor(extractor, processor(folder, "causal-lm"))
     image = task == "image-classification"
     kind = "image processor (preprocessor_config.json)" if image else "tokenizer (tokenizer.json or vocab files)"
     try:
@@ -108,9 +114,13 @@ def metrics(recipe: Recipe, base_dir: Path) -> list[Metric]:
     return [load_metric(m.name, base_dir, m.kwargs) for m in ev.metric_specs()] if ev is not None else []
 
 
+# a model's context in tokens (Whisper's decoder: max_target_positions)
+_CONTEXT = ("max_position_embeddings", "n_positions", "max_target_positions")
+
+
 def _block_size(config: Any, requested: int | None = None, where: str = "data") -> int:
     """``requested`` (the data section's ``block_size``), or MAX_BLOCK; never past the model's context."""
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    limit = next((getattr(config, k) for k in _CONTEXT if getattr(config, k, None)), None)
     if limit is not None and getattr(config, "model_type", None) in ("roberta", "xlm-roberta", "camembert"):
         limit -= 2  # positions start after padding_idx
     if requested is None:
@@ -165,6 +175,8 @@ def batches(
                 max_tokens=batching.max_tokens,
                 seed=batching.seed,
             )
+        if batching.task == "seq2seq" and spec.audio_column is not None:
+            return _speech(spec, batching, records, proc, config, length, base_dir, notes, where)
         if batching.task == "seq2seq":
             return _seq2seq(spec, batching, records, proc, config, length, where, notes)
         out = _classification(spec, batching, records, proc, config, length)
@@ -226,6 +238,39 @@ def _seq2seq(
     if notes is not None:
         notes.append(f"`{where}`: {made.description}")
     return made.batches
+
+
+def _speech(
+    spec: DataSpec,
+    batching: BatchSpec,
+    records: Any,
+    proc: Any,
+    config: Any,
+    length: int,
+    base_dir: Path,
+    notes: list[str] | None,
+    where: str,
+) -> list[dict[str, Tensor]]:
+    """WAV clips → transcripts, for a speech encoder-decoder (its encoder takes exactly
+    2·max_source_positions frames)."""
+    from hf_rebasin.evaluation.speech import speech_batches
+
+    if getattr(config, "max_source_positions", None) is None or getattr(config, "decoder_start_token_id", None) is None:
+        raise DataError(f"`audio_column`: a {config.model_type} model reads no audio; remove it")
+    made = speech_batches(
+        records,
+        proc,
+        start_id=int(config.decoder_start_token_id),
+        frames=2 * int(config.max_source_positions),
+        audio_column=spec.audio_column or "audio",
+        target_column=spec.target_column or "target",
+        max_length=length,
+        batch_size=batching.batch_size,
+        base_dir=base_dir,
+    )
+    if notes is not None:
+        notes.append(f"`{where}`: WAV clips → transcripts ({2 * int(config.max_source_positions)} feature frames)")
+    return made
 
 
 def _channels(config: Any) -> int:

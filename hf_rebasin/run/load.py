@@ -95,6 +95,11 @@ class Workspace:
     def timings(self) -> dict[str, float]:
         return self.clock.seconds
 
+    @property
+    def speech(self) -> bool:
+        """Whether the models read audio features (Whisper): their outputs load with the speech classes."""
+        return getattr(self.models.reference.model, "main_input_name", "") == "input_features"
+
 
 def load_workspace(plan: Plan, *, progress: Progress | None = None) -> Workspace:
     """Fetch what the plan resolved (`fetch.fetch`), load every model by role, read the data once.

@@ -156,6 +156,18 @@ def test_seq2seq_pairs_name_both_columns_or_neither(tmp_path: Path) -> None:
     assert paths(info.value) == ["evaluate.data.target_column"]
 
 
+def test_speech_pairs_read_audio_in_place_of_a_source_column(tmp_path: Path) -> None:
+    data = yaml.safe_load(BARRIER)
+    speech = {"dataset": "json", "data_files": "speech.jsonl", "audio_column": "wav", "target_column": "text"}
+    data["evaluate"] = {"task": "seq2seq", "data": speech}
+    ev = parse_recipe(data, "inline", tmp_path).evaluate
+    assert ev is not None and (ev.data.audio_column, ev.data.target_column) == ("wav", "text")
+    speech["source_column"] = "en"
+    with pytest.raises(RecipeError, match="`audio_column` is the source of speech pairs") as info:
+        parse_recipe(data, "inline", tmp_path)
+    assert paths(info.value) == ["evaluate.data.source_column"]
+
+
 def test_image_data_and_evaluation_budget(tmp_path: Path) -> None:
     data = yaml.safe_load(BARRIER)
     data["evaluate"] = {

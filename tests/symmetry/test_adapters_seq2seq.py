@@ -163,3 +163,93 @@ def test_a_bare_t5_is_told_by_its_missing_head_not_by_a_prefix() -> None:
     assert len(graph.output_readers["encoder.final_layer_norm.weight"]) == 2 * bare.config.num_decoder_layers
     report = verify_model(bare, "orthogonal", seed=1)
     assert report.compared == ["last_hidden_state"] and report.max_abs_diff <= TOLERANCE
+
+
+def _whisper_permuted(model: torch.nn.Module, stream: str, seed: int) -> tuple[dict[str, torch.Tensor], Any, Any]:
+    """``model``'s state with only ``stream`` permuted (every other space the identity)."""
+    from hf_rebasin.symmetry.adapters import graph_for
+
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    transform = graph.identity()
+    transform[stream] = graph.random_transform("permutation", torch.Generator().manual_seed(seed))[stream]
+    return graph.apply(sd, transform), graph, transform
+
+
+def test_whisper_cross_attention_reads_the_encoders_stream_not_the_decoders() -> None:
+    """Whisper has two streams: cross-attention's keys and values read the encoder's (after its final
+    norm), its queries the decoder's. The decoder's stream permuted keeps the logits; the keys' and
+    values' columns permuted with the decoder's map as well (as if they read the decoder's stream)
+    move them."""
+    model = tiny.whisper(0)
+    sd, _graph, transform = _whisper_permuted(model, "dec.res", seed=3)
+    assert _moved_max_diff(model, sd) < 1e-4  # the allowed transform itself
+    index = transform["dec.res"].index
+    assert index is not None and not torch.equal(index, torch.arange(len(index)))
+    for name in list(sd):
+        if ".encoder_attn.k_proj.weight" in name or ".encoder_attn.v_proj.weight" in name:
+            sd[name] = sd[name][:, index]
+    assert _moved_max_diff(model, sd) > 1e-3
+
+
+def test_whisper_encoder_positions_are_stored_and_move_with_the_encoders_stream() -> None:
+    """The encoder's positions are a stored table (not regenerated on load): the encoder's stream
+    permuted keeps the logits only if its columns move too."""
+    model = tiny.whisper(0)
+    original = model.state_dict()
+    sd, _graph, _transform = _whisper_permuted(model, "enc.res", seed=5)
+    assert _moved_max_diff(model, sd) < 1e-4
+    table = "model.encoder.embed_positions.weight"
+    assert not torch.equal(sd[table], original[table])
+    sd[table] = original[table]
+    assert _moved_max_diff(model, sd) > 1e-3
+
+
+def test_a_rotation_of_whispers_encoder_stream_is_refused_and_wrong() -> None:
+    """GELU after conv2 writes the encoder's stream: no rotation commutes with it. The adapter keeps
+    permutations there (and rotates the decoder's); a rotation of the encoder's stream, even after
+    canonical form, is refused and, forced through, moves the logits."""
+    from hf_rebasin.core.errors import TransformError
+    from hf_rebasin.symmetry.adapters import graph_for
+    from hf_rebasin.symmetry.canonical import canonicalize
+    from hf_rebasin.symmetry.transforms import random_orthogonal
+
+    model = tiny.whisper(0)
+    sd, graph, untied = canonicalize(graph_for(model.config, model.state_dict().keys()), model.state_dict())
+    assert untied == ["proj_out.weight"]  # the decoder's final norm folds into the head, not its embeddings
+    assert graph.spaces["enc.res"].max_class == "permutation"
+    assert graph.spaces["dec.res"].max_class == "orthogonal" and graph.spaces["dec.res"].centered
+    rotated = graph.random_transform("orthogonal", torch.Generator().manual_seed(1))
+    dec = rotated["dec.res"]
+    assert isinstance(dec, AxisMap) and dec.blocks is not None and (dec.matrix().abs() > 1e-3).float().mean() > 0.5
+    size = graph.spaces["enc.res"].size
+    transform = graph.identity()
+    transform["enc.res"] = AxisMap(size, blocks=random_orthogonal(size, torch.Generator().manual_seed(2))[None])
+    with pytest.raises(TransformError):
+        graph.apply(sd, transform)
+    moved = dict(graph.apply(sd, transform, check=False))
+    spec = REGISTRY.get(model.config.model_type)
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(7))
+    before = outputs_of(model, spec, inputs)["logits"]
+    after = outputs_of(rebuild(model, moved, untie=True), spec, inputs)["logits"]
+    assert (after - before).abs().max().item() > 1e-3
+
+
+def test_whisper_logits_match_an_independent_forward() -> None:
+    """The adapter's example inputs are what WhisperForConditionalGeneration itself accepts: the
+    logits equal a plain call on the same features and decoder ids, and the encoder refuses any other
+    number of frames (so the inputs cannot silently be cut)."""
+    model = tiny.whisper(0)
+    spec = REGISTRY.get("whisper")
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(7))
+    frames = 2 * model.config.max_source_positions
+    assert inputs["input_features"].shape == (2, model.config.num_mel_bins, frames)
+    with torch.no_grad():
+        plain = model(
+            input_features=inputs["input_features"],
+            decoder_input_ids=inputs["decoder_input_ids"],
+            decoder_attention_mask=inputs["decoder_attention_mask"],
+        ).logits
+        assert torch.equal(outputs_of(model, spec, inputs)["logits"], plain)
+        with pytest.raises(ValueError):
+            model(input_features=inputs["input_features"][..., :-2], decoder_input_ids=inputs["decoder_input_ids"])

@@ -179,7 +179,8 @@ def _learn(
     settings = learned_settings(options, pair.data.batches)
     if options.lr is None:  # unset: chosen by what the model reads
         resolved["lr"] = settings.lr
-        reads = "images" if _reads_images(pair.data.batches) else "text"
+        audio = any("input_features" in b for b in pair.data.batches)  # speech: the text rate, unmeasured there
+        reads = "images" if _reads_images(pair.data.batches) else "audio (the text rate)" if audio else "text"
         notes.append(f"lr: {settings.lr:g} (unset in the recipe; the model reads {reads})")
     learned = refine(pair, graph, sd_a, sd_b, transform, untied, settings, progress)
     transform = learned.transform

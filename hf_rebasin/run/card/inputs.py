@@ -83,11 +83,13 @@ def _load(record: RunRecord) -> dict[str, str]:
     task = record.findings.task
     models = record.models
     target = models[0].model if models and models[0].source == "hub" else "path/to/target"
+    speech = record.findings.speech and task == "seq2seq"  # Whisper: features and a tokenizer
+    image = task == "image-classification"
     return {
         "target": json.dumps(target),
-        "model_class": AUTO_CLASSES.get(task, "AutoModel"),
-        "processor_class": "AutoImageProcessor" if task == "image-classification" else "AutoTokenizer",
-        "processor_var": "processor" if task == "image-classification" else "tokenizer",
+        "model_class": "AutoModelForSpeechSeq2Seq" if speech else AUTO_CLASSES.get(task, "AutoModel"),
+        "processor_class": "AutoImageProcessor" if image else "AutoProcessor" if speech else "AutoTokenizer",
+        "processor_var": "processor" if image or speech else "tokenizer",
         "path": json.dumps(where),
     }
 

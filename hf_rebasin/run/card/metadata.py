@@ -56,7 +56,8 @@ def card_metadata(record: RunRecord | Mapping[str, Any]) -> ModelCardData:
             fields["base_model_relation"] = "adapter"
     if writes_model(job):
         fields["library_name"] = "peft" if adapter else "transformers"
-        pipeline_tag = PIPELINE_TAGS.get(found.task)
+        speech = found.speech and found.task == "seq2seq"
+        pipeline_tag = "automatic-speech-recognition" if speech else PIPELINE_TAGS.get(found.task)
         if pipeline_tag:
             fields["pipeline_tag"] = pipeline_tag
     hub_datasets = _unique(d.dataset for d in record.datasets if d.source == "hub")

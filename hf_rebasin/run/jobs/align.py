@@ -50,6 +50,7 @@ def run(ws: Workspace) -> JobOutput:
         strategy=ws.recipe.strategy.name,
         strategy_options=options_as_run(ws, primary),
         task=ws.task,
+        speech=ws.speech,
         canonical=primary.canonical,
         untied=list(primary.untied),
         function_preserved=preserved.model_copy(update={"written": {k: _gap_entry(g) for k, g in gaps.items()}}),

@@ -78,6 +78,7 @@ def findings_of(
         strategy=ws.recipe.strategy.name,
         strategy_options=options_as_run(ws, primary),
         task=ws.task,
+        speech=ws.speech,
         canonical=primary.canonical,
         untied=list(primary.untied),
         function_preserved=preserved,

@@ -121,6 +121,7 @@ def run(ws: Workspace) -> JobOutput:
         strategy=ws.recipe.strategy.name,
         strategy_options=options_as_run(ws, alignment),
         task=ws.task,
+        speech=ws.speech,
         canonical=canonical,
         untied=untied,
         function_preserved=preserved,

@@ -25,6 +25,7 @@ from hf_rebasin.symmetry.adapters import (
     siglip,
     t5,
     vit,
+    whisper,
 )
 from hf_rebasin.symmetry.adapters.base import ArchitectureSpec
 from hf_rebasin.symmetry.graph import SymmetryGraph
@@ -85,6 +86,7 @@ for _spec in (
     bart.BART,
     t5.T5,
     t5.MT5,
+    whisper.SPEC,
 ):
     REGISTRY.register(_spec)
 

@@ -153,8 +153,9 @@ class GluT:
 
 
 # "seq2seq": token ids for an encoder-decoder, each row ending in its end-of-sentence token (a
-# classifier reads the decoder there); the decoder reads the source shifted right
-Inputs = Literal["text", "image", "text-image", "seq2seq"]
+# classifier reads the decoder there); the decoder reads the source shifted right. "speech-seq2seq":
+# log-mel features (Whisper's encoder takes exactly 2·max_source_positions frames) and decoder ids
+Inputs = Literal["text", "image", "text-image", "seq2seq", "speech-seq2seq"]
 
 
 # an encoder-decoder whose one ``shared`` table feeds both stacks and the LM head (BART, T5)
