@@ -384,7 +384,7 @@ class Collector:
             self._pairs[self._structure.keys[module]].waiting.append(batch.features(t, 0, size, True))
         if keep:
             for site in self.plan.plain.get(module, ()):
-                t = x if site.where == "input" else out
+                t = site.read(x, out)
                 self._pairs[site.key].waiting.append(batch.features(t, site.offset, site.size, True, site.groups))
 
     def _discover(self, d: _Discovery, batch: Batch, module: str, x: Tensor, keep: bool) -> None:
@@ -450,10 +450,7 @@ class Collector:
 
     def _on_b(self, module: str, x: Tensor, out: Any) -> None:
         batch = self._positions(module, x)
-        todo = [
-            (s.key, x if s.where == "input" else out, s.offset, s.size, s.groups)
-            for s in self.plan.plain.get(module, ())
-        ]
+        todo = [(s.key, s.read(x, out), s.offset, s.size, s.groups) for s in self.plan.plain.get(module, ())]
         if module in self._structure.keys:
             t, size = self._stream(module, x, out)
             todo.append((self._structure.keys[module], t, 0, size, 1))

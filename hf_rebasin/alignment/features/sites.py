@@ -41,16 +41,23 @@ class Site:
     offset: int
     size: int
     groups: int = 1
+    channels: bool = False  # a convolution's: the features are axis 1 (``[batch, channels, time]``)
+
+    def read(self, x: Any, out: Any) -> Any:
+        """The tensor whose last axis holds the features: the module's input or output."""
+        t = x if self.where == "input" else out
+        return t.transpose(1, -1) if self.channels else t
 
 
 def _linear_axes(module: torch.nn.Module) -> tuple[int, int] | None:
-    """(input axis, output axis) of a linear module's weight; None for anything else."""
+    """(input axis, output axis) of a linear module's weight; None for anything else. A 1-d
+    convolution (Whisper's front end, ``[out, in, kernel]``) counts: its channels are features."""
     from transformers.pytorch_utils import Conv1D
 
     if isinstance(module, Conv1D):
         return 0, 1  # [in, out]
-    if isinstance(module, torch.nn.Linear):
-        return 1, 0  # [out, in]
+    if isinstance(module, torch.nn.Linear | torch.nn.Conv1d):
+        return 1, 0  # [out, in(, kernel)]
     return None
 
 
@@ -67,13 +74,14 @@ def bound_linears(graph: SymmetryGraph, model: torch.nn.Module) -> dict[str, tup
     routers = _routers(graph)
     found: dict[str, tuple[Any, Any]] = {}
     for name, binding in graph.bindings.items():
-        if not name.endswith(".weight") or len(binding.axes) != 2:
+        if not name.endswith(".weight") or len(binding.axes) not in (2, 3):
             continue
         module_name = name[: -len(".weight")]
         if module_name not in rank:
             continue
-        axes = (1, 0) if name in routers else _linear_axes(model.get_submodule(module_name))
-        if axes is not None:
+        module = model.get_submodule(module_name)
+        axes = (1, 0) if name in routers else _linear_axes(module)
+        if axes is not None and len(binding.axes) == (3 if isinstance(module, torch.nn.Conv1d) else 2):
             found[module_name] = (binding.axes[axes[0]], binding.axes[axes[1]])
     return dict(sorted(found.items(), key=lambda kv: rank[kv[0]]))
 
@@ -102,8 +110,9 @@ def candidate_sites(graph: SymmetryGraph, model: torch.nn.Module, wanted: set[st
     wanted = {n for n in wanted if not isinstance(graph.spaces.get(n), ExpertSpace)}
     sites: list[Site] = []
     for module, (in_ref, out_ref) in bound_linears(graph, model).items():
+        channels = isinstance(model.get_submodule(module), torch.nn.Conv1d)
         if isinstance(in_ref, str) and split_ref(in_ref)[0] in wanted:
-            sites.append(Site(in_ref, module, "input", 0, graph.ref_size(in_ref)))
+            sites.append(Site(in_ref, module, "input", 0, graph.ref_size(in_ref), channels=channels))
         parts: tuple[str, ...] = out_ref.parts if isinstance(out_ref, Fused) else (out_ref,) if out_ref else ()
         groups = graph.groups(out_ref)
         offset = 0
@@ -111,7 +120,7 @@ def candidate_sites(graph: SymmetryGraph, model: torch.nn.Module, wanted: set[st
             size = graph.ref_size(part)
             space = split_ref(part)[0]
             if space in wanted and not is_residual(graph, space):
-                sites.append(Site(part, module, "output", offset // groups, size, groups))
+                sites.append(Site(part, module, "output", offset // groups, size, groups, channels))
             offset += size
     return sites
 
