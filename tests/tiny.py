@@ -653,6 +653,32 @@ def mt5(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(_head_apart(T.MT5ForConditionalGeneration(_t5_config(T.MT5Config))), seed)
 
 
+# ---- decoders mergekit merges: Granite (scalar multipliers), StarCoder2, StableLM, Phi ----
+
+# Granite's four scalars, far from 1 so that a map that failed to commute with them would show
+GRANITE_SCALARS = {
+    "embedding_multiplier": 3.0,
+    "residual_multiplier": 0.5,
+    "attention_multiplier": 0.2,
+    "logits_scaling": 4.0,
+}
+
+
+def granite(seed: int = 0, tied: bool = False, **kw: object) -> torch.nn.Module:
+    """GQA, untied head, the four multipliers set (none is 1)."""
+    return _llama_like(T.GraniteForCausalLM, T.GraniteConfig, seed, tied=tied, **GRANITE_SCALARS, **kw)
+
+
+def granite_tied_bias(seed: int = 0) -> torch.nn.Module:
+    """Tied head, attention and MLP biases."""
+    return granite(seed, tied=True, attention_bias=True, mlp_bias=True)
+
+
+def granite_base(seed: int = 0) -> torch.nn.Module:
+    """``GraniteModel``: its final norm's output is the model's output."""
+    return _llama_like(T.GraniteModel, T.GraniteConfig, seed, tied=False, **GRANITE_SCALARS)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -705,4 +731,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "t5-encoder": t5_encoder,
     "t5-cls": t5_cls,
     "mt5": mt5,
+    "granite": granite,
+    "granite-tied-bias": granite_tied_bias,
+    "granite-base": granite_base,
 }

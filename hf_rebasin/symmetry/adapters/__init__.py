@@ -17,6 +17,7 @@ from hf_rebasin.symmetry.adapters import (
     gemma,
     gpt2,
     gpt_neox,
+    granite,
     llama,
     modernbert,
     moe,
@@ -85,6 +86,7 @@ for _spec in (
     bart.BART,
     t5.T5,
     t5.MT5,
+    granite.SPEC,
 ):
     REGISTRY.register(_spec)
 
