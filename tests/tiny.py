@@ -679,6 +679,24 @@ def granite_base(seed: int = 0) -> torch.nn.Module:
     return _llama_like(T.GraniteModel, T.GraniteConfig, seed, tied=False, **GRANITE_SCALARS)
 
 
+def _starcoder2(cls: type, seed: int, tied: bool = True, **kw: object) -> torch.nn.Module:
+    """GQA, rotary, LayerNorms with bias, every projection biased, a GELU MLP."""
+    return _llama_like(cls, T.Starcoder2Config, seed, tied=tied, **kw)
+
+
+def starcoder2(seed: int = 0) -> torch.nn.Module:
+    return _starcoder2(T.Starcoder2ForCausalLM, seed)
+
+
+def starcoder2_untied(seed: int = 0) -> torch.nn.Module:
+    """Untied head and no biases (``use_bias: false``)."""
+    return _starcoder2(T.Starcoder2ForCausalLM, seed, tied=False, use_bias=False)
+
+
+def starcoder2_cls(seed: int = 0) -> torch.nn.Module:
+    return _starcoder2(T.Starcoder2ForSequenceClassification, seed, num_labels=3, pad_token_id=0)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -734,4 +752,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "granite": granite,
     "granite-tied-bias": granite_tied_bias,
     "granite-base": granite_base,
+    "starcoder2": starcoder2,
+    "starcoder2-untied": starcoder2_untied,
+    "starcoder2-cls": starcoder2_cls,
 }

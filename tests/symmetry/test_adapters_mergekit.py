@@ -4,6 +4,7 @@ constraints are shown to be real (a forbidden map moves the logits) and its extr
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers as T
 
@@ -51,3 +52,18 @@ def test_granite_multipliers_are_active_and_commute_with_rotations():
     report = verify_model(model, "orthogonal", seed=3)
     assert report.classes["res"] == "orthogonal"
     assert report.compared and report.max_abs_diff <= TOLERANCE
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm with bias on the stream: only rotations that fix the all-ones vector
+
+
+@pytest.mark.parametrize("case", ["starcoder2", "starcoder2-cls"])
+def test_layernorm_stream_rotations_must_fix_ones(case):
+    """Negative control: on the canonical form a rotation fixing 1 keeps the logits, a generic one
+    (which LayerNorm's mean subtraction does not commute with) moves them."""
+    model = tiny.FACTORIES[case](0)
+    graph = graph_for(model.config, model.state_dict().keys())
+    assert graph.spaces["res"].max_class == "orthogonal" and graph.spaces["res"].centered
+    assert _rotate_stream(model, fix_ones=True) <= TOLERANCE
+    assert _rotate_stream(model, fix_ones=False) > 1e-3

@@ -24,6 +24,7 @@ from hf_rebasin.symmetry.adapters import (
     olmo2,
     phi3,
     siglip,
+    starcoder2,
     t5,
     vit,
 )
@@ -87,6 +88,7 @@ for _spec in (
     t5.T5,
     t5.MT5,
     granite.SPEC,
+    starcoder2.SPEC,
 ):
     REGISTRY.register(_spec)
 
