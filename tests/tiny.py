@@ -697,6 +697,25 @@ def starcoder2_cls(seed: int = 0) -> torch.nn.Module:
     return _starcoder2(T.Starcoder2ForSequenceClassification, seed, num_labels=3, pad_token_id=0)
 
 
+def _stablelm(cls: type, seed: int, tied: bool = False, **kw: object) -> torch.nn.Module:
+    """GQA, LayerNorms with bias, partial rotary (0.25: 2 of 8 features per head rotate)."""
+    return _llama_like(cls, T.StableLmConfig, seed, tied=tied, bos_token_id=1, eos_token_id=2, **kw)
+
+
+def stablelm(seed: int = 0) -> torch.nn.Module:
+    """StableLM-2-1.6B's layout: a sequential residual, q/k/v biases, untied head."""
+    return _stablelm(T.StableLmForCausalLM, seed, use_qkv_bias=True)
+
+
+def stablelm_parallel(seed: int = 0) -> torch.nn.Module:
+    """A parallel residual (attention and MLP read one ``input_layernorm``), tied head, no biases."""
+    return _stablelm(T.StableLmForCausalLM, seed, tied=True, use_parallel_residual=True)
+
+
+def stablelm_cls(seed: int = 0) -> torch.nn.Module:
+    return _stablelm(T.StableLmForSequenceClassification, seed, num_labels=3, pad_token_id=0, use_qkv_bias=True)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -755,4 +774,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "starcoder2": starcoder2,
     "starcoder2-untied": starcoder2_untied,
     "starcoder2-cls": starcoder2_cls,
+    "stablelm": stablelm,
+    "stablelm-parallel": stablelm_parallel,
+    "stablelm-cls": stablelm_cls,
 }

@@ -10,10 +10,11 @@ import transformers as T
 
 import tiny
 from hf_rebasin.alignment.verify import TOLERANCE, example_inputs, outputs_of, verify_model
+from hf_rebasin.core.errors import UnsupportedArchitectureError
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters import REGISTRY, graph_for
 from hf_rebasin.symmetry.canonical import canonicalize
-from hf_rebasin.symmetry.transforms import AxisMap, random_orthogonal
+from hf_rebasin.symmetry.transforms import AxisMap, HeadMap, random_orthogonal
 
 
 def _logits(model: torch.nn.Module, seed: int = 7) -> torch.Tensor:
@@ -67,3 +68,30 @@ def test_layernorm_stream_rotations_must_fix_ones(case):
     assert graph.spaces["res"].max_class == "orthogonal" and graph.spaces["res"].centered
     assert _rotate_stream(model, fix_ones=True) <= TOLERANCE
     assert _rotate_stream(model, fix_ones=False) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# StableLM: per-head q/k LayerNorms are refused, and why
+
+
+def test_stablelm_qk_layernorm_is_refused_because_heads_own_their_norms():
+    """Each head's query/key LayerNorm is a module of its own: permuting heads without moving them
+    (all a binding could do) moves the logits, so such a model is refused, naming the option."""
+    torch.manual_seed(0)
+    cfg = T.StableLmConfig(
+        vocab_size=tiny.V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, max_position_embeddings=64, qk_layernorm=True, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = tiny._randomize_norms(T.StableLmForCausalLM(cfg), 0)
+    sd = model.state_dict()
+    with pytest.raises(UnsupportedArchitectureError, match="qk_layernorm"):
+        graph_for(model.config, sd.keys())
+    norms = {k: v for k, v in sd.items() if "_layernorm.norms." in k}
+    plain = T.StableLmConfig(**{**cfg.to_dict(), "qk_layernorm": False})
+    graph = graph_for(plain, [k for k in sd if k not in norms])
+    t = graph.identity()
+    ident = t["layers.0.attn"]
+    assert isinstance(ident, HeadMap)
+    t["layers.0.attn"] = HeadMap(torch.tensor([1, 0]), ident.q_perm, ident.qk, ident.vo)  # swap the KV groups
+    moved = graph.apply({k: v for k, v in sd.items() if k not in norms}, t)
+    assert _gap(model, {**moved, **norms}) > 1e-3

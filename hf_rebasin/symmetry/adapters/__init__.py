@@ -24,6 +24,7 @@ from hf_rebasin.symmetry.adapters import (
     olmo2,
     phi3,
     siglip,
+    stablelm,
     starcoder2,
     t5,
     vit,
@@ -89,6 +90,7 @@ for _spec in (
     t5.MT5,
     granite.SPEC,
     starcoder2.SPEC,
+    stablelm.SPEC,
 ):
     REGISTRY.register(_spec)
 
