@@ -716,6 +716,25 @@ def stablelm_cls(seed: int = 0) -> torch.nn.Module:
     return _stablelm(T.StableLmForSequenceClassification, seed, num_labels=3, pad_token_id=0, use_qkv_bias=True)
 
 
+def _phi(cls: type, seed: int, tied: bool = False, **kw: object) -> torch.nn.Module:
+    """Parallel attention and MLP from one LayerNorm, biases everywhere (``lm_head`` too), GQA."""
+    return _llama_like(cls, T.PhiConfig, seed, tied=tied, bos_token_id=1, eos_token_id=2, **kw)
+
+
+def phi(seed: int = 0) -> torch.nn.Module:
+    """Phi-2's layout: half of each head rotates (Q/K fixed), an untied head with a bias."""
+    return _phi(T.PhiForCausalLM, seed)
+
+
+def phi_qk(seed: int = 0) -> torch.nn.Module:
+    """``qk_layernorm`` with full rotary (the q/k norms alone fix Q/K), a tied head."""
+    return _phi(T.PhiForCausalLM, seed, tied=True, qk_layernorm=True, partial_rotary_factor=1.0)
+
+
+def phi_cls(seed: int = 0) -> torch.nn.Module:
+    return _phi(T.PhiForSequenceClassification, seed, num_labels=3, pad_token_id=0)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -777,4 +796,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "stablelm": stablelm,
     "stablelm-parallel": stablelm_parallel,
     "stablelm-cls": stablelm_cls,
+    "phi": phi,
+    "phi-qk": phi_qk,
+    "phi-cls": phi_cls,
 }

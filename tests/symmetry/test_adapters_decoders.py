@@ -1,7 +1,8 @@
-"""Qwen3, Phi-3, GPT-NeoX and StableLM: head spaces whose Q/K inner maps are fixed (q/k norms, partial rotary),
-fused projections (q | k | v with fewer K/V heads, gate | up, q | k | v per head) and a parallel
-residual. `test_adapters` proves every allowed transform; here the forbidden ones really move the
-outputs, every strategy keeps Q/K inner maps the identity, and the CLI verifies and merges them."""
+"""Qwen3, Phi-3, GPT-NeoX, StableLM and Phi: head spaces whose Q/K inner maps are fixed (q/k norms,
+partial rotary), fused projections (q | k | v with fewer K/V heads, gate | up, q | k | v per head)
+and a parallel residual. `test_adapters` proves every allowed transform; here the forbidden ones
+really move the outputs, every strategy keeps Q/K inner maps the identity, and the CLI verifies and
+merges them."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ from hf_rebasin.symmetry.transforms import (
     rotary_plane_rotations,
 )
 
-FAMILIES = ["qwen3-tied", "phi3", "gpt-neox", "stablelm"]
-PARALLEL = {"gpt-neox", "stablelm-parallel"}  # one sublayer per layer: attention and MLP read one stream
+FAMILIES = ["qwen3-tied", "phi3", "gpt-neox", "stablelm", "phi"]
+PARALLEL = {"gpt-neox", "stablelm-parallel", "phi"}  # one sublayer per layer: attention and MLP read one stream
 DATA_FREE = ["weight-matching", "transfusion", "generalized-orthogonal"]
 ATTN = "layers.0.attn"
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -93,6 +94,8 @@ def test_qk_rule_per_family():
         "gpt-neox-sequential": ("fixed", "2 of 8"),
         "stablelm": ("fixed", "2 of 8"),
         "stablelm-parallel": ("fixed", "2 of 8"),
+        "phi": ("fixed", "4 of 8"),
+        "phi-qk": ("fixed", "q_layernorm"),  # full rotary: the q/k norms fix Q/K
     }
     for case, (mode, reason) in want.items():
         model = _model(case)
@@ -141,7 +144,7 @@ def test_qwen3_qk_plane_rotation_is_refused_and_wrong():
     assert _logits_gap(llama, lgraph.apply(llama.state_dict(), _with_qk(lgraph, rot))) <= TOLERANCE
 
 
-@pytest.mark.parametrize("case", ["phi3", "gpt-neox", "stablelm"])
+@pytest.mark.parametrize("case", ["phi3", "gpt-neox", "stablelm", "phi"])
 def test_partial_rotary_refuses_rotations_that_mix_rotated_and_pass_through_features(case):
     """Partial rotary: the full-head rotary pairing (j, j + head_dim/2) puts a rotated feature and a
     pass-through one in a "plane": rotating it (what `planes` would allow) changes the scores, and
@@ -308,7 +311,9 @@ def test_ignore_heads_is_refused_for_per_head_qkv():
 # Parallel residual: both sublayers read the stream that enters the layer
 
 
-@pytest.mark.parametrize("case", ["gpt-neox", "gpt-neox-sequential", "llama-gqa", "stablelm", "stablelm-parallel"])
+@pytest.mark.parametrize(
+    "case", ["gpt-neox", "gpt-neox-sequential", "llama-gqa", "stablelm", "stablelm-parallel", "phi"]
+)
 def test_streams_follow_the_data_flow(case):
     """Whatever order the modules run in, the stream a norm reads is the embeddings plus the outputs
     of every writer on an earlier stream: with a parallel residual the MLP's norm reads the stream
@@ -343,7 +348,7 @@ def test_streams_follow_the_data_flow(case):
         assert streams[ln2] == (1 if parallel else 3)
 
 
-@pytest.mark.parametrize("case", ["gpt-neox", "gpt-neox-sequential", "phi3", "stablelm", "stablelm-parallel"])
+@pytest.mark.parametrize("case", ["gpt-neox", "gpt-neox-sequential", "phi3", "stablelm", "stablelm-parallel", "phi"])
 def test_matching_recovers_a_permutation_per_stream(case):
     """Residual maps per sublayer (transport): one permutation per stream, per-head q | k | v and
     fused gate | up included, is recovered exactly."""

@@ -4,16 +4,19 @@ constraints are shown to be real (a forbidden map moves the logits) and its extr
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers as T
 
 import tiny
 from hf_rebasin.alignment.verify import TOLERANCE, example_inputs, outputs_of, verify_model
-from hf_rebasin.core.errors import UnsupportedArchitectureError
+from hf_rebasin.core.errors import TransformError, UnsupportedArchitectureError
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters import REGISTRY, graph_for
 from hf_rebasin.symmetry.canonical import canonicalize
+from hf_rebasin.symmetry.spaces import HeadSpace
 from hf_rebasin.symmetry.transforms import AxisMap, HeadMap, random_orthogonal
 
 
@@ -95,3 +98,36 @@ def test_stablelm_qk_layernorm_is_refused_because_heads_own_their_norms():
     t["layers.0.attn"] = HeadMap(torch.tensor([1, 0]), ident.q_perm, ident.qk, ident.vo)  # swap the KV groups
     moved = graph.apply({k: v for k, v in sd.items() if k not in norms}, t)
     assert _gap(model, {**moved, **norms}) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# Phi: qk_layernorm fixes Q/K even under full rotary
+
+
+def _plane_rotation(dh: int, i: int, j: int, angle: float = 1.0) -> torch.Tensor:
+    """A ``[dh, dh]`` rotation of the plane of features (i, j)."""
+    m = torch.eye(dh, dtype=torch.float64)
+    c, s = math.cos(angle), math.sin(angle)
+    m[i, i], m[j, j], m[i, j], m[j, i] = c, c, -s, s
+    return m
+
+
+def test_phi_qk_layernorm_fixes_qk_under_full_rotary():
+    """Negative control: with every feature rotating, a rotation of one rotary plane (j, j + dh/2)
+    is what RoPE allows, yet q_layernorm/k_layernorm (γ and β per feature, a mean over the head)
+    make it change the logits; the same rotation of V/O is exact and allowed."""
+    model = tiny.FACTORIES["phi-qk"](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    space = graph.spaces["layers.0.attn"]
+    assert isinstance(space, HeadSpace) and space.qk == "fixed" and "q_layernorm" in space.reason
+    rot = _plane_rotation(space.head_dim, 0, space.head_dim // 2).expand(space.num_kv_heads, -1, -1).clone()
+    t = graph.identity()
+    ident = t["layers.0.attn"]
+    assert isinstance(ident, HeadMap)
+    t["layers.0.attn"] = HeadMap(ident.kv_perm, ident.q_perm, rot, ident.vo)
+    with pytest.raises(TransformError, match="fixes its Q/K"):
+        graph.apply(sd, t)
+    assert _gap(model, graph.apply(sd, t, check=False)) > 1e-3
+    t["layers.0.attn"] = HeadMap(ident.kv_perm, ident.q_perm, ident.qk, rot)
+    assert _gap(model, graph.apply(sd, t)) <= TOLERANCE

@@ -22,6 +22,7 @@ from hf_rebasin.symmetry.adapters import (
     modernbert,
     moe,
     olmo2,
+    phi,
     phi3,
     siglip,
     stablelm,
@@ -91,6 +92,7 @@ for _spec in (
     granite.SPEC,
     starcoder2.SPEC,
     stablelm.SPEC,
+    phi.SPEC,
 ):
     REGISTRY.register(_spec)
 
