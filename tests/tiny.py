@@ -735,6 +735,30 @@ def phi_cls(seed: int = 0) -> torch.nn.Module:
     return _phi(T.PhiForSequenceClassification, seed, num_labels=3, pad_token_id=0)
 
 
+def cohere(seed: int = 0) -> torch.nn.Module:
+    """Parallel residual, LayerNorms without bias, interleaved rotary pairs, GQA, tied head, a
+    ``logit_scale`` of 0.5 (the others 1: logits of O(1) keep the checks sharp)."""
+    return _llama_like(
+        T.CohereForCausalLM, T.CohereConfig, seed, tied=True, bos_token_id=1, eos_token_id=2, logit_scale=0.5
+    )
+
+
+def cohere_qk(seed: int = 0) -> torch.nn.Module:
+    """``use_qk_norm`` (a γ per feature of every head), q/k/v/o biases, untied head."""
+    return _llama_like(
+        T.CohereForCausalLM, T.CohereConfig, seed, tied=False, bos_token_id=1, eos_token_id=2,
+        use_qk_norm=True, attention_bias=True, logit_scale=1.0,
+    )  # fmt: skip
+
+
+def cohere2(seed: int = 0) -> torch.nn.Module:
+    """A sliding-window layer (rotary) then a global one (no positions), the window shorter than the inputs."""
+    return _llama_like(
+        T.Cohere2ForCausalLM, T.Cohere2Config, seed, tied=True, bos_token_id=1, eos_token_id=2,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4, logit_scale=1.0,
+    )  # fmt: skip
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -799,4 +823,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "phi": phi,
     "phi-qk": phi_qk,
     "phi-cls": phi_cls,
+    "cohere": cohere,
+    "cohere-qk": cohere_qk,
+    "cohere2": cohere2,
 }

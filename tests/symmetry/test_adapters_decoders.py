@@ -1,8 +1,8 @@
-"""Qwen3, Phi-3, GPT-NeoX, StableLM and Phi: head spaces whose Q/K inner maps are fixed (q/k norms,
-partial rotary), fused projections (q | k | v with fewer K/V heads, gate | up, q | k | v per head)
-and a parallel residual. `test_adapters` proves every allowed transform; here the forbidden ones
-really move the outputs, every strategy keeps Q/K inner maps the identity, and the CLI verifies and
-merges them."""
+"""Qwen3, Phi-3, GPT-NeoX, StableLM, Phi and Cohere: head spaces whose Q/K inner maps are fixed (q/k
+norms, partial or interleaved rotary), fused projections (q | k | v with fewer K/V heads, gate | up,
+q | k | v per head) and a parallel residual. `test_adapters` proves every allowed transform; here the
+forbidden ones really move the outputs, every strategy keeps Q/K inner maps the identity, and the
+CLI verifies and merges them."""
 
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ from hf_rebasin.symmetry.transforms import (
     rotary_plane_rotations,
 )
 
-FAMILIES = ["qwen3-tied", "phi3", "gpt-neox", "stablelm", "phi"]
-PARALLEL = {"gpt-neox", "stablelm-parallel", "phi"}  # one sublayer per layer: attention and MLP read one stream
+FAMILIES = ["qwen3-tied", "phi3", "gpt-neox", "stablelm", "phi", "cohere-qk"]
+# one sublayer per layer: attention and MLP read one stream
+PARALLEL = {"gpt-neox", "stablelm-parallel", "phi", "cohere", "cohere-qk"}
 DATA_FREE = ["weight-matching", "transfusion", "generalized-orthogonal"]
 ATTN = "layers.0.attn"
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -96,6 +97,8 @@ def test_qk_rule_per_family():
         "stablelm-parallel": ("fixed", "2 of 8"),
         "phi": ("fixed", "4 of 8"),
         "phi-qk": ("fixed", "q_layernorm"),  # full rotary: the q/k norms fix Q/K
+        "cohere": ("fixed", "interleaved"),  # rotary pairs (2j, 2j + 1), not (j, j + head_dim/2)
+        "cohere2": ("fixed", "interleaved"),
     }
     for case, (mode, reason) in want.items():
         model = _model(case)
@@ -312,7 +315,7 @@ def test_ignore_heads_is_refused_for_per_head_qkv():
 
 
 @pytest.mark.parametrize(
-    "case", ["gpt-neox", "gpt-neox-sequential", "llama-gqa", "stablelm", "stablelm-parallel", "phi"]
+    "case", ["gpt-neox", "gpt-neox-sequential", "llama-gqa", "stablelm", "stablelm-parallel", "phi", "cohere-qk"]
 )
 def test_streams_follow_the_data_flow(case):
     """Whatever order the modules run in, the stream a norm reads is the embeddings plus the outputs
@@ -348,7 +351,9 @@ def test_streams_follow_the_data_flow(case):
         assert streams[ln2] == (1 if parallel else 3)
 
 
-@pytest.mark.parametrize("case", ["gpt-neox", "gpt-neox-sequential", "phi3", "stablelm", "stablelm-parallel", "phi"])
+@pytest.mark.parametrize(
+    "case", ["gpt-neox", "gpt-neox-sequential", "phi3", "stablelm", "stablelm-parallel", "phi", "cohere"]
+)
 def test_matching_recovers_a_permutation_per_stream(case):
     """Residual maps per sublayer (transport): one permutation per stream, per-head q | k | v and
     fused gate | up included, is recovered exactly."""

@@ -62,10 +62,11 @@ def test_granite_multipliers_are_active_and_commute_with_rotations():
 # LayerNorm with bias on the stream: only rotations that fix the all-ones vector
 
 
-@pytest.mark.parametrize("case", ["starcoder2", "starcoder2-cls"])
+@pytest.mark.parametrize("case", ["starcoder2", "starcoder2-cls", "stablelm-parallel", "phi", "cohere"])
 def test_layernorm_stream_rotations_must_fix_ones(case):
     """Negative control: on the canonical form a rotation fixing 1 keeps the logits, a generic one
-    (which LayerNorm's mean subtraction does not commute with) moves them."""
+    (which LayerNorm's mean subtraction does not commute with) moves them. Cohere's LayerNorm has no
+    β but subtracts the mean all the same."""
     model = tiny.FACTORIES[case](0)
     graph = graph_for(model.config, model.state_dict().keys())
     assert graph.spaces["res"].max_class == "orthogonal" and graph.spaces["res"].centered
@@ -131,3 +132,52 @@ def test_phi_qk_layernorm_fixes_qk_under_full_rotary():
     assert _gap(model, graph.apply(sd, t, check=False)) > 1e-3
     t["layers.0.attn"] = HeadMap(ident.kv_perm, ident.q_perm, ident.qk, rot)
     assert _gap(model, graph.apply(sd, t)) <= TOLERANCE
+
+
+# ---------------------------------------------------------------------------------------------
+# Cohere: interleaved rotary pairs, per-head q/k norms
+
+
+def _with_inner(graph, qk: torch.Tensor | None = None, kv_perm: torch.Tensor | None = None):
+    """The identity transform but for layer 0's heads: Q/K inner map ``qk`` in every KV head, KV
+    heads in the order ``kv_perm``."""
+    t = graph.identity()
+    ident = t["layers.0.attn"]
+    assert isinstance(ident, HeadMap)
+    inner = ident.qk if qk is None else qk.expand(ident.kv_perm.numel(), -1, -1).clone()
+    t["layers.0.attn"] = HeadMap(ident.kv_perm if kv_perm is None else kv_perm, ident.q_perm, inner, ident.vo)
+    return t
+
+
+@pytest.mark.parametrize("case", ["cohere", "cohere2"])
+def test_cohere_rotary_pairs_are_interleaved(case):
+    """Cohere rotates feature pairs (2j, 2j + 1): rotating Llama's plane (0, head_dim/2) in Q and K
+    moves the logits (and is refused: Q/K are fixed), rotating the interleaved pair (0, 1) is exact,
+    the freedom the fixed rule gives up."""
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    space = graph.spaces["layers.0.attn"]
+    assert isinstance(space, HeadSpace) and space.qk == "fixed" and "interleaved" in space.reason
+    dh = space.head_dim
+    llama_plane = _with_inner(graph, _plane_rotation(dh, 0, dh // 2))
+    with pytest.raises(TransformError, match="fixes its Q/K"):
+        graph.apply(sd, llama_plane)
+    assert _gap(model, graph.apply(sd, llama_plane, check=False)) > 1e-3
+    assert _gap(model, graph.apply(sd, _with_inner(graph, _plane_rotation(dh, 0, 1)), check=False)) <= TOLERANCE
+
+
+def test_cohere_qk_norms_follow_their_heads():
+    """``q_norm`` / ``k_norm`` hold a γ per feature of every head (``[heads, head_dim]``): swapping the
+    KV groups moves their rows with the heads (exact); the same swap with the norms left in place
+    moves the logits."""
+    model = tiny.FACTORIES["cohere-qk"](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    t = _with_inner(graph, kv_perm=torch.tensor([1, 0]))
+    moved = graph.apply(sd, t)
+    q_norm = "model.layers.0.self_attn.q_norm.weight"
+    torch.testing.assert_close(moved[q_norm], sd[q_norm][[2, 3, 0, 1]])
+    assert _gap(model, moved) <= TOLERANCE
+    norms = {k: sd[k] for k in sd if k.endswith(("q_norm.weight", "k_norm.weight"))}
+    assert _gap(model, {**moved, **norms}) > 1e-3

@@ -12,6 +12,7 @@ from hf_rebasin.symmetry.adapters import (
     bart,
     bert,
     clip,
+    cohere,
     dinov2,
     distilbert,
     gemma,
@@ -93,6 +94,8 @@ for _spec in (
     starcoder2.SPEC,
     stablelm.SPEC,
     phi.SPEC,
+    cohere.SPEC,
+    cohere.COHERE2,
 ):
     REGISTRY.register(_spec)
 
