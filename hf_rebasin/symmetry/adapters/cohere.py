@@ -6,8 +6,8 @@ the all-ones vector. ``logit_scale`` multiplies the logits: a scalar on a basis-
 
 Their rotary embeddings rotate interleaved pairs of features, (2j, 2j + 1), not Llama's
 (j, j + head_dim/2), which is the pairing the rotary-plane maps of a head space assume; so Q/K inner
-maps are fixed, V/O stay free (Cohere 2's global layers, which have no rotary embeddings at all,
-are fixed alike: a subgroup, still exact). Cohere's optional ``use_qk_norm`` LayerNorms hold one γ
+maps are fixed, V/O stay free. Cohere 2's global (``full_attention``) layers have no position
+embeddings at all: their Q/K inner maps are free. Cohere's optional ``use_qk_norm`` LayerNorms hold one γ
 per feature of every head, ``[heads, head_dim]``: read as one vector over the query (key) features,
 they permute with the heads; they fix Q/K too."""
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from hf_rebasin.symmetry.adapters.base import Dims, HeadsT, NormT, SpaceT, SublayerT
 from hf_rebasin.symmetry.adapters.llama import ATTN, MLP, L
@@ -59,6 +60,20 @@ SPEC = dataclasses.replace(
     norm_type="layernorm",
 )
 
+
+def _cohere2_layers(c: Any) -> dict[str, Any]:
+    """One head space per layer: rotary (interleaved: Q/K fixed) in sliding-window layers, none in
+    global ones (Q/K free)."""
+    types = getattr(c, "layer_types", None) or ["sliding_attention"] * c.num_hidden_layers
+    heads = tuple(
+        HeadsT(ATTN.format(i=i), kv_heads="kv_heads", rotary=True, qk="fixed", reason=INTERLEAVED)
+        if kind == "sliding_attention"
+        else HeadsT(ATTN.format(i=i), kv_heads="kv_heads")
+        for i, kind in enumerate(types)
+    )
+    return {"spaces": (SPEC.spaces[0], *heads, SPEC.spaces[2])}
+
+
 # Cohere 2: the same tensors (no q/k norms); sliding-window layers with rotary embeddings, global
 # layers without
-COHERE2 = dataclasses.replace(SPEC, family="cohere2", model_types=("cohere2",))
+COHERE2 = dataclasses.replace(SPEC, family="cohere2", model_types=("cohere2",), configured=_cohere2_layers)
