@@ -759,6 +759,40 @@ def cohere2(seed: int = 0) -> torch.nn.Module:
     )  # fmt: skip
 
 
+def _falcon(cls: type, seed: int, **kw: object) -> torch.nn.Module:
+    _seed(seed)
+    cfg = T.FalconConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=48,
+        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, **kw,
+    )  # fmt: skip
+    return _randomize_norms(cls(cfg), seed)
+
+
+def falcon(seed: int = 0) -> torch.nn.Module:
+    """Falcon-40B's layout: new_decoder_architecture, 2 KV groups in the fused qkv, ln_attn / ln_mlp."""
+    return _falcon(T.FalconForCausalLM, seed, new_decoder_architecture=True, num_kv_heads=2)
+
+
+def falcon_mqa(seed: int = 0) -> torch.nn.Module:
+    """Falcon-7B's layout: multi-query (one K/V head), parallel attention from one input_layernorm,
+    biases, an untied head."""
+    return _falcon(
+        T.FalconForCausalLM, seed, multi_query=True, parallel_attn=True, bias=True, tie_word_embeddings=False
+    )
+
+
+def falcon_sequential(seed: int = 0) -> torch.nn.Module:
+    """Multi-head attention (q | k | v per head), attention then MLP, rotary."""
+    return _falcon(T.FalconForCausalLM, seed, multi_query=False, parallel_attn=False)
+
+
+def falcon_cls(seed: int = 0) -> torch.nn.Module:
+    return _falcon(
+        T.FalconForSequenceClassification, seed, new_decoder_architecture=True, num_kv_heads=2, num_labels=3,
+        pad_token_id=0,
+    )  # fmt: skip
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -826,4 +860,8 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "cohere": cohere,
     "cohere-qk": cohere_qk,
     "cohere2": cohere2,
+    "falcon": falcon,
+    "falcon-mqa": falcon_mqa,
+    "falcon-sequential": falcon_sequential,
+    "falcon-cls": falcon_cls,
 }

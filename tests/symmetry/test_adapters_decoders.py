@@ -41,7 +41,7 @@ from hf_rebasin.symmetry.transforms import (
 
 FAMILIES = ["qwen3-tied", "phi3", "gpt-neox", "stablelm", "phi", "cohere-qk"]
 # one sublayer per layer: attention and MLP read one stream
-PARALLEL = {"gpt-neox", "stablelm-parallel", "phi", "cohere", "cohere-qk"}
+PARALLEL = {"gpt-neox", "stablelm-parallel", "phi", "cohere", "cohere-qk", "falcon", "falcon-mqa"}
 DATA_FREE = ["weight-matching", "transfusion", "generalized-orthogonal"]
 ATTN = "layers.0.attn"
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -315,7 +315,19 @@ def test_ignore_heads_is_refused_for_per_head_qkv():
 
 
 @pytest.mark.parametrize(
-    "case", ["gpt-neox", "gpt-neox-sequential", "llama-gqa", "stablelm", "stablelm-parallel", "phi", "cohere-qk"]
+    "case",
+    [
+        "gpt-neox",
+        "gpt-neox-sequential",
+        "llama-gqa",
+        "stablelm",
+        "stablelm-parallel",
+        "phi",
+        "cohere-qk",
+        "falcon",
+        "falcon-mqa",
+        "falcon-sequential",
+    ],
 )
 def test_streams_follow_the_data_flow(case):
     """Whatever order the modules run in, the stream a norm reads is the embeddings plus the outputs
@@ -352,7 +364,18 @@ def test_streams_follow_the_data_flow(case):
 
 
 @pytest.mark.parametrize(
-    "case", ["gpt-neox", "gpt-neox-sequential", "phi3", "stablelm", "stablelm-parallel", "phi", "cohere"]
+    "case",
+    [
+        "gpt-neox",
+        "gpt-neox-sequential",
+        "phi3",
+        "stablelm",
+        "stablelm-parallel",
+        "phi",
+        "cohere",
+        "falcon",
+        "falcon-sequential",
+    ],
 )
 def test_matching_recovers_a_permutation_per_stream(case):
     """Residual maps per sublayer (transport): one permutation per stream, per-head q | k | v and

@@ -1,9 +1,11 @@
-"""Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi): what is particular to each family.
-`test_adapters` proves every allowed transform on their tiny models; here the family's own
-constraints are shown to be real (a forbidden map moves the logits) and its extras to be active."""
+"""Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon): what is particular
+to each family. `test_adapters` proves every allowed transform on their tiny models; here the
+family's own constraints are shown to be real (a forbidden map moves the logits) and its extras to
+be active."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,8 +18,9 @@ from hf_rebasin.core.errors import TransformError, UnsupportedArchitectureError
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters import REGISTRY, graph_for
 from hf_rebasin.symmetry.canonical import canonicalize
-from hf_rebasin.symmetry.spaces import HeadSpace
-from hf_rebasin.symmetry.transforms import AxisMap, HeadMap, random_orthogonal
+from hf_rebasin.symmetry.graph import SymmetryGraph
+from hf_rebasin.symmetry.spaces import Binding, Fused, HeadSpace
+from hf_rebasin.symmetry.transforms import AxisMap, HeadMap, Transform, random_orthogonal
 
 
 def _logits(model: torch.nn.Module, seed: int = 7) -> torch.Tensor:
@@ -138,14 +141,19 @@ def test_phi_qk_layernorm_fixes_qk_under_full_rotary():
 # Cohere: interleaved rotary pairs, per-head q/k norms
 
 
-def _with_inner(graph, qk: torch.Tensor | None = None, kv_perm: torch.Tensor | None = None):
-    """The identity transform but for layer 0's heads: Q/K inner map ``qk`` in every KV head, KV
-    heads in the order ``kv_perm``."""
+def _with_inner(
+    graph: SymmetryGraph,
+    qk: torch.Tensor | None = None,
+    kv_perm: torch.Tensor | None = None,
+    head: str = "layers.0.attn",
+) -> Transform:
+    """The identity transform but for the heads of space ``head``: Q/K inner map ``qk`` in every KV
+    head, KV heads in the order ``kv_perm``."""
     t = graph.identity()
-    ident = t["layers.0.attn"]
+    ident = t[head]
     assert isinstance(ident, HeadMap)
     inner = ident.qk if qk is None else qk.expand(ident.kv_perm.numel(), -1, -1).clone()
-    t["layers.0.attn"] = HeadMap(ident.kv_perm if kv_perm is None else kv_perm, ident.q_perm, inner, ident.vo)
+    t[head] = HeadMap(ident.kv_perm if kv_perm is None else kv_perm, ident.q_perm, inner, ident.vo)
     return t
 
 
@@ -181,3 +189,42 @@ def test_cohere_qk_norms_follow_their_heads():
     assert _gap(model, moved) <= TOLERANCE
     norms = {k: sd[k] for k in sd if k.endswith(("q_norm.weight", "k_norm.weight"))}
     assert _gap(model, {**moved, **norms}) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# Falcon: query_key_value per KV group; ALiBi refused
+
+
+@pytest.mark.parametrize("case", ["falcon", "falcon-sequential"])
+def test_falcon_qkv_is_laid_out_per_kv_group(case):
+    """A KV-head permutation on ``query_key_value`` read per KV group (its query heads | k | v) is
+    exact; the same transform with the axis read as three blocks q | k | v moves the logits."""
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    space = graph.spaces["h.0.attn"]
+    assert isinstance(space, HeadSpace) and space.num_kv_heads == (2 if case == "falcon" else 4)
+    t = _with_inner(graph, kv_perm=torch.arange(space.num_kv_heads).flip(0), head="h.0.attn")
+    assert _gap(model, graph.apply(sd, t)) <= TOLERANCE
+    blocks = {
+        k: Binding(k, tuple(Fused(a.parts) if isinstance(a, Fused) else a for a in b.axes), b.norm_scale)
+        for k, b in graph.bindings.items()
+    }
+    assert _gap(model, dataclasses.replace(graph, bindings=blocks).apply(sd, t)) > 1e-3
+
+
+def test_falcon_alibi_is_refused_because_slopes_pin_the_heads():
+    """ALiBi's slope belongs to a head position: permuting heads (exact under rotary) moves the logits
+    of an ALiBi model, so one is refused, naming the option."""
+    torch.manual_seed(0)
+    cfg = T.FalconConfig(
+        vocab_size=tiny.V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=48,
+        alibi=True, multi_query=False, parallel_attn=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = tiny._randomize_norms(T.FalconForCausalLM(cfg), 0)
+    sd = model.state_dict()
+    with pytest.raises(UnsupportedArchitectureError, match="alibi"):
+        graph_for(model.config, sd.keys())
+    graph = graph_for(T.FalconConfig(**{**cfg.to_dict(), "alibi": False}), sd.keys())
+    t = _with_inner(graph, kv_perm=torch.tensor([1, 0, 3, 2]), head="h.0.attn")
+    assert _gap(model, graph.apply(sd, t)) > 1e-3

@@ -15,6 +15,7 @@ from hf_rebasin.symmetry.adapters import (
     cohere,
     dinov2,
     distilbert,
+    falcon,
     gemma,
     gpt2,
     gpt_neox,
@@ -96,6 +97,7 @@ for _spec in (
     phi.SPEC,
     cohere.SPEC,
     cohere.COHERE2,
+    falcon.SPEC,
 ):
     REGISTRY.register(_spec)
 
