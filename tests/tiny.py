@@ -695,6 +695,146 @@ def whisper_cls(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(T.WhisperForAudioClassification(_whisper_config(num_labels=3)), seed)
 
 
+# ---- decoders mergekit merges: Granite (scalar multipliers), StarCoder2, StableLM, Phi ----
+
+# Granite's four scalars, far from 1 so that a map that failed to commute with them would show
+GRANITE_SCALARS = {
+    "embedding_multiplier": 3.0,
+    "residual_multiplier": 0.5,
+    "attention_multiplier": 0.2,
+    "logits_scaling": 4.0,
+}
+
+
+def granite(seed: int = 0, tied: bool = False, **kw: object) -> torch.nn.Module:
+    """GQA, untied head, the four multipliers set (none is 1)."""
+    return _llama_like(T.GraniteForCausalLM, T.GraniteConfig, seed, tied=tied, **GRANITE_SCALARS, **kw)
+
+
+def granite_tied_bias(seed: int = 0) -> torch.nn.Module:
+    """Tied head, attention and MLP biases."""
+    return granite(seed, tied=True, attention_bias=True, mlp_bias=True)
+
+
+def granite_base(seed: int = 0) -> torch.nn.Module:
+    """``GraniteModel``: its final norm's output is the model's output."""
+    return _llama_like(T.GraniteModel, T.GraniteConfig, seed, tied=False, **GRANITE_SCALARS)
+
+
+def _starcoder2(cls: type, seed: int, tied: bool = True, **kw: object) -> torch.nn.Module:
+    """GQA, rotary, LayerNorms with bias, every projection biased, a GELU MLP."""
+    return _llama_like(cls, T.Starcoder2Config, seed, tied=tied, **kw)
+
+
+def starcoder2(seed: int = 0) -> torch.nn.Module:
+    return _starcoder2(T.Starcoder2ForCausalLM, seed)
+
+
+def starcoder2_untied(seed: int = 0) -> torch.nn.Module:
+    """Untied head and no biases (``use_bias: false``)."""
+    return _starcoder2(T.Starcoder2ForCausalLM, seed, tied=False, use_bias=False)
+
+
+def starcoder2_cls(seed: int = 0) -> torch.nn.Module:
+    return _starcoder2(T.Starcoder2ForSequenceClassification, seed, num_labels=3, pad_token_id=0)
+
+
+def _stablelm(cls: type, seed: int, tied: bool = False, **kw: object) -> torch.nn.Module:
+    """GQA, LayerNorms with bias, partial rotary (0.25: 2 of 8 features per head rotate)."""
+    return _llama_like(cls, T.StableLmConfig, seed, tied=tied, bos_token_id=1, eos_token_id=2, **kw)
+
+
+def stablelm(seed: int = 0) -> torch.nn.Module:
+    """StableLM-2-1.6B's layout: a sequential residual, q/k/v biases, untied head."""
+    return _stablelm(T.StableLmForCausalLM, seed, use_qkv_bias=True)
+
+
+def stablelm_parallel(seed: int = 0) -> torch.nn.Module:
+    """A parallel residual (attention and MLP read one ``input_layernorm``), tied head, no biases."""
+    return _stablelm(T.StableLmForCausalLM, seed, tied=True, use_parallel_residual=True)
+
+
+def stablelm_cls(seed: int = 0) -> torch.nn.Module:
+    return _stablelm(T.StableLmForSequenceClassification, seed, num_labels=3, pad_token_id=0, use_qkv_bias=True)
+
+
+def _phi(cls: type, seed: int, tied: bool = False, **kw: object) -> torch.nn.Module:
+    """Parallel attention and MLP from one LayerNorm, biases everywhere (``lm_head`` too), GQA."""
+    return _llama_like(cls, T.PhiConfig, seed, tied=tied, bos_token_id=1, eos_token_id=2, **kw)
+
+
+def phi(seed: int = 0) -> torch.nn.Module:
+    """Phi-2's layout: half of each head rotates (Q/K fixed), an untied head with a bias."""
+    return _phi(T.PhiForCausalLM, seed)
+
+
+def phi_qk(seed: int = 0) -> torch.nn.Module:
+    """``qk_layernorm`` with full rotary (the q/k norms alone fix Q/K), a tied head."""
+    return _phi(T.PhiForCausalLM, seed, tied=True, qk_layernorm=True, partial_rotary_factor=1.0)
+
+
+def phi_cls(seed: int = 0) -> torch.nn.Module:
+    return _phi(T.PhiForSequenceClassification, seed, num_labels=3, pad_token_id=0)
+
+
+def cohere(seed: int = 0) -> torch.nn.Module:
+    """Parallel residual, LayerNorms without bias, interleaved rotary pairs, GQA, tied head, a
+    ``logit_scale`` of 0.5 (the others 1: logits of O(1) keep the checks sharp)."""
+    return _llama_like(
+        T.CohereForCausalLM, T.CohereConfig, seed, tied=True, bos_token_id=1, eos_token_id=2, logit_scale=0.5
+    )
+
+
+def cohere_qk(seed: int = 0) -> torch.nn.Module:
+    """``use_qk_norm`` (a γ per feature of every head), q/k/v/o biases, untied head."""
+    return _llama_like(
+        T.CohereForCausalLM, T.CohereConfig, seed, tied=False, bos_token_id=1, eos_token_id=2,
+        use_qk_norm=True, attention_bias=True, logit_scale=1.0,
+    )  # fmt: skip
+
+
+def cohere2(seed: int = 0) -> torch.nn.Module:
+    """A sliding-window layer (rotary) then a global one (no positions), the window shorter than the inputs."""
+    return _llama_like(
+        T.Cohere2ForCausalLM, T.Cohere2Config, seed, tied=True, bos_token_id=1, eos_token_id=2,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4, logit_scale=1.0,
+    )  # fmt: skip
+
+
+def _falcon(cls: type, seed: int, **kw: object) -> torch.nn.Module:
+    _seed(seed)
+    cfg = T.FalconConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=48,
+        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, **kw,
+    )  # fmt: skip
+    return _randomize_norms(cls(cfg), seed)
+
+
+def falcon(seed: int = 0) -> torch.nn.Module:
+    """Falcon-40B's layout: new_decoder_architecture, 2 KV groups in the fused qkv, ln_attn / ln_mlp."""
+    return _falcon(T.FalconForCausalLM, seed, new_decoder_architecture=True, num_kv_heads=2)
+
+
+def falcon_mqa(seed: int = 0) -> torch.nn.Module:
+    """Falcon-7B's layout: multi-query (one K/V head), parallel attention from one input_layernorm,
+    biases, an untied head."""
+    return _falcon(
+        T.FalconForCausalLM, seed, multi_query=True, parallel_attn=True, bias=True, tie_word_embeddings=False
+    )
+
+
+def falcon_sequential(seed: int = 0) -> torch.nn.Module:
+    """Multi-head attention (q | k | v per head), attention then MLP, rotary."""
+    return _falcon(T.FalconForCausalLM, seed, multi_query=False, parallel_attn=False)
+
+
+def falcon_cls(seed: int = 0) -> torch.nn.Module:
+    return _falcon(
+        T.FalconForSequenceClassification, seed, new_decoder_architecture=True, num_kv_heads=2, num_labels=3,
+        pad_token_id=0,
+    )  # fmt: skip
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -750,4 +890,23 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "whisper": whisper,
     "whisper-base": whisper_base,
     "whisper-cls": whisper_cls,
+    "granite": granite,
+    "granite-tied-bias": granite_tied_bias,
+    "granite-base": granite_base,
+    "starcoder2": starcoder2,
+    "starcoder2-untied": starcoder2_untied,
+    "starcoder2-cls": starcoder2_cls,
+    "stablelm": stablelm,
+    "stablelm-parallel": stablelm_parallel,
+    "stablelm-cls": stablelm_cls,
+    "phi": phi,
+    "phi-qk": phi_qk,
+    "phi-cls": phi_cls,
+    "cohere": cohere,
+    "cohere-qk": cohere_qk,
+    "cohere2": cohere2,
+    "falcon": falcon,
+    "falcon-mqa": falcon_mqa,
+    "falcon-sequential": falcon_sequential,
+    "falcon-cls": falcon_cls,
 }

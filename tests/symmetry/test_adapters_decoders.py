@@ -1,7 +1,8 @@
-"""Qwen3, Phi-3 and GPT-NeoX: head spaces whose Q/K inner maps are fixed (q/k norms, partial rotary),
-fused projections (q | k | v with fewer K/V heads, gate | up, q | k | v per head) and a parallel
-residual. `test_adapters` proves every allowed transform; here the forbidden ones really move the
-outputs, every strategy keeps Q/K inner maps the identity, and the CLI verifies and merges them."""
+"""Qwen3, Phi-3, GPT-NeoX, StableLM, Phi and Cohere: head spaces whose Q/K inner maps are fixed (q/k
+norms, partial or interleaved rotary), fused projections (q | k | v with fewer K/V heads, gate | up,
+q | k | v per head) and a parallel residual. `test_adapters` proves every allowed transform; here the
+forbidden ones really move the outputs, every strategy keeps Q/K inner maps the identity, and the
+CLI verifies and merges them."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ from hf_rebasin.symmetry.transforms import (
     rotary_plane_rotations,
 )
 
-FAMILIES = ["qwen3-tied", "phi3", "gpt-neox"]
+FAMILIES = ["qwen3-tied", "phi3", "gpt-neox", "stablelm", "phi", "cohere-qk"]
+# one sublayer per layer: attention and MLP read one stream
+PARALLEL = {"gpt-neox", "stablelm-parallel", "phi", "cohere", "cohere-qk", "falcon", "falcon-mqa"}
 DATA_FREE = ["weight-matching", "transfusion", "generalized-orthogonal"]
 ATTN = "layers.0.attn"
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -90,6 +93,12 @@ def test_qk_rule_per_family():
         "phi3-tied": ("planes", ""),  # full rotary: the rotary planes stay free
         "gpt-neox": ("fixed", "2 of 8"),
         "gpt-neox-sequential": ("fixed", "2 of 8"),
+        "stablelm": ("fixed", "2 of 8"),
+        "stablelm-parallel": ("fixed", "2 of 8"),
+        "phi": ("fixed", "4 of 8"),
+        "phi-qk": ("fixed", "q_layernorm"),  # full rotary: the q/k norms fix Q/K
+        "cohere": ("fixed", "interleaved"),  # rotary pairs (2j, 2j + 1), not (j, j + head_dim/2)
+        "cohere2": ("fixed", "interleaved"),
     }
     for case, (mode, reason) in want.items():
         model = _model(case)
@@ -138,7 +147,7 @@ def test_qwen3_qk_plane_rotation_is_refused_and_wrong():
     assert _logits_gap(llama, lgraph.apply(llama.state_dict(), _with_qk(lgraph, rot))) <= TOLERANCE
 
 
-@pytest.mark.parametrize("case", ["phi3", "gpt-neox"])
+@pytest.mark.parametrize("case", ["phi3", "gpt-neox", "stablelm", "phi"])
 def test_partial_rotary_refuses_rotations_that_mix_rotated_and_pass_through_features(case):
     """Partial rotary: the full-head rotary pairing (j, j + head_dim/2) puts a rotated feature and a
     pass-through one in a "plane": rotating it (what `planes` would allow) changes the scores, and
@@ -305,7 +314,21 @@ def test_ignore_heads_is_refused_for_per_head_qkv():
 # Parallel residual: both sublayers read the stream that enters the layer
 
 
-@pytest.mark.parametrize("case", ["gpt-neox", "gpt-neox-sequential", "llama-gqa"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "gpt-neox",
+        "gpt-neox-sequential",
+        "llama-gqa",
+        "stablelm",
+        "stablelm-parallel",
+        "phi",
+        "cohere-qk",
+        "falcon",
+        "falcon-mqa",
+        "falcon-sequential",
+    ],
+)
 def test_streams_follow_the_data_flow(case):
     """Whatever order the modules run in, the stream a norm reads is the embeddings plus the outputs
     of every writer on an earlier stream: with a parallel residual the MLP's norm reads the stream
@@ -333,14 +356,27 @@ def test_streams_follow_the_data_flow(case):
     for norm in norms:
         want = sum(seen[w] for w in writers if module[w] <= module[norm])
         torch.testing.assert_close(seen[norm], want, atol=1e-5, rtol=1e-5, msg=norm)
-    parallel = case == "gpt-neox"
+    parallel = case in PARALLEL
     assert max(streams.values()) == (1 if parallel else 2) * model.config.num_hidden_layers
     ln2 = "gpt_neox.layers.1.post_attention_layernorm.weight"
     if case.startswith("gpt-neox"):
         assert streams[ln2] == (1 if parallel else 3)
 
 
-@pytest.mark.parametrize("case", ["gpt-neox", "gpt-neox-sequential", "phi3"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "gpt-neox",
+        "gpt-neox-sequential",
+        "phi3",
+        "stablelm",
+        "stablelm-parallel",
+        "phi",
+        "cohere",
+        "falcon",
+        "falcon-sequential",
+    ],
+)
 def test_matching_recovers_a_permutation_per_stream(case):
     """Residual maps per sublayer (transport): one permutation per stream, per-head q | k | v and
     fused gate | up included, is recovered exactly."""
@@ -348,7 +384,7 @@ def test_matching_recovers_a_permutation_per_stream(case):
     base = model.state_dict()
     graph = graph_for(model.config, base.keys())
     split = per_sublayer(graph)
-    assert len([n for n in split.spaces if "#" in n]) == (3 if case == "gpt-neox" else 5)
+    assert len([n for n in split.spaces if "#" in n]) == (3 if case in PARALLEL else 5)
     target = split.apply(base, split.random_transform("permutation", torch.Generator().manual_seed(1)))
     alignment = align("weight-matching", Pair(graph, target, base), {"residual_maps": "per-sublayer"})
     assert is_per_sublayer(alignment.graph)

@@ -21,7 +21,20 @@ from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.transforms import AxisMap
 
 BROKEN = 1e-3
-GLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "phi3", "modernbert", "mixtral")
+GLU_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "olmo",
+    "phi3",
+    "modernbert",
+    "mixtral",
+    "granite",
+    "stablelm",
+    "cohere",
+)
 T5_GATED_CASES = ("t5", "t5-encoder", "t5-cls", "mt5")  # "t5-relu" has a plain ReLU feed-forward
 GLU_CASES = sorted(c for c in tiny.FACTORIES if c.startswith(GLU_FAMILIES) or c in T5_GATED_CASES)
 STREAM_CASES = [c for c in ("llama-tied-bias", "qwen3-tied", "gemma", "phi3", "modernbert-bias") if c in tiny.FACTORIES]

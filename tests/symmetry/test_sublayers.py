@@ -51,13 +51,23 @@ def _run_order(model, inputs) -> dict[str, int]:
     return order
 
 
+PARALLEL_ONLY = ("phi", "cohere", "cohere2")  # a parallel residual with no option to turn it off
+
+
+def _parallel(config: object) -> bool:
+    """Attention and MLP read one stream: GPT-NeoX's and StableLM's option, Falcon's (its new
+    architecture always), Phi and Cohere always."""
+    options = ("use_parallel_residual", "parallel_attn", "new_decoder_architecture")
+    return any(getattr(config, o, False) for o in options) or getattr(config, "model_type", None) in PARALLEL_ONLY
+
+
 @pytest.mark.parametrize("case", sorted(tiny.FACTORIES))
 def test_streams_follow_the_order_the_model_runs_its_modules(case):
     """Independent of the adapters' sublayer lists: in the order the model runs its modules, a
     tensor's stream never goes back, and it steps up by one exactly at each sublayer's output
     projection (a module that reads a head or MLP space and writes the stream)."""
     model = tiny.FACTORIES[case](0).eval()
-    if getattr(model.config, "use_parallel_residual", False):
+    if _parallel(model.config):
         pytest.skip(
             "parallel residual: the MLP runs after the attention writes but reads the stream before it "
             "(test_adapters_decoders.py::test_streams_follow_the_data_flow)"
