@@ -85,6 +85,9 @@ for _spec in (
     bart.BART,
     t5.T5,
     t5.MT5,
+    bart.MBART,
+    bart.MARIAN,
+    bart.M2M100,
 ):
     REGISTRY.register(_spec)
 
