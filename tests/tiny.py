@@ -673,6 +673,12 @@ def mbart_cls(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(T.MBartForSequenceClassification(_seq2seq_config(T.MBartConfig, num_labels=3)), seed)
 
 
+def mbart_base(seed: int = 0) -> torch.nn.Module:
+    """``MBartModel``: both final norms' outputs are outputs."""
+    _seed(seed)
+    return _randomize_norms(T.MBartModel(_seq2seq_config(T.MBartConfig)), seed)
+
+
 def _sinusoids_back(model: torch.nn.Module) -> torch.nn.Module:
     """Marian's position tables as ``from_pretrained`` makes them (``_randomize_norms`` drew them
     at random: they are parameters, though never saved)."""
@@ -706,6 +712,11 @@ def m2m100(seed: int = 0) -> torch.nn.Module:
     _seed(seed)
     config = _seq2seq_config(T.M2M100Config, scale_embedding=True)
     return _randomize_norms(T.M2M100ForConditionalGeneration(config), seed)
+
+
+def m2m100_base(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.M2M100Model(_seq2seq_config(T.M2M100Config, scale_embedding=True)), seed)
 
 
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
@@ -766,4 +777,6 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "marian-apart": marian_apart,
     "marian-base": marian_base,
     "m2m100": m2m100,
+    "mbart-base": mbart_base,
+    "m2m100-base": m2m100_base,
 }
