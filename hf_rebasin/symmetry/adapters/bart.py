@@ -120,20 +120,6 @@ def _pre_norms(embedding: bool) -> tuple[NormT, ...]:
     )
 
 
-def _dims(c: Any) -> dict[str, int]:
-    return {
-        "d": c.d_model,
-        "enc_layers": c.encoder_layers,
-        "dec_layers": c.decoder_layers,
-        "enc_heads": c.encoder_attention_heads,
-        "dec_heads": c.decoder_attention_heads,
-        "enc_head_dim": c.d_model // c.encoder_attention_heads,
-        "dec_head_dim": c.d_model // c.decoder_attention_heads,
-        "enc_ff": c.encoder_ffn_dim,
-        "dec_ff": c.decoder_ffn_dim,
-    }
-
-
 def _sublayers(pre_norm: bool) -> tuple[SublayerT, ...]:
     """Forward order within a layer; the encoder's sublayers come before the decoder's (cross-attention
     reads the encoder's last output). Post-norm: a sublayer's LayerNorm normalizes the stream it

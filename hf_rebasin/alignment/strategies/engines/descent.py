@@ -28,7 +28,7 @@ from hf_rebasin.alignment.features.weights import ExpertBlocks, spaces_of
 from hf_rebasin.alignment.solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
 from hf_rebasin.alignment.strategies.base import Pair, Progress
 from hf_rebasin.symmetry.graph import SymmetryGraph
-from hf_rebasin.symmetry.spaces import ExpertSpace, HeadSpace, Space, TransformClass, is_pinned, pinned_spaces
+from hf_rebasin.symmetry.spaces import ExpertSpace, HeadSpace, Space, TransformClass, pinned_spaces
 from hf_rebasin.symmetry.transforms import AxisMap, ExpertMap, HeadMap, SpaceMap, Transform, plain_class
 
 Views = Mapping[str | None, Tensor | ExpertBlocks]  # an expert space's units: blocks on demand
@@ -449,7 +449,7 @@ def space_solver(
 
     def solve(name: str, views: Views) -> SpaceMap:
         sp = graph.spaces[name]
-        if is_pinned(sp):
+        if isinstance(sp, Space) and sp.pinned:
             return AxisMap(sp.size)
         if isinstance(sp, ExpertSpace):
             return solve_experts(sp, views)
