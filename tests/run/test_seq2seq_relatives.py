@@ -94,3 +94,28 @@ def test_learned_matching_of_marians_keeps_the_stream_pinned(
     assert "residual stream pinned" in flat(proc.stdout)
     merged = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
     assert type(merged).__name__ == "MarianMTModel"
+
+
+@pytest.mark.parametrize("case", ["marian", "m2m100"])
+def test_embed_grows_mlps_of_a_pinned_family_and_refuses_its_stream(tmp_path: Path, case: str) -> None:
+    """Wider MLPs keep the logits (stock class); a wider d_model is refused, naming the pin: the wider
+    model makes its own sinusoidal table of that width."""
+    from helpers import run_cli
+
+    model = _saved(tmp_path, case)[0]
+    config = T.AutoConfig.from_pretrained(str(model))
+    config.encoder_ffn_dim, config.decoder_ffn_dim = 64, 56
+    wide = tmp_path / "wide-mlp"
+    T.AutoModelForSeq2SeqLM.from_config(config).save_pretrained(str(wide))
+    proc = run_cli("embed", str(model), "--like", str(wide), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ids = torch.randint(3, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert (_logits(model, ids) - _logits(tmp_path / "out", ids)).abs().max() <= 1e-4
+
+    config.d_model = 48
+    wider = tmp_path / "wide-stream"
+    T.AutoModelForSeq2SeqLM.from_config(config).save_pretrained(str(wider))
+    proc = run_cli("embed", str(model), "--like", str(wider), "--output", str(tmp_path / "out2"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "the stream is pinned (sinusoidal positions are regenerated on load)" in flat(proc.stderr + proc.stdout)
+    assert not (tmp_path / "out2").exists()
