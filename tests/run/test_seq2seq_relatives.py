@@ -119,3 +119,24 @@ def test_embed_grows_mlps_of_a_pinned_family_and_refuses_its_stream(tmp_path: Pa
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "the stream is pinned (sinusoidal positions are regenerated on load)" in flat(proc.stderr + proc.stdout)
     assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.slow  # lineage of encoder-decoders: BART's twin in test_seq2seq_jobs.py is slow too
+def test_lineage_tells_a_marians_fine_tune_from_a_marian_trained_apart(tmp_path: Path) -> None:
+    """With the stream pinned, lineage still reads the heads and units: a perturbed copy is in the
+    same basis, a model of another seed independent."""
+    from helpers import run_cli
+
+    models = _saved(tmp_path, "marian")
+    model = tiny.marian(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * p.std() * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    tuned = tmp_path / "marian-0-tuned"
+    tiny._sinusoids_back(model).save_pretrained(str(tuned))
+    verdicts = []
+    for other in (tuned, models[1]):
+        proc = run_cli("lineage", str(models[0]), str(other), "--json")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        verdicts.append(json.loads(proc.stdout)["pairs"][0]["verdict"])
+    assert verdicts == ["same basis", "independent"]
