@@ -77,3 +77,25 @@ def test_strategies_leave_a_pinned_stream_at_the_identity_and_still_match_heads_
     assert any(not m.is_identity() for n, m in alignment.transform.items() if n != "res")
     out = alignment.graph.apply(alignment.sd_b, alignment.transform)  # check_transform accepts it
     assert (_logits(model, dict(out)) - _logits(model, dict(alignment.sd_b))).abs().max().item() < 1e-4
+
+
+def test_a_universe_merge_of_three_marians_keeps_the_stream_pinned():
+    """Three copies of one Marian, heads and units permuted, the stream forced to move in two of them:
+    every model's map into the merge's basis keeps the stream at the identity, and each aligned copy
+    computes what that copy computes (MarianMTModel's logits)."""
+    from hf_rebasin.merging.universe import universe_merge
+
+    model = tiny.marian(0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    size = graph.spaces["res"].size
+    copies = [dict(sd)]
+    for k in (1, 2):
+        moved = graph.random_transform("permutation", torch.Generator().manual_seed(10 + k))
+        copies.append(dict(graph.apply(sd, _stream_permuted(graph, moved, size), check=False)))
+    result = universe_merge("weight-matching", None, graph, copies, [1 / 3] * 3, iterations=2)
+    for copy, alignment in zip(copies, result.alignments, strict=True):
+        assert alignment.transform["res"].is_identity()
+        aligned = alignment.graph.apply(alignment.sd_b, alignment.transform)
+        assert (_logits(model, dict(aligned)) - _logits(model, copy)).abs().max().item() < 1e-4
+    assert any(not m.is_identity() for al in result.alignments for n, m in al.transform.items() if n != "res")
