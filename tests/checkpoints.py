@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +50,9 @@ FAMILIES: dict[str, Callable[..., torch.nn.Module]] = {
     "t5": tiny.FACTORIES["t5"],  # v1.1: the head stored apart
     "t5-relu": tiny.FACTORIES["t5-relu"],  # the original T5: ReLU, the head tied and rescaled
     "whisper": tiny.whisper,
+    "mbart": tiny.mbart,
+    "marian": tiny.marian,
+    "m2m100": tiny.m2m100,
 }
 
 
@@ -111,6 +115,16 @@ def _files(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
+def stored_keys(folder: Path) -> list[str]:
+    """Every tensor name the folder's files hold (safetensors or pickles, sharded or not)."""
+    keys: list[str] = []
+    for file in sorted(folder.glob("*.safetensors")):
+        keys += load_file(str(file))
+    for file in sorted(folder.glob("*.bin")):
+        keys += torch.load(file, weights_only=True)
+    return keys
+
+
 def _write(folder: Path, state: dict[str, torch.Tensor]) -> None:
     state = {k: v.contiguous().clone() for k, v in state.items()}  # tied tensors share memory: two copies
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -151,6 +165,18 @@ def base_class(model: torch.nn.Module, folder: Path) -> None:
     state = {k.removeprefix(prefix): v for k, v in _files(folder).items()}
     state.update(_legacy_buffers(model, ""))
     _write(folder, state)
+
+
+def _made_on_load(model: torch.nn.Module, key: str) -> bool:
+    """Whether stock loading makes ``key`` itself when the files lack it (``_keys_to_ignore_on_load_missing``)."""
+    return any(re.search(p, key) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+
+
+def made_on_load(model: torch.nn.Module, folder: Path) -> None:
+    """Files that lack what the class makes itself on load (MarianMTModel: ``final_logits_bias``, zeros;
+    ``save_pretrained`` already leaves out its sinusoidal tables), as converted Marian checkpoints do."""
+    model.save_pretrained(str(folder))
+    _write(folder, {k: v for k, v in _files(folder).items() if not _made_on_load(model, k)})
 
 
 def tied_stored(model: torch.nn.Module, folder: Path) -> None:
@@ -218,6 +244,7 @@ LAYOUTS: dict[str, Callable[[torch.nn.Module, Path], None]] = {
     "legacy-buffers": legacy_buffers,
     "base-class": base_class,
     "tied-stored": tied_stored,
+    "made-on-load": made_on_load,
     "pickle": pickle,
     "pickle-sharded": pickle_sharded,
     "float16": float16,
@@ -237,6 +264,9 @@ def applies(family: str, layout: str) -> bool:
         return bool(_prefix(model))
     if layout == "tied-stored":
         return bool(getattr(model, "all_tied_weights_keys", None))
+    if layout == "made-on-load":
+        ignored = getattr(model, "_keys_to_ignore_on_save", None) or set()
+        return any(_made_on_load(model, k) for k in model.state_dict() if k not in ignored)
     return True
 
 

@@ -566,19 +566,21 @@ def qwen3_moe(seed: int = 0) -> torch.nn.Module:
     )
 
 
+_BART_SIZES: dict[str, int] = {
+    "vocab_size": V,
+    "d_model": 32,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 2,
+    "encoder_ffn_dim": 48,
+    "decoder_ffn_dim": 40,
+    "max_position_embeddings": 64,
+}
+
+
 def _bart_config(**kw: object) -> T.BartConfig:
-    return T.BartConfig(
-        vocab_size=V,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=48,
-        decoder_ffn_dim=40,
-        max_position_embeddings=64,
-        **kw,
-    )
+    return T.BartConfig(**_BART_SIZES, **kw)
 
 
 def bart(seed: int = 0) -> torch.nn.Module:
@@ -835,6 +837,70 @@ def falcon_cls(seed: int = 0) -> torch.nn.Module:
     )  # fmt: skip
 
 
+def _seq2seq_config(cls: type, **kw: object) -> T.PretrainedConfig:
+    """`_bart_config`'s sizes for a BART relative, with special tokens inside the tiny vocabulary
+    (Marian's default pad id, 58100, is not)."""
+    ids = {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "decoder_start_token_id": 1}
+    return cls(**{**_BART_SIZES, **ids, **kw})
+
+
+def mbart(seed: int = 0) -> torch.nn.Module:
+    """Pre-LN, ``layernorm_embedding`` on the path and a final norm per stack; the head tied to ``shared``."""
+    _seed(seed)
+    return _randomize_norms(T.MBartForConditionalGeneration(_seq2seq_config(T.MBartConfig)), seed)
+
+
+def mbart_cls(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.MBartForSequenceClassification(_seq2seq_config(T.MBartConfig, num_labels=3)), seed)
+
+
+def mbart_base(seed: int = 0) -> torch.nn.Module:
+    """``MBartModel``: both final norms' outputs are outputs."""
+    _seed(seed)
+    return _randomize_norms(T.MBartModel(_seq2seq_config(T.MBartConfig)), seed)
+
+
+def _sinusoids_back(model: torch.nn.Module) -> torch.nn.Module:
+    """Marian's position tables as ``from_pretrained`` makes them (``_randomize_norms`` drew them
+    at random: they are parameters, though never saved)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, T.models.marian.modeling_marian.MarianSinusoidalPositionalEmbedding):
+                module.weight.copy_(module.create_weight())
+    return model
+
+
+def marian(seed: int = 0, **kw: object) -> torch.nn.Module:
+    """Post-LN, sinusoidal positions regenerated on load, ``scale_embedding``, a random ``final_logits_bias``."""
+    _seed(seed)
+    model = _randomize_norms(T.MarianMTModel(_seq2seq_config(T.MarianConfig, scale_embedding=True, **kw)), seed)
+    return _sinusoids_back(model)
+
+
+def marian_apart(seed: int = 0) -> torch.nn.Module:
+    """``share_encoder_decoder_embeddings: false``: the encoder's table (V rows) and the decoder's
+    (``decoder_vocab_size`` rows, tied to the head) apart, no ``shared``."""
+    return marian(seed, share_encoder_decoder_embeddings=False, decoder_vocab_size=V - 16)
+
+
+def marian_base(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _sinusoids_back(_randomize_norms(T.MarianModel(_seq2seq_config(T.MarianConfig)), seed))
+
+
+def m2m100(seed: int = 0) -> torch.nn.Module:
+    """Pre-LN, a final norm per stack, ``scale_embedding``, sinusoidal positions in a buffer."""
+    _seed(seed)
+    config = _seq2seq_config(T.M2M100Config, scale_embedding=True)
+    return _randomize_norms(T.M2M100ForConditionalGeneration(config), seed)
+
+
+def m2m100_base(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.M2M100Model(_seq2seq_config(T.M2M100Config, scale_embedding=True)), seed)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -909,4 +975,12 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "falcon-mqa": falcon_mqa,
     "falcon-sequential": falcon_sequential,
     "falcon-cls": falcon_cls,
+    "mbart": mbart,
+    "mbart-cls": mbart_cls,
+    "marian": marian,
+    "marian-apart": marian_apart,
+    "marian-base": marian_base,
+    "m2m100": m2m100,
+    "mbart-base": mbart_base,
+    "m2m100-base": m2m100_base,
 }

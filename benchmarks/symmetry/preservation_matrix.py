@@ -25,6 +25,13 @@ catch an adapter that claims too much):
 - ``cross-stream read``: in an encoder-decoder with a stream per stack (Whisper), the tensors of one
   stack that read the other's stream (cross-attention's keys and values) moved with their own
   stack's map instead: that stream permuted at random, theirs with it.
+- ``pinned stream permutation``: a random permutation of each pinned residual space (Marian's and
+  M2M100's: sinusoidal positions the model regenerates on load), the state's position tables
+  permuted with it, then ``save_pretrained`` and ``from_pretrained``: Marian's table is a parameter,
+  so the permutation looks exact in memory and breaks on reload; M2M100's is a buffer, never moved.
+  Not run where the class saves its tables (a bare ``MarianModel``: its ``_keys_to_ignore_on_save``
+  is empty, so the permuted table is read back): the family's stream stays pinned there too, since
+  ``MarianMTModel``, the class of the released checkpoints, drops them.
 
 Each control is applied to one space at a time; the table shows the weakest space. A space whose
 control moves nothing is checked for reach: if noise on every tensor with an axis on it leaves the
@@ -41,6 +48,7 @@ import dataclasses
 import json
 import math
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -74,7 +82,14 @@ INVERTIBLE = "invertible heads"
 CLASSES: tuple[str, ...] = (*TRANSFORM_CLASSES, INVERTIBLE)
 SEEDS = (0, 1, 2)
 BROKEN = 1e-3  # a negative control must move the outputs by more than this
-CONTROLS = ("residual rotation", "mlp rotation", "qk rotation", "residual signs", "cross-stream read")
+CONTROLS = (
+    "residual rotation",
+    "mlp rotation",
+    "qk rotation",
+    "residual signs",
+    "cross-stream read",
+    "pinned stream permutation",
+)
 Outputs = dict[str, torch.Tensor]
 
 
@@ -181,6 +196,8 @@ def space_classes(graph: SymmetryGraph, cls: str) -> dict[str, str]:
     asked for), and for invertible heads orthogonal with invertible head inner maps."""
     out = graph.classes(_as_class("orthogonal" if cls == INVERTIBLE else cls))
     for name, space in graph.spaces.items():
+        if isinstance(space, Space) and space.pinned:
+            continue  # graph.classes says "pinned (identity only: …)"
         if isinstance(space, Space):
             got = plain_class(space, _as_class("orthogonal" if cls == INVERTIBLE else cls), strict=True)
             out[name] = got + (" (fixing 1)" if got == "orthogonal" and space.centered else "")
@@ -221,6 +238,7 @@ def control_targets(graph: SymmetryGraph) -> dict[str, list[str]]:
         ],
         "residual signs": [n for n, sp in residual.items() if not sp.allows_signs],
         "cross-stream read": [n for n in residual if foreign_readers(graph, n)],
+        "pinned stream permutation": [n for n, sp in residual.items() if sp.pinned],
     }
 
 
@@ -283,6 +301,9 @@ def forbidden(graph: SymmetryGraph, control: str, name: str, seed: int) -> Trans
         ident = t[name]
         assert isinstance(space, HeadSpace) and isinstance(ident, HeadMap)
         t[name] = _qk_rotation(ident, space, g)
+    elif control == "pinned stream permutation":
+        assert isinstance(space, Space)
+        t[name] = AxisMap(space.size, index=torch.roll(torch.randperm(space.size, generator=g), 1))
     else:
         assert isinstance(space, Space)
         t[name] = _signs(space.size, g) if control == "residual signs" else _dense(space.size, g)
@@ -331,6 +352,25 @@ class Probe:
         after = outputs_of(rebuild(self.model, state, untie=untie), self.spec, self.inputs(seed))
         return compare(self.spec, graph, transform, self.before(seed), after)
 
+    def reloaded_delta(self, transform: Transform, seed: int) -> float:
+        """max |Δ| after ``transform`` (a pinned stream's map) and a save/load round trip: the position
+        tables in the state are permuted too (as a learned table would be), then regenerated on load."""
+        state = self.graph.apply(self.sd, transform, check=False)
+        for t in transform.values():
+            index = t.index if isinstance(t, AxisMap) else None
+            for key in [k for k in state if k.endswith("embed_positions.weight") and index is not None]:
+                state[key] = state[key][:, index]
+        with tempfile.TemporaryDirectory() as folder:
+            rebuild(self.model, state).save_pretrained(folder)
+            reloaded = type(self.model).from_pretrained(folder).float().eval()
+        after = outputs_of(reloaded, self.spec, self.inputs(seed))
+        return compare(self.spec, self.graph, transform, self.before(seed), after)
+
+    def regenerates_positions(self) -> bool:
+        """Whether ``save_pretrained`` leaves out every position table of the state (or it has none)."""
+        ignored = getattr(self.model, "_keys_to_ignore_on_save", None) or set()
+        return all(k in ignored for k in self.sd if k.endswith("embed_positions.weight"))
+
     def reaches_outputs(self, name: str, seed: int) -> bool:
         """Whether space ``name`` reaches a compared output: noise on every tensor with an axis on it
         moves the outputs by more than `BROKEN`."""
@@ -364,6 +404,8 @@ class Probe:
         except Exception as e:
             traceback.print_exc(file=sys.stderr)
             return [Control(self.name, self.model_type, "(graph)", error=_short(e))]
+        if not self.regenerates_positions():
+            targets["pinned stream permutation"] = []
         for control in CONTROLS:
             if not targets[control]:
                 continue
@@ -377,6 +419,9 @@ class Probe:
                         delta = self.delta(graph, rebound.apply(sd, t, check=False), t, untie, seed)
                     else:
                         t = forbidden(graph, control, name, seed)
+                        if control == "pinned stream permutation":
+                            c.deltas[name] = self.reloaded_delta(t, seed)
+                            continue
                         delta = self.delta(graph, graph.apply(sd, t, check=False), t, untie, seed)
                     if not delta > BROKEN and not self.reaches_outputs(name, seed):
                         c.unread.append(name)

@@ -186,6 +186,8 @@ def print_verify_report(console: Console, report: VerifyReport, model_desc: str,
         )
         for note in report.fallbacks:
             console.print(f"  fallback: {escape(note)}", soft_wrap=True)
+    for note in report.pinned:
+        console.print(f"  [yellow]{escape(note)}[/]: it keeps the identity", soft_wrap=True)
     if report.untied:
         console.print(
             "untied for the canonical form (tied to the embeddings, stored separately in the transformed model): "

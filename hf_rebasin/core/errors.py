@@ -65,6 +65,10 @@ class TransformError(RebasinUserError, ValueError):
     """A transform that is not allowed for a space, or that needs the canonical form first."""
 
 
+class PinnedSpaceError(TransformError):
+    """A map other than the identity on a pinned space (a stream a table regenerated on load writes)."""
+
+
 class OutputExistsError(RebasinUserError, FileExistsError):
     """The output folder exists already (nothing is overwritten without being asked)."""
 

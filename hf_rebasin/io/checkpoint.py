@@ -44,6 +44,8 @@ class Checkpoint:
     dropped: set[str] = field(default_factory=set)  # model names of the tensors stock loading drops
     stacks: dict[str, StackedKeys] = field(default_factory=dict)  # model name -> its experts' keys, stored apart
     fused: set[str] = field(default_factory=set)  # model names of expert tensors stored stacked
+    # model names of tensors the files lack and the class makes on load (Marian's sinusoidal tables)
+    made: set[str] = field(default_factory=set)
 
     @property
     def expert_layout(self) -> str | None:

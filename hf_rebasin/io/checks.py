@@ -18,7 +18,7 @@ from torch import Tensor
 from hf_rebasin.core.errors import CheckpointError, ConfigError, IncompatibleModelsError
 from hf_rebasin.core.lazy import shape_of
 from hf_rebasin.io.checkpoint import Checkpoint, dtype_name
-from hf_rebasin.io.renames import Piece, Renamer, dropped_on_load
+from hf_rebasin.io.renames import Piece, Renamer, dropped_on_load, made_on_load
 from hf_rebasin.io.tensors import CheckpointSource, StackedKeys
 
 if TYPE_CHECKING:
@@ -122,7 +122,8 @@ def check_checkpoint(
             )
         checkpoint.stacks[name] = _check_experts(folder, cls, checkpoint, name, expected[name], found)
         names[name] = checkpoint.stacks[name].parts[0][0]
-    _check_stored(folder, cls, checkpoint, names, meta, expected, tied)
+    checkpoint.made = made_on_load(skeleton, (n for n in expected if n not in names and n not in tied))
+    _check_stored(folder, cls, checkpoint, names, meta, expected, tied | checkpoint.made)
     return names, ignored
 
 

@@ -105,7 +105,13 @@ def load_model(
         raise ConfigError(f"{str(folder)!r}: {e}") from None
     checkpoint = checkpoint_shapes(folder, allow_pickle)
     names, ignored = check_checkpoint(folder, cls, config, checkpoint)
-    if stream and checkpoint.files and all(f.endswith(".safetensors") for f in checkpoint.files.values()):
+    # tensors the class makes on load (Marian's sinusoidal tables) exist only in a model it built
+    if (
+        stream
+        and checkpoint.files
+        and not checkpoint.made
+        and all(f.endswith(".safetensors") for f in checkpoint.files.values())
+    ):
         streamed = _streamed(folder, cls, config, checkpoint, names, device)
         if streamed is not None:
             streamed.ignored = ignored
@@ -136,7 +142,7 @@ def _from_pretrained(
     finally:
         logging.getLogger("transformers").setLevel(prev)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    missing = [k for k in info.get("missing_keys", ()) if k not in tied]
+    missing = [k for k in info.get("missing_keys", ()) if k not in tied and k not in checkpoint.made]
     if missing or info.get("mismatched_keys"):
         first = missing[0] if missing else info["mismatched_keys"][0]
         raise CheckpointError(

@@ -145,34 +145,51 @@ class Renamer:
 _LEGACY_CONSTANTS = (r"(^|\.)attn\.masked_bias$",)
 
 
-def dropped_on_load(skeleton: PreTrainedModel, keys: Iterable[str]) -> dict[str, str]:
-    """Which of ``keys`` (tensor names the model does not have) stock ``from_pretrained`` drops,
-    by transformers' own rules, with the reason: the class's ``_keys_to_ignore_on_load_unexpected``
-    (gathered over its submodules when it is built) and the legacy buffers its loader forgives
-    (``position_ids``, per-layer ``rotary_emb.inv_freq``: buffers that became non-persistent)."""
-    import re
-
-    keys = set(keys)
-    kept = set(keys)
+def _adjusted(skeleton: PreTrainedModel, missing: set[str], unexpected: set[str]) -> tuple[set[str], set[str]]:
+    """``(missing, unexpected)`` less what stock ``from_pretrained`` forgives: the class's
+    ``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected`` (gathered over its
+    submodules when it is built) and the legacy buffers its loader forgives."""
     adjust = getattr(skeleton, "_adjust_missing_and_unexpected_keys", None)
     try:
         from transformers.utils.loading_report import LoadStateDictInfo
 
         info = LoadStateDictInfo(
-            missing_keys=set(),
-            unexpected_keys=set(keys),
+            missing_keys=set(missing),
+            unexpected_keys=set(unexpected),
             mismatched_keys=set(),
             error_msgs=[],
             conversion_errors={},
             skipped_pp_keys=set(),
         )
         adjust(info)  # type: ignore[misc]
-        kept = set(info.unexpected_keys)
-    except (ImportError, TypeError):  # pragma: no cover - another transformers: the class's own list
-        patterns = getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or []
-        kept = {k for k in keys if not any(re.search(p, k) for p in patterns)}
+        return set(info.missing_keys), set(info.unexpected_keys)
+    except (ImportError, TypeError):  # pragma: no cover - another transformers: the class's own lists
+        lists = ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected")
+        kept = []
+        for keys, attr in zip((missing, unexpected), lists, strict=True):
+            patterns = getattr(skeleton, attr, None) or []
+            kept.append({k for k in keys if not any(re.search(p, k) for p in patterns)})
+        return kept[0], kept[1]
+
+
+def dropped_on_load(skeleton: PreTrainedModel, keys: Iterable[str]) -> dict[str, str]:
+    """Which of ``keys`` (tensor names the model does not have) stock ``from_pretrained`` drops,
+    by transformers' own rules, with the reason: the class's ``_keys_to_ignore_on_load_unexpected``
+    (gathered over its submodules when it is built) and the legacy buffers its loader forgives
+    (``position_ids``, per-layer ``rotary_emb.inv_freq``: buffers that became non-persistent)."""
+    keys = set(keys)
+    _, kept = _adjusted(skeleton, set(), keys)
     out = {k: "dropped by transformers when it loads this class (legacy buffer)" for k in sorted(keys - kept)}
     for key in sorted(kept):
         if any(re.search(p, key) for p in _LEGACY_CONSTANTS):
             out[key] = "legacy constant buffer (GPT-2 masked_bias); transformers loads the file and ignores it"
     return out
+
+
+def made_on_load(skeleton: PreTrainedModel, keys: Iterable[str]) -> set[str]:
+    """Which of ``keys`` (tensors the model has and the files lack) stock ``from_pretrained`` lets be
+    missing and makes itself, by the class's ``_keys_to_ignore_on_load_missing``: MarianMTModel's
+    sinusoidal position tables (never saved) and its ``final_logits_bias`` (zeros)."""
+    keys = set(keys)
+    missing, _ = _adjusted(skeleton, keys, set())
+    return keys - missing

@@ -47,7 +47,7 @@ from hf_rebasin.io.offload import empty_model
 from hf_rebasin.io.rebuild import output_config, running
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import ExpertSpace, HeadSpace, Space
-from hf_rebasin.symmetry.transforms import Transform
+from hf_rebasin.symmetry.transforms import AxisMap, Transform
 
 __all__ = ["LineageData", "data_bytes", "data_maps", "data_tokens", "space_stats_bytes"]
 
@@ -90,6 +90,8 @@ def solve_from_moments(graph: SymmetryGraph, moments: Mapping[str, CrossMoments 
             }
             if expert_views:
                 out[name] = solve_experts(sp, expert_views)
+        elif isinstance(sp, Space) and sp.pinned:
+            out[name] = AxisMap(sp.size)  # only the identity survives a reload
         elif isinstance(sp, Space) and name in moments:
             m = moments[name]
             assert isinstance(m, CrossMoments)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from hf_rebasin.core.errors import TransformError
+from hf_rebasin.core.errors import PinnedSpaceError, TransformError
 from hf_rebasin.core.lazy import LazyState, RowReader
 from hf_rebasin.symmetry.spaces import Binding, ExpertSpace, Fused, GraphView, HeadSpace, Space, split_ref
 from hf_rebasin.symmetry.transforms import AxisMap, ExpertMap, HeadMap, SpaceMap, is_identity_inner, is_plane_scaling
@@ -216,6 +216,11 @@ def check_transform(graph: GraphView, transform: Mapping[str, SpaceMap], state_d
             _check_inner(name, space, m)
         if isinstance(space, ExpertSpace) and isinstance(m, ExpertMap):
             _check_experts(name, space, m)
+        if isinstance(space, Space) and space.pinned and isinstance(m, AxisMap) and not m.is_identity():
+            raise PinnedSpaceError(
+                f"space {name!r} is pinned ({space.reason}): only the identity map keeps the model's outputs "
+                "after it is saved and loaded again; leave it out of the transform or map it to the identity"
+            )
         if isinstance(space, Space) and isinstance(m, AxisMap) and not m.is_permutation:
             if m.is_signed_permutation and space.allows_signs:
                 continue  # exact whatever the norm scales: they only permute

@@ -370,10 +370,19 @@ def grown(narrow: SymmetryGraph, wide: SymmetryGraph) -> dict[str, tuple[int, in
 
 
 def check_streams(graph: SymmetryGraph, ratios: Mapping[str, float]) -> None:
-    """Every LayerNorm on a growing space must read a stream that canonical form centres: its mean
-    over the added zero features is then still 0, and its variance d/d′ of the real one."""
+    """No pinned stream may grow (the model regenerates what writes it). Every LayerNorm on a growing
+    space must read a stream that canonical form centres: its mean over the added zero features is
+    then still 0, and its variance d/d′ of the real one."""
     from hf_rebasin.symmetry.canonical import RawStream
 
+    for name in ratios:
+        space = graph.spaces[name]
+        if isinstance(space, Space) and space.pinned:
+            raise IncompatibleModelsError(
+                f"hidden size of {name!r} cannot grow: the stream is pinned ({space.reason}), and the wider "
+                "model makes its own table of that width, which no embedding of the narrow one matches; MLP "
+                "units and attention heads can still grow"
+            )
     if graph.norm_type != "layernorm":
         return
     for name in ratios:

@@ -40,6 +40,7 @@ from hf_rebasin.symmetry.transforms import (
     Transform,
     class_fallbacks,
     identity_transform,
+    pinned_notes,
     random_transform,
     space_classes,
 )
@@ -288,6 +289,10 @@ class SymmetryGraph:
     def fallbacks(self, requested: TransformClass) -> list[str]:
         """Human-readable notes for spaces that cannot take ``requested``."""
         return class_fallbacks(self, requested)
+
+    def pinned(self) -> list[str]:
+        """Human-readable notes for spaces that keep the identity whatever class is asked for."""
+        return pinned_notes(self)
 
     def random_transform(
         self, cls: TransformClass = "permutation", generator: torch.Generator | None = None

@@ -39,7 +39,9 @@ class Space:
 
     ``max_class`` is the richest transform that is exact. ``centered`` marks a LayerNorm residual
     stream: orthogonal maps must fix the all-ones vector (LayerNorm subtracts the mean).
-    ``reason`` says why the class is limited, for messages.
+    ``reason`` says why the class is limited, for messages. ``pinned`` marks a space no map but the
+    identity keeps exact whatever its class (a residual stream that a table regenerated on load
+    writes: Marian's and M2M100's sinusoidal positions); ``reason`` then says why.
     """
 
     name: str
@@ -48,6 +50,7 @@ class Space:
     centered: bool = False
     kind: str = "plain"
     reason: str = ""
+    pinned: bool = False
 
     @property
     def allows_signs(self) -> bool:
@@ -134,6 +137,16 @@ class ExpertSpace:
 
 
 AnySpace = Space | HeadSpace | ExpertSpace
+
+
+def is_pinned(space: AnySpace | None) -> bool:
+    """Whether ``space`` must keep the identity map (see :attr:`Space.pinned`)."""
+    return isinstance(space, Space) and space.pinned
+
+
+def pinned_spaces(spaces: dict[str, AnySpace]) -> set[str]:
+    """The names of the pinned spaces among ``spaces``: what every strategy leaves at the identity."""
+    return {name for name, space in spaces.items() if is_pinned(space)}
 
 
 # --------------------------------------------------------------------------------------------

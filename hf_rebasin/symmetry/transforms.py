@@ -399,9 +399,21 @@ def space_classes(graph: GraphView, requested: TransformClass) -> dict[str, str]
                 )
             else:
                 out[name] = "head-permutation" + (" (V/O inner only: rotary)" if space.qk == "planes" else "")
+        elif space.pinned:
+            out[name] = f"pinned (identity only: {space.reason})"
         else:
             got = plain_class(space, requested, strict=True)  # what random_transform draws
             out[name] = got + (" (fixing 1)" if got == "orthogonal" and space.centered else "")
+    return out
+
+
+def pinned_notes(graph: GraphView) -> list[str]:
+    """Human-readable notes for spaces that keep the identity whatever class is asked for."""
+    out = []
+    for name, space in graph.spaces.items():
+        if isinstance(space, Space) and space.pinned:
+            what = "residual stream" if space.kind == "residual" else f"space {name!r}"
+            out.append(f"{what} pinned: {space.reason}")
     return out
 
 
@@ -411,8 +423,8 @@ def class_fallbacks(graph: GraphView, requested: TransformClass) -> list[str]:
         return []
     out = []
     for name, space in graph.spaces.items():
-        if not isinstance(space, Space) or space.kind != "residual":
-            continue
+        if not isinstance(space, Space) or space.kind != "residual" or space.pinned:
+            continue  # a pinned space falls back to no map at all: see pinned_notes
         got = plain_class(space, requested)
         if got != requested:
             what = "signed permutations" if got == "signed-permutation" else "permutations"
@@ -423,7 +435,8 @@ def class_fallbacks(graph: GraphView, requested: TransformClass) -> list[str]:
 def random_transform(
     graph: GraphView, cls: TransformClass = "permutation", generator: torch.Generator | None = None
 ) -> Transform:
-    """A transform drawn at random from the allowed classes (richest up to ``cls``)."""
+    """A transform drawn at random from the allowed classes (richest up to ``cls``); a pinned space
+    gets the identity."""
     if cls not in TRANSFORM_CLASSES:
         raise TransformError(f"transform class must be one of {TRANSFORM_CLASSES}, got {cls!r}")
     g = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -437,7 +450,9 @@ def random_transform(
             out[name] = random_expert_map(space, g, width)
             continue
         got = plain_class(space, cls, strict=True)
-        if got == "orthogonal":
+        if space.pinned:
+            out[name] = AxisMap(space.size)
+        elif got == "orthogonal":
             out[name] = AxisMap(space.size, blocks=random_orthogonal(space.size, g, fix_ones=space.centered)[None])
         elif got == "signed-permutation":
             signs = torch.randint(0, 2, (space.size,), generator=g) * 2 - 1

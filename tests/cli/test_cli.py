@@ -79,6 +79,20 @@ def test_verify_bert_orthogonal_falls_back_to_permutation(saved_model) -> None:
     assert "max |Δ| = " in out
 
 
+@pytest.mark.parametrize("case", ["marian", "m2m100"])
+@pytest.mark.parametrize("cls", ["permutation", "orthogonal"])
+def test_verify_a_pinned_stream_keeps_the_identity(saved_model, case: str, cls: str) -> None:
+    """Marian (its files lack the sinusoidal tables: MarianMTModel makes them on load) and M2M100
+    pass under both classes, the stream pinned and said so, heads still moving."""
+    folder = saved_model(case)
+    proc = run_main("verify", str(folder), "--class", cls)
+    out = flat(proc.stdout)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "residual stream pinned: sinusoidal positions are regenerated on load" in out
+    assert "pinned (identity only" in out and "head-permutation" in out
+    assert "fall back" not in out and "OK: outputs unchanged" in out
+
+
 def test_verify_pickle_with_allow_pickle(tmp_path: Path, saved_model) -> None:
     folder = _pickle_only(tmp_path, saved_model)
     proc = run_main("verify", str(folder), "--allow-pickle")

@@ -82,7 +82,11 @@ def test_loads_like_stock_transformers(root: Path, family: str, layout: str) -> 
         assert torch.equal(mine[name], tensor), name
 
     streamed = load_model(folder, allow_pickle=True, stream=True)
-    assert streamed.source is not None or layout.startswith("pickle")  # pickles load whole
+    # pickles load whole, and so do files that lack what the class makes on load (Marian's
+    # sinusoidal tables, never saved): those tensors exist only in a model the class built
+    stored = set(C.stored_keys(folder))
+    made = {k for k in stock if k not in stored and C._made_on_load(model, k)} - set(model.all_tied_weights_keys or {})
+    assert (streamed.source is not None) == (not layout.startswith("pickle") and not made), made
     for name, tensor in stock.items():
         assert torch.equal(streamed.weights[name].to(tensor.dtype), tensor), name
 

@@ -253,3 +253,70 @@ def test_whisper_logits_match_an_independent_forward() -> None:
         assert torch.equal(outputs_of(model, spec, inputs)["logits"], plain)
         with pytest.raises(ValueError):
             model(input_features=inputs["input_features"][..., :-2], decoder_input_ids=inputs["decoder_input_ids"])
+
+
+def _stream_permuted(model: torch.nn.Module, seed: int = 3) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``model``'s state with the stream permuted as for BART (heads and units left alone), forced
+    past the pin; and the permutation."""
+    from hf_rebasin.symmetry.adapters import graph_for
+
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    assert graph.spaces["res"].pinned
+    size = graph.spaces["res"].size
+    index = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+    transform = {**graph.identity(), "res": AxisMap(size, index=index)}
+    return dict(graph.apply(sd, transform, check=False)), index
+
+
+def test_a_marian_stream_permutation_looks_exact_in_memory_and_breaks_after_a_reload(tmp_path) -> None:
+    """Marian's sinusoidal table is a parameter in memory: permuted with the stream, the logits stay.
+    But it is never saved and is regenerated on load, in the old basis: after save_pretrained and
+    from_pretrained the logits move. This is why the stream is pinned."""
+    import transformers as T
+
+    model = tiny.marian(0)
+    sd, index = _stream_permuted(model)
+    for stack in ("encoder", "decoder"):
+        name = f"model.{stack}.embed_positions.weight"
+        sd[name] = sd[name][:, index]  # what BART's learned table would take
+    moved = rebuild(model, sd)
+    assert _moved_max_diff(model, sd) < 1e-4  # looks exact in memory
+    moved.save_pretrained(tmp_path)
+    assert "model.encoder.embed_positions.weight" not in _saved_keys(tmp_path)
+    reloaded = T.MarianMTModel.from_pretrained(tmp_path).eval()
+    spec = REGISTRY.get("marian")
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(7))
+    before, after = outputs_of(model, spec, inputs), outputs_of(reloaded, spec, inputs)
+    assert (after["logits"] - before["logits"]).abs().max().item() > 1e-3
+
+
+def _saved_keys(folder: Any) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def test_an_m2m100_stream_permutation_moves_the_logits_in_memory() -> None:
+    """M2M100's sinusoidal table is a buffer outside the state dict: no map of the stream can move
+    it, so a stream permutation moves the logits even before any reload."""
+    model = tiny.m2m100(0)
+    assert not any("embed_positions" in k for k in model.state_dict())
+    sd, _index = _stream_permuted(model)
+    assert _moved_max_diff(model, sd) > 1e-3
+
+
+@pytest.mark.parametrize("case", ["marian", "m2m100", "marian-apart"])
+def test_pinned_families_keep_their_logits_through_a_reload_when_heads_and_units_move(case, tmp_path) -> None:
+    """The positive twin: what the adapter allows (heads and units, the stream at the identity)
+    keeps the logits of the stock class after save_pretrained and from_pretrained."""
+    model = tiny.FACTORIES[case](0)
+    new, _graph, transform, _ = transformed_model(model, "orthogonal", seed=2)
+    assert transform["res"].is_identity() and not all(m.is_identity() for m in transform.values())
+    new.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path).eval()
+    spec = REGISTRY.get(model.config.model_type)
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(7))
+    before, after = outputs_of(model, spec, inputs), outputs_of(reloaded, spec, inputs)
+    assert (after["logits"] - before["logits"]).abs().max().item() < 1e-4

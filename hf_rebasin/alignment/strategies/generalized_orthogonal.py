@@ -63,10 +63,14 @@ def run(pair: Pair, options: GeneralizedOrthogonalOptions, progress: Progress | 
         ma, mb, balanced = matching_forms(pair, sd_a, sd_b, options)
         rotations = not (options.learned and options.maps == "permutations")
         graph, transform, split_notes = _data_free(graph, ma, mb, options, rotations, progress, timings)
-        notes = split_notes + (
-            graph.fallbacks("orthogonal")
-            if rotations
-            else ["learned matching of permutations only (`maps: permutations`)"]
+        notes = (
+            split_notes
+            + (
+                graph.fallbacks("orthogonal")
+                if rotations
+                else ["learned matching of permutations only (`maps: permutations`)"]
+            )
+            + graph.pinned()
         )
         scales: dict[str, Tensor] | None = None  # applied to canonical B: what the cache stores
         if balanced:  # B's units take the scale and sign of the A unit they land on (exact)

@@ -38,7 +38,16 @@ from hf_rebasin.core.lazy import is_lazy
 from hf_rebasin.io.offload import offloaded
 from hf_rebasin.io.tensors import CheckpointSource
 from hf_rebasin.symmetry.graph import SymmetryGraph
-from hf_rebasin.symmetry.spaces import Binding, ExpertSpace, Fused, HeadSpace, Space, TransformClass, split_ref
+from hf_rebasin.symmetry.spaces import (
+    Binding,
+    ExpertSpace,
+    Fused,
+    HeadSpace,
+    Space,
+    TransformClass,
+    is_pinned,
+    split_ref,
+)
 from hf_rebasin.symmetry.transforms import AxisMap, HeadMap, Transform
 
 
@@ -64,7 +73,8 @@ def _check_applicable(graph: SymmetryGraph, options: HeadPermOptions, batches_ha
 
 
 def _residual_names(graph: SymmetryGraph) -> list[str]:
-    return [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"]
+    """The residual streams a map may be found for (a pinned one keeps the identity)."""
+    return [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual" and not s.pinned]
 
 
 def _spaces_to_collect(graph: SymmetryGraph, options: HeadPermOptions) -> list[str]:
@@ -74,7 +84,7 @@ def _spaces_to_collect(graph: SymmetryGraph, options: HeadPermOptions) -> list[s
             if "attn" in options.components and options.heads != "vanilla-attention":
                 names.append(n)
         elif s.kind == "residual":
-            if "residual" in options.components and options.residual != "identity":
+            if "residual" in options.components and options.residual != "identity" and not is_pinned(s):
                 names.append(n)
         elif "ff" in options.components:
             names.append(n)  # MLP units and pooler-like dense spaces

@@ -100,6 +100,9 @@ for _spec in (
     cohere.SPEC,
     cohere.COHERE2,
     falcon.SPEC,
+    bart.MBART,
+    bart.MARIAN,
+    bart.M2M100,
 ):
     REGISTRY.register(_spec)
 

@@ -47,6 +47,8 @@ class SpaceT:
     centered: bool = False
     kind: str = "plain"
     reason: str = ""
+    # no map but the identity is exact (a stream written by a table regenerated on load); ``reason`` says why
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -303,7 +305,7 @@ def _spaces(spec: ArchitectureSpec, dims: Mapping[str, int]) -> dict[str, AnySpa
             elif isinstance(st, ExpertsT):
                 spaces[name] = ExpertSpace(name, dims[st.experts], dims[st.units], st.router)
             else:
-                spaces[name] = Space(name, dims[st.size], st.max_class, st.centered, st.kind, st.reason)
+                spaces[name] = Space(name, dims[st.size], st.max_class, st.centered, st.kind, st.reason, st.pinned)
     return spaces
 
 
@@ -478,13 +480,12 @@ def _limit_unfoldable(graph: SymmetryGraph) -> None:
         space = graph.spaces.get(norm.space)
         if isinstance(space, Space) and space.max_class == "orthogonal" and not norm.readers:
             signed = graph.norm_type == "rmsnorm" and not space.centered
-            graph.spaces[norm.space] = Space(
-                space.name,
-                space.size,
-                "signed-permutation" if signed else "permutation",
-                space.centered,
-                space.kind,
-                f"norm {norm.weight!r} has no linear reader to fold its scale into",
+            graph.spaces[norm.space] = dataclasses.replace(
+                space,
+                max_class="signed-permutation" if signed else "permutation",
+                reason=space.reason
+                if space.pinned
+                else f"norm {norm.weight!r} has no linear reader to fold its scale into",
             )
 
 

@@ -28,7 +28,7 @@ from hf_rebasin.alignment.features.weights import ExpertBlocks, spaces_of
 from hf_rebasin.alignment.solvers import best_inners, inner_values, lap, lap_batch, procrustes, svdvals
 from hf_rebasin.alignment.strategies.base import Pair, Progress
 from hf_rebasin.symmetry.graph import SymmetryGraph
-from hf_rebasin.symmetry.spaces import ExpertSpace, HeadSpace, Space, TransformClass
+from hf_rebasin.symmetry.spaces import ExpertSpace, HeadSpace, Space, TransformClass, pinned_spaces
 from hf_rebasin.symmetry.transforms import AxisMap, ExpertMap, HeadMap, SpaceMap, Transform, plain_class
 
 Views = Mapping[str | None, Tensor | ExpertBlocks]  # an expert space's units: blocks on demand
@@ -229,7 +229,10 @@ def solve_plain(
     LAP on |view| with each pair's sign where it admits signed permutations (the best signed
     permutation: ``Σ sᵢ M[i, π(i)]`` is largest with sᵢ = sign M[i, π(i)]). ``assign`` solves the
     LAPs (`solvers.lap_sparse` trades exactness on unrelated scores for speed on wide spaces);
-    ``null_rtol``: the rotation nearest the identity where the view is singular."""
+    ``null_rtol``: the rotation nearest the identity where the view is singular. A pinned space
+    gets the identity whatever its view."""
+    if space.pinned:
+        return AxisMap(space.size)
     got = plain_class(space, cls)
     if got == "orthogonal":
         o, _ = procrustes(view, fix_ones=space.centered, null_rtol=null_rtol)
@@ -262,7 +265,7 @@ def anchor_init(views: WeightViews, transform: Transform, solve: SpaceSolver) ->
     :func:`descend`: the anchor terms are computed once."""
     out = dict(transform)
     for name, space in views.graph.spaces.items():
-        if not isinstance(space, Space) or space.kind != "residual":
+        if not isinstance(space, Space) or space.kind != "residual" or space.pinned:
             continue
         view = views.static(name).get(None)
         if view is None:
@@ -302,7 +305,9 @@ def descend(
     """
     transform = dict(init) if init is not None else graph.identity()
     rng = random.Random(seed)
-    names = list(order) if order is not None else list(graph.spaces)
+    pinned = pinned_spaces(graph.spaces)  # only the identity survives a reload there: never visited
+    transform.update({n: AxisMap(graph.ref_size(n)) for n in pinned})
+    names = [n for n in (order if order is not None else graph.spaces) if n not in pinned]
     views_of = views if views is not None else WeightViews(graph, sd_a, sd_b)
     near = neighbours(graph)
     solved_at: dict[str, tuple[int, ...]] = {}  # neighbours' versions when a space was last solved
@@ -444,6 +449,8 @@ def space_solver(
 
     def solve(name: str, views: Views) -> SpaceMap:
         sp = graph.spaces[name]
+        if isinstance(sp, Space) and sp.pinned:
+            return AxisMap(sp.size)
         if isinstance(sp, ExpertSpace):
             return solve_experts(sp, views)
         if isinstance(sp, HeadSpace):

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from hf_rebasin.alignment.solvers import lap, polar, procrustes, sinkhorn, svd
 from hf_rebasin.symmetry.graph import SymmetryGraph
-from hf_rebasin.symmetry.spaces import HeadSpace, Space
+from hf_rebasin.symmetry.spaces import HeadSpace, Space, is_pinned
 from hf_rebasin.symmetry.transforms import (
     AxisMap,
     ExpertMap,
@@ -131,7 +131,9 @@ class LearnedMaps(torch.nn.Module):
             key = f"s{i}"
             self.keys[name] = key
             sp = graph.spaces[name]
-            if isinstance(m, ExpertMap):  # no relaxation of the two-level permutation: kept as it starts
+            if is_pinned(sp):  # only the identity survives a reload: nothing to learn
+                self.fixed[name] = AxisMap(graph.ref_size(name))
+            elif isinstance(m, ExpertMap):  # no relaxation of the two-level permutation: kept as it starts
                 self.fixed[name] = m
             elif isinstance(m, HeadMap):
                 assert isinstance(sp, HeadSpace)

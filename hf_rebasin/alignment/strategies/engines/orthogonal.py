@@ -21,17 +21,19 @@ from hf_rebasin.alignment.strategies.engines.descent import (
     space_solver,
 )
 from hf_rebasin.symmetry.graph import SymmetryGraph
-from hf_rebasin.symmetry.spaces import HeadSpace, Space
+from hf_rebasin.symmetry.spaces import HeadSpace, Space, is_pinned
 from hf_rebasin.symmetry.transforms import SpaceMap, Transform
 
 __all__ = ["keeping_identity", "permutation_start", "rotate", "space_order"]
 
 
 def space_order(graph: SymmetryGraph) -> list[str]:
-    """The residual stream first, then heads, then the rest: the order rotations are solved in."""
+    """The residual stream first, then heads, then the rest: the order rotations are solved in. A
+    pinned stream is left out: it keeps the identity."""
     residual = [n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"]
     heads = [n for n, s in graph.spaces.items() if isinstance(s, HeadSpace)]
-    return residual + heads + [n for n in graph.spaces if n not in residual and n not in heads]
+    rest = [n for n in graph.spaces if n not in residual and n not in heads]
+    return [n for n in residual + heads + rest if not is_pinned(graph.spaces[n])]
 
 
 def keeping_identity(graph: SymmetryGraph, solve: SpaceSolver, rtol: float | None) -> SpaceSolver:
