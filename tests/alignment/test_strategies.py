@@ -207,7 +207,7 @@ def _transformed_pair(case: str, seed: int = 3, noise: float = 0.0):
 
 
 @pytest.mark.parametrize("residual", ["all", "first", "last"])
-@pytest.mark.parametrize("case", ["gpt2", "bert-mlm", "llama-gqa", "vit", "clip", "bart", "t5", "whisper"])
+@pytest.mark.parametrize("case", ["gpt2", "bert-mlm", "llama-gqa", "vit", "clip", "bart", "t5", "whisper", "marian"])
 def test_head_perm_recovers_a_random_permutation(case, residual):
     model, graph, sd, sd_b, model_b, data = _transformed_pair(case)
     alignment = align("head-perm", Pair(graph, sd, sd_b, model, model_b, data), {"residual": residual})
