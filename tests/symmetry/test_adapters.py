@@ -25,7 +25,9 @@ from hf_rebasin.symmetry.transforms import (
 )
 
 CASES = sorted(tiny.FACTORIES)
-SEEDS = (0, 1, 2)
+# seed 0 in the fast suite, the other draws with the slow tests (and in the preservation matrix,
+# `benchmarks/symmetry/preservation_matrix.py`, every model and class under 3 seeds)
+SEEDS = (0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow))
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +246,7 @@ def test_registry_refuses_duplicates():
         reg.register(SPEC)
 
 
-@pytest.mark.parametrize("seed", (0, 1))
+@pytest.mark.parametrize("seed", SEEDS[:2])
 @pytest.mark.parametrize("case", CASES)
 def test_random_invertible_head_maps_preserve_outputs(models, case, seed):
     """The invertible class inside heads: Q·M with K·M⁻ᵀ, V·N with O·N⁻¹ (rotary: scaled plane
