@@ -140,7 +140,8 @@ def _sublayers(pre_norm: bool) -> tuple[SublayerT, ...]:
     )
 
 
-def _dims(c: Any) -> dict[str, int]:
+def bart_dims(c: Any) -> dict[str, int]:
+    """Sizes of a BART-layout config (its relatives and Whisper read theirs the same way)."""
     return {
         "d": c.d_model,
         "enc_layers": c.encoder_layers,
@@ -183,7 +184,7 @@ def _family(
         family=family,
         model_types=(family,),
         base_prefix="model.",
-        dims=_dims,
+        dims=bart_dims,
         loops={"i": "enc_layers", "j": "dec_layers"},
         spaces=(res, *_SPACES),
         tensors=_tensors(positions),

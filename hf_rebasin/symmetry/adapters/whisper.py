@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_rebasin.symmetry.adapters.bart import bart_dims
 from hf_rebasin.symmetry.adapters.base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
 from hf_rebasin.symmetry.spaces import AxisRef
 
@@ -123,18 +124,7 @@ _SUBLAYERS = (
 
 
 def _dims(c: Any) -> dict[str, int]:
-    return {
-        "d": c.d_model,
-        "enc_layers": c.encoder_layers,
-        "dec_layers": c.decoder_layers,
-        "enc_heads": c.encoder_attention_heads,
-        "dec_heads": c.decoder_attention_heads,
-        "enc_head_dim": c.d_model // c.encoder_attention_heads,
-        "dec_head_dim": c.d_model // c.decoder_attention_heads,
-        "enc_ff": c.encoder_ffn_dim,
-        "dec_ff": c.decoder_ffn_dim,
-        "proj": getattr(c, "classifier_proj_size", None) or c.d_model,
-    }
+    return {**bart_dims(c), "proj": getattr(c, "classifier_proj_size", None) or c.d_model}
 
 
 SPEC = ArchitectureSpec(
