@@ -901,6 +901,55 @@ def m2m100_base(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(T.M2M100Model(_seq2seq_config(T.M2M100Config, scale_embedding=True)), seed)
 
 
+# ---- ELECTRA: embeddings of their own size, projected into the stream -------------------------
+
+
+def _electra_config(embedding_size: int = 16, **kw: object) -> T.ElectraConfig:
+    return T.ElectraConfig(
+        vocab_size=V,
+        embedding_size=embedding_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        **kw,
+    )
+
+
+def electra(seed: int = 0) -> torch.nn.Module:
+    """The discriminator (replaced-token detection), embeddings projected 16 -> 32."""
+    _seed(seed)
+    return _randomize_norms(T.ElectraForPreTraining(_electra_config()), seed)
+
+
+def electra_mlm(seed: int = 0) -> torch.nn.Module:
+    """The generator: its MLM head writes the embedding space, read by the tied word embeddings."""
+    _seed(seed)
+    return _randomize_norms(T.ElectraForMaskedLM(_electra_config()), seed)
+
+
+def electra_mlm_equal(seed: int = 0) -> torch.nn.Module:
+    """embedding_size == hidden_size: no embeddings_project, the tables write the stream itself."""
+    _seed(seed)
+    return _randomize_norms(T.ElectraForMaskedLM(_electra_config(embedding_size=32)), seed)
+
+
+def electra_cls(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.ElectraForSequenceClassification(_electra_config(num_labels=3)), seed)
+
+
+def electra_cls_equal(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.ElectraForSequenceClassification(_electra_config(32, num_labels=3)), seed)
+
+
+def electra_base(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.ElectraModel(_electra_config()), seed)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -983,4 +1032,10 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "m2m100": m2m100,
     "mbart-base": mbart_base,
     "m2m100-base": m2m100_base,
+    "electra": electra,
+    "electra-mlm": electra_mlm,
+    "electra-mlm-equal": electra_mlm_equal,
+    "electra-cls": electra_cls,
+    "electra-cls-equal": electra_cls_equal,
+    "electra-base": electra_base,
 }

@@ -15,6 +15,7 @@ from hf_rebasin.symmetry.adapters import (
     cohere,
     dinov2,
     distilbert,
+    electra,
     falcon,
     gemma,
     gpt2,
@@ -103,6 +104,7 @@ for _spec in (
     bart.MBART,
     bart.MARIAN,
     bart.M2M100,
+    electra.SPEC,
 ):
     REGISTRY.register(_spec)
 
