@@ -96,6 +96,7 @@ def test_learned_matching_of_marians_keeps_the_stream_pinned(
     assert type(merged).__name__ == "MarianMTModel"
 
 
+@pytest.mark.slow  # embed of encoder-decoders: covered fast by their adapter and widths tests
 @pytest.mark.parametrize("case", ["marian", "m2m100"])
 def test_embed_grows_mlps_of_a_pinned_family_and_refuses_its_stream(tmp_path: Path, case: str) -> None:
     """Wider MLPs keep the logits (stock class); a wider d_model is refused, naming the pin: the wider

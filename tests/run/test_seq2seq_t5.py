@@ -263,6 +263,7 @@ def test_per_sublayer_residual_maps_fall_back_to_one_map_for_t5_and_say_so(strat
     assert any("one global residual map is used" in n for n in alignment.notes) and alignment.exact
 
 
+@pytest.mark.slow  # lineage of encoder-decoders: covered fast by their adapter tests
 def test_a_t5_of_another_decoder_depth_is_refused_with_both_stacks_depths(tmp_path: Path, t5s: list[Path]) -> None:
     config = tiny.t5(0).config
     config.num_decoder_layers = 2
