@@ -13,10 +13,10 @@ import dataclasses
 from typing import Any
 
 from hf_rebasin.core.errors import UnsupportedArchitectureError
-from hf_rebasin.symmetry.adapters.base import GluT, HeadsT, NormT, SpaceT, SublayerT
-from hf_rebasin.symmetry.adapters.llama import ATTN, MLP, L
+from hf_rebasin.symmetry.adapters.base import GluT, NormT, SublayerT
+from hf_rebasin.symmetry.adapters.llama import MLP, L
 from hf_rebasin.symmetry.adapters.llama import SPEC as LLAMA
-from hf_rebasin.symmetry.adapters.starcoder2 import rotary_dims
+from hf_rebasin.symmetry.adapters.starcoder2 import ROTARY_LAYERNORM_SPACES, rotary_dims
 
 QKV = tuple(f"{L}.self_attn.{p}_proj" for p in "qkv")
 GATE_UP = (f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj")
@@ -48,11 +48,7 @@ SPEC = dataclasses.replace(
     family="stablelm",
     model_types=("stablelm",),
     dims=rotary_dims,
-    spaces=(
-        SpaceT("res", "d", "orthogonal", centered=True, kind="residual"),
-        HeadsT(ATTN, kv_heads="kv_heads", rotary=True, rotary_dim="rotary_dim"),
-        SpaceT(MLP, "ff", kind="mlp"),
-    ),
+    spaces=ROTARY_LAYERNORM_SPACES,
     norms=(
         NormT(f"{L}.input_layernorm", "res", tuple(f"{m}.weight" for m in QKV)),
         NormT(f"{L}.post_attention_layernorm", "res", tuple(f"{m}.weight" for m in GATE_UP)),

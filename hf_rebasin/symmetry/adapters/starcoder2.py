@@ -22,6 +22,14 @@ def rotary_dims(c: Any) -> dict[str, int]:
     return {**dims, "rotary_dim": rotary_dim(c, dims["head_dim"])}
 
 
+# a LayerNorm stream (rotations fixing the ones vector), rotary heads (partial where `rotary_dim` < head_dim),
+# one MLP space per layer: StarCoder2's and StableLM's
+ROTARY_LAYERNORM_SPACES = (
+    SpaceT("res", "d", "orthogonal", centered=True, kind="residual"),
+    HeadsT(ATTN, kv_heads="kv_heads", rotary=True, rotary_dim="rotary_dim"),
+    SpaceT(MLP, "ff", kind="mlp"),
+)
+
 # Llama's attention and head templates; the MLP and norms are GPT-2's
 _ATTENTION = {k: v for k, v in LLAMA.tensors.items() if ".mlp." not in k}
 
@@ -30,11 +38,7 @@ SPEC = dataclasses.replace(
     family="starcoder2",
     model_types=("starcoder2",),
     dims=rotary_dims,
-    spaces=(
-        SpaceT("res", "d", "orthogonal", centered=True, kind="residual"),
-        HeadsT(ATTN, kv_heads="kv_heads", rotary=True, rotary_dim="rotary_dim"),
-        SpaceT(MLP, "ff", kind="mlp"),
-    ),
+    spaces=ROTARY_LAYERNORM_SPACES,
     tensors={
         **_ATTENTION,
         f"{L}.mlp.c_fc.weight": (MLP, "res"),
