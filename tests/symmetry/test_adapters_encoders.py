@@ -243,7 +243,9 @@ def test_weight_matching_recovers_a_known_permutation(models, case):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["xlm-roberta-mlm", "distilbert-mlm", "modernbert-mlm"])
+@pytest.mark.parametrize(
+    "case", ["xlm-roberta-mlm", "distilbert-mlm", "modernbert-mlm", "electra", "electra-mlm-equal", "electra-cls"]
+)
 def test_cli_verify_a_saved_model(tmp_path: Path, case: str, capsys: Any) -> None:
     folder = tmp_path / case
     tiny.FACTORIES[case](0).save_pretrained(str(folder))
