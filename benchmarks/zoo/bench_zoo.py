@@ -48,6 +48,7 @@ SCRATCH = (
     "bench-gemma2",
     "bench-t5",
     "bench-bart",
+    "bench-mbart",
 )  # trained from scratch, one per seed
 TUNED = ("bench-gpt2-ft",)  # trained on top of seed 0 of their base
 

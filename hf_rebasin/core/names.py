@@ -140,6 +140,9 @@ Kind = Literal[
     # encoder-decoders pretrained by denoising: a tiny character-level BART, the benchmark BART and T5
     "bart",
     "bench-bart",
+    # bench-bart's size and objective in mBART's layout (pre-norm, final norms): post-norm BART leaves
+    # its copy plateau on some seeds only
+    "bench-mbart",
     "bench-t5",
     # bench-t5 of a seed fine-tuned on the King James Bible (full, and as a LoRA adapter)
     "bench-t5-ft",

@@ -17,7 +17,7 @@ from hf_rebasin.evaluation import data
 from hf_rebasin.evaluation.seq2seq import block_room, collate, noised_pairs, objective_of
 from hf_rebasin.evaluation.zoo.catalogue import DEFAULT_CONFIGS, EVAL_MASK_SEED, check_kind
 from hf_rebasin.evaluation.zoo.loop import Progress, _run
-from hf_rebasin.evaluation.zoo.seq2seq_config import SENTINELS, Seq2SeqFineTuneConfig, Seq2SeqTrainConfig
+from hf_rebasin.evaluation.zoo.seq2seq_config import BART_FAMILIES, SENTINELS, Seq2SeqFineTuneConfig, Seq2SeqTrainConfig
 
 __all__ = [
     "held_out_blocks",
@@ -35,7 +35,7 @@ def _tokenizer(cfg: Seq2SeqTrainConfig) -> Any:
     mask token, T5's with sentinels ``<extra_id_0>`` … appended after the BPE vocabulary."""
     from tokenizers import processors
 
-    mask = cfg.family == "bart"
+    mask = cfg.family in BART_FAMILIES
     if cfg.vocab_size:
         tokenizer = data.bpe_tokenizer(data.shakespeare_text(cfg.plays, split="train"), cfg.vocab_size, mask=mask)
     else:
@@ -117,7 +117,7 @@ def model_config(cfg: Seq2SeqTrainConfig, tokenizer: Any) -> Any:
 
     ids = {"pad_token_id": int(tokenizer.pad_token_id), "eos_token_id": int(tokenizer.eos_token_id)}
     sizes: dict[str, Any]
-    if cfg.family == "bart":
+    if cfg.family in BART_FAMILIES:
         sizes = {
             "d_model": cfg.hidden_size,
             **{f"{s}_layers": cfg.num_layers for s in ("encoder", "decoder")},
