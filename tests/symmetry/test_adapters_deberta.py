@@ -231,6 +231,20 @@ def test_orthogonal_falls_back_to_permutation_with_the_reason(models):
     assert "post-norm" in note
 
 
+def test_without_relative_attention_the_encoder_is_bert_like():
+    """DeBERTa-v2 with ``relative_attention: false`` has no table and no position projections:
+    absolute positions only, and the same adapter holds (every tensor described, outputs kept)."""
+    config = tiny._deberta_config(relative_attention=False, position_biased_input=True, num_labels=3)
+    torch.manual_seed(0)
+    model = tiny._randomize_norms(T.DebertaV2ForSequenceClassification(config), 0)
+    sd = model.state_dict()
+    assert not any("rel_embeddings" in k or "pos_key_proj" in k for k in sd)
+    graph_for(model.config, sd.keys()).check(sd, source="deberta-v2 without relative attention")
+    for cls in ("permutation", "orthogonal"):
+        report = verify_model(model, cls, seed=1)
+        assert report.compared and report.max_abs_diff <= TOLERANCE, report
+
+
 def test_conv_layer_is_refused_by_name():
     config = tiny._deberta_config(conv_kernel_size=3)
     keys = T.DebertaV2Model(config).state_dict().keys()
