@@ -15,7 +15,8 @@ moves as ``k`` and ``Q_r`` as ``q``, so every term keeps its value under any Q/K
 With ``embedding_size != hidden_size`` the tables live in an embedding space ``emb`` projected into
 the stream by ``embeddings.embed_proj`` (no bias; the embeddings' LayerNorm normalizes the *stream*
 after it). The legacy MLM head writes ``emb`` (dense → activation → LayerNorm) for the decoder tied to
-the word embeddings, so ``emb`` admits permutations only. The non-legacy head (``legacy: false``,
+the word embeddings, so ``emb`` admits permutations only (a class without that head could rotate
+it, which the adapter, reading the config alone, does not tell apart). The non-legacy head (``legacy: false``,
 ``lm_predictions.lm_head``) multiplies by the word embeddings itself (no decoder tensor to tie).
 
 Per-sublayer residual maps (transports) put the shared table and its LayerNorm on stream 0, with the
@@ -23,7 +24,7 @@ embeddings: every later layer reads them in its own stream's basis, which no sin
 
 Refused: ``conv_kernel_size > 0`` (DeBERTa-v2 xlarge/xxlarge): its ``ConvLayer`` reads the embeddings'
 output and adds into the first layer's output, a branch across layer 0 that the sublayer description
-(one reader and writer per stream step) does not express yet. ``attention_head_size`` is read as set.
+(one reader and writer per stream step) does not express yet.
 """
 
 from __future__ import annotations
