@@ -950,6 +950,72 @@ def electra_base(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(T.ElectraModel(_electra_config()), seed)
 
 
+# ---- DeBERTa-v2/v3: disentangled attention over a shared relative-position table --------------
+
+
+def _deberta_config(**kw: object) -> T.DebertaV2Config:
+    """DeBERTa-v3's settings: relative attention with p2c and c2p through the layers' own q/k
+    projections, log buckets (4 buckets, so the 12-token inputs reach the log range), the table
+    LayerNorm'd, no absolute positions."""
+    settings: dict[str, object] = {
+        "vocab_size": V,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 48,
+        "max_position_embeddings": 64,
+        "relative_attention": True,
+        "pos_att_type": ["p2c", "c2p"],
+        "share_att_key": True,
+        "position_buckets": 4,
+        "max_relative_positions": 16,
+        "norm_rel_ebd": "layer_norm",
+        "position_biased_input": False,
+        "type_vocab_size": 0,
+    }
+    return T.DebertaV2Config(**{**settings, **kw})
+
+
+def deberta_v2_mlm(seed: int = 0) -> torch.nn.Module:
+    """DeBERTa-v3-like, the legacy MLM head (``cls.predictions``, decoder tied to the word table)."""
+    _seed(seed)
+    return _randomize_norms(T.DebertaV2ForMaskedLM(_deberta_config()), seed)
+
+
+def deberta_v2_mlm_head(seed: int = 0) -> torch.nn.Module:
+    """``legacy: false``: ``lm_predictions.lm_head`` multiplies by the word embeddings itself. Its
+    parameters draw what the legacy head's draw, in the same order: the same function, other names."""
+    _seed(seed)
+    return _randomize_norms(T.DebertaV2ForMaskedLM(_deberta_config(legacy=False)), seed)
+
+
+def deberta_v2_mlm_emb(seed: int = 0) -> torch.nn.Module:
+    """``embedding_size`` 16 < 32: ``embed_proj`` reads the tables, the legacy head writes them."""
+    _seed(seed)
+    return _randomize_norms(T.DebertaV2ForMaskedLM(_deberta_config(embedding_size=16)), seed)
+
+
+def deberta_v2_cls(seed: int = 0) -> torch.nn.Module:
+    """``share_att_key: false``: per-layer ``pos_query_proj``/``pos_key_proj``; ContextPooler head."""
+    _seed(seed)
+    config = _deberta_config(share_att_key=False, num_labels=3)
+    return _randomize_norms(T.DebertaV2ForSequenceClassification(config), seed)
+
+
+def deberta_v2_token(seed: int = 0) -> torch.nn.Module:
+    """c2p only, no table LayerNorm, token types: the classifier reads the stream."""
+    _seed(seed)
+    config = _deberta_config(pos_att_type=["c2p"], norm_rel_ebd="none", type_vocab_size=2, num_labels=5)
+    return _randomize_norms(T.DebertaV2ForTokenClassification(config), seed)
+
+
+def deberta_v2_base(seed: int = 0) -> torch.nn.Module:
+    """DeBERTa-v2-like embeddings: absolute positions and token types in a 16-wide space."""
+    _seed(seed)
+    config = _deberta_config(embedding_size=16, position_biased_input=True, type_vocab_size=2)
+    return _randomize_norms(T.DebertaV2Model(config), seed)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -1038,4 +1104,10 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "electra-cls": electra_cls,
     "electra-cls-equal": electra_cls_equal,
     "electra-base": electra_base,
+    "deberta-v2-mlm": deberta_v2_mlm,
+    "deberta-v2-mlm-head": deberta_v2_mlm_head,
+    "deberta-v2-mlm-emb": deberta_v2_mlm_emb,
+    "deberta-v2-cls": deberta_v2_cls,
+    "deberta-v2-token": deberta_v2_token,
+    "deberta-v2-base": deberta_v2_base,
 }

@@ -90,7 +90,9 @@ def _refuse_quantized(raw: Any, cfg: Path) -> None:
     )
 
 
-# sizes a config states; each must be a whole number >= 1 (None: the model's default)
+# sizes a config states; each must be a whole number >= 1 (None: the model's default), or >= 0 for
+# the counts in _MAY_BE_ZERO (DeBERTa-v3's `type_vocab_size: 0`: no token-type table at all)
+_MAY_BE_ZERO = frozenset({"type_vocab_size"})
 _DIMENSIONS = (
     "n_embd",
     "n_head",
@@ -124,9 +126,10 @@ def _check_dimensions(raw: Any, cfg: Path, prefix: str = "") -> None:
         if value is None:
             continue
         values = value if key == "image_size" and isinstance(value, list) else [value]
-        if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        least = 0 if key in _MAY_BE_ZERO else 1
+        if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= least for v in values):
             raise ConfigError(
-                f"{str(cfg)!r}: `{prefix}{key}` is {value!r}; a size must be a whole number of at least 1"
+                f"{str(cfg)!r}: `{prefix}{key}` is {value!r}; a size must be a whole number of at least {least}"
             )
     width_key = next((k for k in ("n_embd", "hidden_size") if raw.get(k) is not None), None)
     heads_key = next((k for k in ("n_head", "num_attention_heads") if raw.get(k) is not None), None)

@@ -181,7 +181,8 @@ def test_generalized_orthogonal_recovers_a_rotation_per_stream(case):
     assert _max_diff(alignment.aligned_b(), target) < 1e-4
 
 
-@pytest.mark.parametrize("case", ["gpt2", "bert-mlm", "llama-gqa"])
+# deberta-v2-mlm: its relative-position table rides stream 0 yet every layer reads it
+@pytest.mark.parametrize("case", ["gpt2", "bert-mlm", "llama-gqa", "deberta-v2-mlm"])
 @pytest.mark.parametrize("strategy", ["weight-matching", "transfusion", "generalized-orthogonal"])
 def test_a_transport_on_a_transformed_base_carries_the_finetune_exactly(case, strategy):
     """B is A in another basis (one residual map): every stream's map is that map, so B + π(τ)

@@ -13,6 +13,7 @@ from hf_rebasin.symmetry.adapters import (
     bert,
     clip,
     cohere,
+    deberta_v2,
     dinov2,
     distilbert,
     electra,
@@ -105,6 +106,7 @@ for _spec in (
     bart.MARIAN,
     bart.M2M100,
     electra.SPEC,
+    deberta_v2.SPEC,
 ):
     REGISTRY.register(_spec)
 
