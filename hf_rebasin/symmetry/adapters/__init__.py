@@ -9,6 +9,7 @@ from typing import Any
 
 from hf_rebasin.core.errors import UnsupportedArchitectureError
 from hf_rebasin.symmetry.adapters import (
+    albert,
     bart,
     bert,
     clip,
@@ -105,6 +106,7 @@ for _spec in (
     bart.MARIAN,
     bart.M2M100,
     electra.SPEC,
+    albert.SPEC,
 ):
     REGISTRY.register(_spec)
 
