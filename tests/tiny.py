@@ -1001,6 +1001,38 @@ def albert_groups(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(T.AlbertForMaskedLM(config), seed)
 
 
+# ---- MPNet: BERT's layers, one relative position bias for all of them ------------------------
+
+
+def _mpnet_config(**kw: object) -> T.MPNetConfig:
+    return T.MPNetConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        **kw,
+    )
+
+
+def mpnet_mlm(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.MPNetForMaskedLM(_mpnet_config()), seed)
+
+
+def mpnet_cls(seed: int = 0) -> torch.nn.Module:
+    """MPNetClassificationHead: dense → tanh → out_proj on the first token's state."""
+    _seed(seed)
+    return _randomize_norms(T.MPNetForSequenceClassification(_mpnet_config(num_labels=3)), seed)
+
+
+def mpnet_base(seed: int = 0) -> torch.nn.Module:
+    """With the pooler, as sentence-transformers' all-mpnet-base-v2 is stored."""
+    _seed(seed)
+    return _randomize_norms(T.MPNetModel(_mpnet_config()), seed)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -1095,4 +1127,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "albert-cls": albert_cls,
     "albert-base": albert_base,
     "albert-groups": albert_groups,
+    "mpnet-mlm": mpnet_mlm,
+    "mpnet-cls": mpnet_cls,
+    "mpnet-base": mpnet_base,
 }

@@ -25,6 +25,7 @@ from hf_rebasin.symmetry.adapters import (
     llama,
     modernbert,
     moe,
+    mpnet,
     olmo2,
     phi,
     phi3,
@@ -107,6 +108,7 @@ for _spec in (
     bart.M2M100,
     electra.SPEC,
     albert.SPEC,
+    mpnet.SPEC,
 ):
     REGISTRY.register(_spec)
 
