@@ -244,7 +244,19 @@ def test_weight_matching_recovers_a_known_permutation(models, case):
 
 
 @pytest.mark.parametrize(
-    "case", ["xlm-roberta-mlm", "distilbert-mlm", "modernbert-mlm", "electra", "electra-mlm-equal", "electra-cls"]
+    "case",
+    [
+        "xlm-roberta-mlm",
+        "distilbert-mlm",
+        "modernbert-mlm",
+        "electra",
+        "electra-mlm-equal",
+        "electra-cls",
+        "albert",
+        "albert-groups",
+        "mpnet-mlm",
+        "mpnet-base",
+    ],
 )
 def test_cli_verify_a_saved_model(tmp_path: Path, case: str, capsys: Any) -> None:
     folder = tmp_path / case
