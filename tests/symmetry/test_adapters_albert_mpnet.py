@@ -5,8 +5,8 @@ whatever ``num_hidden_layers`` is, the shared layer's reads and writes must take
 every run, and no sublayers are declared (a map per stream would give one tensor a map per run).
 Its embedding space is its own (``embedding_hidden_mapping_in`` projects it, even at equal sizes).
 MPNet's one relative position bias feeds every layer: its heads keep one order across the depth,
-the bias columns with it. Negative controls show each constraint is real; weight matching recovers a
-planted permutation.
+the bias columns with it. Negative controls show each constraint is real; weight matching,
+TransFusion and activation matching recover a planted permutation.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import transformers as T
 
 import tiny
-from hf_rebasin.alignment.strategies import Pair, align
+from hf_rebasin.alignment.strategies import AlignmentData, Pair, align
 from hf_rebasin.alignment.verify import TOLERANCE, compare, example_inputs, outputs_of, verify_model
 from hf_rebasin.core.errors import AdapterError
 from hf_rebasin.io.rebuild import rebuild
@@ -252,5 +252,23 @@ def test_a_planted_permutation_is_recovered(models, case, strategy):
     assert max((sd_b[k] - sd[k]).abs().max().item() for k in sd) > 1e-2  # B really moved
     alignment = align(strategy, Pair(graph, sd, sd_b))
     assert alignment.exact
+    aligned = alignment.aligned_b()
+    assert max((aligned[k] - sd[k]).abs().max().item() for k in sd) < 1e-6
+
+
+@pytest.mark.parametrize(("case", "residual"), [("albert", "last"), ("albert-groups", "last"), ("mpnet-mlm", "all")])
+def test_activation_matching_recovers_a_planted_permutation(models, case, residual):
+    """Head-perm pools a shared ALBERT layer's features over its runs (run t of A with run t of B);
+    its stream is read where the encoder leaves it (``residual: last``): the collector keys a site
+    inside the layers by module, once per forward."""
+    model = models[case].eval()
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    sd_b = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(3)))
+    spec = get_adapter(model.config.model_type)
+    batches = [example_inputs(spec, model.config, torch.Generator().manual_seed(i)) for i in range(4)]
+    pair = Pair(graph, sd, sd_b, model, rebuild(model, sd_b), AlignmentData(batches, frozenset({0})))
+    alignment = align("head-perm", pair, {"residual": residual})
+    assert alignment.exact and not alignment.transform["res"].is_identity()
     aligned = alignment.aligned_b()
     assert max((aligned[k] - sd[k]).abs().max().item() for k in sd) < 1e-6
