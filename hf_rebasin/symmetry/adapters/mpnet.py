@@ -118,6 +118,7 @@ SPEC = ArchitectureSpec(
     last_hidden={"res": "{base}encoder"},
     alternatives=_classifier,
     fixed_widths={
+        # the post-norm stream cannot grow either, so more heads would also mean a smaller head_dim
         "num_attention_heads": "the encoder's relative position bias holds one column per head, shared by all layers",
     },
 )
