@@ -1016,6 +1016,89 @@ def deberta_v2_base(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(T.DebertaV2Model(config), seed)
 
 
+# ---- ALBERT: one layer's weights run at every depth, embeddings of their own size -------------
+
+
+def _albert_config(embedding_size: int = 16, layers: int = 3, **kw: object) -> T.AlbertConfig:
+    """By default three steps through one shared layer (``num_hidden_groups = inner_group_num = 1``)."""
+    return T.AlbertConfig(
+        vocab_size=V,
+        embedding_size=embedding_size,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        **kw,
+    )
+
+
+def albert(seed: int = 0) -> torch.nn.Module:
+    """Pre-training heads: the MLM head writes the embedding space, the SOP head reads the pooler."""
+    _seed(seed)
+    return _randomize_norms(T.AlbertForPreTraining(_albert_config()), seed)
+
+
+def albert_mlm(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.AlbertForMaskedLM(_albert_config()), seed)
+
+
+def albert_mlm_equal(seed: int = 0) -> torch.nn.Module:
+    """embedding_size == hidden_size: ``embedding_hidden_mapping_in`` is still there, so ``emb`` stays apart."""
+    _seed(seed)
+    return _randomize_norms(T.AlbertForMaskedLM(_albert_config(embedding_size=32)), seed)
+
+
+def albert_cls(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.AlbertForSequenceClassification(_albert_config(num_labels=3)), seed)
+
+
+def albert_base(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.AlbertModel(_albert_config()), seed)
+
+
+def albert_groups(seed: int = 0) -> torch.nn.Module:
+    """Two groups of two layers, four steps: each group runs twice, four layer modules in all."""
+    _seed(seed)
+    config = _albert_config(layers=4, num_hidden_groups=2, inner_group_num=2)
+    return _randomize_norms(T.AlbertForMaskedLM(config), seed)
+
+
+# ---- MPNet: BERT's layers, one relative position bias for all of them ------------------------
+
+
+def _mpnet_config(**kw: object) -> T.MPNetConfig:
+    return T.MPNetConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        **kw,
+    )
+
+
+def mpnet_mlm(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.MPNetForMaskedLM(_mpnet_config()), seed)
+
+
+def mpnet_cls(seed: int = 0) -> torch.nn.Module:
+    """MPNetClassificationHead: dense → tanh → out_proj on the first token's state."""
+    _seed(seed)
+    return _randomize_norms(T.MPNetForSequenceClassification(_mpnet_config(num_labels=3)), seed)
+
+
+def mpnet_base(seed: int = 0) -> torch.nn.Module:
+    """With the pooler, as sentence-transformers' all-mpnet-base-v2 is stored."""
+    _seed(seed)
+    return _randomize_norms(T.MPNetModel(_mpnet_config()), seed)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bart": bart,
     "bart-cls": bart_cls,
@@ -1110,4 +1193,15 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "deberta-v2-cls": deberta_v2_cls,
     "deberta-v2-token": deberta_v2_token,
     "deberta-v2-base": deberta_v2_base,
+
+
+    "albert": albert,
+    "albert-mlm": albert_mlm,
+    "albert-mlm-equal": albert_mlm_equal,
+    "albert-cls": albert_cls,
+    "albert-base": albert_base,
+    "albert-groups": albert_groups,
+    "mpnet-mlm": mpnet_mlm,
+    "mpnet-cls": mpnet_cls,
+    "mpnet-base": mpnet_base,
 }

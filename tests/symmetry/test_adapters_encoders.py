@@ -255,6 +255,10 @@ def test_weight_matching_recovers_a_known_permutation(models, case):
         "deberta-v2-mlm",
         "deberta-v2-mlm-emb",
         "deberta-v2-cls",
+        "albert",
+        "albert-groups",
+        "mpnet-mlm",
+        "mpnet-base",
     ],
 )
 def test_cli_verify_a_saved_model(tmp_path: Path, case: str, capsys: Any) -> None:

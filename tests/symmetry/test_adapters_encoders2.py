@@ -1,4 +1,5 @@
-"""ELECTRA and ALBERT beyond the proofs every adapter gets (tests/symmetry/test_adapters.py).
+"""ELECTRA beyond the proofs every adapter gets (tests/symmetry/test_adapters.py); ALBERT and MPNet
+have theirs in tests/symmetry/test_adapters_albert_mpnet.py.
 
 Negative controls: the constraints the adapters declare are real. ELECTRA's embedding space is one
 space shared by the tables, their LayerNorm, ``embeddings_project``'s columns and the generator's

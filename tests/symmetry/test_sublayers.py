@@ -83,6 +83,11 @@ def test_streams_follow_the_order_the_model_runs_its_modules(case):
             "both reading the stream before it (test_moe.py checks the split keeps the model)"
         )
     graph = graph_for(model.config, model.state_dict().keys())
+    if not graph.sublayers:
+        pytest.skip(
+            "no sublayers declared: ALBERT runs one layer's weights at every depth, so a stream per sublayer "
+            "would give a shared tensor another map at each run (test_adapters_albert_mpnet.py checks the refusal)"
+        )
     inputs = example_inputs(get_adapter(model.config.model_type), model.config, torch.Generator().manual_seed(0))
     order = _run_order(model, accepted_inputs(model, inputs))  # SiglipForImageClassification: pixels only
     for res in _residuals(graph):

@@ -9,6 +9,7 @@ from typing import Any
 
 from hf_rebasin.core.errors import UnsupportedArchitectureError
 from hf_rebasin.symmetry.adapters import (
+    albert,
     bart,
     bert,
     clip,
@@ -25,6 +26,7 @@ from hf_rebasin.symmetry.adapters import (
     llama,
     modernbert,
     moe,
+    mpnet,
     olmo2,
     phi,
     phi3,
@@ -107,6 +109,8 @@ for _spec in (
     bart.M2M100,
     electra.SPEC,
     deberta_v2.SPEC,
+    albert.SPEC,
+    mpnet.SPEC,
 ):
     REGISTRY.register(_spec)
 
