@@ -1193,8 +1193,6 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "deberta-v2-cls": deberta_v2_cls,
     "deberta-v2-token": deberta_v2_token,
     "deberta-v2-base": deberta_v2_base,
-
-
     "albert": albert,
     "albert-mlm": albert_mlm,
     "albert-mlm-equal": albert_mlm_equal,
