@@ -4,14 +4,15 @@ seeds 0 and 1), how well each fits the others, and what a map per stream would b
     python benchmarks/alignment/t5_stream_maps.py              # a minute on one core, once the pair is trained
     python benchmarks/alignment/t5_stream_maps.py --apart      # + barriers with a map per stream (≈ 5 min)
 
-Prints three tables. First, per permutation, the mean correlation of the heads' matched columns under
+Prints three tables (four with ``--apart``). First, per permutation, the mean correlation of the heads' matched columns under
 it and the share of features on which each pair of permutations agrees (the head's columns, the input
 table's, weight matching, head-perm). Second, the stream's activations at every layer of each stack
 (``enc0`` the input table's output … ``enc4`` the encoder's output, after its final norm; ``dec0`` …
 ``dec4`` likewise), the same training text through both models: the mean correlation of matched
 features at each site under the permutation each site, each stack (summed evidence) and each table
-picks. One map serves both stacks (one table feeds them); where the stacks want different maps, no
-permutation fits both. ``--apart`` then measures that: the encoder's stream given a space of its own
+picks. Third, the same layers matched by a permutation, by a rotation per stack, by one rotation for
+both stacks and by the head's rotation. One map serves both stacks (one table feeds them); where the
+stacks want different permutations, no permutation fits both, though one rotation may. ``--apart`` then measures that: the encoder's stream given a space of its own
 (its table stored apart from ``shared``, as transformers 5 reads a checkpoint whose two tables differ),
 and the midpoint barrier of each data-free strategy and head-perm, as ``bench_barriers.py`` measures it.
 """
@@ -68,9 +69,9 @@ def _maps_table(a: Any, b: Any, data: Any) -> str:
     return "\n".join(lines)
 
 
-def _site_correlations(a: Any, b: Any, data: Any) -> dict[str, torch.Tensor]:
-    """Per stream site, the correlation matrix of A's features with B's over the data's scored positions."""
-    sums: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+def _site_activations(a: Any, b: Any, data: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per stream site, A's and B's features at the data's scored positions (rows), in float64."""
+    got: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     keys = ("input_ids", "attention_mask", "decoder_input_ids", "labels")
     with torch.no_grad():
         for batch in data.batches:
@@ -80,13 +81,13 @@ def _site_correlations(a: Any, b: Any, data: Any) -> dict[str, torch.Tensor]:
             masks = {"enc": batch["attention_mask"].bool(), "dec": batch["labels"] != -100}
             for stack, states in (("enc", "encoder_hidden_states"), ("dec", "decoder_hidden_states")):
                 for i, (x, y) in enumerate(zip(getattr(out_a, states), getattr(out_b, states), strict=True)):
-                    sums.setdefault(f"{stack}{i}", []).append((x[masks[stack]].double(), y[masks[stack]].double()))
-    return {site: _corr(torch.cat([x for x, _ in got]), torch.cat([y for _, y in got])) for site, got in sums.items()}
+                    got.setdefault(f"{stack}{i}", []).append((x[masks[stack]].double(), y[masks[stack]].double()))
+    return {site: (torch.cat([x for x, _ in v]), torch.cat([y for _, y in v])) for site, v in got.items()}
 
 
-def _sites_table(a: Any, b: Any, data: Any) -> str:
+def _sites_table(a: Any, b: Any, acts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> str:
     """The second table: each site's fit under each site's, each stack's and each table's permutation."""
-    sites = _site_correlations(a, b, data)
+    sites = {site: _corr(x, y) for site, (x, y) in acts.items()}
     sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
     perms = {t: _perm(_corr(sd_a[f"{t}.weight"].double(), sd_b[f"{t}.weight"].double())) for t in ("lm_head", "shared")}
     for stack in ("enc", "dec"):
@@ -96,6 +97,36 @@ def _sites_table(a: Any, b: Any, data: Any) -> str:
     lines = ["| permutation from | " + " | ".join(sites) + " |", "|---|" + "---:|" * len(sites)]
     for name, p in perms.items():
         lines.append(f"| {name} | " + " | ".join(f"{float(c[rows, p].mean()):.2f}" for c in sites.values()) + " |")
+    return "\n".join(lines)
+
+
+def _procrustes(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The orthogonal R that brings y's features onto x's: x ≈ y R."""
+    u, _, vt = torch.linalg.svd(y.T @ x)
+    return u @ vt
+
+
+def _rotations_table(a: Any, acts: dict[str, tuple[torch.Tensor, torch.Tensor]], b: Any) -> str:
+    """The third table: each stack's layers (the table's output left out) matched by a permutation, by a
+    rotation of its own, by one rotation for both stacks and by the head's rotation: the mean
+    correlation of A's features with B's mapped ones."""
+    stacks = {
+        s: tuple(torch.cat([v[k] for n, v in acts.items() if n.startswith(s) and n != f"{s}0"]) for k in (0, 1))
+        for s in ("enc", "dec")
+    }
+    joint = _procrustes(*(torch.cat([xy[k] / xy[k].norm() for xy in stacks.values()]) for k in (0, 1)))
+    sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
+    head = _procrustes(sd_a["lm_head.weight"].double(), sd_b["lm_head.weight"].double())
+    fit = {
+        "a permutation per stack": lambda x, y: y[:, _perm(_corr(x, y))],
+        "a rotation per stack": lambda x, y: y @ _procrustes(x, y),
+        "one rotation for both stacks": lambda x, y: y @ joint,
+        "the head's rotation (lm_head's Procrustes)": lambda x, y: y @ head,
+    }
+    lines = ["| map | encoder layers | decoder layers |", "|---|---:|---:|"]
+    for name, mapped in fit.items():
+        cells = [float(_corr(x, mapped(x, y)).diagonal().mean()) for x, y in stacks.values()]
+        lines.append(f"| {name} | {cells[0]:.2f} | {cells[1]:.2f} |")
     return "\n".join(lines)
 
 
@@ -148,7 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     a.model.eval(), b.model.eval()
     data = bench_barriers.alignment_data("bench-t5", folders[0], 8)
     print(_maps_table(a, b, data), end="\n\n")
-    print(_sites_table(a, b, data), end="\n\n")
+    acts = _site_activations(a, b, data)
+    print(_sites_table(a, b, acts), end="\n\n")
+    print(_rotations_table(a, acts, b), end="\n\n")
     if args.apart:
         print(_apart_table(a, b, data, folders[0]))
 
