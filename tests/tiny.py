@@ -837,6 +837,31 @@ def falcon_cls(seed: int = 0) -> torch.nn.Module:
     )  # fmt: skip
 
 
+# ---- decoders mergekit merges, second set: GPT-BigCode ----------------------------------------
+
+
+def _gpt_bigcode(cls: type, seed: int, **kw: object) -> torch.nn.Module:
+    _seed(seed)
+    cfg = T.GPTBigCodeConfig(
+        vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_inner=48, n_positions=64, bos_token_id=1, eos_token_id=2, **kw
+    )
+    return _randomize_norms(cls(cfg), seed)
+
+
+def gpt_bigcode(seed: int = 0) -> torch.nn.Module:
+    """StarCoder's layout: multi-query (``c_attn`` = q of 4 heads | one k | one v), tied head."""
+    return _gpt_bigcode(T.GPTBigCodeForCausalLM, seed)
+
+
+def gpt_bigcode_mha(seed: int = 0) -> torch.nn.Module:
+    """``multi_query: false``: ``c_attn`` laid out per head (q | k | v of head 0, then head 1, …), untied head."""
+    return _gpt_bigcode(T.GPTBigCodeForCausalLM, seed, multi_query=False, tie_word_embeddings=False)
+
+
+def gpt_bigcode_cls(seed: int = 0) -> torch.nn.Module:
+    return _gpt_bigcode(T.GPTBigCodeForSequenceClassification, seed, num_labels=3, pad_token_id=0)
+
+
 def _seq2seq_config(cls: type, **kw: object) -> T.PretrainedConfig:
     """`_bart_config`'s sizes for a BART relative, with special tokens inside the tiny vocabulary
     (Marian's default pad id, 58100, is not)."""
@@ -1038,4 +1063,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "electra-cls": electra_cls,
     "electra-cls-equal": electra_cls_equal,
     "electra-base": electra_base,
+    "gpt-bigcode": gpt_bigcode,
+    "gpt-bigcode-mha": gpt_bigcode_mha,
+    "gpt-bigcode-cls": gpt_bigcode_cls,
 }

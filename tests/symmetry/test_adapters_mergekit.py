@@ -1,4 +1,4 @@
-"""Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon): what is particular
+"""Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon, GPT-BigCode): what is particular
 to each family. `test_adapters` proves every allowed transform on their tiny models; here the
 family's own constraints are shown to be real (a forbidden map moves the logits) and its extras to
 be active."""
@@ -65,7 +65,9 @@ def test_granite_multipliers_are_active_and_commute_with_rotations():
 # LayerNorm with bias on the stream: only rotations that fix the all-ones vector
 
 
-@pytest.mark.parametrize("case", ["starcoder2", "starcoder2-cls", "stablelm-parallel", "phi", "cohere"])
+@pytest.mark.parametrize(
+    "case", ["starcoder2", "starcoder2-cls", "stablelm-parallel", "phi", "cohere", "gpt-bigcode", "gpt-bigcode-mha"]
+)
 def test_layernorm_stream_rotations_must_fix_ones(case):
     """Negative control: on the canonical form a rotation fixing 1 keeps the logits, a generic one
     (which LayerNorm's mean subtraction does not commute with) moves them. Cohere's LayerNorm has no
@@ -195,15 +197,16 @@ def test_cohere_qk_norms_follow_their_heads():
 # Falcon: query_key_value per KV group; ALiBi refused
 
 
-@pytest.mark.parametrize("case", ["falcon", "falcon-sequential"])
-def test_falcon_qkv_is_laid_out_per_kv_group(case):
-    """A KV-head permutation on ``query_key_value`` read per KV group (its query heads | k | v) is
-    exact; the same transform with the axis read as three blocks q | k | v moves the logits."""
+@pytest.mark.parametrize("case, kv_heads", [("falcon", 2), ("falcon-sequential", 4), ("gpt-bigcode-mha", 4)])
+def test_fused_qkv_is_laid_out_per_kv_group(case, kv_heads):
+    """A KV-head permutation on Falcon's ``query_key_value`` (GPT-BigCode's ``c_attn`` without
+    multi-query) read per KV group (its query heads | k | v) is exact; the same transform with the
+    axis read as three blocks q | k | v moves the logits."""
     model = tiny.FACTORIES[case](0)
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
     space = graph.spaces["h.0.attn"]
-    assert isinstance(space, HeadSpace) and space.num_kv_heads == (2 if case == "falcon" else 4)
+    assert isinstance(space, HeadSpace) and space.num_kv_heads == kv_heads
     t = _with_inner(graph, kv_perm=torch.arange(space.num_kv_heads).flip(0), head="h.0.attn")
     assert _gap(model, graph.apply(sd, t)) <= TOLERANCE
     blocks = {
@@ -228,3 +231,47 @@ def test_falcon_alibi_is_refused_because_slopes_pin_the_heads():
     graph = graph_for(T.FalconConfig(**{**cfg.to_dict(), "alibi": False}), sd.keys())
     t = _with_inner(graph, kv_perm=torch.tensor([1, 0, 3, 2]), head="h.0.attn")
     assert _gap(model, graph.apply(sd, t)) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-BigCode: multi-query attention's one key and value serve every query head
+
+
+def _rotate_c_attn(
+    sd: dict[str, torch.Tensor], rot: torch.Tensor, q_heads: list[int], hd: int, d: int
+) -> dict[str, torch.Tensor]:
+    """Layer 0's ``c_attn`` (rows: q of every head | the one k | the one v) with ``rot`` applied to
+    the one key and to the queries of ``q_heads`` (weight rows and bias)."""
+    out = dict(sd)
+    for name in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"):
+        t = sd[name].clone().double()
+        for start in [h * hd for h in q_heads] + [d]:
+            t[start : start + hd] = rot @ t[start : start + hd]
+        out[name] = t.to(sd[name].dtype)
+    return out
+
+
+def test_gpt_bigcode_multi_query_shares_one_key_across_query_heads():
+    """Negative control: the graph has one K/V head; a Q/K inner rotation of it, applied to the key
+    and every query head, keeps the logits (what the one K/V group's inner map is), while the same
+    rotation of the key and of query head 0 alone moves them: the other heads read that key too."""
+    model = tiny.FACTORIES["gpt-bigcode"](0)
+    sd = model.state_dict()
+    space = graph_for(model.config, sd.keys()).spaces["h.0.attn"]
+    assert isinstance(space, HeadSpace) and (space.num_heads, space.num_kv_heads) == (4, 1)
+    d, hd = model.config.n_embd, space.head_dim
+    assert sd["transformer.h.0.attn.c_attn.weight"].shape == (d + 2 * hd, d)
+    rot = random_orthogonal(hd, torch.Generator().manual_seed(2))
+    assert _gap(model, _rotate_c_attn(sd, rot, [0, 1, 2, 3], hd, d)) <= TOLERANCE
+    assert _gap(model, _rotate_c_attn(sd, rot, [0], hd, d)) > 1e-3
+
+
+def test_gpt_bigcode_cross_attention_is_refused():
+    """``add_cross_attention`` adds layers that read an encoder's stream: refused, naming the option."""
+    cfg = T.GPTBigCodeConfig(
+        vocab_size=tiny.V, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=False, add_cross_attention=True
+    )
+    model = T.GPTBigCodeForCausalLM(cfg)
+    assert any("crossattention" in k for k in model.state_dict())
+    with pytest.raises(UnsupportedArchitectureError, match="add_cross_attention"):
+        graph_for(model.config, model.state_dict().keys())

@@ -19,6 +19,7 @@ from hf_rebasin.symmetry.adapters import (
     falcon,
     gemma,
     gpt2,
+    gpt_bigcode,
     gpt_neox,
     granite,
     llama,
@@ -105,6 +106,7 @@ for _spec in (
     bart.MARIAN,
     bart.M2M100,
     electra.SPEC,
+    gpt_bigcode.SPEC,
 ):
     REGISTRY.register(_spec)
 
