@@ -862,6 +862,30 @@ def gpt_bigcode_cls(seed: int = 0) -> torch.nn.Module:
     return _gpt_bigcode(T.GPTBigCodeForSequenceClassification, seed, num_labels=3, pad_token_id=0)
 
 
+# ---- GLM-4: norms after each sublayer, fused gate_up_proj, interleaved partial rotary ------------
+
+
+def _glm4(cls: type, seed: int, tied: bool = False, **kw: object) -> torch.nn.Module:
+    """GQA, head_dim 8 of which half rotates in interleaved pairs, four norms per layer (random γ)."""
+    return _llama_like(
+        cls, T.Glm4Config, seed, tied=tied, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw
+    )
+
+
+def glm4(seed: int = 0) -> torch.nn.Module:
+    """GLM-4-9B-0414's layout: q/k/v biases, partial_rotary_factor 0.5, untied head."""
+    return _glm4(T.Glm4ForCausalLM, seed)
+
+
+def glm4_tied(seed: int = 0) -> torch.nn.Module:
+    """Full rotary (still interleaved pairs), no biases, a tied head."""
+    return _glm4(T.Glm4ForCausalLM, seed, tied=True, attention_bias=False, partial_rotary_factor=1.0)
+
+
+def glm4_cls(seed: int = 0) -> torch.nn.Module:
+    return _glm4(T.Glm4ForSequenceClassification, seed, num_labels=3)
+
+
 def _seq2seq_config(cls: type, **kw: object) -> T.PretrainedConfig:
     """`_bart_config`'s sizes for a BART relative, with special tokens inside the tiny vocabulary
     (Marian's default pad id, 58100, is not)."""
@@ -1066,4 +1090,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "gpt-bigcode": gpt_bigcode,
     "gpt-bigcode-mha": gpt_bigcode_mha,
     "gpt-bigcode-cls": gpt_bigcode_cls,
+    "glm4": glm4,
+    "glm4-tied": glm4_tied,
+    "glm4-cls": glm4_cls,
 }

@@ -1,4 +1,5 @@
-"""Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon, GPT-BigCode): what is particular
+"""Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon, GPT-BigCode,
+GLM-4): what is particular
 to each family. `test_adapters` proves every allowed transform on their tiny models; here the
 family's own constraints are shown to be real (a forbidden map moves the logits) and its extras to
 be active."""
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ import transformers as T
 
 import tiny
 from hf_rebasin.alignment.verify import TOLERANCE, example_inputs, outputs_of, verify_model
+from hf_rebasin.cli import main
 from hf_rebasin.core.errors import TransformError, UnsupportedArchitectureError
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters import REGISTRY, graph_for
@@ -275,3 +279,60 @@ def test_gpt_bigcode_cross_attention_is_refused():
     assert any("crossattention" in k for k in model.state_dict())
     with pytest.raises(UnsupportedArchitectureError, match="add_cross_attention"):
         graph_for(model.config, model.state_dict().keys())
+
+
+# ---------------------------------------------------------------------------------------------
+# GLM-4: interleaved rotary pairs over part of each head (norms after each sublayer: test_signed)
+
+
+@pytest.mark.parametrize(
+    "case, moves, exact",
+    [
+        # head_dim 8, features 0-3 rotate in pairs (0, 1), (2, 3); 4-7 pass through
+        ("glm4", [(0, 2), (0, 4), (1, 6)], [(0, 1), (2, 3), (4, 5), (5, 7)]),
+        # every feature rotates, in pairs (2j, 2j + 1)
+        ("glm4-tied", [(0, 4), (1, 2)], [(0, 1), (6, 7)]),
+    ],
+)
+def test_glm4_rotary_pairs_are_interleaved_and_partial(case, moves, exact):
+    """Negative controls: a Q/K rotation of Llama's plane (j, j + rotary_dim/2), of a pair across two
+    rotary pairs or across rotating and passing features moves the logits (and the fixed rule
+    refuses it); an interleaved pair (2j, 2j + 1) or two passing features rotate exactly: freedoms
+    the fixed rule gives up, which shows the layout is what the docstring says."""
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    space = graph.spaces["layers.0.attn"]
+    assert isinstance(space, HeadSpace) and space.qk == "fixed" and "interleaved" in space.reason
+    for i, j in moves:
+        t = _with_inner(graph, _plane_rotation(space.head_dim, i, j))
+        with pytest.raises(TransformError, match="fixes its Q/K"):
+            graph.apply(sd, t)
+        assert _gap(model, graph.apply(sd, t, check=False)) > 1e-3, (i, j)
+    for i, j in exact:
+        assert (
+            _gap(model, graph.apply(sd, _with_inner(graph, _plane_rotation(space.head_dim, i, j)), check=False))
+            <= TOLERANCE
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI verifies saved models of each family added for mergekit's second set
+
+# factory -> what `verify --class orthogonal` reports for the residual stream
+SECOND_SET = {
+    "gpt-bigcode": "orthogonal (fixing 1)",
+    "gpt-bigcode-mha": "orthogonal (fixing 1)",
+    "glm4": "signed-permutation",
+}
+
+
+@pytest.mark.parametrize("case", sorted(SECOND_SET))
+def test_cli_verifies_a_saved_model(case: str, saved_model: Any, capsys: Any) -> None:
+    folder: Path = saved_model(case)
+    for cls in ("permutation", "orthogonal"):
+        capsys.readouterr()
+        assert main(["verify", str(folder), "--class", cls]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "OK: outputs unchanged" in out, out
+    assert SECOND_SET[case] in out, out

@@ -18,6 +18,7 @@ from hf_rebasin.symmetry.adapters import (
     electra,
     falcon,
     gemma,
+    glm4,
     gpt2,
     gpt_bigcode,
     gpt_neox,
@@ -107,6 +108,7 @@ for _spec in (
     bart.M2M100,
     electra.SPEC,
     gpt_bigcode.SPEC,
+    glm4.SPEC,
 ):
     REGISTRY.register(_spec)
 
