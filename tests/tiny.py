@@ -886,6 +886,35 @@ def glm4_cls(seed: int = 0) -> torch.nn.Module:
     return _glm4(T.Glm4ForSequenceClassification, seed, num_labels=3)
 
 
+# ---- Arcee: Llama with an ungated relu² MLP ------------------------------------------------------
+
+
+def arcee(seed: int = 0) -> torch.nn.Module:
+    """AFM-4.5B's layout: GQA, ``up_proj`` → relu² → ``down_proj`` (no gate), untied head."""
+    return _llama_like(T.ArceeForCausalLM, T.ArceeConfig, seed, tied=False, bos_token_id=1, eos_token_id=2)
+
+
+def arcee_tied_bias(seed: int = 0) -> torch.nn.Module:
+    """Tied head, attention and MLP biases."""
+    return _llama_like(
+        T.ArceeForCausalLM,
+        T.ArceeConfig,
+        seed,
+        tied=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+
+
+def arcee_cls(seed: int = 0) -> torch.nn.Module:
+    return _llama_like(
+        T.ArceeForSequenceClassification, T.ArceeConfig, seed, tied=False, num_labels=3, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+
+
 def _seq2seq_config(cls: type, **kw: object) -> T.PretrainedConfig:
     """`_bart_config`'s sizes for a BART relative, with special tokens inside the tiny vocabulary
     (Marian's default pad id, 58100, is not)."""
@@ -1093,4 +1122,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "glm4": glm4,
     "glm4-tied": glm4_tied,
     "glm4-cls": glm4_cls,
+    "arcee": arcee,
+    "arcee-tied-bias": arcee_tied_bias,
+    "arcee-cls": arcee_cls,
 }

@@ -1,5 +1,5 @@
 """Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon, GPT-BigCode,
-GLM-4): what is particular
+GLM-4, Arcee): what is particular
 to each family. `test_adapters` proves every allowed transform on their tiny models; here the
 family's own constraints are shown to be real (a forbidden map moves the logits) and its extras to
 be active."""
@@ -317,6 +317,37 @@ def test_glm4_rotary_pairs_are_interleaved_and_partial(case, moves, exact):
 
 
 # ---------------------------------------------------------------------------------------------
+# Arcee: an ungated relu² MLP, whose units only permute
+
+
+def _scale_unit(sd: dict[str, torch.Tensor], prefix: str, unit: int, up: float, down: float) -> dict[str, torch.Tensor]:
+    """``sd`` with unit ``unit`` of the MLP at ``prefix``: its ``up_proj`` row (and bias) × ``up``, its
+    ``down_proj`` column × ``down``."""
+    out = dict(sd)
+    for name in (f"{prefix}.up_proj.weight", f"{prefix}.up_proj.bias"):
+        if name in sd:
+            out[name] = sd[name].clone()
+            out[name][unit] *= up
+    out[f"{prefix}.down_proj.weight"] = sd[f"{prefix}.down_proj.weight"].clone()
+    out[f"{prefix}.down_proj.weight"][:, unit] *= down
+    return out
+
+
+@pytest.mark.parametrize("case", ["arcee", "arcee-tied-bias"])
+def test_arcee_relu2_units_take_no_glu_scaling(case):
+    """Negative controls: Llama's GLU freedom (up row × s, down column ÷ s) and a sign flip (× -1
+    both) move the logits of relu² units; relu² is homogeneous of degree 2, so × s and ÷ s² is
+    exact, which shows the units really pass through relu². The adapter declares no GLU."""
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    assert not graph_for(model.config, sd.keys()).glus
+    mlp = "model.layers.0.mlp"
+    assert _gap(model, _scale_unit(sd, mlp, 3, 2.5, 1 / 2.5)) > 1e-3
+    assert _gap(model, _scale_unit(sd, mlp, 3, -1.0, -1.0)) > 1e-3
+    assert _gap(model, _scale_unit(sd, mlp, 3, 2.5, 1 / 2.5**2)) <= TOLERANCE
+
+
+# ---------------------------------------------------------------------------------------------
 # The CLI verifies saved models of each family added for mergekit's second set
 
 # factory -> what `verify --class orthogonal` reports for the residual stream
@@ -324,6 +355,7 @@ SECOND_SET = {
     "gpt-bigcode": "orthogonal (fixing 1)",
     "gpt-bigcode-mha": "orthogonal (fixing 1)",
     "glm4": "signed-permutation",
+    "arcee": "orthogonal",
 }
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from hf_rebasin.core.errors import UnsupportedArchitectureError
 from hf_rebasin.symmetry.adapters import (
+    arcee,
     bart,
     bert,
     clip,
@@ -109,6 +110,7 @@ for _spec in (
     electra.SPEC,
     gpt_bigcode.SPEC,
     glm4.SPEC,
+    arcee.SPEC,
 ):
     REGISTRY.register(_spec)
 
