@@ -915,6 +915,32 @@ def arcee_cls(seed: int = 0) -> torch.nn.Module:
     )  # fmt: skip
 
 
+# ---- EXAONE 4.0: OLMo 2's post-sublayer norms, Qwen3's per-head q/k norms, NoPE global layers ----
+
+
+def _exaone4(cls: type, seed: int, tied: bool = False, head_dim: int = 8, **kw: object) -> torch.nn.Module:
+    """By default a sliding-window layer (rotary) then a global one (no positions), the window
+    shorter than the inputs."""
+    window: dict[str, object] = {"sliding_window": 4, "sliding_window_pattern": 2}
+    return _llama_like(
+        cls, T.Exaone4Config, seed, tied=tied, head_dim=head_dim, bos_token_id=1, eos_token_id=2, **{**window, **kw}
+    )
+
+
+def exaone4(seed: int = 0) -> torch.nn.Module:
+    return _exaone4(T.Exaone4ForCausalLM, seed)
+
+
+def exaone4_tied(seed: int = 0) -> torch.nn.Module:
+    """Tied head, head_dim 16, no sliding window (``sliding_window: null``): rotary in every layer."""
+    full = ["full_attention", "full_attention"]
+    return _exaone4(T.Exaone4ForCausalLM, seed, tied=True, head_dim=16, sliding_window=None, layer_types=full)
+
+
+def exaone4_cls(seed: int = 0) -> torch.nn.Module:
+    return _exaone4(T.Exaone4ForSequenceClassification, seed, num_labels=3, pad_token_id=0)
+
+
 def _seq2seq_config(cls: type, **kw: object) -> T.PretrainedConfig:
     """`_bart_config`'s sizes for a BART relative, with special tokens inside the tiny vocabulary
     (Marian's default pad id, 58100, is not)."""
@@ -1125,4 +1151,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "arcee": arcee,
     "arcee-tied-bias": arcee_tied_bias,
     "arcee-cls": arcee_cls,
+    "exaone4": exaone4,
+    "exaone4-tied": exaone4_tied,
+    "exaone4-cls": exaone4_cls,
 }

@@ -1,5 +1,5 @@
 """Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon, GPT-BigCode,
-GLM-4, Arcee): what is particular
+GLM-4, Arcee, EXAONE 4): what is particular
 to each family. `test_adapters` proves every allowed transform on their tiny models; here the
 family's own constraints are shown to be real (a forbidden map moves the logits) and its extras to
 be active."""
@@ -122,15 +122,17 @@ def _plane_rotation(dh: int, i: int, j: int, angle: float = 1.0) -> torch.Tensor
     return m
 
 
-def test_phi_qk_layernorm_fixes_qk_under_full_rotary():
+@pytest.mark.parametrize("case, norm", [("phi-qk", "q_layernorm"), ("exaone4", "q_norm")])
+def test_qk_norms_fix_qk_under_full_rotary(case, norm):
     """Negative control: with every feature rotating, a rotation of one rotary plane (j, j + dh/2)
-    is what RoPE allows, yet q_layernorm/k_layernorm (γ and β per feature, a mean over the head)
-    make it change the logits; the same rotation of V/O is exact and allowed."""
-    model = tiny.FACTORIES["phi-qk"](0)
+    is what RoPE allows, yet Phi's q_layernorm/k_layernorm (γ and β per feature, a mean over the
+    head) or EXAONE 4's q_norm/k_norm (an RMSNorm's γ per feature) make it change the logits; the
+    same rotation of V/O is exact and allowed."""
+    model = tiny.FACTORIES[case](0)
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
     space = graph.spaces["layers.0.attn"]
-    assert isinstance(space, HeadSpace) and space.qk == "fixed" and "q_layernorm" in space.reason
+    assert isinstance(space, HeadSpace) and space.qk == "fixed" and norm in space.reason
     rot = _plane_rotation(space.head_dim, 0, space.head_dim // 2).expand(space.num_kv_heads, -1, -1).clone()
     t = graph.identity()
     ident = t["layers.0.attn"]
@@ -356,6 +358,7 @@ SECOND_SET = {
     "gpt-bigcode-mha": "orthogonal (fixing 1)",
     "glm4": "signed-permutation",
     "arcee": "orthogonal",
+    "exaone4": "signed-permutation",
 }
 
 

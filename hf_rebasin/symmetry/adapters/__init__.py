@@ -17,6 +17,7 @@ from hf_rebasin.symmetry.adapters import (
     dinov2,
     distilbert,
     electra,
+    exaone4,
     falcon,
     gemma,
     glm4,
@@ -111,6 +112,7 @@ for _spec in (
     gpt_bigcode.SPEC,
     glm4.SPEC,
     arcee.SPEC,
+    exaone4.SPEC,
 ):
     REGISTRY.register(_spec)
 
