@@ -941,6 +941,39 @@ def exaone4_cls(seed: int = 0) -> torch.nn.Module:
     return _exaone4(T.Exaone4ForSequenceClassification, seed, num_labels=3, pad_token_id=0)
 
 
+# ---- Apertus: Llama with q/k norms and an ungated xIELU MLP -------------------------------------
+
+
+def _apertus(cls: type, seed: int, tied: bool = False, **kw: object) -> torch.nn.Module:
+    """GQA, head_dim 8, q/k norms (random γ), xIELU with its learned α moved off their defaults."""
+    # Apertus' llama3 rope scaling, its original context shorter than the tiny one
+    rope = {"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0, "original_max_position_embeddings": 16}
+    rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    model = _llama_like(
+        cls, T.ApertusConfig, seed, tied=tied, head_dim=8, bos_token_id=1, eos_token_id=2, rope_parameters=rope, **kw
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("alpha_p", "alpha_n")):
+                p.copy_(p + 0.5)
+    return model
+
+
+def apertus(seed: int = 0) -> torch.nn.Module:
+    """Apertus-8B's layout: untied head, no biases."""
+    return _apertus(T.ApertusForCausalLM, seed)
+
+
+def apertus_tied_bias(seed: int = 0) -> torch.nn.Module:
+    """Tied head, q/k/v/o biases (``attention_bias``)."""
+    return _apertus(T.ApertusForCausalLM, seed, tied=True, attention_bias=True)
+
+
+def apertus_base(seed: int = 0) -> torch.nn.Module:
+    """``ApertusModel``: its final norm's output is the model's output."""
+    return _apertus(T.ApertusModel, seed)
+
+
 def _seq2seq_config(cls: type, **kw: object) -> T.PretrainedConfig:
     """`_bart_config`'s sizes for a BART relative, with special tokens inside the tiny vocabulary
     (Marian's default pad id, 58100, is not)."""
@@ -1154,4 +1187,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "exaone4": exaone4,
     "exaone4-tied": exaone4_tied,
     "exaone4-cls": exaone4_cls,
+    "apertus": apertus,
+    "apertus-tied-bias": apertus_tied_bias,
+    "apertus-base": apertus_base,
 }

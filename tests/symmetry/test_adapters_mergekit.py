@@ -1,5 +1,5 @@
 """Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon, GPT-BigCode,
-GLM-4, Arcee, EXAONE 4): what is particular
+GLM-4, Arcee, EXAONE 4, Apertus): what is particular
 to each family. `test_adapters` proves every allowed transform on their tiny models; here the
 family's own constraints are shown to be real (a forbidden map moves the logits) and its extras to
 be active."""
@@ -122,11 +122,11 @@ def _plane_rotation(dh: int, i: int, j: int, angle: float = 1.0) -> torch.Tensor
     return m
 
 
-@pytest.mark.parametrize("case, norm", [("phi-qk", "q_layernorm"), ("exaone4", "q_norm")])
+@pytest.mark.parametrize("case, norm", [("phi-qk", "q_layernorm"), ("exaone4", "q_norm"), ("apertus", "q_norm")])
 def test_qk_norms_fix_qk_under_full_rotary(case, norm):
     """Negative control: with every feature rotating, a rotation of one rotary plane (j, j + dh/2)
     is what RoPE allows, yet Phi's q_layernorm/k_layernorm (γ and β per feature, a mean over the
-    head) or EXAONE 4's q_norm/k_norm (an RMSNorm's γ per feature) make it change the logits; the
+    head) or EXAONE 4's and Apertus' q_norm/k_norm (an RMSNorm's γ per feature) make it change the logits; the
     same rotation of V/O is exact and allowed."""
     model = tiny.FACTORIES[case](0)
     sd = model.state_dict()
@@ -349,6 +349,21 @@ def test_arcee_relu2_units_take_no_glu_scaling(case):
     assert _gap(model, _scale_unit(sd, mlp, 3, 2.5, 1 / 2.5**2)) <= TOLERANCE
 
 
+@pytest.mark.parametrize("case", ["apertus", "apertus-tied-bias"])
+def test_apertus_xielu_units_only_permute(case):
+    """Negative controls: xIELU is neither odd nor homogeneous, so a unit's scale (up row × s, down
+    column ÷ s or ÷ s²) or sign moves the logits; its learned scalars are active (changing one
+    layer's ``alpha_p`` moves them too), so the exact unit permutations are not exact by accident."""
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    assert not graph_for(model.config, sd.keys()).glus
+    mlp = "model.layers.0.mlp"
+    for up, down in ((2.5, 1 / 2.5), (2.5, 1 / 2.5**2), (-1.0, -1.0)):
+        assert _gap(model, _scale_unit(sd, mlp, 3, up, down)) > 1e-3, (up, down)
+    alpha = f"{mlp}.act_fn.alpha_p"
+    assert _gap(model, {**sd, alpha: sd[alpha] + 1.0}) > 1e-3
+
+
 # ---------------------------------------------------------------------------------------------
 # The CLI verifies saved models of each family added for mergekit's second set
 
@@ -359,6 +374,7 @@ SECOND_SET = {
     "glm4": "signed-permutation",
     "arcee": "orthogonal",
     "exaone4": "signed-permutation",
+    "apertus": "orthogonal",
 }
 
 

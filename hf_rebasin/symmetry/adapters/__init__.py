@@ -9,6 +9,7 @@ from typing import Any
 
 from hf_rebasin.core.errors import UnsupportedArchitectureError
 from hf_rebasin.symmetry.adapters import (
+    apertus,
     arcee,
     bart,
     bert,
@@ -113,6 +114,7 @@ for _spec in (
     glm4.SPEC,
     arcee.SPEC,
     exaone4.SPEC,
+    apertus.SPEC,
 ):
     REGISTRY.register(_spec)
 
