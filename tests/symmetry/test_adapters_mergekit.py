@@ -1,6 +1,5 @@
 """Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon, GPT-BigCode,
-GLM-4, Arcee, EXAONE 4, Apertus): what is particular
-to each family. `test_adapters` proves every allowed transform on their tiny models; here the
+GLM-4, Arcee, Apertus) and EXAONE 4: what is particular to each family. `test_adapters` proves every allowed transform on their tiny models; here the
 family's own constraints are shown to be real (a forbidden map moves the logits) and its extras to
 be active."""
 
@@ -126,8 +125,8 @@ def _plane_rotation(dh: int, i: int, j: int, angle: float = 1.0) -> torch.Tensor
 def test_qk_norms_fix_qk_under_full_rotary(case, norm):
     """Negative control: with every feature rotating, a rotation of one rotary plane (j, j + dh/2)
     is what RoPE allows, yet Phi's q_layernorm/k_layernorm (γ and β per feature, a mean over the
-    head) or EXAONE 4's and Apertus' q_norm/k_norm (an RMSNorm's γ per feature) make it change the logits; the
-    same rotation of V/O is exact and allowed."""
+    head) or EXAONE 4's and Apertus' q_norm/k_norm (an RMSNorm's γ per feature) make it change the
+    logits; the same rotation of V/O is exact and allowed."""
     model = tiny.FACTORIES[case](0)
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
