@@ -837,6 +837,143 @@ def falcon_cls(seed: int = 0) -> torch.nn.Module:
     )  # fmt: skip
 
 
+# ---- decoders mergekit merges, second set: GPT-BigCode ----------------------------------------
+
+
+def _gpt_bigcode(cls: type, seed: int, **kw: object) -> torch.nn.Module:
+    _seed(seed)
+    cfg = T.GPTBigCodeConfig(
+        vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_inner=48, n_positions=64, bos_token_id=1, eos_token_id=2, **kw
+    )
+    return _randomize_norms(cls(cfg), seed)
+
+
+def gpt_bigcode(seed: int = 0) -> torch.nn.Module:
+    """StarCoder's layout: multi-query (``c_attn`` = q of 4 heads | one k | one v), tied head."""
+    return _gpt_bigcode(T.GPTBigCodeForCausalLM, seed)
+
+
+def gpt_bigcode_mha(seed: int = 0) -> torch.nn.Module:
+    """``multi_query: false``: ``c_attn`` laid out per head (q | k | v of head 0, then head 1, …), untied head."""
+    return _gpt_bigcode(T.GPTBigCodeForCausalLM, seed, multi_query=False, tie_word_embeddings=False)
+
+
+def gpt_bigcode_cls(seed: int = 0) -> torch.nn.Module:
+    return _gpt_bigcode(T.GPTBigCodeForSequenceClassification, seed, num_labels=3, pad_token_id=0)
+
+
+# ---- GLM-4: norms after each sublayer, fused gate_up_proj, interleaved partial rotary ------------
+
+
+def _glm4(cls: type, seed: int, tied: bool = False, **kw: object) -> torch.nn.Module:
+    """GQA, head_dim 8 of which half rotates in interleaved pairs, four norms per layer (random γ)."""
+    return _llama_like(
+        cls, T.Glm4Config, seed, tied=tied, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw
+    )
+
+
+def glm4(seed: int = 0) -> torch.nn.Module:
+    """GLM-4-9B-0414's layout: q/k/v biases, partial_rotary_factor 0.5, untied head."""
+    return _glm4(T.Glm4ForCausalLM, seed)
+
+
+def glm4_tied(seed: int = 0) -> torch.nn.Module:
+    """Full rotary (still interleaved pairs), no biases, a tied head."""
+    return _glm4(T.Glm4ForCausalLM, seed, tied=True, attention_bias=False, partial_rotary_factor=1.0)
+
+
+def glm4_cls(seed: int = 0) -> torch.nn.Module:
+    return _glm4(T.Glm4ForSequenceClassification, seed, num_labels=3)
+
+
+# ---- Arcee: Llama with an ungated relu² MLP ------------------------------------------------------
+
+
+def arcee(seed: int = 0) -> torch.nn.Module:
+    """AFM-4.5B's layout: GQA, ``up_proj`` → relu² → ``down_proj`` (no gate), untied head."""
+    return _llama_like(T.ArceeForCausalLM, T.ArceeConfig, seed, tied=False, bos_token_id=1, eos_token_id=2)
+
+
+def arcee_tied_bias(seed: int = 0) -> torch.nn.Module:
+    """Tied head, attention and MLP biases."""
+    return _llama_like(
+        T.ArceeForCausalLM,
+        T.ArceeConfig,
+        seed,
+        tied=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+
+
+def arcee_cls(seed: int = 0) -> torch.nn.Module:
+    return _llama_like(
+        T.ArceeForSequenceClassification, T.ArceeConfig, seed, tied=False, num_labels=3, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+
+
+# ---- EXAONE 4.0: OLMo 2's post-sublayer norms, Qwen3's per-head q/k norms, NoPE global layers ----
+
+
+def _exaone4(cls: type, seed: int, tied: bool = False, head_dim: int = 8, **kw: object) -> torch.nn.Module:
+    """By default a sliding-window layer (rotary) then a global one (no positions), the window
+    shorter than the inputs."""
+    window: dict[str, object] = {"sliding_window": 4, "sliding_window_pattern": 2}
+    return _llama_like(
+        cls, T.Exaone4Config, seed, tied=tied, head_dim=head_dim, bos_token_id=1, eos_token_id=2, **{**window, **kw}
+    )
+
+
+def exaone4(seed: int = 0) -> torch.nn.Module:
+    return _exaone4(T.Exaone4ForCausalLM, seed)
+
+
+def exaone4_tied(seed: int = 0) -> torch.nn.Module:
+    """Tied head, head_dim 16, no sliding window (``sliding_window: null``): rotary in every layer."""
+    full = ["full_attention", "full_attention"]
+    return _exaone4(T.Exaone4ForCausalLM, seed, tied=True, head_dim=16, sliding_window=None, layer_types=full)
+
+
+def exaone4_cls(seed: int = 0) -> torch.nn.Module:
+    return _exaone4(T.Exaone4ForSequenceClassification, seed, num_labels=3, pad_token_id=0)
+
+
+# ---- Apertus: Llama with q/k norms and an ungated xIELU MLP -------------------------------------
+
+
+def _apertus(cls: type, seed: int, tied: bool = False, **kw: object) -> torch.nn.Module:
+    """GQA, head_dim 8, q/k norms (random γ), xIELU with its learned α moved off their defaults."""
+    # Apertus' llama3 rope scaling, its original context shorter than the tiny one
+    rope = {"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0, "original_max_position_embeddings": 16}
+    rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    model = _llama_like(
+        cls, T.ApertusConfig, seed, tied=tied, head_dim=8, bos_token_id=1, eos_token_id=2, rope_parameters=rope, **kw
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("alpha_p", "alpha_n")):
+                p.copy_(p + 0.5)
+    return model
+
+
+def apertus(seed: int = 0) -> torch.nn.Module:
+    """Apertus-8B's layout: untied head, no biases."""
+    return _apertus(T.ApertusForCausalLM, seed)
+
+
+def apertus_tied_bias(seed: int = 0) -> torch.nn.Module:
+    """Tied head, q/k/v/o biases (``attention_bias``)."""
+    return _apertus(T.ApertusForCausalLM, seed, tied=True, attention_bias=True)
+
+
+def apertus_base(seed: int = 0) -> torch.nn.Module:
+    """``ApertusModel``: its final norm's output is the model's output."""
+    return _apertus(T.ApertusModel, seed)
+
+
 def _seq2seq_config(cls: type, **kw: object) -> T.PretrainedConfig:
     """`_bart_config`'s sizes for a BART relative, with special tokens inside the tiny vocabulary
     (Marian's default pad id, 58100, is not)."""
@@ -1202,4 +1339,19 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "mpnet-mlm": mpnet_mlm,
     "mpnet-cls": mpnet_cls,
     "mpnet-base": mpnet_base,
+    "gpt-bigcode": gpt_bigcode,
+    "gpt-bigcode-mha": gpt_bigcode_mha,
+    "gpt-bigcode-cls": gpt_bigcode_cls,
+    "glm4": glm4,
+    "glm4-tied": glm4_tied,
+    "glm4-cls": glm4_cls,
+    "arcee": arcee,
+    "arcee-tied-bias": arcee_tied_bias,
+    "arcee-cls": arcee_cls,
+    "exaone4": exaone4,
+    "exaone4-tied": exaone4_tied,
+    "exaone4-cls": exaone4_cls,
+    "apertus": apertus,
+    "apertus-tied-bias": apertus_tied_bias,
+    "apertus-base": apertus_base,
 }

@@ -1,5 +1,5 @@
-"""Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon): what is particular
-to each family. `test_adapters` proves every allowed transform on their tiny models; here the
+"""Decoders mergekit merges (Granite, StarCoder2, StableLM, Phi, Cohere, Falcon, GPT-BigCode,
+GLM-4, Arcee, Apertus) and EXAONE 4: what is particular to each family. `test_adapters` proves every allowed transform on their tiny models; here the
 family's own constraints are shown to be real (a forbidden map moves the logits) and its extras to
 be active."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import transformers as T
 
 import tiny
 from hf_rebasin.alignment.verify import TOLERANCE, example_inputs, outputs_of, verify_model
+from hf_rebasin.cli import main
 from hf_rebasin.core.errors import TransformError, UnsupportedArchitectureError
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters import REGISTRY, graph_for
@@ -65,7 +68,9 @@ def test_granite_multipliers_are_active_and_commute_with_rotations():
 # LayerNorm with bias on the stream: only rotations that fix the all-ones vector
 
 
-@pytest.mark.parametrize("case", ["starcoder2", "starcoder2-cls", "stablelm-parallel", "phi", "cohere"])
+@pytest.mark.parametrize(
+    "case", ["starcoder2", "starcoder2-cls", "stablelm-parallel", "phi", "cohere", "gpt-bigcode", "gpt-bigcode-mha"]
+)
 def test_layernorm_stream_rotations_must_fix_ones(case):
     """Negative control: on the canonical form a rotation fixing 1 keeps the logits, a generic one
     (which LayerNorm's mean subtraction does not commute with) moves them. Cohere's LayerNorm has no
@@ -116,15 +121,17 @@ def _plane_rotation(dh: int, i: int, j: int, angle: float = 1.0) -> torch.Tensor
     return m
 
 
-def test_phi_qk_layernorm_fixes_qk_under_full_rotary():
+@pytest.mark.parametrize("case, norm", [("phi-qk", "q_layernorm"), ("exaone4", "q_norm"), ("apertus", "q_norm")])
+def test_qk_norms_fix_qk_under_full_rotary(case, norm):
     """Negative control: with every feature rotating, a rotation of one rotary plane (j, j + dh/2)
-    is what RoPE allows, yet q_layernorm/k_layernorm (γ and β per feature, a mean over the head)
-    make it change the logits; the same rotation of V/O is exact and allowed."""
-    model = tiny.FACTORIES["phi-qk"](0)
+    is what RoPE allows, yet Phi's q_layernorm/k_layernorm (γ and β per feature, a mean over the
+    head) or EXAONE 4's and Apertus' q_norm/k_norm (an RMSNorm's γ per feature) make it change the
+    logits; the same rotation of V/O is exact and allowed."""
+    model = tiny.FACTORIES[case](0)
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
     space = graph.spaces["layers.0.attn"]
-    assert isinstance(space, HeadSpace) and space.qk == "fixed" and "q_layernorm" in space.reason
+    assert isinstance(space, HeadSpace) and space.qk == "fixed" and norm in space.reason
     rot = _plane_rotation(space.head_dim, 0, space.head_dim // 2).expand(space.num_kv_heads, -1, -1).clone()
     t = graph.identity()
     ident = t["layers.0.attn"]
@@ -195,15 +202,16 @@ def test_cohere_qk_norms_follow_their_heads():
 # Falcon: query_key_value per KV group; ALiBi refused
 
 
-@pytest.mark.parametrize("case", ["falcon", "falcon-sequential"])
-def test_falcon_qkv_is_laid_out_per_kv_group(case):
-    """A KV-head permutation on ``query_key_value`` read per KV group (its query heads | k | v) is
-    exact; the same transform with the axis read as three blocks q | k | v moves the logits."""
+@pytest.mark.parametrize("case, kv_heads", [("falcon", 2), ("falcon-sequential", 4), ("gpt-bigcode-mha", 4)])
+def test_fused_qkv_is_laid_out_per_kv_group(case, kv_heads):
+    """A KV-head permutation on Falcon's ``query_key_value`` (GPT-BigCode's ``c_attn`` without
+    multi-query) read per KV group (its query heads | k | v) is exact; the same transform with the
+    axis read as three blocks q | k | v moves the logits."""
     model = tiny.FACTORIES[case](0)
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
     space = graph.spaces["h.0.attn"]
-    assert isinstance(space, HeadSpace) and space.num_kv_heads == (2 if case == "falcon" else 4)
+    assert isinstance(space, HeadSpace) and space.num_kv_heads == kv_heads
     t = _with_inner(graph, kv_perm=torch.arange(space.num_kv_heads).flip(0), head="h.0.attn")
     assert _gap(model, graph.apply(sd, t)) <= TOLERANCE
     blocks = {
@@ -228,3 +236,153 @@ def test_falcon_alibi_is_refused_because_slopes_pin_the_heads():
     graph = graph_for(T.FalconConfig(**{**cfg.to_dict(), "alibi": False}), sd.keys())
     t = _with_inner(graph, kv_perm=torch.tensor([1, 0, 3, 2]), head="h.0.attn")
     assert _gap(model, graph.apply(sd, t)) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-BigCode: multi-query attention's one key and value serve every query head
+
+
+def _rotate_c_attn(
+    sd: dict[str, torch.Tensor], rot: torch.Tensor, q_heads: list[int], hd: int, d: int
+) -> dict[str, torch.Tensor]:
+    """Layer 0's ``c_attn`` (rows: q of every head | the one k | the one v) with ``rot`` applied to
+    the one key and to the queries of ``q_heads`` (weight rows and bias)."""
+    out = dict(sd)
+    for name in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"):
+        t = sd[name].clone().double()
+        for start in [h * hd for h in q_heads] + [d]:
+            t[start : start + hd] = rot @ t[start : start + hd]
+        out[name] = t.to(sd[name].dtype)
+    return out
+
+
+def test_gpt_bigcode_multi_query_shares_one_key_across_query_heads():
+    """Negative control: the graph has one K/V head; a Q/K inner rotation of it, applied to the key
+    and every query head, keeps the logits (what the one K/V group's inner map is), while the same
+    rotation of the key and of query head 0 alone moves them: the other heads read that key too."""
+    model = tiny.FACTORIES["gpt-bigcode"](0)
+    sd = model.state_dict()
+    space = graph_for(model.config, sd.keys()).spaces["h.0.attn"]
+    assert isinstance(space, HeadSpace) and (space.num_heads, space.num_kv_heads) == (4, 1)
+    d, hd = model.config.n_embd, space.head_dim
+    assert sd["transformer.h.0.attn.c_attn.weight"].shape == (d + 2 * hd, d)
+    rot = random_orthogonal(hd, torch.Generator().manual_seed(2))
+    assert _gap(model, _rotate_c_attn(sd, rot, [0, 1, 2, 3], hd, d)) <= TOLERANCE
+    assert _gap(model, _rotate_c_attn(sd, rot, [0], hd, d)) > 1e-3
+
+
+def test_gpt_bigcode_cross_attention_is_refused():
+    """``add_cross_attention`` adds layers that read an encoder's stream: refused, naming the option."""
+    cfg = T.GPTBigCodeConfig(
+        vocab_size=tiny.V, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=False, add_cross_attention=True
+    )
+    model = T.GPTBigCodeForCausalLM(cfg)
+    assert any("crossattention" in k for k in model.state_dict())
+    with pytest.raises(UnsupportedArchitectureError, match="add_cross_attention"):
+        graph_for(model.config, model.state_dict().keys())
+
+
+# ---------------------------------------------------------------------------------------------
+# GLM-4: interleaved rotary pairs over part of each head (norms after each sublayer: test_signed)
+
+
+@pytest.mark.parametrize(
+    "case, moves, exact",
+    [
+        # head_dim 8, features 0-3 rotate in pairs (0, 1), (2, 3); 4-7 pass through
+        ("glm4", [(0, 2), (0, 4), (1, 6)], [(0, 1), (2, 3), (4, 5), (5, 7)]),
+        # every feature rotates, in pairs (2j, 2j + 1)
+        ("glm4-tied", [(0, 4), (1, 2)], [(0, 1), (6, 7)]),
+    ],
+)
+def test_glm4_rotary_pairs_are_interleaved_and_partial(case, moves, exact):
+    """Negative controls: a Q/K rotation of Llama's plane (j, j + rotary_dim/2), of a pair across two
+    rotary pairs or across rotating and passing features moves the logits (and the fixed rule
+    refuses it); an interleaved pair (2j, 2j + 1) or two passing features rotate exactly: freedoms
+    the fixed rule gives up, which shows the layout is what the docstring says."""
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    space = graph.spaces["layers.0.attn"]
+    assert isinstance(space, HeadSpace) and space.qk == "fixed" and "interleaved" in space.reason
+    for i, j in moves:
+        t = _with_inner(graph, _plane_rotation(space.head_dim, i, j))
+        with pytest.raises(TransformError, match="fixes its Q/K"):
+            graph.apply(sd, t)
+        assert _gap(model, graph.apply(sd, t, check=False)) > 1e-3, (i, j)
+    for i, j in exact:
+        assert (
+            _gap(model, graph.apply(sd, _with_inner(graph, _plane_rotation(space.head_dim, i, j)), check=False))
+            <= TOLERANCE
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Arcee: an ungated relu² MLP, whose units only permute
+
+
+def _scale_unit(sd: dict[str, torch.Tensor], prefix: str, unit: int, up: float, down: float) -> dict[str, torch.Tensor]:
+    """``sd`` with unit ``unit`` of the MLP at ``prefix``: its ``up_proj`` row (and bias) × ``up``, its
+    ``down_proj`` column × ``down``."""
+    out = dict(sd)
+    for name in (f"{prefix}.up_proj.weight", f"{prefix}.up_proj.bias"):
+        if name in sd:
+            out[name] = sd[name].clone()
+            out[name][unit] *= up
+    out[f"{prefix}.down_proj.weight"] = sd[f"{prefix}.down_proj.weight"].clone()
+    out[f"{prefix}.down_proj.weight"][:, unit] *= down
+    return out
+
+
+@pytest.mark.parametrize("case", ["arcee", "arcee-tied-bias"])
+def test_arcee_relu2_units_take_no_glu_scaling(case):
+    """Negative controls: Llama's GLU freedom (up row × s, down column ÷ s) and a sign flip (× -1
+    both) move the logits of relu² units; relu² is homogeneous of degree 2, so × s and ÷ s² is
+    exact, which shows the units really pass through relu². The adapter declares no GLU."""
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    assert not graph_for(model.config, sd.keys()).glus
+    mlp = "model.layers.0.mlp"
+    assert _gap(model, _scale_unit(sd, mlp, 3, 2.5, 1 / 2.5)) > 1e-3
+    assert _gap(model, _scale_unit(sd, mlp, 3, -1.0, -1.0)) > 1e-3
+    assert _gap(model, _scale_unit(sd, mlp, 3, 2.5, 1 / 2.5**2)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("case", ["apertus", "apertus-tied-bias"])
+def test_apertus_xielu_units_only_permute(case):
+    """Negative controls: xIELU is neither odd nor homogeneous, so a unit's scale (up row × s, down
+    column ÷ s or ÷ s²) or sign moves the logits; its learned scalars are active (changing one
+    layer's ``alpha_p`` moves them too), so the exact unit permutations are not exact by accident."""
+    model = tiny.FACTORIES[case](0)
+    sd = model.state_dict()
+    assert not graph_for(model.config, sd.keys()).glus
+    mlp = "model.layers.0.mlp"
+    for up, down in ((2.5, 1 / 2.5), (2.5, 1 / 2.5**2), (-1.0, -1.0)):
+        assert _gap(model, _scale_unit(sd, mlp, 3, up, down)) > 1e-3, (up, down)
+    alpha = f"{mlp}.act_fn.alpha_p"
+    assert _gap(model, {**sd, alpha: sd[alpha] + 1.0}) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI verifies saved models of each family added for mergekit's second set
+
+# factory -> what `verify --class orthogonal` reports for the residual stream
+SECOND_SET = {
+    "gpt-bigcode": "orthogonal (fixing 1)",
+    "gpt-bigcode-mha": "orthogonal (fixing 1)",
+    "glm4": "signed-permutation",
+    "arcee": "orthogonal",
+    "exaone4": "signed-permutation",
+    "apertus": "orthogonal",
+}
+
+
+@pytest.mark.parametrize("case", sorted(SECOND_SET))
+def test_cli_verifies_a_saved_model(case: str, saved_model: Any, capsys: Any) -> None:
+    folder: Path = saved_model(case)
+    for cls in ("permutation", "orthogonal"):
+        capsys.readouterr()
+        assert main(["verify", str(folder), "--class", cls]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "OK: outputs unchanged" in out, out
+    assert SECOND_SET[case] in out, out

@@ -34,6 +34,8 @@ GLU_FAMILIES = (
     "granite",
     "stablelm",
     "cohere",
+    "glm4",
+    "exaone4",
 )
 T5_GATED_CASES = ("t5", "t5-encoder", "t5-cls", "mt5")  # "t5-relu" has a plain ReLU feed-forward
 GLU_CASES = sorted(c for c in tiny.FACTORIES if c.startswith(GLU_FAMILIES) or c in T5_GATED_CASES)

@@ -16,7 +16,7 @@ from hf_rebasin.symmetry.adapters import get_adapter, graph_for
 from hf_rebasin.symmetry.canonical import canonicalize, gamma
 from hf_rebasin.symmetry.transforms import AxisMap, random_orthogonal
 
-SIGNED = ["gemma2", "gemma3-text", "olmo2"]
+SIGNED = ["gemma2", "gemma3-text", "olmo2", "glm4", "exaone4"]
 DATA_FREE = ["weight-matching", "transfusion", "generalized-orthogonal"]
 
 

@@ -10,6 +10,8 @@ from typing import Any
 from hf_rebasin.core.errors import UnsupportedArchitectureError
 from hf_rebasin.symmetry.adapters import (
     albert,
+    apertus,
+    arcee,
     bart,
     bert,
     clip,
@@ -18,9 +20,12 @@ from hf_rebasin.symmetry.adapters import (
     dinov2,
     distilbert,
     electra,
+    exaone4,
     falcon,
     gemma,
+    glm4,
     gpt2,
+    gpt_bigcode,
     gpt_neox,
     granite,
     llama,
@@ -111,6 +116,11 @@ for _spec in (
     deberta_v2.SPEC,
     albert.SPEC,
     mpnet.SPEC,
+    gpt_bigcode.SPEC,
+    glm4.SPEC,
+    arcee.SPEC,
+    exaone4.SPEC,
+    apertus.SPEC,
 ):
     REGISTRY.register(_spec)
 
