@@ -14,7 +14,9 @@ it transport barely moves and strategies differ by noise. Defaults are chosen on
 - ``bench-qwen3``, ``bench-gemma2``: today's families at the same size, trained like ``bench-gpt2``
   (4 heads of width 32 over 2 KV heads, a gated MLP of 352 units);
 - ``bench-t5``, ``bench-bart``: encoder-decoders of 4 + 4 layers at the same width, pretrained by
-  denoising the same text (T5 v1.1's span corruption, BART's text infilling).
+  denoising the same text (T5 v1.1's span corruption, BART's text infilling);
+- ``bench-mbart``: ``bench-bart`` in mBART's pre-norm layout, which leaves BART's copy plateau on every
+  seed (post-norm ``bench-bart`` left it on seed 0 only).
 
 Every model is cached like the tiny zoo's (``zoo:bench-gpt2-seed1`` works in recipes); training
 needs ``pip install 'hf-rebasin[bench]'`` for the Bible text.
