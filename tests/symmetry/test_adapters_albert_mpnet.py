@@ -17,13 +17,14 @@ import transformers as T
 
 import tiny
 from hf_rebasin.alignment.strategies import AlignmentData, Pair, align
-from hf_rebasin.alignment.verify import TOLERANCE, compare, example_inputs, outputs_of, verify_model
+from hf_rebasin.alignment.verify import TOLERANCE, example_inputs, verify_model
 from hf_rebasin.core.errors import AdapterError
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters import get_adapter, graph_for
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.sublayers import per_sublayer
 from hf_rebasin.symmetry.transforms import AxisMap, Transform, random_orthogonal
+from symmetry_checks import output_gap, permuted
 
 ALBERT_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.0"
 MPNET_BIAS = "encoder.relative_attention_bias.weight"  # under "mpnet." but in a bare MPNetModel
@@ -38,19 +39,8 @@ def models() -> dict[str, torch.nn.Module]:
 def _gap(model: torch.nn.Module, sd: dict[str, torch.Tensor], t: Transform | None = None) -> float:
     """max |Δ| of every output of the stock ``model`` rebuilt from ``sd`` (hidden states mapped by
     ``t``; none: no basis changed)."""
-    spec = get_adapter(model.config.model_type)
     graph = graph_for(model.config, model.state_dict().keys())
-    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(7))
-    before = outputs_of(model.eval(), spec, inputs)
-    after = outputs_of(rebuild(model, sd), spec, inputs)
-    return compare(spec, graph, t if t is not None else graph.identity(), before, after)
-
-
-def _permute(graph: SymmetryGraph, space: str, seed: int = 0) -> Transform:
-    t = graph.identity()
-    n = graph.spaces[space].size
-    t[space] = AxisMap(n, index=torch.randperm(n, generator=torch.Generator().manual_seed(seed)))
-    return t
+    return output_gap(model, graph, sd, t if t is not None else graph.identity())
 
 
 def _rotate(graph: SymmetryGraph, space: str, seed: int = 0) -> Transform:
@@ -147,7 +137,7 @@ def test_albert_embedding_permutation_needs_the_mapping_in(models, case):
     model = models[case]
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    t = _permute(graph, "emb")
+    t = permuted(graph, "emb")
     moved = graph.apply(sd, t)
     assert _gap(model, moved, t) <= TOLERANCE
     mapping = "albert.encoder.embedding_hidden_mapping_in.weight"
@@ -160,7 +150,7 @@ def test_albert_mlm_head_writes_the_embedding_space(models):
     model = models["albert-mlm"]
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    t = _permute(graph, "emb", seed=1)
+    t = permuted(graph, "emb", seed=1)
     moved = graph.apply(sd, t)
     assert _gap(model, moved, t) <= TOLERANCE
     head = [k for k in sd if k.startswith(("predictions.dense.", "predictions.LayerNorm."))]

@@ -18,13 +18,13 @@ import transformers as T
 
 import tiny
 from hf_rebasin.alignment.strategies import Pair, align
-from hf_rebasin.alignment.verify import TOLERANCE, compare, example_inputs, outputs_of, verify_model
+from hf_rebasin.alignment.verify import TOLERANCE, verify_model
 from hf_rebasin.core.errors import UnsupportedArchitectureError
-from hf_rebasin.io.rebuild import rebuild
-from hf_rebasin.symmetry.adapters import get_adapter, graph_for
+from hf_rebasin.symmetry.adapters import graph_for
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import HeadSpace
 from hf_rebasin.symmetry.transforms import AxisMap, HeadMap, Transform, random_orthogonal
+from symmetry_checks import output_gap, permuted
 
 CASES = ("deberta-v2-mlm", "deberta-v2-mlm-head", "deberta-v2-mlm-emb", "deberta-v2-cls", "deberta-v2-token")
 ALL = (*CASES, "deberta-v2-base")
@@ -34,22 +34,6 @@ SELF = "deberta.encoder.layer.0.attention.self"
 @pytest.fixture(scope="module")
 def models() -> dict[str, torch.nn.Module]:
     return {case: tiny.FACTORIES[case](0) for case in ALL}
-
-
-def _gap(model: torch.nn.Module, graph: SymmetryGraph, sd: dict[str, torch.Tensor], t: Transform) -> float:
-    """max |Δ| of every output of the stock ``model`` rebuilt from ``sd`` (hidden states mapped by ``t``)."""
-    spec = get_adapter(model.config.model_type)
-    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(7))
-    before = outputs_of(model.eval(), spec, inputs)
-    after = outputs_of(rebuild(model, sd), spec, inputs)
-    return compare(spec, graph, t, before, after)
-
-
-def _permute(graph: SymmetryGraph, space: str, seed: int = 0) -> Transform:
-    t = graph.identity()
-    n = graph.spaces[space].size
-    t[space] = AxisMap(n, index=torch.randperm(n, generator=torch.Generator().manual_seed(seed)))
-    return t
 
 
 def _qk_map(graph: SymmetryGraph, layer: int = 0, seed: int = 0) -> tuple[str, Transform]:
@@ -79,11 +63,11 @@ def test_stream_permutation_needs_the_relative_position_table(models, case):
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
     assert graph.bindings["deberta.encoder.rel_embeddings.weight"].axes == (None, "res")
-    t = _permute(graph, "res")
+    t = permuted(graph, "res")
     moved = graph.apply(sd, t)
-    assert _gap(model, graph, moved, t) <= TOLERANCE
+    assert output_gap(model, graph, moved, t) <= TOLERANCE
     table = "deberta.encoder.rel_embeddings.weight"
-    assert _gap(model, graph, {**moved, table: sd[table]}, t) > 1e-3
+    assert output_gap(model, graph, {**moved, table: sd[table]}, t) > 1e-3
 
 
 @pytest.mark.parametrize("case", ["deberta-v2-mlm", "deberta-v2-cls"])
@@ -93,11 +77,11 @@ def test_the_table_layernorm_is_on_the_stream(models, case):
     model = models[case]
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    t = _permute(graph, "res", seed=2)
+    t = permuted(graph, "res", seed=2)
     moved = graph.apply(sd, t)
-    assert _gap(model, graph, moved, t) <= TOLERANCE
+    assert output_gap(model, graph, moved, t) <= TOLERANCE
     norm = {k: sd[k] for k in ("deberta.encoder.LayerNorm.weight", "deberta.encoder.LayerNorm.bias")}
-    assert _gap(model, graph, {**moved, **norm}, t) > 1e-3
+    assert output_gap(model, graph, {**moved, **norm}, t) > 1e-3
 
 
 def test_a_layers_heads_are_its_own(models):
@@ -111,10 +95,10 @@ def test_a_layers_heads_are_its_own(models):
     assert isinstance(ident, HeadMap)
     kv = torch.tensor([2, 0, 3, 1])
     t["layer.0.attn"] = HeadMap(kv, ident.q_perm, ident.qk, ident.vo)
-    assert _gap(model, graph, graph.apply(sd, t), t) <= TOLERANCE
+    assert output_gap(model, graph, graph.apply(sd, t), t) <= TOLERANCE
     # the same head order on q/k but not on v/o mixes heads: a real constraint
     mixed = {**graph.apply(sd, t), **{k: sd[k] for k in sd if ".value_proj." in k and "layer.0" in k}}
-    assert _gap(model, graph, mixed, t) > 1e-3
+    assert output_gap(model, graph, mixed, t) > 1e-3
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,7 +114,7 @@ def test_qk_inner_maps_are_free_and_exact(models, case):
     graph = graph_for(model.config, sd.keys())
     name, t = _qk_map(graph)
     assert graph.spaces[name].qk == "free"
-    assert _gap(model, graph, graph.apply(sd, t), t) <= TOLERANCE
+    assert output_gap(model, graph, graph.apply(sd, t), t) <= TOLERANCE
 
 
 def test_without_share_att_key_the_position_projections_take_the_qk_map(models):
@@ -143,15 +127,15 @@ def test_without_share_att_key_the_position_projections_take_the_qk_map(models):
     assert graph.bindings[f"{SELF}.pos_query_proj.weight"].axes == ("layer.0.attn:q", "res")
     _name, t = _qk_map(graph, seed=3)
     moved = graph.apply(sd, t)
-    assert _gap(model, graph, moved, t) <= TOLERANCE
+    assert output_gap(model, graph, moved, t) <= TOLERANCE
     for proj in ("pos_key_proj", "pos_query_proj"):  # c2p and p2c each need theirs
         kept = {k: sd[k] for k in sd if k.startswith(f"{SELF}.{proj}.")}
-        assert _gap(model, graph, {**moved, **kept}, t) > 1e-3, proj
+        assert output_gap(model, graph, {**moved, **kept}, t) > 1e-3, proj
     swapped = {**moved}
     for p in ("weight", "bias"):  # the query's map M on pos_key, the key's M⁻ᵀ on pos_query
         swapped[f"{SELF}.pos_key_proj.{p}"] = _as(graph, sd, t, f"{SELF}.pos_key_proj.{p}", "q")
         swapped[f"{SELF}.pos_query_proj.{p}"] = _as(graph, sd, t, f"{SELF}.pos_query_proj.{p}", "k")
-    assert _gap(model, graph, swapped, t) > 1e-3
+    assert output_gap(model, graph, swapped, t) > 1e-3
 
 
 def _as(graph: SymmetryGraph, sd: dict[str, torch.Tensor], t: Transform, tensor: str, role: str) -> torch.Tensor:
@@ -181,11 +165,11 @@ def test_embedding_permutation_needs_embed_proj(models, case):
     model = models[case]
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    t = _permute(graph, "emb")
+    t = permuted(graph, "emb")
     moved = graph.apply(sd, t)
-    assert _gap(model, graph, moved, t) <= TOLERANCE
+    assert output_gap(model, graph, moved, t) <= TOLERANCE
     (proj,) = [k for k in sd if k.endswith("embeddings.embed_proj.weight")]  # the bare model has no prefix
-    assert _gap(model, graph, {**moved, proj: sd[proj]}, t) > 1e-3
+    assert output_gap(model, graph, {**moved, proj: sd[proj]}, t) > 1e-3
 
 
 def test_legacy_head_writes_the_embedding_space(models):
@@ -194,13 +178,13 @@ def test_legacy_head_writes_the_embedding_space(models):
     model = models["deberta-v2-mlm-emb"]
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    t = _permute(graph, "emb", seed=1)
+    t = permuted(graph, "emb", seed=1)
     moved = graph.apply(sd, t)
     head = [k for k in sd if k.startswith("cls.predictions.transform.")]
-    assert _gap(model, graph, {**moved, **{k: sd[k] for k in head}}, t) > 1e-3
+    assert output_gap(model, graph, {**moved, **{k: sd[k] for k in head}}, t) > 1e-3
     r = graph.identity()
     r["emb"] = AxisMap(16, blocks=random_orthogonal(16, torch.Generator().manual_seed(0), fix_ones=True)[None])
-    assert _gap(model, graph, graph.apply(sd, r, check=False), r) > 1e-3
+    assert output_gap(model, graph, graph.apply(sd, r, check=False), r) > 1e-3
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 import tiny
-from hf_rebasin.alignment.verify import TOLERANCE, compare, example_inputs, outputs_of, verify_model
-from hf_rebasin.io.rebuild import rebuild
-from hf_rebasin.symmetry.adapters import get_adapter, graph_for
-from hf_rebasin.symmetry.graph import SymmetryGraph
-from hf_rebasin.symmetry.transforms import AxisMap, Transform, random_orthogonal
+from hf_rebasin.alignment.verify import TOLERANCE, verify_model
+from hf_rebasin.symmetry.adapters import graph_for
+from hf_rebasin.symmetry.transforms import AxisMap, random_orthogonal
+from symmetry_checks import output_gap, permuted
 
 ELECTRA = ("electra", "electra-mlm", "electra-mlm-equal", "electra-cls", "electra-cls-equal", "electra-base")
 
@@ -25,22 +24,6 @@ ELECTRA = ("electra", "electra-mlm", "electra-mlm-equal", "electra-cls", "electr
 @pytest.fixture(scope="module")
 def models() -> dict[str, torch.nn.Module]:
     return {case: tiny.FACTORIES[case](0) for case in ELECTRA}
-
-
-def _gap(model: torch.nn.Module, graph: SymmetryGraph, sd: dict[str, torch.Tensor], t: Transform) -> float:
-    """max |Δ| of every output of the stock ``model`` rebuilt from ``sd`` (hidden states mapped by ``t``)."""
-    spec = get_adapter(model.config.model_type)
-    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(7))
-    before = outputs_of(model.eval(), spec, inputs)
-    after = outputs_of(rebuild(model, sd), spec, inputs)
-    return compare(spec, graph, t, before, after)
-
-
-def _permute(graph: SymmetryGraph, space: str, seed: int = 0) -> Transform:
-    t = graph.identity()
-    n = graph.spaces[space].size
-    t[space] = AxisMap(n, index=torch.randperm(n, generator=torch.Generator().manual_seed(seed)))
-    return t
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,12 +49,12 @@ def test_electra_embedding_permutation_needs_embeddings_project(models, case):
     model = models[case]
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    t = _permute(graph, "emb")
+    t = permuted(graph, "emb")
     moved = graph.apply(sd, t)
-    assert _gap(model, graph, moved, t) <= TOLERANCE
+    assert output_gap(model, graph, moved, t) <= TOLERANCE
     (project,) = [k for k in sd if k.endswith("embeddings_project.weight")]
     partial = {**moved, project: sd[project]}
-    assert _gap(model, graph, partial, t) > 1e-3
+    assert output_gap(model, graph, partial, t) > 1e-3
 
 
 def test_electra_generator_head_writes_the_embedding_space(models):
@@ -80,11 +63,11 @@ def test_electra_generator_head_writes_the_embedding_space(models):
     model = models["electra-mlm"]
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
-    t = _permute(graph, "emb", seed=1)
+    t = permuted(graph, "emb", seed=1)
     moved = graph.apply(sd, t)
-    assert _gap(model, graph, moved, t) <= TOLERANCE
+    assert output_gap(model, graph, moved, t) <= TOLERANCE
     head = [k for k in sd if k.startswith("generator_predictions.")]
-    assert _gap(model, graph, {**moved, **{k: sd[k] for k in head}}, t) > 1e-3
+    assert output_gap(model, graph, {**moved, **{k: sd[k] for k in head}}, t) > 1e-3
 
 
 def test_electra_embedding_rotation_moves_the_outputs(models):
@@ -96,7 +79,7 @@ def test_electra_embedding_rotation_moves_the_outputs(models):
     t = graph.identity()
     q = random_orthogonal(16, torch.Generator().manual_seed(0), fix_ones=True)
     t["emb"] = AxisMap(16, blocks=q[None])
-    assert _gap(model, graph, graph.apply(sd, t, check=False), t) > 1e-3
+    assert output_gap(model, graph, graph.apply(sd, t, check=False), t) > 1e-3
 
 
 @pytest.mark.parametrize("case", ["electra", "electra-mlm"])

@@ -1,0 +1,29 @@
+"""Checks the adapter tests share: how far a rebuilt model's outputs move, and a random permutation
+of one space (the negative controls of each family's test file are built from these)."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_rebasin.alignment.verify import compare, example_inputs, outputs_of
+from hf_rebasin.io.rebuild import rebuild
+from hf_rebasin.symmetry.adapters import get_adapter
+from hf_rebasin.symmetry.graph import SymmetryGraph
+from hf_rebasin.symmetry.transforms import AxisMap, Transform
+
+
+def output_gap(model: torch.nn.Module, graph: SymmetryGraph, sd: dict[str, torch.Tensor], t: Transform) -> float:
+    """max |Δ| of every output of the stock ``model`` rebuilt from ``sd`` (hidden states mapped by ``t``)."""
+    spec = get_adapter(model.config.model_type)
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(7))
+    before = outputs_of(model.eval(), spec, inputs)
+    after = outputs_of(rebuild(model, sd), spec, inputs)
+    return compare(spec, graph, t, before, after)
+
+
+def permuted(graph: SymmetryGraph, space: str, seed: int = 0) -> Transform:
+    """The identity of ``graph`` with ``space`` permuted at random."""
+    t = graph.identity()
+    n = graph.spaces[space].size
+    t[space] = AxisMap(n, index=torch.randperm(n, generator=torch.Generator().manual_seed(seed)))
+    return t
