@@ -133,7 +133,7 @@ def _write(
     done = torch.zeros(len(ids), dtype=torch.bool, device=device)
     key, past = _cache_argument(model), None
     while decoder.shape[1] < length and not bool(done.all()):
-        cached = {key: past} if past is not None else {}
+        cached: dict[str, Any] = {key: past} if past is not None else {}
         step = model(
             encoder_outputs=encoded,
             attention_mask=mask,

@@ -1,0 +1,175 @@
+"""A transport's calibration of an encoder-decoder, run as a user runs it and checked with stock
+transformers and PEFT: BART and T5 fine-tunes calibrated on the sources of ``calibrate.data`` get
+closer to the fine-tune on held-out sources (the KL read here on the fine-tune's ``generate`` output)
+than the uncalibrated B + (A_ft − A) computed from the files; an adapter stays an adapter PEFT loads;
+without data the run is refused with a `MissingDataError` naming ``calibrate.data``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+import yaml
+from safetensors.torch import load_file
+
+import tiny
+from helpers import flat, run_main
+from hf_rebasin.core.errors import MissingDataError
+from hf_rebasin.evaluation.data import char_tokenizer
+from hf_rebasin.recipe import load_recipe
+from hf_rebasin.run.checks import check_calibration
+
+TEXT = (
+    "to be, or not to be, that is the question:\n"
+    "whether 'tis nobler in the mind to suffer\n"
+    "the slings and arrows of outrageous fortune,\n"
+    "or to take arms against a sea of troubles\n"
+    "and by opposing end them. to die, to sleep;\n"
+)
+HELD = ["the mind to die, or to sleep", "a sea of arrows against fortune", "to suffer the question"]
+ENV = {"HF_HUB_OFFLINE": "1", "HF_REBASIN_NO_CACHE": "1"}
+SMALL = {"steps": 24, "samples": 16, "held_out": 0.25, "block_size": 16, "batch_size": 4, "learning_rate": 1e-2}
+
+
+def _perturb(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name and "shared" not in name and "lm_head" not in name:
+                a, b = torch.randn(p.shape[0], 2, generator=g), torch.randn(2, p.shape[1], generator=g)
+                p.add_(scale * p.std() * (a @ b) / 2)
+    return model
+
+
+def _folders(root: Path, family: str) -> dict[str, Path]:
+    """Base, a fine-tune of it (a rank-2 change of every linear layer) and a target that is the
+    base trained apart a little: the moved model is the fine-tune plus the target's drift."""
+    make = {"t5": tiny.t5, "bart": tiny.bart}[family]
+    tokenizer = char_tokenizer(TEXT, mask=family == "bart")
+    models = {"base": make(0), "ft": _perturb(make(0), 1, 0.4), "target": _perturb(make(0), 2, 0.3)}
+    out = {}
+    for name, model in models.items():
+        out[name] = root / f"{family}-{name}"
+        model.save_pretrained(str(out[name]))
+        tokenizer.save_pretrained(str(out[name]))
+    return out
+
+
+def _pairs(root: Path) -> Path:
+    lines = TEXT.splitlines()
+    path = root / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"source": a, "target": b}) + "\n" for a, b in itertools.pairwise(lines)) * 4)
+    return path
+
+
+def _recipe(root: Path, folders: dict[str, Path], calibrate: Any, finetuned: Any = None) -> str:
+    body = {
+        "job": "transport",
+        "base": str(folders["base"]),
+        "finetuned": finetuned or str(folders["ft"]),
+        "target": str(folders["target"]),
+        "strategy": "vanilla",
+        "alpha": 1.0,
+        "calibrate": calibrate,
+        "output": {"dir": str(root / "out")},
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    return str(path)
+
+
+def _stock_kl(teacher: Any, student: Any, tokenizer: Any) -> float:
+    """KL(teacher ‖ student) per decoder token on the teacher's greedy outputs for ``HELD``."""
+    enc = tokenizer(HELD, return_tensors="pt", padding=True)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        out = teacher.generate(
+            **enc, do_sample=False, max_length=12, min_length=0, num_beams=1, use_cache=False, no_repeat_ngram_size=0
+        )
+        args = {**enc, "decoder_input_ids": out}
+        t = F.log_softmax(teacher(**args).logits.float(), -1)
+        s = F.log_softmax(student(**args).logits.float(), -1)
+    on = torch.ones_like(out, dtype=torch.bool)
+    on[:, 1:] = (out[:, 1:] == teacher.config.eos_token_id).cumsum(1) == 0
+    per = (t.exp() * (t - s)).sum(-1)[on]
+    total, n = float(per.sum()), int(on.sum())
+    return total / n
+
+
+def _uncalibrated(folders: dict[str, Path]) -> Any:
+    """B + (A_ft − A), from the files."""
+    a, a_ft, b = (load_file(str(folders[k] / "model.safetensors")) for k in ("base", "ft", "target"))
+    model = T.AutoModelForSeq2SeqLM.from_pretrained(str(folders["target"])).eval()
+    model.load_state_dict({n: b[n] + (a_ft[n] - a[n]) for n in b}, strict=False)
+    return model
+
+
+@pytest.mark.parametrize("family", ["bart", pytest.param("t5", marks=pytest.mark.slow)])
+def test_a_calibrated_encoder_decoder_is_closer_to_the_fine_tune_on_held_out_sources(
+    tmp_path: Path, family: str
+) -> None:
+    folders = _folders(tmp_path, family)
+    data = {"dataset": "json", "data_files": str(_pairs(tmp_path))}
+    done = run_main(_recipe(tmp_path, folders, {**SMALL, "data": data, "guard": 0.1}), env=ENV)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    cal = json.loads((out / "rebasin.json").read_text())["transport"]["calibration"]
+    assert cal["kept"] and cal["fit"] == "low-rank" and cal["kl"]["after"] < cal["kl"]["before"]
+    assert "continuations of sources from `calibrate.data` (source → target pairs)" in cal["text"]["source"]
+    assert cal["text"]["sequences"] == 16 and "written by the target" in cal["text"]["guard"]
+    assert "Calibration" in flat((out / "README.md").read_text())
+    tokenizer = T.AutoTokenizer.from_pretrained(str(folders["ft"]))
+    teacher = T.AutoModelForSeq2SeqLM.from_pretrained(str(folders["ft"])).eval()
+    written = T.AutoModelForSeq2SeqLM.from_pretrained(str(out)).eval()  # the stock class, every tensor in place
+    assert set(load_file(str(out / "model.safetensors"))) == set(
+        load_file(str(folders["target"] / "model.safetensors"))
+    )
+    before, after = _stock_kl(teacher, _uncalibrated(folders), tokenizer), _stock_kl(teacher, written, tokenizer)
+    assert after < before, (before, after)
+
+
+def test_a_calibrated_bart_lora_adapter_stays_an_adapter_peft_loads(tmp_path: Path) -> None:
+    import peft
+
+    folders = _folders(tmp_path, "bart")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "fc1"], task_type="SEQ_2_SEQ_LM")
+    tuned = peft.get_peft_model(T.AutoModelForSeq2SeqLM.from_pretrained(str(folders["base"])), config)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
+    adapter = tmp_path / "lora"
+    tuned.save_pretrained(str(adapter))
+    data = {"dataset": "json", "data_files": str(_pairs(tmp_path))}
+    finetuned = {"model": str(adapter), "check_base": False}
+    done = run_main(_recipe(tmp_path, folders, {**SMALL, "data": data, "guard": 0.1}, finetuned), env=ENV)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    cal = json.loads((out / "rebasin.json").read_text())["transport"]["calibration"]
+    assert cal["adapter"] and cal["fit"] == "adapter" and cal["kl"]["after"] <= cal["kl"]["before"]
+    assert json.loads((out / "adapter_config.json").read_text())["task_type"] == "SEQ_2_SEQ_LM"
+
+    def on_target(folder: Path) -> Any:
+        target = T.AutoModelForSeq2SeqLM.from_pretrained(str(folders["target"]))
+        return peft.PeftModel.from_pretrained(target, str(folder)).eval()
+
+    teacher = tuned.eval()  # the fine-tune: the adapter on its base
+    tokenizer = T.AutoTokenizer.from_pretrained(str(folders["base"]))
+    before = _stock_kl(teacher, on_target(adapter), tokenizer)  # the moved adapter, uncalibrated (vanilla, α = 1)
+    assert _stock_kl(teacher, on_target(out), tokenizer) < before
+
+
+def test_calibrating_an_encoder_decoder_without_data_is_refused_naming_calibrate_data(tmp_path: Path) -> None:
+    folders = _folders(tmp_path, "bart")
+    recipe = _recipe(tmp_path, folders, {"steps": 2})
+    with pytest.raises(MissingDataError, match=r"`calibrate\.data`: the fine-tune is a BartForConditionalGeneration"):
+        check_calibration(load_recipe(recipe), folders["ft"])
+    done = run_main(recipe, env=ENV)
+    assert done.returncode == 2 and "`calibrate.data`" in flat(done.stderr)
+    assert not (tmp_path / "out").exists()
