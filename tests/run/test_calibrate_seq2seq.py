@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import tiny
 from helpers import flat, run_main
 from hf_rebasin.core.errors import MissingDataError
 from hf_rebasin.evaluation.data import char_tokenizer
-from hf_rebasin.recipe import load_recipe
+from hf_rebasin.recipe import load_recipe, loads_recipe
 from hf_rebasin.run.checks import check_calibration
 
 TEXT = (
@@ -173,3 +174,36 @@ def test_calibrating_an_encoder_decoder_without_data_is_refused_naming_calibrate
     done = run_main(recipe, env=ENV)
     assert done.returncode == 2 and "`calibrate.data`" in flat(done.stderr)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_the_transport_benchmarks_write_a_valid_recipe_calibrating_on_the_training_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calibrate: bool
+) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "transport"))
+    from calibration_recipe import calibrate_section, transport_body
+
+    from hf_rebasin.evaluation import data as corpora
+
+    splits: list[str] = []
+
+    def text(corpus: str, plays: Any = None, *, split: str = "all") -> str:
+        splits.append(split)
+        return f"{corpus} {split} text\n" * 4
+
+    monkeypatch.setattr(corpora, "corpus_text", text)
+    ft = tmp_path / "bench-t5-ft-seed0"
+    ft.mkdir()
+    (ft / "training.json").write_text(json.dumps({"kind": "bench-t5-ft", "seed": 0, "config": {"corpus": "kjv"}}))
+    section = calibrate_section(ft, tmp_path / "work", calibrate)
+    body = transport_body("bench-t5", "bench-t5-ft", (0, 1), "weight-matching", tmp_path / "out", section)
+    recipe = loads_recipe(yaml.safe_dump(body), base_dir=tmp_path)
+    if not calibrate:
+        assert recipe.calibrate is None and not splits  # type: ignore[attr-defined]
+        return
+    assert splits == ["train"]  # never the held-out ("test") split the benchmarks score on
+    given = recipe.calibrate.data  # type: ignore[attr-defined]
+    assert given is not None and given.dataset == "text"
+    assert Path(str(given.data_files)).read_text() == "kjv train text\n" * 4
+    zoo = {**body, "strategy": {"name": "transfusion", "residual_maps": "global"}, "alpha": 1.0}  # bench_transport_zoo
+    assert loads_recipe(yaml.safe_dump(zoo), base_dir=tmp_path).calibrate is not None  # type: ignore[attr-defined]
