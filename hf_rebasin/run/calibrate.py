@@ -1,7 +1,8 @@
 """A transport's calibration step: the moved model fitted to the fine-tune (`merging.calibration`).
 
 Reads the recipe's ``calibrate`` settings, decides the calibration text (``calibrate.data``, else
-the recipe's ``data``, else text the fine-tune writes itself), builds the student from the moved
+the recipe's ``data``, else text the fine-tune writes itself; an encoder-decoder's: continuations of
+sources from data, `run.calibrate_seq2seq`), builds the student from the moved
 weights, fits it with the target as guard, and measures it before and after on held-out text.
 Every model and every text is in the run's working rows (where vocabularies differ, the layout
 the models were loaded into), so the moved weights come back in the form the writer takes.

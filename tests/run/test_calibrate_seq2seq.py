@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import transformers as T
 import yaml
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import tiny
@@ -69,7 +70,7 @@ def _pairs(root: Path) -> Path:
     return path
 
 
-def _recipe(root: Path, folders: dict[str, Path], calibrate: Any, finetuned: Any = None) -> str:
+def _recipe(root: Path, folders: dict[str, Path], calibrate: Any, finetuned: Any = None, **output: Any) -> str:
     body = {
         "job": "transport",
         "base": str(folders["base"]),
@@ -78,7 +79,7 @@ def _recipe(root: Path, folders: dict[str, Path], calibrate: Any, finetuned: Any
         "strategy": "vanilla",
         "alpha": 1.0,
         "calibrate": calibrate,
-        "output": {"dir": str(root / "out")},
+        "output": {"dir": str(root / "out"), **output},
     }
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(body, sort_keys=False))
@@ -133,6 +134,25 @@ def test_a_calibrated_encoder_decoder_is_closer_to_the_fine_tune_on_held_out_sou
     )
     before, after = _stock_kl(teacher, _uncalibrated(folders), tokenizer), _stock_kl(teacher, written, tokenizer)
     assert after < before, (before, after)
+
+
+def test_a_calibrated_float16_t5_folds_its_corrections_back_and_keeps_wo_in_float32(tmp_path: Path) -> None:
+    """transformers keeps T5's ``wo`` in float32 under float16 (``_keep_in_fp32_modules``): the
+    calibrated output stores each tensor as the stock class saves it, every linear layer corrected."""
+    folders = _folders(tmp_path, "t5")
+    data = {"dataset": "json", "data_files": str(_pairs(tmp_path))}
+    done = run_main(_recipe(tmp_path, folders, {**SMALL, "data": data, "guard": 0.1}, dtype="float16"), env=ENV)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    wo = {d for k, d in stored.items() if k.endswith(".wo.weight")}
+    assert wo == {"F32"} and stored["decoder.block.0.layer.0.SelfAttention.q.weight"] == "F16"
+    got, moved = load_file(str(out / "model.safetensors")), _uncalibrated(folders).state_dict()
+    for name in ("decoder.block.1.layer.2.DenseReluDense.wo.weight", "encoder.block.0.layer.0.SelfAttention.o.weight"):
+        rounded = moved[name].to(got[name].dtype).float()  # B + τ as the output dtype stores it
+        assert (got[name].float() - rounded).abs().max() > 1e-2, name  # the correction was folded in
+    assert json.loads((out / "rebasin.json").read_text())["transport"]["calibration"]["kept"]
 
 
 def test_a_calibrated_bart_lora_adapter_stays_an_adapter_peft_loads(tmp_path: Path) -> None:
