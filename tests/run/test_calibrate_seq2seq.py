@@ -136,6 +136,47 @@ def test_a_calibrated_encoder_decoder_is_closer_to_the_fine_tune_on_held_out_sou
     assert after < before, (before, after)
 
 
+def _plain_kl(teacher: Any, student: Any, ids: torch.Tensor, mask: torch.Tensor, decoder: torch.Tensor) -> float:
+    """KL(teacher ‖ student) per decoder position up to the one predicting the end, plain torch."""
+    args = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder}
+    with torch.no_grad():
+        t = F.log_softmax(teacher(**args).logits.float(), -1)
+        s = F.log_softmax(student(**args).logits.float(), -1)
+    on = torch.ones_like(decoder, dtype=torch.bool)
+    on[:, 1:] = (decoder[:, 1:] == teacher.config.eos_token_id).cumsum(1) == 0
+    return float((t.exp() * (t - s)).sum(-1)[on].mean())
+
+
+def test_the_written_bart_computes_the_kl_the_run_reports_on_its_held_out_sources(tmp_path: Path) -> None:
+    """The held-out sources rebuilt as the run reads them (the first ``held`` of ``calibrate.data``'s,
+    and the fine-tune's continuations of them under ``calibrate.seed``): the stock-loaded output and
+    the uncalibrated B + τ give the record's ``kl.after`` and ``kl.before``."""
+    from hf_rebasin.merging.calibration.seq2seq import Sources, written
+    from hf_rebasin.run.data import BatchSpec, batches
+
+    folders = _folders(tmp_path, "bart")
+    data = {"dataset": "json", "data_files": str(_pairs(tmp_path))}
+    recipe = _recipe(tmp_path, folders, {**SMALL, "data": data, "guard": 0.1})
+    done = run_main(recipe, env=ENV)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cal = json.loads((tmp_path / "out" / "rebasin.json").read_text())["transport"]["calibration"]
+    teacher = T.AutoModelForSeq2SeqLM.from_pretrained(str(folders["ft"])).eval()
+    spec = load_recipe(recipe).calibrate.data.model_copy(update={"block_size": 16})  # type: ignore[attr-defined]
+    tokenizer = T.AutoTokenizer.from_pretrained(str(folders["ft"]))
+    made = batches(spec, BatchSpec("seq2seq", 16, None, None, 0), tmp_path, tokenizer, teacher.config, where="x")
+    ids, mask = made[0]["input_ids"][:16], made[0]["attention_mask"][:16]
+    c = teacher.config
+    text = written(
+        teacher, Sources(ids, mask), 16, start=c.decoder_start_token_id, end=c.eos_token_id, pad=c.pad_token_id, seed=0
+    )
+    held = cal["text"]["held_out"]
+    assert held == 4 and cal["kept"]
+    args = (ids[:held], mask[:held], text.decoder[:held])
+    out = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert _plain_kl(teacher, out, *args) == pytest.approx(cal["kl"]["after"], rel=1e-4, abs=1e-6)
+    assert _plain_kl(teacher, _uncalibrated(folders), *args) == pytest.approx(cal["kl"]["before"], rel=1e-4, abs=1e-6)
+
+
 def test_a_calibrated_float16_t5_folds_its_corrections_back_and_keeps_wo_in_float32(tmp_path: Path) -> None:
     """transformers keeps T5's ``wo`` in float32 under float16 (``_keep_in_fp32_modules``): the
     calibrated output stores each tensor as the stock class saves it, every linear layer corrected."""
