@@ -1,12 +1,14 @@
 """A zoo LoRA adapter moved onto another base by `hf-rebasin transport`, scored as a user loads it.
 
 For each data-free strategy, a recipe moves ``<kind>-ft-lora`` of seed A (an adapter on ``<kind>``
-seed A) onto ``<kind>`` seed B with ``calibrate: false``; the written adapter is loaded with PEFT on
-B's stock model (``AutoModelForSeq2SeqLM`` or ``AutoModelForCausalLM``) and scored on the fine-tune's
+seed A) onto ``<kind>`` seed B with ``calibrate: false`` (``--calibrate``: then distilled from the
+fine-tune on the sources of its training split, never the held-out text scored here); the written
+adapter is loaded with PEFT on B's stock model (``AutoModelForSeq2SeqLM`` or ``AutoModelForCausalLM``) and scored on the fine-tune's
 held-out text (the task) and B's (the support), as the zoo scores them. The naive row applies the
 adapter unmoved. Gap closed = (L_B − L_moved) / (L_B − L_fine-tune on A), on the task.
 
     python benchmarks/transport/bench_transport_lora.py --kind bench-t5 --pairs 0:1
+    python benchmarks/transport/bench_transport_lora.py --kind bench-t5 --pairs 0:1 --calibrate
     python benchmarks/transport/bench_transport_lora.py --kind bench-gpt2 --pairs 0:1 0:2
 """
 
@@ -23,7 +25,9 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "alignment"))  # bench_barriers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # calibration_recipe
 from bench_barriers import first_tokens
+from calibration_recipe import calibrate_section, transport_body
 
 from hf_rebasin.evaluation.evaluate import evaluate_loss, task_of
 from hf_rebasin.evaluation.zoo.train import cached_model, held_out_batches
@@ -44,20 +48,13 @@ def _with_adapter(base: Path, adapter: Path) -> Any:
     return peft.PeftModel.from_pretrained(_base(base), str(adapter)).eval()
 
 
-def _moved(kind: str, seeds: tuple[int, int], strategy: str, root: Path) -> tuple[Path, float]:
+def _moved(kind: str, seeds: tuple[int, int], strategy: str, root: Path, calibrate: bool) -> tuple[Path, float]:
     from hf_rebasin.recipe import load_recipe
     from hf_rebasin.run.pipeline import run_recipe
 
-    a, b = seeds
-    body = {
-        "job": "transport",
-        "base": f"zoo:{kind}-seed{a}",
-        "finetuned": f"zoo:{kind}-ft-lora-seed{a}",
-        "target": f"zoo:{kind}-seed{b}",
-        "strategy": strategy,
-        "calibrate": False,
-        "output": {"dir": str(root / strategy)},
-    }
+    adapter = cached_model(f"{kind}-ft-lora", seeds[0])  # type: ignore[arg-type]
+    section = calibrate_section(adapter, root, calibrate)
+    body = transport_body(kind, f"{kind}-ft-lora", seeds, strategy, root / strategy, section)
     recipe = root / f"{strategy}.yaml"
     recipe.write_text(yaml.safe_dump(body), encoding="utf-8")
     start = time.perf_counter()
@@ -65,7 +62,7 @@ def _moved(kind: str, seeds: tuple[int, int], strategy: str, root: Path) -> tupl
     return root / strategy, time.perf_counter() - start
 
 
-def pair_rows(kind: str, seeds: tuple[int, int], tokens: int) -> list[str]:
+def pair_rows(kind: str, seeds: tuple[int, int], tokens: int, calibrate: bool = False) -> list[str]:
     a, b = (cached_model(kind, s) for s in seeds)  # type: ignore[arg-type]
     adapter = cached_model(f"{kind}-ft-lora", seeds[0])  # type: ignore[arg-type]
     task = first_tokens(held_out_batches(adapter, 32), tokens)
@@ -86,7 +83,7 @@ def pair_rows(kind: str, seeds: tuple[int, int], tokens: int) -> list[str]:
     )
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in STRATEGIES[1:]:
-            folder, seconds = _moved(kind, seeds, strategy, Path(tmp))
+            folder, seconds = _moved(kind, seeds, strategy, Path(tmp), calibrate)
             t, s = losses(_with_adapter(b, folder))
             rows.append(f"| | {strategy} | {t:.3f} | {100 * (b_task - t) / gap:.0f} % | {s:.3f} | {seconds:.0f} |")
             print(rows[-1], flush=True)
@@ -98,6 +95,9 @@ def main() -> None:
     parser.add_argument("--kind", default="bench-t5", choices=["bench-t5", "bench-gpt2"])
     parser.add_argument("--pairs", nargs="+", default=["0:1"], help="A:B seed pairs (A's adapter moves)")
     parser.add_argument("--tokens", type=int, default=32768, help="held-out tokens scored per data set")
+    parser.add_argument(
+        "--calibrate", action="store_true", help="calibrate each moved adapter on its training split's sources"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     lines = [
@@ -106,7 +106,7 @@ def main() -> None:
     ]
     for pair in args.pairs:
         a, b = (int(s) for s in pair.split(":"))
-        lines += pair_rows(args.kind, (a, b), args.tokens)
+        lines += pair_rows(args.kind, (a, b), args.tokens, args.calibrate)
     print("\n".join(lines))
 
 

@@ -5,9 +5,13 @@ one per sublayer, at every α of ``alpha: auto``'s grid.
     python benchmarks/transport/bench_transport_zoo.py                  # pairs 0:1 0:2 (trains the zoo first: benchmarks/zoo/bench_zoo.py)
     python benchmarks/transport/bench_transport_zoo.py --pairs 0:1 --tokens 65536
     python benchmarks/transport/bench_transport_zoo.py --kind bench-t5 --pairs 0:1   # the T5's, span corruption
+    python benchmarks/transport/bench_transport_zoo.py --kind bench-t5 --pairs 0:1 --calibrate
 
 ``--kind bench-t5``: the encoder-decoder pair and its fine-tune ``bench-t5-ft``, scored on held-out text
 noised as it was trained (per-sublayer maps do not apply to two stacks: those rows are left out).
+``--calibrate`` (bench-t5): each global method also moves the fine-tune with `hf-rebasin transport`
+at α = 1, calibrated on the sources of the fine-tune's training split (never the held-out text),
+and a second table scores what it writes.
 
 For each pair, method and α: the task loss (held-out Bible text), the share of the task-loss gap
 between B and the fine-tune on A that is closed, the support loss (B's held-out Shakespeare) and
@@ -20,14 +24,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "alignment"))  # bench_barriers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # calibration_recipe
 from bench_barriers import first_tokens
+from calibration_recipe import calibrate_section, transport_body
 
 from hf_rebasin.alignment.strategies import Pair, align
 from hf_rebasin.evaluation.evaluate import evaluate_loss, task_of
@@ -118,6 +126,45 @@ def pair_rows(seed_a: int, seed_b: int, tokens: int, budget: float, kind: str = 
     return rows
 
 
+def calibrated_rows(seed_a: int, seed_b: int, tokens: int, kind: str = "bench-t5") -> list[str]:
+    """Per global method: the fine-tune moved at α = 1 by `hf-rebasin transport` and calibrated on
+    its training split's sources, scored on the held-out task and support text (gap as above)."""
+    from hf_rebasin.recipe import load_recipe
+    from hf_rebasin.run.pipeline import run_recipe
+
+    ft_folder, b_folder = cached_model(f"{kind}-ft", seed_a), cached_model(kind, seed_b)  # type: ignore[arg-type]
+    task = first_tokens(held_out_batches(ft_folder, 32), tokens)
+    support = first_tokens(held_out_batches(b_folder, 32), tokens)
+
+    def losses(folder: Any) -> tuple[float, float]:
+        model = _model(folder)
+        return evaluate_loss(model, task, task_of(model)).loss, evaluate_loss(model, support, task_of(model)).loss
+
+    (b_task, b_support), (ft_task, _) = losses(b_folder), losses(ft_folder)
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        section = calibrate_section(ft_folder, root, True)
+        for label, strategy, maps in METHODS:
+            if maps != "global":
+                continue
+            body = transport_body(kind, f"{kind}-ft", (seed_a, seed_b), strategy, root / strategy, section)
+            if strategy != "vanilla":
+                body["strategy"] = {"name": strategy, "residual_maps": maps}
+            body["alpha"] = 1.0
+            (root / f"{strategy}.yaml").write_text(yaml.safe_dump(body), encoding="utf-8")
+            start = time.perf_counter()
+            run_recipe(load_recipe(root / f"{strategy}.yaml"))
+            t, s = losses(root / strategy)
+            gap = 100 * (b_task - t) / (b_task - ft_task)
+            out.append(
+                f"| {seed_a} → {seed_b} | {label} | {t:.3f} ({gap:.0f} %) | {s - b_support:+.3f} "
+                f"| {time.perf_counter() - start:.0f} |"
+            )
+            print(out[-1], flush=True)
+    return out
+
+
 def markdown(rows: list[dict[str, Any]], budget: float) -> str:
     head = "| A → B | method | " + " | ".join(f"α = {a:g}" for a in AUTO_ALPHAS) + " | `alpha: auto` | budget |"
     lines = [
@@ -167,7 +214,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768, help="held-out tokens scored per data set")
     parser.add_argument("--budget", type=float, default=0.1, help="support budget (nats) of the capped choice")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="bench-t5: also the calibrated transport at α = 1 of each global method",
+    )
     args = parser.parse_args()
+    if args.calibrate and args.kind != "bench-t5":
+        parser.error("--calibrate is for --kind bench-t5 (bench_calibration.py calibrates the causal zoo)")
     torch.set_num_threads(args.threads)
     rows = []
     for pair in args.pairs:
@@ -177,6 +231,14 @@ def main() -> None:
     print(markdown(rows, args.budget))
     print()
     print(summary(rows))
+    if args.calibrate:
+        lines = ["| A → B | method, calibrated, α = 1 | task loss (gap closed) | support cost | run s |"]
+        lines.append("|---|---|---:|---:|---:|")
+        for pair in args.pairs:
+            seed_a, seed_b = (int(s) for s in pair.split(":"))
+            lines += calibrated_rows(seed_a, seed_b, args.tokens, args.kind)
+        print()
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,9 @@ class Calibrate(Section):
     data: DataSpec | None = Field(
         None,
         description="calibration text (read with the fine-tune's tokenizer); default: the recipe's `data`, "
-        "else text the fine-tune writes itself (through its chat template where it has one)",
+        "else text the fine-tune writes itself (through its chat template where it has one). An encoder-decoder "
+        "(T5, BART, ...) needs one of the two: its sources (source → target pairs, or plain text noised as the "
+        "model was pretrained), from which the fine-tune writes the continuations it is calibrated on",
     )
     samples: int = Field(
         1024,

@@ -1,7 +1,8 @@
 """A transport's calibration step: the moved model fitted to the fine-tune (`merging.calibration`).
 
 Reads the recipe's ``calibrate`` settings, decides the calibration text (``calibrate.data``, else
-the recipe's ``data``, else text the fine-tune writes itself), builds the student from the moved
+the recipe's ``data``, else text the fine-tune writes itself; an encoder-decoder's: continuations of
+sources from data, `run.calibrate_seq2seq`), builds the student from the moved
 weights, fits it with the target as guard, and measures it before and after on held-out text.
 Every model and every text is in the run's working rows (where vocabularies differ, the layout
 the models were loaded into), so the moved weights come back in the form the writer takes.
@@ -31,6 +32,7 @@ from hf_rebasin.merging.calibration.select import BestPoint
 from hf_rebasin.merging.calibration.text import opening, plain_start, reply_tail, self_written, turn_end
 from hf_rebasin.merging.calibration.vocab import Rows
 from hf_rebasin.recipe.calibrate import Calibrate
+from hf_rebasin.run.calibrate_seq2seq import Seq2SeqTexts, fit_and_measure_seq2seq, seq2seq_texts
 from hf_rebasin.run.checks import cannot_calibrate
 from hf_rebasin.run.data import BatchSpec, _block_size, batches, data_processor, processor
 from hf_rebasin.run.load import Workspace
@@ -93,13 +95,16 @@ def _reader(ws: Workspace) -> Any:
 
 
 def _check_generates(ws: Workspace, models: TransportRoles[LoadedModel]) -> None:
-    if ws.task != "causal-lm":  # a model the plan could not see (not downloaded or trained then)
+    if ws.task not in ("causal-lm", "seq2seq"):  # a model the plan could not see (not downloaded or trained then)
         raise cannot_calibrate(type(models.finetune.model).__name__, ws.task)
 
 
-def texts(ws: Workspace, models: TransportRoles[LoadedModel], cal: Calibrate) -> Texts:
-    """The calibration text (given or written by the fine-tune), its held-out part and the target's own."""
+def texts(ws: Workspace, models: TransportRoles[LoadedModel], cal: Calibrate) -> Texts | Seq2SeqTexts:
+    """The calibration text (given or written by the fine-tune), its held-out part and the target's own;
+    an encoder-decoder's: continuations of sources from data (`run.calibrate_seq2seq`)."""
     _check_generates(ws, models)
+    if ws.task == "seq2seq":
+        return seq2seq_texts(ws, models, cal, (_rows(ws, 0), _rows(ws, 2)), _seq2seq_reader)
     teacher, guard = models.finetune.model, models.target.model
     length = _block_size(teacher.config, cal.block_size, "calibrate")
     tokenizer = _teacher_tokenizer(ws)
@@ -127,6 +132,13 @@ def texts(ws: Workspace, models: TransportRoles[LoadedModel], cal: Calibrate) ->
     tail = ft_rows.ids(reply_tail(tokenizer)) if end is not None else []
     held = min(cal.held, len(text) - 1)
     return Texts(text[held:], text[:held], guard_text, about, end, tail)
+
+
+def _seq2seq_reader(ws: Workspace) -> Any:
+    """The tokenizer of an encoder-decoder's calibration data (ids in working rows)."""
+    if ws.processor is not None:
+        return ws.processor
+    return _teacher_tokenizer(ws) if ws.rows is None else data_processor(ws.inputs, "seq2seq", ws.rows)
 
 
 def _read(ws: Workspace, spec: Any, cal: Calibrate, length: int, teacher: Any) -> Tensor:
@@ -228,11 +240,18 @@ def _student(ws: Workspace, template: Any, state: Mapping[str, Tensor], untie: b
 
 
 def fit_and_measure(
-    ws: Workspace, models: TransportRoles[LoadedModel], student: Any, fitted: Fitted, t: Texts, start: float
+    ws: Workspace,
+    models: TransportRoles[LoadedModel],
+    student: Any,
+    fitted: Fitted,
+    t: Texts | Seq2SeqTexts,
+    start: float,
 ) -> Calibration:
     """``fitted`` of ``student`` fitted on ``t``, measured before and after (the record); the
     corrections stay hooked on for the measure after, for the caller to fold or read."""
     cal = settings(ws)
+    if isinstance(t, Seq2SeqTexts):
+        return fit_and_measure_seq2seq(ws, models, student, fitted, t, cal, start)
     context = _context(models.finetune.model.config)
     prompts = _prompts(t, context)
     tokens = min(REPLY_TOKENS, context - max((len(p) for p in prompts), default=0))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_rebasin.core.errors import DataError, IncompatibleModelsError, UnsupportedArchitectureError
+from hf_rebasin.core.errors import DataError, IncompatibleModelsError, MissingDataError, UnsupportedArchitectureError
 from hf_rebasin.core.roles import Roles, TransportRoles
 from hf_rebasin.evaluation.evaldata import check_files
 from hf_rebasin.evaluation.evaluate import task_of_class
@@ -190,27 +190,34 @@ def check_task_of_folder(recipe: Recipe, folder: Path) -> None:
 
 
 def cannot_calibrate(cls: str, task: str) -> IncompatibleModelsError:
-    """The refusal of a calibration whose fine-tune writes no text (a classifier, a masked LM), or
-    writes it from a source (an encoder-decoder: calibrating its decoder on sources is not built)."""
-    if task == "seq2seq":
-        return IncompatibleModelsError(
-            f"`calibrate`: calibration fits a decoder-only model's next-token distributions on text it writes; "
-            f"the fine-tune is a {cls}, whose decoder writes from a source, and calibrating it is not supported "
-            "yet: set `calibrate: false` for the data-free transport"
-        )
+    """The refusal of a calibration whose fine-tune writes no text (a classifier, a masked LM)."""
     return IncompatibleModelsError(
         f"`calibrate`: calibration fits next-token distributions, and the fine-tune is a {cls} ({task}), which "
         "writes no text to calibrate on: set `calibrate: false` for the data-free transport"
     )
 
 
+def no_sources(cls: str) -> MissingDataError:
+    """The refusal of an encoder-decoder's calibration without data to read its sources from."""
+    return MissingDataError(
+        f"`calibrate.data`: the fine-tune is a {cls}, an encoder-decoder, which writes from a source and cannot "
+        "write its own: give `calibrate.data` (source → target pairs, or plain text, noised as the model was "
+        "pretrained) or the recipe's `data` to calibrate on its sources, or set `calibrate: false` for the "
+        "data-free transport"
+    )
+
+
 def check_calibration(recipe: Recipe, folder: Path) -> None:
-    """A calibrating transport needs a fine-tune that writes text: its head, from config.json."""
-    if getattr(recipe, "calibrate", None) is None:
+    """A calibrating transport needs a fine-tune that writes text (its head, from config.json); an
+    encoder-decoder's, data to read its sources from."""
+    cal = getattr(recipe, "calibrate", None)
+    if cal is None:
         return
     architectures = _config_json(folder).get("architectures") or []  # none yet: checked after loading
     implied = task_of_class(str(architectures[0])) if architectures else None
-    if implied is not None and implied != "causal-lm":
+    if implied == "seq2seq" and cal.data is None and recipe.data is None:
+        raise no_sources(str(architectures[0]))
+    if implied is not None and implied not in ("causal-lm", "seq2seq"):
         raise cannot_calibrate(str(architectures[0]), implied)
 
 

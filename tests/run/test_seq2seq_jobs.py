@@ -1,7 +1,7 @@
 """Encoder-decoders (BART) through every job, checked with stock transformers (``AutoModelForSeq2SeqLM``,
 not hf-rebasin's loader): losses on source → target pairs against the model's own loss, plain text
-noised as BART was trained; what is not built yet (calibration) refuses with the reason, and writes
-nothing."""
+noised as BART was trained; a calibration without data to read sources from refuses, naming
+`calibrate.data`, and writes nothing."""
 
 from __future__ import annotations
 
@@ -214,12 +214,12 @@ def test_a_head_perm_merge_of_two_barts_reads_their_activations_on_noised_text(
     assert type(model).__name__ == "BartForConditionalGeneration"
 
 
-def test_a_calibrated_transport_of_an_encoder_decoder_refuses_and_writes_nothing(
+def test_a_calibrated_transport_of_an_encoder_decoder_without_data_refuses_and_writes_nothing(
     tmp_path: Path, barts: list[Path]
 ) -> None:
     models = [str(b) for b in barts]
     body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[1]}
-    reason = "the fine-tune is a BartForConditionalGeneration, whose decoder writes from a source"
+    reason = "`calibrate.data`: the fine-tune is a BartForConditionalGeneration, an encoder-decoder"
     proc = run_main(_recipe(tmp_path, body))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert reason in flat(proc.stderr + proc.stdout)

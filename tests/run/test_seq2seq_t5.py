@@ -173,12 +173,12 @@ def test_a_t5_transport_scored_on_plain_text_reads_it_by_span_corruption(tmp_pat
     assert type(model).__name__ == "T5ForConditionalGeneration"
 
 
-def test_a_calibrated_t5_transport_refuses_with_the_reason(tmp_path: Path, t5s: list[Path]) -> None:
+def test_a_calibrated_t5_transport_without_data_refuses_naming_calibrate_data(tmp_path: Path, t5s: list[Path]) -> None:
     models = [str(b) for b in t5s]
     body = {"job": "transport", "base": models[0], "finetuned": models[1], "target": models[1]}
     proc = run_main(_recipe(tmp_path, body))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "the fine-tune is a T5ForConditionalGeneration, whose decoder writes from a source" in flat(proc.stderr)
+    assert "`calibrate.data`: the fine-tune is a T5ForConditionalGeneration, an encoder-decoder" in flat(proc.stderr)
     assert not (tmp_path / "out").exists()
 
 

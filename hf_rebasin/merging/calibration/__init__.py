@@ -13,7 +13,10 @@ so the moved model forgets no more than it must. Its modules, in the order a run
   one (a user turn started, the rest written by the model: no user data needed);
 - `fit`: which parameters are fitted (new tokens' rows, norms and biases, a low-rank correction,
   everything, or an adapter's own factors) and how a correction is folded back into the weights;
-- `distill`: the fitting loop, and the measures a card reports (KL, turn ends).
+- `distill`: the fitting loop, and the measures a card reports (KL, turn ends);
+- `seq2seq`: the same for an encoder-decoder (T5, BART, mBART, Marian), which cannot write its own
+  sources: from sources a caller reads from data, the fine-tune and the target write continuations,
+  and the student is fitted over decoder positions given the source.
 
 Pure torch on models a caller built; never reads a recipe or a file.
 """

@@ -25,10 +25,14 @@ __all__ = [
     "Budget",
     "Lesson",
     "activation_bytes",
+    "checkpointing",
     "distill",
     "kl",
+    "optimizer",
     "replies_ended",
+    "token_kl",
     "turn_end_rate",
+    "unchecked",
 ]
 
 
@@ -59,7 +63,7 @@ class Lesson:
     reply_tail: tuple[int, ...] = ()  # the chat template's ids from a user turn's end to a reply's first word
 
 
-def _kl(
+def token_kl(
     teacher_logits: Tensor, student_logits: Tensor, rows: Rows, divergence: str = "forward", *, whole: bool = False
 ) -> Tensor:
     """KL(teacher ‖ student) per position, over the tokens the teacher has; ``reverse``:
@@ -89,7 +93,7 @@ def _term(
     with torch.no_grad():
         t = teacher(input_ids=ids.to(_device(teacher)), use_cache=False).logits
     s = student(input_ids=ids.to(_device(student)), use_cache=False).logits  # no key/value cache to hold
-    return _kl(t.to(s.device), s, rows, divergence, whole=whole).mean()
+    return token_kl(t.to(s.device), s, rows, divergence, whole=whole).mean()
 
 
 def distill(
@@ -102,13 +106,7 @@ def distill(
 ) -> list[float]:
     """Fit ``fitted``'s parameters of ``student``; returns the KL to the teacher at every step."""
     gen = torch.Generator().manual_seed(budget.seed)
-    opt = torch.optim.AdamW(fitted.params, lr=budget.learning_rate, weight_decay=0.0)
-    warm = max(1, budget.steps // 10)
-
-    def rate(step: int) -> float:
-        return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / budget.steps))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
+    opt, sched = optimizer(fitted, budget)
     student.train()
     positions = budget.batch_size * lesson.text.shape[1]
     checkpointed = _checkpointing(student, activation_bytes(*_shape(student.config), positions) > CHECKPOINT_BYTES)
@@ -118,6 +116,17 @@ def distill(
         if checkpointed:
             _unchecked(student)
         student.eval()
+
+
+def optimizer(fitted: Fitted, budget: Budget) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW on ``fitted``'s parameters, its rate warmed up over a tenth of the steps, then cosine."""
+    opt = torch.optim.AdamW(fitted.params, lr=budget.learning_rate, weight_decay=0.0)
+    warm = max(1, budget.steps // 10)
+
+    def rate(step: int) -> float:
+        return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / budget.steps))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, rate)
 
 
 CHECKPOINT_BYTES = 1 << 30  # a step's activations above this: the student's layers are checkpointed
@@ -138,6 +147,12 @@ def _shape(config: Any) -> tuple[int, int]:
     return int(hidden), int(layers)
 
 
+def checkpointing(student: Any, positions: int) -> bool:
+    """`_checkpointing` where a step of ``positions`` tokens would keep more than `CHECKPOINT_BYTES`
+    (an encoder-decoder's: its sources' and its decoder's positions). Whether it is on now."""
+    return _checkpointing(student, activation_bytes(*_shape(student.config), positions) > CHECKPOINT_BYTES)
+
+
 def _checkpointing(student: Any, on: bool) -> bool:
     """Activation checkpointing of ``student``'s layers where its class has it: a step then holds
     each layer's input, not its activations (a 7B model's step of 16 × 128 tokens: ~1 GiB, not
@@ -149,6 +164,11 @@ def _checkpointing(student: Any, on: bool) -> bool:
     else:
         student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return True
+
+
+def unchecked(student: Any) -> None:
+    """Activation checkpointing off (the student generates with its key/value cache again)."""
+    _unchecked(student)
 
 
 def _unchecked(student: Any) -> None:
