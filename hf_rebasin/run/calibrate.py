@@ -32,7 +32,13 @@ from hf_rebasin.merging.calibration.select import BestPoint
 from hf_rebasin.merging.calibration.text import opening, plain_start, reply_tail, self_written, turn_end
 from hf_rebasin.merging.calibration.vocab import Rows
 from hf_rebasin.recipe.calibrate import Calibrate
-from hf_rebasin.run.calibrate_seq2seq import Seq2SeqTexts, fit_and_measure_seq2seq, seq2seq_texts
+from hf_rebasin.run.calibrate_seq2seq import (
+    Seq2SeqTexts,
+    fit_and_measure_seq2seq,
+    kept_or_noted,
+    outcome,
+    seq2seq_texts,
+)
 from hf_rebasin.run.checks import cannot_calibrate
 from hf_rebasin.run.data import BatchSpec, _block_size, batches, data_processor, processor
 from hf_rebasin.run.load import Workspace
@@ -274,26 +280,17 @@ def fit_and_measure(
         kept_step = select.finish()
         _note_selected(ws, select, kept_step)
     after = _measure(student, teacher, t, rows, prompts, tokens)
-    kept = after["kl"] <= before["kl"]
-    if not kept:
-        ws.notes.append(
-            f"calibration raised the KL to the fine-tune on held-out text ({before['kl']:.4g} → {after['kl']:.4g} nats "
-            "per token): the transported weights are written as they were. More steps, a lower learning rate or "
-            "a smaller `calibrate.guard` may help"
-        )
-    return Calibration(
-        kept=kept,
-        fit=fitted.fit,
-        fitted=fitted.size,
-        rank=cal.rank if fitted.fit == "low-rank" else None,
-        steps=steps,
-        guard=cal.guard,
-        seconds=time.perf_counter() - start,
-        text=t.about | ({"reply_prompts": len(prompts), "reply_tokens": tokens} if prompts else {}),
-        kl=Measured(teacher=0.0, before=before["kl"], after=after["kl"]),
+    kept = kept_or_noted(ws, before["kl"], after["kl"], "text", "token")
+    return outcome(
+        cal,
+        fitted,
+        steps,
+        start,
+        kept,
+        Measured(teacher=0.0, before=before["kl"], after=after["kl"]),
+        t.about | ({"reply_prompts": len(prompts), "reply_tokens": tokens} if prompts else {}),
         turn_end=_measured("turn_end", own, before, after),
         replies=_measured("replies", own, before, after),
-        adapter=True if fitted.fit == "adapter" else None,
         judged=sorted(select.seen.items()) if select is not None else None,
         kept_step=kept_step,
     )

@@ -149,13 +149,35 @@ def fit_and_measure_seq2seq(
     stage = f"calibrating ({fitted.fit})"
     distill_seq2seq(student, lesson, fitted, budget, progress=lambda done, total, _: ws.progress(stage, done, total))
     after = kl_seq2seq(teacher, student, t.held, t.teacher_rows, 8)
-    kept = after <= before
-    if not kept:
-        ws.notes.append(
-            f"calibration raised the KL to the fine-tune on held-out sources ({before:.4g} → {after:.4g} nats per "
-            "decoder token): the transported weights are written as they were. More steps, a lower learning rate or "
-            "a smaller `calibrate.guard` may help"
-        )
+    kept = kept_or_noted(ws, before, after, "sources", "decoder token")
+    text = t.about | {"held_out": len(t.held)}
+    return outcome(cal, fitted, steps, start, kept, Measured(teacher=0.0, before=before, after=after), text)
+
+
+def kept_or_noted(ws: Workspace, before: float, after: float, held: str, per: str) -> bool:
+    """Whether the fit is kept (the KL to the fine-tune on held-out ``held`` did not rise); a note
+    says why not where it did."""
+    if after <= before:
+        return True
+    ws.notes.append(
+        f"calibration raised the KL to the fine-tune on held-out {held} ({before:.4g} → {after:.4g} nats per "
+        f"{per}): the transported weights are written as they were. More steps, a lower learning rate or a smaller "
+        "`calibrate.guard` may help"
+    )
+    return False
+
+
+def outcome(
+    cal: Calibrate,
+    fitted: Fitted,
+    steps: int,
+    start: float,
+    kept: bool,
+    kl: Measured,
+    text: dict[str, Any],
+    **more: Any,
+) -> Calibration:
+    """The calibration's record, as either path (decoder-only or encoder-decoder) reports it."""
     return Calibration(
         kept=kept,
         fit=fitted.fit,
@@ -164,7 +186,8 @@ def fit_and_measure_seq2seq(
         steps=steps,
         guard=cal.guard,
         seconds=time.perf_counter() - start,
-        text=t.about | {"held_out": len(t.held)},
-        kl=Measured(teacher=0.0, before=before, after=after),
+        text=text,
+        kl=kl,
         adapter=True if fitted.fit == "adapter" else None,
+        **more,
     )
