@@ -12,10 +12,10 @@ token-type table. sentence-transformers' all-mpnet-base-v2 is a bare ``MPNetMode
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 from hf_rebasin.symmetry.adapters.base import ArchitectureSpec, HeadsT, NormT, SpaceT, SublayerT
 from hf_rebasin.symmetry.adapters.bert import POST_NORM
+from hf_rebasin.symmetry.adapters.bert import _dims as _bert_dims
 from hf_rebasin.symmetry.spaces import AxisRef
 
 ATTN = "attn"  # one head order for every layer: the position bias is shared
@@ -48,16 +48,6 @@ _TENSORS: dict[str, tuple[AxisRef, ...]] = {
 }
 
 
-def _dims(c: Any) -> dict[str, int]:
-    return {
-        "d": c.hidden_size,
-        "layers": c.num_hidden_layers,
-        "heads": c.num_attention_heads,
-        "head_dim": c.hidden_size // c.num_attention_heads,
-        "ff": c.intermediate_size,
-    }
-
-
 def _classifier(keys: Collection[str]) -> dict[str, tuple[AxisRef, ...]]:
     """MPNetClassificationHead (dense → tanh → out_proj on the first token's state); else one
     linear layer, on the pooler (multiple choice) or on the stream (token classification)."""
@@ -81,7 +71,7 @@ SPEC = ArchitectureSpec(
     family="mpnet",
     model_types=("mpnet",),
     base_prefix="mpnet.",
-    dims=_dims,
+    dims=_bert_dims,
     loops={"i": "layers"},
     spaces=(
         SpaceT("res", "d", kind="residual", reason=POST_NORM),
