@@ -28,13 +28,7 @@ import yaml
 import tiny
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXT = (
-    "to be, or not to be, that is the question:\n"
-    "whether 'tis nobler in the mind to suffer\n"
-    "the slings and arrows of outrageous fortune,\n"
-    "or to take arms against a sea of troubles\n"
-    "and by opposing end them. to die, to sleep;\n"
-) * 6
+TEXT = tiny.HAMLET * 6
 
 
 @dataclass

@@ -8,6 +8,14 @@ import torch
 import transformers as T
 
 V = 64  # vocabulary of every tiny text model
+# the text of the character-level tests (its characters fit in V with room for <mask> and specials)
+HAMLET = (
+    "to be, or not to be, that is the question:\n"
+    "whether 'tis nobler in the mind to suffer\n"
+    "the slings and arrows of outrageous fortune,\n"
+    "or to take arms against a sea of troubles\n"
+    "and by opposing end them. to die, to sleep;\n"
+)
 
 
 def _seed(seed: int) -> None:

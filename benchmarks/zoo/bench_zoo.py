@@ -49,6 +49,7 @@ SCRATCH = (
     "bench-qwen3",
     "bench-gemma2",
     "bench-t5",
+    "bench-t5-long",
     "bench-bart",
     "bench-mbart",
 )  # trained from scratch, one per seed

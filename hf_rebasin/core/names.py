@@ -144,6 +144,8 @@ Kind = Literal[
     # its copy plateau on some seeds only
     "bench-mbart",
     "bench-t5",
+    # bench-t5 trained three times as long (its input table learned little in bench-t5's run)
+    "bench-t5-long",
     # bench-t5 of a seed fine-tuned on the King James Bible (full, and as a LoRA adapter)
     "bench-t5-ft",
     "bench-t5-ft-lora",

@@ -27,13 +27,7 @@ from hf_rebasin.evaluation.data import char_tokenizer
 from hf_rebasin.recipe import load_recipe, loads_recipe
 from hf_rebasin.run.checks import check_calibration
 
-TEXT = (
-    "to be, or not to be, that is the question:\n"
-    "whether 'tis nobler in the mind to suffer\n"
-    "the slings and arrows of outrageous fortune,\n"
-    "or to take arms against a sea of troubles\n"
-    "and by opposing end them. to die, to sleep;\n"
-)
+TEXT = tiny.HAMLET
 HELD = ["the mind to die, or to sleep", "a sea of arrows against fortune", "to suffer the question"]
 ENV = {"HF_HUB_OFFLINE": "1", "HF_REBASIN_NO_CACHE": "1"}
 SMALL = {"steps": 24, "samples": 16, "held_out": 0.25, "block_size": 16, "batch_size": 4, "learning_rate": 1e-2}

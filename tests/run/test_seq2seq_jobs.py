@@ -20,13 +20,7 @@ import tiny
 from helpers import flat, run_cli, run_main
 from hf_rebasin.evaluation.data import char_tokenizer
 
-TEXT = (
-    "to be, or not to be, that is the question:\n"
-    "whether 'tis nobler in the mind to suffer\n"
-    "the slings and arrows of outrageous fortune,\n"
-    "or to take arms against a sea of troubles\n"
-    "and by opposing end them. to die, to sleep;\n"
-)
+TEXT = tiny.HAMLET
 
 
 @pytest.fixture

@@ -19,11 +19,7 @@ import tiny
 from helpers import flat, run_cli, run_main
 from hf_rebasin.evaluation.data import char_tokenizer
 
-TEXT = (
-    "to be, or not to be, that is the question:\n"
-    "whether 'tis nobler in the mind to suffer\n"
-    "the slings and arrows of outrageous fortune,\n"
-)
+TEXT = "".join(tiny.HAMLET.splitlines(keepends=True)[:3])
 
 
 def _save(tmp_path: Path, name: str, factory: str = "t5", seeds: int = 2) -> list[Path]:

@@ -18,7 +18,7 @@ import transformers as T
 import tiny
 from hf_rebasin.alignment.strategies import AlignmentData, Pair, align
 from hf_rebasin.alignment.verify import TOLERANCE, example_inputs, verify_model
-from hf_rebasin.core.errors import AdapterError
+from hf_rebasin.core.errors import AdapterError, StrategyOptionError
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters import get_adapter, graph_for
 from hf_rebasin.symmetry.graph import SymmetryGraph
@@ -246,11 +246,20 @@ def test_a_planted_permutation_is_recovered(models, case, strategy):
     assert max((aligned[k] - sd[k]).abs().max().item() for k in sd) < 1e-6
 
 
-@pytest.mark.parametrize(("case", "residual"), [("albert", "last"), ("albert-groups", "last"), ("mpnet-mlm", "all")])
+@pytest.mark.parametrize(
+    ("case", "residual"),
+    [
+        ("albert", "last"),
+        ("albert", "all"),
+        ("albert", "first"),
+        ("albert-groups", "last"),
+        ("albert-groups", "all"),
+        ("mpnet-mlm", "all"),
+    ],
+)
 def test_activation_matching_recovers_a_planted_permutation(models, case, residual):
-    """Head-perm pools a shared ALBERT layer's features over its runs (run t of A with run t of B);
-    its stream is read where the encoder leaves it (``residual: last``): the collector keys a site
-    inside the layers by module, once per forward."""
+    """Head-perm pools a shared ALBERT layer's features over its runs (run t of A with run t of B),
+    and reads the stream at each run of a shared layer (``all``: one site per step of the depth)."""
     model = models[case].eval()
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
@@ -262,3 +271,14 @@ def test_activation_matching_recovers_a_planted_permutation(models, case, residu
     assert alignment.exact and not alignment.transform["res"].is_identity()
     aligned = alignment.aligned_b()
     assert max((aligned[k] - sd[k]).abs().max().item() for k in sd) < 1e-6
+
+
+def test_activation_matching_refuses_a_map_per_run_of_a_shared_layer(models):
+    model = models["albert"].eval()
+    sd = model.state_dict()
+    graph = graph_for(model.config, sd.keys())
+    spec = get_adapter(model.config.model_type)
+    batches = [example_inputs(spec, model.config, torch.Generator().manual_seed(i)) for i in range(2)]
+    pair = Pair(graph, sd, sd, model, rebuild(model, sd), AlignmentData(batches, frozenset({0})))
+    with pytest.raises(StrategyOptionError, match=r"residual: separate .*query.* at 3 steps"):
+        align("head-perm", pair, {"residual": "separate"})

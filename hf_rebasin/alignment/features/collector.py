@@ -66,23 +66,29 @@ def router_probabilities(site: ExpertSite, out: Any) -> Tensor:
     return torch.softmax(logits, dim=-1) if site.softmax else torch.sigmoid(logits)
 
 
+# one run of a hooked module within a forward: a layer whose weights are shared across depth (ALBERT's)
+# runs once per step, and each run reads its own stream
+Firing = tuple[str, int]
+
+
 @dataclass
 class _Group:
     """Residual readers of one input tensor (q/k/v of a layer), in firing order."""
 
     space: str
-    modules: list[str]
+    firings: list[Firing]
 
 
 @dataclass
 class _Structure:
-    """What the first forward of A shows: the hooked modules in firing order, the residual readers'
-    groups (one per input tensor, over every residual space), and the key of each kept group, by
-    the group's first module."""
+    """What the first forward of A shows: the hooked modules in first-firing order, every firing
+    in order, the residual readers' groups (one per input tensor, over every residual space), and
+    the key of each kept group, by the group's first firing."""
 
     order: list[str] = field(default_factory=list)
+    firings: list[Firing] = field(default_factory=list)
     groups: list[_Group] = field(default_factory=list)
-    keys: dict[str, str] = field(default_factory=dict)
+    keys: dict[Firing, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -172,6 +178,7 @@ class Collector:
         # in the decoder but read the sources' positions
         self._stacks = plan.graph.stacks if plan.graph is not None and len(plan.graph.stacks) > 1 else ()
         self._sources: list[Tensor] = []
+        self._runs: dict[str, int] = {}  # each module's runs so far in the current forward
 
     @property
     def phase(self) -> Phase:
@@ -313,10 +320,12 @@ class Collector:
         self._move(phase)
         self._batch = Batch.of(batch, self.special)
         self._sources.clear()
+        self._runs.clear()
 
     def to_b(self) -> None:
         """A's forward is done (its structure is known from now on); the caller then runs model B."""
         self._move(Phase.FORWARD_B)
+        self._runs.clear()
         if not self.sealed:
             self._seal()
 
@@ -348,10 +357,12 @@ class Collector:
         if phase not in _FIRES[side]:
             model = {"a": "A", "b": "B", "ab": "A (= B)"}[side]
             raise CollectorStateError(f"model {model} ran {module!r} while the collector was {phase.value!r}")
+        run = self._runs.get(module, 0)
+        self._runs[module] = run + 1
         if phase is not Phase.FORWARD_B:
-            self._on_a(module, x, out)
+            self._on_a((module, run), x, out)
         if phase is not Phase.PROBE and phase is not Phase.FORWARD_A:
-            self._on_b(module, x, out)
+            self._on_b((module, run), x, out)
 
     def _stream(self, module: str, x: Tensor, out: Any) -> tuple[Tensor, int]:
         """A residual key's features at ``module``: a reader's input, or a final state's output."""
@@ -370,38 +381,40 @@ class Collector:
             return batch
         return batch.at("target")
 
-    def _on_a(self, module: str, x: Tensor, out: Any) -> None:
+    def _on_a(self, firing: Firing, x: Tensor, out: Any) -> None:
+        module = firing[0]
         batch = self._positions(module, x)
         batch.count(x)
         keep = self._phase is not Phase.PROBE
         if self._discovery is not None:
-            self._discover(self._discovery, batch, module, x, keep)
+            self._discover(self._discovery, batch, firing, x, keep)
             if keep and module in self._final:
                 t, size = self._stream(module, x, out)
                 self._discovery.final[module] = batch.features(t, 0, size, True)
-        elif keep and module in self._structure.keys:
+        elif keep and firing in self._structure.keys:
             t, size = self._stream(module, x, out)
-            self._pairs[self._structure.keys[module]].waiting.append(batch.features(t, 0, size, True))
+            self._pairs[self._structure.keys[firing]].waiting.append(batch.features(t, 0, size, True))
         if keep:
             for site in self.plan.plain.get(module, ()):
                 t = site.read(x, out)
                 self._pairs[site.key].waiting.append(batch.features(t, site.offset, site.size, True, site.groups))
 
-    def _discover(self, d: _Discovery, batch: Batch, module: str, x: Tensor, keep: bool) -> None:
+    def _discover(self, d: _Discovery, batch: Batch, firing: Firing, x: Tensor, keep: bool) -> None:
         """First forward of A: firing order and residual groups (by identity of the input)."""
-        st = self._structure
+        st, module = self._structure, firing[0]
         if module not in st.order:
             st.order.append(module)
+        st.firings.append(firing)
         site = self.plan.residual.get(module)
         if site is None:
             return
         for t, gi in d.seen:
             if t is x:
-                st.groups[gi].modules.append(module)
+                st.groups[gi].firings.append(firing)
                 return
         gi = len(st.groups)
         d.seen.append((x, gi))
-        st.groups.append(_Group(site.key, [module]))
+        st.groups.append(_Group(site.key, [firing]))
         if keep and self.residual != "none" and site.key in self.plan.wanted:
             d.first[gi] = batch.features(x, 0, site.size, True)
 
@@ -416,15 +429,15 @@ class Collector:
         keys: dict[int, str] = {}
         finals: dict[str, str] = {}
         if self.residual != "none":
-            fired = {site.key: m for m, site in self._final.items() if m in st.order}
+            fired = {site.key: m for m, site in self._final.items() if (m, 0) in st.firings}
             for space in dict.fromkeys(g.space for g in st.groups):
                 if space not in self.plan.wanted:
                     continue
                 idx = [i for i, g in enumerate(st.groups) if g.space == space]
                 final = fired.get(space)
                 if final is not None:
-                    end = st.order.index(final)
-                    idx = [i for i in idx if st.order.index(st.groups[i].modules[0]) < end]
+                    end = st.firings.index((final, 0))
+                    idx = [i for i in idx if st.firings.index(st.groups[i].firings[0]) < end]
                 if self.residual == "first" and idx:
                     keys[idx[0]] = space
                 elif self.residual == "last":
@@ -438,22 +451,24 @@ class Collector:
                         finals[final] = f"{space}@{len(idx)}"
                 elif self.residual == "separate":
                     keys.update({i: f"{space}@{j}" for j, i in enumerate(idx)})
-        queued = [(st.groups[gi].modules[0], key, d.first.get(gi)) for gi, key in sorted(keys.items())]
-        queued += [(module, key, d.final.get(module)) for module, key in finals.items()]
-        for module, key, features in queued:
-            st.keys[module] = key
+        queued = [(st.groups[gi].firings[0], key, d.first.get(gi)) for gi, key in sorted(keys.items())]
+        queued += [((module, 0), key, d.final.get(module)) for module, key in finals.items()]
+        for firing, key, features in queued:
+            st.keys[firing] = key
+            module = firing[0]
             size = self._final[module].size if module in finals else self.plan.residual[module].size
             pairing = self._pairs.setdefault(key, Pairing(key, size))
             if features is not None:
                 pairing.waiting.append(features)
         self._discovery = None
 
-    def _on_b(self, module: str, x: Tensor, out: Any) -> None:
+    def _on_b(self, firing: Firing, x: Tensor, out: Any) -> None:
+        module = firing[0]
         batch = self._positions(module, x)
         todo = [(s.key, s.read(x, out), s.offset, s.size, s.groups) for s in self.plan.plain.get(module, ())]
-        if module in self._structure.keys:
+        if firing in self._structure.keys:
             t, size = self._stream(module, x, out)
-            todo.append((self._structure.keys[module], t, 0, size, 1))
+            todo.append((self._structure.keys[firing], t, 0, size, 1))
         for key, t, offset, size, groups in todo:
             pairing = self._pairs[key]
             a = pairing.take(module)
@@ -470,7 +485,7 @@ class Collector:
         moments.update({key: e.result() for key, e in self._experts.items()})
         return ActivationStats(
             moments=moments,
-            residual_groups=[list(g.modules) for g in st.groups],
+            residual_groups=[[module for module, _ in g.firings] for g in st.groups],
             module_order=list(st.order),
             tokens=self._tokens,
             residual_spaces=[g.space for g in st.groups],

@@ -344,6 +344,18 @@ def _whole_forwards(
     return stats
 
 
+def _check_unshared(groups: list[list[str]]) -> None:
+    """A site per reading group needs a module per group: a layer shared across depth cannot take a
+    map of its own at each step."""
+    first = [g[0] for g in groups]
+    shared = next((m for m in first if first.count(m) > 1), None)
+    if shared is not None:
+        raise StrategyOptionError(
+            f"strategy.residual: separate gives each reading site its own map, but {shared!r} reads the stream "
+            f"at {first.count(shared)} steps of the depth (its weights are shared across layers); use all, first or last"
+        )
+
+
 def _separate_residual(
     graph: SymmetryGraph,
     out_graph: SymmetryGraph,
@@ -356,6 +368,7 @@ def _separate_residual(
     permuted on its own site's correlation (in ``transform``); returns the split graph."""
     for res in _residual_names(graph):
         groups = [g for g, sp in zip(stats.residual_groups, stats.residual_spaces, strict=True) if sp == res]
+        _check_unshared(groups)
         keys = [f"{res}@{k}" for k in range(len(groups))]
         if not groups or any(k not in corr for k in keys):
             continue
