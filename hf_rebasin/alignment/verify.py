@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hf_rebasin.core.errors import FunctionNotPreservedError
+from hf_rebasin.core.errors import AdapterError, FunctionNotPreservedError
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters import get_adapter
-from hf_rebasin.symmetry.adapters.base import ArchitectureSpec, image_inputs, token_inputs
+from hf_rebasin.symmetry.adapters.base import ArchitectureSpec, as_choices, image_inputs, token_inputs
 from hf_rebasin.symmetry.canonical import canonicalize
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import TransformClass
@@ -69,7 +69,7 @@ def logits_gap(
     model.eval()
     before = outputs_of(model, spec, inputs)
     after = outputs_of(rewritten, spec, inputs)
-    heads = {k: v for k, v in before.items() if spec.outputs[k] is None}  # the same in every basis
+    heads = {k: v for k, v in before.items() if spec.outputs.get(k) is None}  # the same in every basis
     if heads:
         before = heads
     if basis is None:
@@ -165,10 +165,19 @@ def accepted_inputs(model: Any, inputs: dict[str, torch.Tensor]) -> dict[str, to
 def outputs_of(
     model: PreTrainedModel, spec: ArchitectureSpec, inputs: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
+    inputs = as_choices(model, inputs)
     out = model(
         **(accepted_inputs(model, inputs) if spec.inputs in ("text-image", "seq2seq", "speech-seq2seq") else inputs)
     )
-    return {k: out[k] for k in spec.outputs if k in out and isinstance(out[k], torch.Tensor)}
+    found = {
+        k: v for k, v in out.items() if isinstance(v, torch.Tensor) and (k in spec.outputs or k.endswith("logits"))
+    }
+    if not found:  # a check that compares nothing would pass whatever the rewrite did
+        raise AdapterError(
+            f"a {type(model).__name__} returned none of the outputs hf-rebasin compares ({', '.join(spec.outputs)}, "
+            f"or any *logits); it returned {', '.join(out.keys()) or 'nothing'}. Please report it."
+        )
+    return found
 
 
 def compare(
@@ -185,7 +194,7 @@ def compare(
     worst = 0.0
     for key, ref in before.items():
         expected = ref
-        space = spec.outputs[key]
+        space = spec.outputs.get(key)  # every *logits output is the same in every basis
         if space is not None:
             if space not in graph.spaces:
                 continue

@@ -26,6 +26,7 @@ from hf_rebasin.alignment.features.moments import (
     distributed,
 )
 from hf_rebasin.alignment.features.sites import RESIDUAL_MODES, HookPlan, ResidualMode
+from hf_rebasin.symmetry.adapters.base import as_choices
 from hf_rebasin.symmetry.graph import SymmetryGraph
 
 
@@ -50,14 +51,15 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _to(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+def _run(model: torch.nn.Module, batch: Mapping[str, Any], device: torch.device) -> None:
+    """``model`` on ``batch`` moved to ``device`` (a multiple-choice head reads its rows as choices)."""
+    model(**as_choices(model, {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}))
 
 
 def _probe(col: Collector, batch: Mapping[str, Any], device: torch.device) -> None:
     """Run A once without keeping features, to learn firing order and residual groups."""
     col.begin(batch, Phase.PROBE)
-    col.model_a(**_to(batch, device))
+    _run(col.model_a, batch, device)
     col.end_batch()
 
 
@@ -142,12 +144,12 @@ def _pair_batch(col: Collector, batch: Mapping[str, Tensor], dev_a: torch.device
         if not col.sealed:
             _probe(col, batch, dev_a)  # one hook does A and B: it must know the keys first
         col.begin(batch, Phase.FORWARD_AB)
-        col.model_a(**_to(batch, dev_a))
+        _run(col.model_a, batch, dev_a)
     else:
         col.begin(batch, Phase.FORWARD_A)
-        col.model_a(**_to(batch, dev_a))
+        _run(col.model_a, batch, dev_a)
         col.to_b()
-        col.model_b(**_to(batch, dev_b))
+        _run(col.model_b, batch, dev_b)
     col.end_batch()
 
 

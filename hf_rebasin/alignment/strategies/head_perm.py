@@ -37,6 +37,7 @@ from hf_rebasin.core.errors import StrategyOptionError
 from hf_rebasin.core.lazy import is_lazy
 from hf_rebasin.io.offload import offloaded
 from hf_rebasin.io.tensors import CheckpointSource
+from hf_rebasin.symmetry.adapters.base import as_choices
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import (
     Binding,
@@ -155,7 +156,7 @@ def _module_positions(model: torch.nn.Module, batch: Mapping[str, Tensor]) -> di
             handles.append(mod.register_forward_pre_hook(note(name)))
     try:
         with torch.no_grad():
-            model(**batch)
+            model(**as_choices(model, batch))
     finally:
         for h in handles:
             h.remove()

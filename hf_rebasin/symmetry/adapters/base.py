@@ -489,6 +489,14 @@ def _limit_unfoldable(graph: SymmetryGraph) -> None:
             )
 
 
+def as_choices(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multiple-choice head reads ``[questions, choices, length]``: a batch's rows become the
+    choices of one question (other models take ``inputs`` as they are)."""
+    if not type(model).__name__.endswith("ForMultipleChoice"):
+        return dict(inputs)
+    return {k: v[None] if v.dim() == 2 else v for k, v in inputs.items() if k != "labels"}
+
+
 def token_inputs(
     vocab: int, max_len: int, generator: torch.Generator, batch: int = 2, length: int = 12
 ) -> dict[str, torch.Tensor]:

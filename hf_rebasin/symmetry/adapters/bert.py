@@ -82,7 +82,7 @@ def _roberta_classifier(keys: Collection[str]) -> dict[str, tuple[AxisRef, ...]]
             "classifier.dense.bias": ("head",),
             "classifier.out_proj.weight": (None, "head"),
         }
-    return {"classifier.weight": (None, "res")}
+    return _bert_classifier(keys)  # multiple choice reads the pooler, token classification the stream
 
 
 _OUTPUTS = {"logits": None, "last_hidden_state": "res", "pooler_output": "pooler"}

@@ -10,6 +10,7 @@ and every ``emb`` tensor is on the stream ``res`` itself."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from hf_rebasin.symmetry.adapters.base import ArchitectureSpec, NormT, SpaceT
@@ -51,6 +52,18 @@ def _heads() -> dict[str, tuple[AxisRef, ...]]:
     }
 
 
+def _summary(keys: Collection[str]) -> dict[str, tuple[AxisRef, ...]]:
+    """Multiple choice reads the first token through ``sequence_summary`` (a linear layer and GELU,
+    ``summary_use_proj``) into a one-score ``classifier``; without the projection, from the stream."""
+    if "sequence_summary.summary.weight" in keys:
+        return {
+            "sequence_summary.summary.weight": ("head", "res"),
+            "sequence_summary.summary.bias": ("head",),
+            "classifier.weight": (None, "head"),
+        }
+    return {"classifier.weight": (None, "res")} if "classifier.weight" in keys else {}
+
+
 def _fields(e: str) -> dict[str, Any]:
     """The spec's tensors and norms with the embedding space named ``e``."""
     return {
@@ -81,10 +94,12 @@ SPEC = ArchitectureSpec(
         "generator_lm_head.bias",
         "discriminator_predictions.dense_prediction.bias",
         "classifier.out_proj.bias",
+        "classifier.bias",
     ),
     outputs=_OUTPUTS,
     sublayers=_SUBLAYERS,
     embeddings=("{base}embeddings", "{base}embeddings_project"),
     last_hidden={"res": "{base}encoder"},
     configured=_configured,
+    alternatives=_summary,
 )
