@@ -8,8 +8,9 @@ so what it gains on the task does not come from forgetting more than it must.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +28,13 @@ __all__ = [
     "activation_bytes",
     "checkpointing",
     "distill",
+    "fit_steps",
+    "fitting",
     "kl",
     "optimizer",
     "replies_ended",
     "token_kl",
     "turn_end_rate",
-    "unchecked",
 ]
 
 
@@ -105,17 +107,60 @@ def distill(
     progress: Callable[[int, int, float], None] | None = None,
 ) -> list[float]:
     """Fit ``fitted``'s parameters of ``student``; returns the KL to the teacher at every step."""
+    with fitting(student, fitted, budget, budget.batch_size * lesson.text.shape[1], train=True) as (opt, sched, gen):
+        pool = _Pool()
+
+        def step_loss(_step: int) -> tuple[Tensor, Tensor]:
+            ids = _batch(student, lesson, budget, gen, pool)
+            loss = _term(lesson.teacher, student, ids, lesson.teacher_rows, budget.divergence)
+            if budget.guard > 0 and lesson.guard is not None and lesson.guard_text is not None:
+                g = lesson.guard_text[torch.randint(0, len(lesson.guard_text), (budget.batch_size,), generator=gen)]
+                return loss, loss + budget.guard * _term(lesson.guard, student, g, lesson.guard_rows, whole=True)
+            return loss, loss
+
+        return fit_steps(budget, opt, sched, step_loss, progress)
+
+
+@contextlib.contextmanager
+def fitting(
+    student: Any, fitted: Fitted, budget: Budget, positions: int, *, train: bool
+) -> Iterator[tuple[torch.optim.Optimizer, Any, torch.Generator]]:
+    """What every fit needs around its steps: the optimizer and its schedule, the seeded generator,
+    activation checkpointing where a step of ``positions`` tokens would hold too much, and the
+    student back in eval mode, checkpointing off, after it, error or not. ``train``: dropout on
+    while fitting (checkpointing puts the student in train mode whatever it says)."""
     gen = torch.Generator().manual_seed(budget.seed)
     opt, sched = optimizer(fitted, budget)
-    student.train()
-    positions = budget.batch_size * lesson.text.shape[1]
-    checkpointed = _checkpointing(student, activation_bytes(*_shape(student.config), positions) > CHECKPOINT_BYTES)
+    checkpointed = checkpointing(student, positions)
+    student.train(train or checkpointed)
     try:
-        return _steps(student, lesson, budget, opt, sched, gen, progress)
+        yield opt, sched, gen
     finally:
         if checkpointed:
             _unchecked(student)
         student.eval()
+
+
+def fit_steps(
+    budget: Budget,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    step_loss: Callable[[int], tuple[Tensor, Tensor]],
+    progress: Callable[[int, int, float], None] | None,
+) -> list[float]:
+    """``budget.steps`` optimizer steps on ``step_loss(step)``'s total; returns its first part (the
+    teacher's term) at every step."""
+    history: list[float] = []
+    for step in range(budget.steps):
+        loss, total = step_loss(step)
+        total.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        history.append(float(loss.detach()))
+        if progress is not None:
+            progress(step + 1, budget.steps, history[-1])
+    return history
 
 
 def optimizer(fitted: Fitted, budget: Budget) -> tuple[torch.optim.Optimizer, Any]:
@@ -166,44 +211,12 @@ def _checkpointing(student: Any, on: bool) -> bool:
     return True
 
 
-def unchecked(student: Any) -> None:
-    """Activation checkpointing off (the student generates with its key/value cache again)."""
-    _unchecked(student)
-
-
 def _unchecked(student: Any) -> None:
+    """Activation checkpointing off (the student generates with its key/value cache again)."""
     if hasattr(student, "activation_checkpointing_disable"):
         student.activation_checkpointing_disable()
     else:
         student.gradient_checkpointing_disable()
-
-
-def _steps(
-    student: Any,
-    lesson: Lesson,
-    budget: Budget,
-    opt: torch.optim.Optimizer,
-    sched: Any,
-    gen: torch.Generator,
-    progress: Callable[[int, int, float], None] | None,
-) -> list[float]:
-    history: list[float] = []
-    pool = _Pool()
-    for step in range(budget.steps):
-        ids = _batch(student, lesson, budget, gen, pool)
-        loss = _term(lesson.teacher, student, ids, lesson.teacher_rows, budget.divergence)
-        total = loss
-        if budget.guard > 0 and lesson.guard is not None and lesson.guard_text is not None:
-            g = lesson.guard_text[torch.randint(0, len(lesson.guard_text), (budget.batch_size,), generator=gen)]
-            total = loss + budget.guard * _term(lesson.guard, student, g, lesson.guard_rows, whole=True)
-        total.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        history.append(float(loss.detach()))
-        if progress is not None:
-            progress(step + 1, budget.steps, history[-1])
-    return history
 
 
 REFRESH = 10  # steps an on-policy pool serves before the student writes a new one

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_rebasin.merging.calibration.distill import Budget, checkpointing, optimizer, token_kl, unchecked
+from hf_rebasin.merging.calibration.distill import Budget, fit_steps, fitting, token_kl
 from hf_rebasin.merging.calibration.fit import Fitted
 from hf_rebasin.merging.calibration.text import _cache_argument
 from hf_rebasin.merging.calibration.vocab import Rows
@@ -214,35 +214,24 @@ def distill_seq2seq(
     progress: Callable[[int, int, float], None] | None = None,
 ) -> list[float]:
     """Fit ``fitted``'s parameters of ``student``; returns the KL to the teacher at every step."""
-    gen = torch.Generator().manual_seed(budget.seed)
-    opt, sched = optimizer(fitted, budget)
     c = lesson.text
-    checkpointed = checkpointing(student, budget.batch_size * (c.sources.ids.shape[1] + c.decoder.shape[1]))
-    student.train(checkpointed)  # no dropout (T5's and BART's 0.1) unless checkpointing needs train mode
-    own: Conversation | None = None
-    history: list[float] = []
-    try:
-        for step in range(budget.steps):
+    positions = budget.batch_size * (c.sources.ids.shape[1] + c.decoder.shape[1])
+    # no dropout (T5's and BART's 0.1: the held-out KL rose with it) unless checkpointing needs train mode
+    with fitting(student, fitted, budget, positions, train=False) as (opt, sched, gen):
+        own: list[Conversation | None] = [None]
+
+        def step_loss(step: int) -> tuple[Tensor, Tensor]:
             if budget.on_policy > 0 and step % REFRESH == 0:
-                own = _own(student, lesson, round(budget.batch_size * budget.on_policy), gen)
-            batch = _batch(lesson, budget, gen, own)
-            loss = _term(lesson.teacher, student, batch, lesson.teacher_rows, budget.divergence)
-            total = loss
+                own[0] = _own(student, lesson, round(budget.batch_size * budget.on_policy), gen)
+            loss = _term(
+                lesson.teacher, student, _batch(lesson, budget, gen, own[0]), lesson.teacher_rows, budget.divergence
+            )
             if budget.guard > 0 and lesson.guard is not None and lesson.guard_text is not None:
                 g = lesson.guard_text.take(_pick(len(lesson.guard_text), budget.batch_size, gen))
-                total = loss + budget.guard * _term(lesson.guard, student, g, lesson.guard_rows, whole=True)
-            total.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            history.append(float(loss.detach()))
-            if progress is not None:
-                progress(step + 1, budget.steps, history[-1])
-    finally:
-        if checkpointed:
-            unchecked(student)
-        student.eval()
-    return history
+                return loss, loss + budget.guard * _term(lesson.guard, student, g, lesson.guard_rows, whole=True)
+            return loss, loss
+
+        return fit_steps(budget, opt, sched, step_loss, progress)
 
 
 def _pick(n: int, k: int, gen: torch.Generator) -> Tensor:
