@@ -24,7 +24,7 @@ from hf_rebasin.symmetry.adapters import get_adapter, graph_for
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.sublayers import per_sublayer
 from hf_rebasin.symmetry.transforms import AxisMap, Transform, random_orthogonal
-from symmetry_checks import output_gap, permuted
+from symmetry_checks import output_gap, permuted, planted_by_activations
 
 ALBERT_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.0"
 MPNET_BIAS = "encoder.relative_attention_bias.weight"  # under "mpnet." but in a bare MPNetModel
@@ -260,17 +260,8 @@ def test_a_planted_permutation_is_recovered(models, case, strategy):
 def test_activation_matching_recovers_a_planted_permutation(models, case, residual):
     """Head-perm pools a shared ALBERT layer's features over its runs (run t of A with run t of B),
     and reads the stream at each run of a shared layer (``all``: one site per step of the depth)."""
-    model = models[case].eval()
-    sd = model.state_dict()
-    graph = graph_for(model.config, sd.keys())
-    sd_b = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(3)))
-    spec = get_adapter(model.config.model_type)
-    batches = [example_inputs(spec, model.config, torch.Generator().manual_seed(i)) for i in range(4)]
-    pair = Pair(graph, sd, sd_b, model, rebuild(model, sd_b), AlignmentData(batches, frozenset({0})))
-    alignment = align("head-perm", pair, {"residual": residual})
-    assert alignment.exact and not alignment.transform["res"].is_identity()
-    aligned = alignment.aligned_b()
-    assert max((aligned[k] - sd[k]).abs().max().item() for k in sd) < 1e-6
+    alignment, gap = planted_by_activations(models[case], residual, seed=3)
+    assert alignment.exact and not alignment.transform["res"].is_identity() and gap < 1e-6
 
 
 def test_activation_matching_refuses_a_map_per_run_of_a_shared_layer(models):

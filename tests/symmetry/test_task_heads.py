@@ -16,10 +16,10 @@ import transformers as T
 
 import tiny
 from helpers import run_main
-from hf_rebasin.alignment.strategies import AlignmentData, Pair, align
-from hf_rebasin.alignment.verify import TOLERANCE, example_inputs, verify_model
+from hf_rebasin.alignment.verify import TOLERANCE, verify_model
 from hf_rebasin.io.rebuild import rebuild
-from hf_rebasin.symmetry.adapters import get_adapter, graph_for
+from hf_rebasin.symmetry.adapters import graph_for
+from symmetry_checks import planted_by_activations
 
 FAMILIES = {
     "bert": "bert-cls",
@@ -99,17 +99,8 @@ def test_a_random_transform_keeps_every_logit_of_the_stock_class(tmp_path: Path,
 
 @pytest.mark.parametrize("family", ["bert", "deberta-v2", "albert"])
 def test_activation_matching_recovers_a_planted_permutation(family):
-    model = _model(family).eval()
-    sd = model.state_dict()
-    graph = graph_for(model.config, sd.keys())
-    sd_b = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(9)))
-    spec = get_adapter(model.config.model_type)
-    batches = [example_inputs(spec, model.config, torch.Generator().manual_seed(i)) for i in range(4)]
-    pair = Pair(graph, sd, sd_b, model, rebuild(model, sd_b), AlignmentData(batches, frozenset({0})))
-    alignment = align("head-perm", pair, {"residual": "last"})
-    assert alignment.exact
-    aligned = alignment.aligned_b()
-    assert max((aligned[k] - sd[k]).abs().max().item() for k in sd) < 1e-6
+    alignment, gap = planted_by_activations(_model(family), "last", seed=9)
+    assert alignment.exact and gap < 1e-6
 
 
 def test_verify_runs_on_a_saved_multiple_choice_folder(tmp_path: Path):

@@ -67,6 +67,19 @@ def _bench(family: str, **changes: Any) -> Seq2SeqTrainConfig:
     return dataclasses.replace(base, **changes)
 
 
+# the benchmark T5 (v1.1-style: gated-GELU MLP of ⅔ · 512 units, the head apart from the embeddings,
+# 4 heads of width 32, RMSNorm, relative positions), bench-gpt2's rate
+# Embeddings start at bench-gpt2's 0.02, not T5's 1.0: after 4000 steps from 1.0 the table was still
+# mostly its random start (weight decay had taken it to std 0.65; the two seeds' tables had a linear
+# CKA of 0.06, bench-gpt2's 0.99), a vocabulary that learned nothing, unlike any released T5's.
+_T5: dict[str, Any] = {
+    "head_dim": 32,
+    "intermediate_size": 352,
+    "lr": 2e-3,
+    "weight_decay": 0.1,
+    "options": (("embedding_std", 0.02),),
+}
+
 SEQ2SEQ_CONFIGS: dict[Kind, Seq2SeqTrainConfig] = {
     # BART at the tiny zoo's size: post-LayerNorm, characters, the tied head
     "bart": Seq2SeqTrainConfig(family="bart"),
@@ -75,26 +88,10 @@ SEQ2SEQ_CONFIGS: dict[Kind, Seq2SeqTrainConfig] = {
     # the same in mBART's layout: pre-norm layers and a final norm per stack, which leave the copy plateau
     # early on every seed (post-norm bench-bart left it on seed 0 only, in 4000 steps)
     "bench-mbart": _bench("mbart", intermediate_size=512, lr=1e-3),
-    # the benchmark T5 (v1.1-style: gated-GELU MLP of ⅔ · 512 units, the head apart from the embeddings,
-    # 4 heads of width 32, RMSNorm, relative positions), bench-gpt2's rate
-    # Embeddings start at bench-gpt2's 0.02, not T5's 1.0: after 4000 steps from 1.0 the table was still
-    # mostly its random start (weight decay had taken it to std 0.65; the two seeds' tables had a linear
-    # CKA of 0.06, bench-gpt2's 0.99), a vocabulary that learned nothing, unlike any released T5's.
-    "bench-t5": _bench(
-        "t5", head_dim=32, intermediate_size=352, lr=2e-3, weight_decay=0.1, options=(("embedding_std", 0.02),)
-    ),
+    "bench-t5": _bench("t5", **_T5),
     # the same, three times as long (12,000 steps, the schedule stretched): whether the two seeds' input
     # tables and streams draw closer with training, as released T5s' were trained far longer
-    "bench-t5-long": _bench(
-        "t5",
-        head_dim=32,
-        intermediate_size=352,
-        lr=2e-3,
-        weight_decay=0.1,
-        steps=12000,
-        warmup=600,
-        options=(("embedding_std", 0.02),),
-    ),
+    "bench-t5-long": _bench("t5", **_T5, steps=12000, warmup=600),
 }
 
 
