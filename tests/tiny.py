@@ -107,6 +107,20 @@ def roberta_mlm(seed: int = 0) -> torch.nn.Module:
     )
 
 
+def roberta_mc(seed: int = 0) -> torch.nn.Module:
+    """Multiple choice: RoBERTa's pooler (its sequence classifier has none) to one score."""
+    _seed(seed)
+    config = T.RobertaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+    )
+    return _randomize_norms(T.RobertaForMultipleChoice(config), seed)
+
+
 def roberta_cls(seed: int = 0) -> torch.nn.Module:
     _seed(seed)
     return _randomize_norms(
@@ -1085,6 +1099,12 @@ def electra_cls(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(T.ElectraForSequenceClassification(_electra_config(num_labels=3)), seed)
 
 
+def electra_mc(seed: int = 0) -> torch.nn.Module:
+    """Multiple choice: the first token through ``sequence_summary`` (linear, GELU) to one score."""
+    _seed(seed)
+    return _randomize_norms(T.ElectraForMultipleChoice(_electra_config()), seed)
+
+
 def electra_cls_equal(seed: int = 0) -> torch.nn.Module:
     _seed(seed)
     return _randomize_norms(T.ElectraForSequenceClassification(_electra_config(32, num_labels=3)), seed)
@@ -1253,6 +1273,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "bert-base": bert_base,
     "roberta-mlm": roberta_mlm,
     "roberta-cls": roberta_cls,
+    "roberta-mc": roberta_mc,
     "gpt2": gpt2,
     "gpt2-untied": gpt2_untied,
     "gpt2-base": gpt2_base,
@@ -1330,6 +1351,7 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "electra-mlm": electra_mlm,
     "electra-mlm-equal": electra_mlm_equal,
     "electra-cls": electra_cls,
+    "electra-mc": electra_mc,
     "electra-cls-equal": electra_cls_equal,
     "electra-base": electra_base,
     "deberta-v2-mlm": deberta_v2_mlm,

@@ -18,6 +18,7 @@ from hf_rebasin.core.errors import AdapterError
 from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.merging.transport import add_task_vector, task_vector
 from hf_rebasin.symmetry.adapters import get_adapter, graph_for
+from hf_rebasin.symmetry.adapters.base import as_choices
 from hf_rebasin.symmetry.canonical import canonicalize
 from hf_rebasin.symmetry.spaces import HeadSpace, Space
 from hf_rebasin.symmetry.sublayers import is_per_sublayer, per_sublayer, stream_of
@@ -89,7 +90,8 @@ def test_streams_follow_the_order_the_model_runs_its_modules(case):
             "would give a shared tensor another map at each run (test_adapters_albert_mpnet.py checks the refusal)"
         )
     inputs = example_inputs(get_adapter(model.config.model_type), model.config, torch.Generator().manual_seed(0))
-    order = _run_order(model, accepted_inputs(model, inputs))  # SiglipForImageClassification: pixels only
+    # SiglipForImageClassification: pixels only; a multiple-choice head: the rows as one question's choices
+    order = _run_order(model, as_choices(model, accepted_inputs(model, inputs)))
     for res in _residuals(graph):
         streams = stream_of(graph, res)
         tower = res[: -len("res")]  # CLIP: "text." / "vision."; one tower otherwise
