@@ -1,8 +1,12 @@
 """Which permutation of the residual stream each source of evidence picks on two zoo T5s (``bench-t5``
-seeds 0 and 1), how well each fits the others, and what a map per stream would buy.
+seeds 0 and 1, or ``--kind bench-t5-long``, trained three times as long), how well each fits the others,
+and what a map per stream would buy.
 
     python benchmarks/alignment/t5_stream_maps.py              # a minute on one core, once the pair is trained
     python benchmarks/alignment/t5_stream_maps.py --apart      # + barriers with a map per stream (≈ 5 min)
+
+First the linear CKA of the two seeds' input tables (``shared``) and heads (``lm_head``): how far the
+vocabulary each learned is one vocabulary up to a rotation.
 
 Prints three tables (four with ``--apart``). First, per permutation, the mean correlation of the heads' matched columns under
 it and the share of features on which each pair of permutations agrees (the head's columns, the input
@@ -46,6 +50,12 @@ def _corr(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Correlations of x's columns (features) with y's."""
     x, y = (x - x.mean(0)) / (x.std(0) + 1e-8), (y - y.mean(0)) / (y.std(0) + 1e-8)
     return (x.T @ y / len(x)).double()
+
+
+def cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Linear CKA of two tables' rows (1: the same up to a rotation and a scale; about 0: unrelated)."""
+    x, y = x.double() - x.double().mean(0), y.double() - y.double().mean(0)
+    return float((x.T @ y).norm() ** 2 / ((x.T @ x).norm() * (y.T @ y).norm()))
 
 
 def _perm(corr: torch.Tensor) -> torch.Tensor:
@@ -173,11 +183,15 @@ def _apart_table(a: Any, b: Any, data: Any, folder: Path, tokens: int = 16384) -
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--apart", action="store_true", help="also measure barriers with a map per stream")
+    parser.add_argument("--kind", default="bench-t5", choices=("bench-t5", "bench-t5-long"), help="the zoo pair")
     args = parser.parse_args(argv)
-    folders = cached_model("bench-t5", 0), cached_model("bench-t5", 1)
+    folders = cached_model(args.kind, 0), cached_model(args.kind, 1)
     a, b = (load_model(f) for f in folders)
     a.model.eval(), b.model.eval()
-    data = bench_barriers.alignment_data("bench-t5", folders[0], 8)
+    sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
+    tables = ", ".join(f"{t} {cka(sd_a[t], sd_b[t]):.3f}" for t in ("shared.weight", "lm_head.weight"))
+    print(f"linear CKA of the two seeds' tables: {tables}", end="\n\n")
+    data = bench_barriers.alignment_data(args.kind, folders[0], 8)
     print(_maps_table(a, b, data), end="\n\n")
     acts = _site_activations(a, b, data)
     print(_sites_table(a, b, acts), end="\n\n")
