@@ -1,8 +1,8 @@
 """Lineage across depths for encoder-decoders: a layer map per stack. A child pruned in one stack or
 both (distilbart's decoder, distil-whisper's first and last decoder layers, a T5 pruned in both
-stacks), as stored or after its heads, units and residual stream were permuted, is mapped stack by
-stack onto its parent; a pruned model of another seed has no kin layer in either stack; merge and
-align still refuse encoder-decoders of other depths."""
+stacks; mBART, Marian, M2M100 and mT5 too), as stored or after its heads, units and residual stream
+were permuted, is mapped stack by stack onto its parent; a pruned model of another seed has no kin
+layer in either stack; align still refuses encoder-decoders of other depths."""
 
 from __future__ import annotations
 
@@ -22,17 +22,16 @@ from hf_rebasin.lineage.record import LineageRecord
 from hf_rebasin.symmetry.adapters import graph_for
 
 # per family: the config fields of each stack's depth, each stack's module list, the loader
+BARTS = ("bart", "whisper", "mbart", "marian", "m2m100")  # the module lists and depth fields of BART
 LAYERS = {
-    "t5": ("num_layers", "num_decoder_layers"),
-    "bart": ("encoder_layers", "decoder_layers"),
-    "whisper": ("encoder_layers", "decoder_layers"),
+    **dict.fromkeys(BARTS, ("encoder_layers", "decoder_layers")),
+    **dict.fromkeys(("t5", "mt5"), ("num_layers", "num_decoder_layers")),
 }
 STACKS = {
-    "t5": ("encoder.block", "decoder.block"),
-    "bart": ("model.encoder.layers", "model.decoder.layers"),
-    "whisper": ("model.encoder.layers", "model.decoder.layers"),
+    **dict.fromkeys(BARTS, ("model.encoder.layers", "model.decoder.layers")),
+    **dict.fromkeys(("t5", "mt5"), ("encoder.block", "decoder.block")),
 }
-AUTO = {"t5": T.AutoModelForSeq2SeqLM, "bart": T.AutoModelForSeq2SeqLM, "whisper": T.AutoModelForSpeechSeq2Seq}
+AUTO = {family: T.AutoModelForSpeechSeq2Seq if family == "whisper" else T.AutoModelForSeq2SeqLM for family in LAYERS}
 # the parent's depths (encoder, decoder) and the layers each stack of the child keeps
 CASES = {
     "bart": ((4, 6), ([0, 1, 2, 3], [0, 2, 5])),  # distilbart: one encoder depth, every other decoder layer
@@ -49,7 +48,7 @@ def _model(family: str, seed: int, depths: tuple[int, int]) -> torch.nn.Module:
         setattr(config, field, n)
     torch.manual_seed(seed)
     model = type(base)(config)
-    if family == "t5":
+    if family in ("t5", "mt5"):
         tiny._head_apart(model)  # as tiny.t5: the LM head stored apart from the embeddings
     return tiny._randomize_norms(model, seed)
 
@@ -134,6 +133,20 @@ def test_a_pruned_encoder_decoder_is_mapped_stack_by_stack(family: str, saved_mo
     assert all(x.log10_p >= math.log10(ALPHA) for m in unrelated.stack_maps for x in m.layers)
     assert record.models[1].stacks == dict(zip(STACKS[family], map(len, kept), strict=True))
     assert record.models[0].stacks == dict(zip(STACKS[family], depths, strict=True))
+
+
+@pytest.mark.parametrize("family", ["mbart", "marian", "m2m100", "mt5"])
+def test_every_other_encoder_decoder_family_is_mapped_stack_by_stack(family: str, saved_model) -> None:
+    kept = ([0, 2, 3], [0, 3])
+    parent = _model(family, 0, (4, 4))
+    moved = saved_model(_pruned(family, parent, kept, moved=True), name="moved")
+    _check_copied(family, saved_model(_pruned(family, parent, kept), name="pruned"), parent, kept)
+    other = saved_model(_pruned(family, _model(family, 1, (4, 4)), kept), name="other")
+    record = _lineage(saved_model(parent, name="parent"), moved, other)
+    verdicts = {(p.a, p.b): p.verdict for p in record.pairs}
+    assert verdicts[(0, 1)] == "related up to symmetry" and verdicts[(0, 2)] == "independent", verdicts
+    assert _sources(record, 0, 1, family) == list(kept)
+    assert all(s is None for stack in _sources(record, 0, 2, family) for s in stack)
 
 
 def test_the_report_says_per_stack_which_layers_of_the_parent_the_childs_are(saved_model, tmp_path: Path) -> None:
