@@ -429,6 +429,8 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
             console.print(evidence_table(record, pair))
             if pair.layer_map is not None and pair.verdict != "independent":
                 console.print(layer_map_table(record, pair.layer_map))
+            for lmap in pair.stack_maps if pair.verdict != "independent" else []:
+                console.print(layer_map_table(record, lmap))
             console.print(f"next: {escape(pair.next_step)}", soft_wrap=True)
         for stack in record.layer_maps:
             console.print(layer_map_table(record, stack))

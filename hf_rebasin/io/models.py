@@ -247,9 +247,17 @@ def decoder_depth(config: Any) -> int | None:
     return int(found) if found is not None else None
 
 
+def stack_depths(lm: LoadedModel) -> tuple[int, ...]:
+    """The layers of each stack the model's graph runs (an encoder-decoder's encoder, then decoder);
+    one stack: its depth alone."""
+    if len(lm.graph.stacks) > 1:
+        return depth_of(lm), decoder_depth(lm.model.config) or 0
+    return (depth_of(lm),)
+
+
 def check_stack_depths(a: LoadedModel, b: LoadedModel) -> None:
-    """Encoder-decoders are compared, merged and transported at one depth in each stack: layer maps
-    across depths (lineage's, the widths of one stack) are not built for two stacks."""
+    """Encoder-decoders are merged, aligned and transported at one depth in each stack (layer i
+    with layer i); `hf-rebasin lineage` alone maps each stack's layers across depths."""
     if not getattr(a.model.config, "is_encoder_decoder", False):
         return
     depths = [(depth_of(lm), decoder_depth(lm.model.config)) for lm in (a, b)]
@@ -257,8 +265,10 @@ def check_stack_depths(a: LoadedModel, b: LoadedModel) -> None:
         (enc_a, dec_a), (enc_b, dec_b) = depths
         raise IncompatibleModelsError(
             f"{str(b.path)!r} has {enc_b} encoder and {dec_b} decoder layers but the reference "
-            f"{str(a.path)!r} has {enc_a} and {dec_a}: encoder-decoders are compared, merged and transported "
-            "at one depth (layer i with layer i in each stack); layer maps across depths are not built for them yet"
+            f"{str(a.path)!r} has {enc_a} and {dec_a}: encoder-decoders are merged, aligned and transported "
+            "at one depth (layer i with layer i in each stack). `hf-rebasin lineage A B` maps each stack's layers "
+            "across depths (which layers of one model are which of the other): copy those layers into a model of "
+            "the other's depths, then merge or transport that model instead"
         )
 
 

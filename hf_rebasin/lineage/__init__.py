@@ -3,7 +3,8 @@
 `compare` gives one pair's verdict (same basis, related up to symmetry, independent) with its
 statistic, p-value and the evidence per layer and space; `pairs.lineage_of` every pair of several
 models, as ``lineage.json`` holds it (`record`); `table` and `plot` show it. Models of other depths
-(pruned, up-scaled, stacked from two parents) are mapped layer by layer: `depth` scores the layers,
+(pruned, up-scaled, stacked from two parents; an encoder-decoder stack by stack) are mapped layer by
+layer: `depth` scores the layers,
 `layermap` tests the map, `pairwise` runs the pairs and finds the stacks; `estimate` times a run.
 
 Imports `core`, `symmetry`, `io`, `alignment` and below; never the recipe, the run or the CLI.

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from itertools import combinations
 
 from hf_rebasin.core.lazy import dtype_of, shape_of
-from hf_rebasin.io.models import LoadedModel, depth_of
+from hf_rebasin.io.models import LoadedModel, stack_depths
 from hf_rebasin.lineage.compare import threads_for
-from hf_rebasin.lineage.depth import layer_key, layer_of
+from hf_rebasin.lineage.depth import layer_lists, layer_of
 from hf_rebasin.lineage.stats import is_matrix, signal_of, signal_rank
 
 __all__ = ["PAIR_RATIO", "duration", "estimate_seconds"]
@@ -30,20 +30,20 @@ def estimate_seconds(models: Sequence[LoadedModel]) -> tuple[float, float]:
     """The seconds a lineage run of ``models`` is expected to take here, and the seconds one layer's
     split took (what the estimate is scaled from)."""
     ref = models[0]
-    depth = depth_of(ref)
-    key = layer_key(ref.weights, depth) if depth else None
+    stacks = stack_depths(ref)  # an encoder-decoder's layer 0 of each stack is timed, and each counted
+    keys = [k for k in layer_lists(ref.weights, ref.graph.stacks, stacks) if k is not None] if all(stacks) else []
     state = ref.weights
     names = [
         n
         for n in state
-        if key is not None and layer_of(n, key) == 0 and is_matrix(tuple(shape_of(state, n)), dtype_of(state, n))
+        if any(layer_of(n, k) == 0 for k in keys) and is_matrix(tuple(shape_of(state, n)), dtype_of(state, n))
     ]
     start = time.perf_counter()
     with threads_for(state):
         for name in names:
             signal_of(state[name].float(), signal_rank(tuple(shape_of(state, name))))
-    per_layer = time.perf_counter() - start
-    depths = [depth_of(lm) for lm in models]
+    per_layer = (time.perf_counter() - start) / max(len(keys), 1)
+    depths = [sum(stack_depths(lm)) for lm in models]
     split = per_layer * sum(depths)
     pairs = sum(
         per_layer * (depths[i] + depths[j]) * PAIR_RATIO + FLOOR for i, j in combinations(range(len(models)), 2)

@@ -9,13 +9,23 @@ copied): the bulk test per space gives each matched layer its p-value and the pa
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from hf_rebasin.lineage.compare import ALPHA, NULL_SIMILARITY, PairLineage, Side, judge
-from hf_rebasin.lineage.depth import ScalesView, Source, best_map, signals_view, state_view
+from hf_rebasin.lineage.depth import (
+    ScalesView,
+    Source,
+    Stacks,
+    best_map,
+    layer_of,
+    signals_view,
+    space_keys,
+    state_view,
+    with_spaces,
+)
 from hf_rebasin.lineage.record import LayerMap, LayerMatch, SpaceRecord
 from hf_rebasin.lineage.stats import combined_z, log10_sf
 
@@ -23,9 +33,11 @@ __all__ = [
     "LayerFit",
     "LayerStat",
     "fit_layers",
+    "fit_stacks",
     "layer_stats",
     "mapped_view",
     "orient",
+    "orient_stacks",
     "per_layer",
     "to_record",
     "unexplained",
@@ -44,6 +56,8 @@ class LayerFit:
     increasing: bool
     found: PairLineage
     candidates: int  # the layers each of its layers was chosen from (for the Bonferroni bound)
+    stack: str | None = None  # an encoder-decoder's stack: its module list (``model.decoder.layers``)
+    spaces: str | None = None  # how the graph names that stack's spaces (``dec`` in ``dec.3.mlp``)
 
 
 def orient(scores: Tensor) -> bool:
@@ -60,17 +74,24 @@ def orient(scores: Tensor) -> bool:
     return deep_cols != gaps
 
 
-def mapped_view(parents: Sequence[Side], child: Side, key: str, sources: Sequence[Source]) -> Side:
+def orient_stacks(scores: Mapping[str, Tensor]) -> bool:
+    """`orient` over an encoder-decoder's stacks of other depths (one mapped model for all of them):
+    the majority's, a tie the first stack's."""
+    votes = [orient(s) for s in scores.values() if s.shape[0] != s.shape[1]]
+    return 2 * sum(votes) > len(votes) or (2 * sum(votes) == len(votes) and votes[0])
+
+
+def mapped_view(parents: Sequence[Side], child: Side, stacks: Stacks) -> Side:
     """The parents' layers at the child's depth as a `Side` (states, signals and unit scales
     renamed, nothing computed again)."""
     names = list(child.state)
     spaces = list(child.graph.spaces)
     return Side(
-        state=state_view([p.state for p in parents], child.state, key, sources),
+        state=state_view([p.state for p in parents], child.state, stacks),
         graph=child.graph,
         untie=parents[0].untie,
-        scales=ScalesView([p.scales for p in parents], spaces, key, sources),
-        signal=signals_view([p.signal for p in parents], names, key, sources),
+        scales=ScalesView([p.scales for p in parents], spaces, with_spaces(child.graph, stacks)),
+        signal=signals_view([p.signal for p in parents], names, stacks),
     )
 
 
@@ -95,8 +116,43 @@ def fit_layers(
             sources.append(Source(best, int(scores[best][:, j].argmax())))
         increasing = False
     picked = [float(scores[s.parent][s.layer, j]) for j, s in enumerate(sources)]
-    found = judge(mapped_view(parents, child, key, sources), child, null=null, say=say)
+    found = judge(mapped_view(parents, child, {key: sources}), child, null=null, say=say)
     return LayerFit(sources, picked, increasing, found, sum(int(s.shape[0]) for s in scores))
+
+
+def fit_stacks(
+    parent: Side,
+    scores: Mapping[str, Tensor],
+    child: Side,
+    *,
+    null: float = NULL_SIMILARITY,
+    say: Callable[[str], None] = lambda _stage: None,
+) -> list[LayerFit]:
+    """An encoder-decoder's layers mapped stack by stack (``scores[key]``: the parent's layers × the
+    child's in the stack ``key``; a stack of one depth in both keeps the identity), and the child
+    compared once with the parent's layers under every stack's map: one fit per stack, sharing
+    that comparison."""
+    maps: dict[str, tuple[list[Source], bool, int]] = {}
+    for key, s in scores.items():
+        if s.shape[0] == s.shape[1]:
+            maps[key] = [Source(0, j) for j in range(s.shape[1])], True, 1  # nothing chosen: no Bonferroni
+        else:
+            chosen, increasing = best_map(s)
+            maps[key] = [Source(0, i) for i in chosen], increasing, int(s.shape[0])
+    found = judge(mapped_view([parent], child, {k: m[0] for k, m in maps.items()}), child, null=null, say=say)
+    names = space_keys(child.graph, scores)
+    return [
+        LayerFit(
+            sources,
+            [float(scores[key][s.layer, j]) for j, s in enumerate(sources)],
+            increasing,
+            found,
+            candidates,
+            stack=key,
+            spaces=names.get(key),
+        )
+        for key, (sources, increasing, candidates) in maps.items()
+    ]
 
 
 @dataclass(frozen=True)
@@ -109,11 +165,12 @@ class LayerStat:
     entries: int = 0
 
 
-def layer_stats(spaces: Sequence[SpaceRecord]) -> dict[int, LayerStat]:
-    """Each layer's `LayerStat` (layers without a counted space are absent)."""
+def layer_stats(spaces: Sequence[SpaceRecord], stack: str | None = None) -> dict[int, LayerStat]:
+    """Each layer's `LayerStat` (layers without a counted space are absent); ``stack``: of that
+    stack's spaces alone (as the graph names them: ``dec``)."""
     by: dict[int, list[SpaceRecord]] = {}
     for e in spaces:
-        if e.counted and e.layer is not None:
+        if e.counted and e.layer is not None and (stack is None or layer_of(e.space, stack) is not None):
             by.setdefault(e.layer, []).append(e)
     return {
         j: LayerStat(
@@ -126,7 +183,7 @@ def layer_stats(spaces: Sequence[SpaceRecord]) -> dict[int, LayerStat]:
 def per_layer(fit: LayerFit) -> list[tuple[float, float]]:
     """Each mapped layer's mean bulk similarity and log10 p of 'kin' (Stouffer over its spaces,
     Bonferroni over the candidate layers it was picked from)."""
-    stats = layer_stats(fit.found.spaces)
+    stats = layer_stats(fit.found.spaces, fit.spaces)
     out = []
     for j in range(len(fit.sources)):
         stat = stats.get(j, LayerStat())
@@ -143,7 +200,7 @@ def to_record(
     fit: LayerFit, model: int, parents: Sequence[int], given: Sequence[str], depths: Sequence[int]
 ) -> LayerMap:
     """The fit as ``lineage.json`` holds it (``parents``, ``given``, ``depths``: the models'
-    indices, names and depths)."""
+    indices, names and depths; an encoder-decoder's fit: in its stack)."""
     alpha = math.log10(ALPHA)
     layers = [
         LayerMatch(
@@ -156,13 +213,17 @@ def to_record(
         )
         for j, (s, score, (similarity, lp)) in enumerate(zip(fit.sources, fit.scores, per_layer(fit), strict=True))
     ]
+    kind = _kind(layers, depths[model], [depths[p] for p in parents])
+    if fit.stack is not None and depths[model] == depths[parents[0]]:
+        kind = "identity"  # a stack of one depth keeps its layers: nothing was searched
     return LayerMap(
         model=model,
         parents=list(parents),
-        kind=_kind(layers, depths[model], [depths[p] for p in parents]),
+        kind=kind,
         layers=layers,
         increasing=fit.increasing,
-        mergekit=_mergekit(layers, given),
+        mergekit=_mergekit(layers, given) if fit.stack is None else "",
+        stack=fit.stack,
     )
 
 

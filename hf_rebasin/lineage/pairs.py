@@ -13,7 +13,7 @@ from hf_rebasin.core.errors import IncompatibleModelsError, RebasinUserError
 from hf_rebasin.core.lazy import shape_of
 from hf_rebasin.core.memory import OVERHEAD, InsufficientMemoryError, available_memory
 from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
-from hf_rebasin.io.models import LoadedModel, check_compatible, check_stack_depths, depth_of
+from hf_rebasin.io.models import LoadedModel, check_compatible, stack_depths
 from hf_rebasin.lineage.compare import (
     ALPHA,
     KEEP_IDENTITY,
@@ -23,7 +23,7 @@ from hf_rebasin.lineage.compare import (
     threads_for,
 )
 from hf_rebasin.lineage.datamaps import LineageData, data_bytes, data_tokens
-from hf_rebasin.lineage.depth import layer_key, renamed
+from hf_rebasin.lineage.depth import layer_lists, layer_of, renamed
 from hf_rebasin.lineage.pairwise import PairRun
 from hf_rebasin.lineage.record import LineageRecord, ModelRef, PairRecord
 from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE, is_matrix, signal_rank
@@ -53,31 +53,32 @@ def check_comparable(models: Sequence[LoadedModel], names: Sequence[str]) -> Non
             )
 
 
-def check_depths(models: Sequence[LoadedModel], names: Sequence[str]) -> str | None:
-    """Where depths differ: the module list holding the layers, after checking that every model's
-    layers have the reference's tensors and shapes (a layer map renames layers, nothing else)."""
-    for lm in models[1:]:
-        check_stack_depths(models[0], lm)
-    depths = [depth_of(lm) for lm in models]
+def check_depths(models: Sequence[LoadedModel], names: Sequence[str]) -> tuple[str, ...] | None:
+    """Where depths differ: the module list holding the layers of each stack (one; an
+    encoder-decoder's encoder and decoder), after checking that every model's layers have the
+    reference's tensors and shapes (a layer map renames layers, nothing else)."""
+    depths = [stack_depths(lm) for lm in models]
     if len(set(depths)) == 1:
         return None
-    keys = {layer_key(lm.weights, d) for lm, d in zip(models, depths, strict=True)}
-    key = keys.pop() if len(keys) == 1 else None
-    if key is None:
+    shown = [_depth_words(d) for d in sorted(set(depths) - {depths[0]})]
+    others = f"[{', '.join(shown)}]"
+    found = {layer_lists(lm.weights, lm.graph.stacks, d) for lm, d in zip(models, depths, strict=True)}
+    keys = found.pop() if len(found) == 1 else None
+    if keys is None or None in keys:
         raise IncompatibleModelsError(
-            f"{names[0]} has {depths[0]} layers and others {sorted(set(depths) - {depths[0]})}: lineage maps layers "
+            f"{names[0]} has {_depth_words(depths[0])} layers and others {others}: lineage maps layers "
             "across depths in a numbered layer list (model.layers.N), which these models' tensors do not have"
         )
-
     streams = [n for n, sp in models[0].graph.spaces.items() if isinstance(sp, Space) and sp.kind == "residual"]
-    if len(streams) != 1:
+    if len(keys) == 1 and len(streams) != 1:
         raise IncompatibleModelsError(
-            f"{names[0]} has {depths[0]} layers and others {sorted(set(depths) - {depths[0]})}: layer maps are "
+            f"{names[0]} has {_depth_words(depths[0])} layers and others {others}: layer maps are "
             f"searched in models with one residual stream, and {models[0].model.config.model_type} has {len(streams)}"
         )
+    layer_keys = [k for k in keys if k is not None]
 
     def template(lm: LoadedModel) -> dict[str, tuple[int, ...]]:
-        return {renamed(n, key, 0): tuple(shape_of(lm.weights, n)) for n in lm.weights}
+        return {_at_zero(n, layer_keys): tuple(shape_of(lm.weights, n)) for n in lm.weights}
 
     ref = template(models[0])
     for lm, name in zip(models[1:], names[1:], strict=True):
@@ -88,7 +89,18 @@ def check_depths(models: Sequence[LoadedModel], names: Sequence[str]) -> str | N
                 f"{name} and {names[0]} differ in more than depth (tensor {diff!r} in a layer or outside them): "
                 "lineage maps the layers of models of one family and width"
             )
-    return key
+    return tuple(layer_keys)
+
+
+def _depth_words(depths: tuple[int, ...]) -> str:
+    """``6``, or an encoder-decoder's ``12+6`` (encoder+decoder)."""
+    return "+".join(map(str, depths))
+
+
+def _at_zero(name: str, keys: Sequence[str]) -> str:
+    """The name as layer 0 of its stack holds it (outside the layers: itself)."""
+    key = next((k for k in keys if layer_of(name, k) is not None), None)
+    return name if key is None else renamed(name, key, 0)
 
 
 # what a comparison holds beside what it reads, measured on bench_scale.py's random bf16 models
@@ -164,13 +176,13 @@ def lineage_of(
     check_memory(models, data_tokens=0 if data is None else data_tokens(data.batches, models[0].model.config))
     rows, vocabulary = to_shared_rows(list(models))  # a new release is judged on the tokens it shares
     same, embedded = to_widest(rows, names)
-    key = check_depths(same, names)
-    if key is None:
+    keys = check_depths(same, names)
+    if keys is None:
         for lm in same[1:]:
             check_compatible(same[0], lm)
     grown = {e.index: e.note(names) for e in embedded}
     probe = None if data is None else LineageData(data.batches, same[0].model, data.special_ids)
-    run = PairRun(same, given, key, share=share, cap=cap, null=null, data=probe)
+    run = PairRun(same, given, keys, share=share, cap=cap, null=null, data=probe)
     pairs: list[PairRecord] = []
     todo = list(combinations(range(len(same)), 2))
     with threads_for(same[0].weights):
@@ -186,13 +198,14 @@ def lineage_of(
             model_type=lm.model.config.model_type,
             layers=run.depths[k],
             embedded=lm.embedded or grown.get(k),
+            stacks=run.stack_layers(k),
         )
         for k, (g, lm) in enumerate(zip(given, same, strict=True))
     ]
     settings = _settings(share, cap, null, data, run.tokens)
     if vocabulary is not None:
         settings["vocabulary"] = vocabulary
-    if key is not None and data is not None:
+    if keys is not None and data is not None:
         settings["data_note"] = "pairs of other depths than the first model's are compared data-free"
     seconds = {"total": time.perf_counter() - start}
     return LineageRecord(models=refs, settings=settings, pairs=pairs, layer_maps=stacks, seconds=seconds)

@@ -10,49 +10,62 @@ from collections.abc import Callable, Sequence
 from scipy.stats import norm
 from torch import Tensor
 
-from hf_rebasin.io.models import LoadedModel, depth_of
+from hf_rebasin.io.models import LoadedModel, depth_of, stack_depths
 from hf_rebasin.lineage.compare import ALPHA, NULL_SIMILARITY, PairLineage, Side, judge, prepare_side
 from hf_rebasin.lineage.datamaps import LineageData
-from hf_rebasin.lineage.depth import best_map, layer_key, layer_scores, stream_maps
+from hf_rebasin.lineage.depth import best_map, layer_lists, layer_scores, stream_maps
 from hf_rebasin.lineage.layermap import (
     LayerFit,
     LayerStat,
     fit_layers,
+    fit_stacks,
     layer_stats,
     orient,
+    orient_stacks,
     per_layer,
     to_record,
     unexplained,
 )
-from hf_rebasin.lineage.record import LayerMap, PairRecord, map_step, moved_spaces, next_step
+from hf_rebasin.lineage.record import LayerMap, PairRecord, map_step, moved_spaces, next_step, stacks_step
 from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE
 
 __all__ = ["PairRun"]
 
 
 class PairRun:
-    """The pairs of one run. ``key``: the module list of the layers where depths differ (None: one
-    depth, no layer map searched unless a pair's layers are not all kin)."""
+    """The pairs of one run. ``keys``: the module list of the layers of each stack where depths
+    differ (one; an encoder-decoder's encoder and decoder; None: one depth, no layer map searched
+    unless a pair's layers are not all kin)."""
 
     def __init__(
         self,
         models: Sequence[LoadedModel],
         given: Sequence[str],
-        key: str | None,
+        keys: tuple[str, ...] | None,
         *,
         share: float = SIGNAL_SHARE,
         cap: int = SIGNAL_CAP,
         null: float = NULL_SIMILARITY,
         data: LineageData | None = None,
     ) -> None:
-        self.models, self.given, self.key = models, given, key
+        self.models, self.given, self.keys = models, given, keys
         self.depths = [depth_of(lm) for lm in models]
+        self.stack_depths = [stack_depths(lm) for lm in models]  # (depth,), or (encoder, decoder)
         self.share, self.cap, self.null, self.data = share, cap, null, data
         self.say: Callable[[str], None] = lambda _stage: None
         self.tokens = 0
         self._sides: dict[int, Side] = {}
-        self._scores: dict[tuple[int, int], Tensor] = {}  # (parent, child): parent's layers × child's
+        self._scores: dict[tuple[int, int], dict[str, Tensor]] = {}  # (parent, child): per stack, parent × child
         self._streams: dict[tuple[int, int], dict[str, Tensor]] = {}  # (i, j): j's streams in i's basis, aligned
+
+    @property
+    def multi(self) -> bool:
+        """Whether the models run two stacks of layers (an encoder-decoder): a layer map per stack."""
+        return len(self.stack_depths[0]) > 1
+
+    def stack_layers(self, k: int) -> dict[str, int] | None:
+        """Model k's layers per stack, by module list (None for one stack)."""
+        return dict(zip(self._keys(), self.stack_depths[k], strict=True)) if self.multi else None
 
     def side(self, k: int) -> tuple[Side, float]:
         """Model k made ready (once per run) and the seconds it took now."""
@@ -63,59 +76,82 @@ class PairRun:
         self._sides[k] = prepare_side(lm.graph, lm.weights, self.given[k], self.say, share=self.share, cap=self.cap)
         return self._sides[k], time.perf_counter() - start
 
-    def scores(self, parent: int, child: int) -> Tensor:
-        """The parent's layers × the child's, scored once per pair (either orientation)."""
+    def scores(self, parent: int, child: int) -> dict[str, Tensor]:
+        """The parent's layers × the child's in each stack, scored once per pair (either orientation)."""
         if (child, parent) in self._scores:
-            return self._scores[(child, parent)].T
+            return {k: s.T for k, s in self._scores[(child, parent)].items()}
         if (parent, child) not in self._scores:
             (p, _), (c, _) = self.side(parent), self.side(child)
             maps = self._streams.get((parent, child))
             if maps is None and (child, parent) in self._streams:  # orthogonal: the inverse is the transpose
                 maps = {k: m.T for k, m in self._streams[(child, parent)].items()}
             self._scores[(parent, child)] = layer_scores(
-                p.graph, p.state, p.signal, c.graph, c.state, c.signal, self._key(), self.say, maps
+                p.graph, p.state, p.signal, c.graph, c.state, c.signal, self._keys(), self.say, maps
             )
         return self._scores[(parent, child)]
 
+    def _keys(self) -> tuple[str, ...]:
+        if self.keys is None:  # one depth: found when a pair first needs its layers scored
+            lm = self.models[0]
+            self.keys = tuple(k or "" for k in layer_lists(lm.weights, lm.graph.stacks, self.stack_depths[0]))
+        return self.keys
+
     def _key(self) -> str:
-        if self.key is None:  # one depth: found when a pair first needs its layers scored
-            self.key = layer_key(self.models[0].weights, self.depths[0]) or ""
-        return self.key
+        return self._keys()[0]
 
     def pair(self, i: int, j: int) -> PairRecord:
         """Model j against model i: at one depth as always (a layer map searched only where some
-        layers are not kin, and then reported beside the verdict), else under the layer map found."""
+        layers are not kin, and then reported beside the verdict), else under the layer map found
+        (an encoder-decoder's: one per stack)."""
         start = time.perf_counter()
         (a, split_a), (b, split_b) = self.side(i), self.side(j)
         split = split_a + split_b
-        if self.depths[i] == self.depths[j]:
-            data = self.data if self.depths[i] == self.depths[0] else None  # its probe runs the first model's depth
+        maps: list[LayerMap] = []
+        if self.stack_depths[i] == self.stack_depths[j]:
+            data = self.data if self.stack_depths[i] == self.stack_depths[0] else None  # the probe runs model 1's depth
             found = judge(a, b, null=self.null, say=self.say, data=data, split=split)
             self.tokens = found.tokens
             if found.transform is not None:
                 self._streams[(i, j)] = stream_maps(b.graph, found.transform)
             lmap = self._moved_layers(i, j, found)
+        elif self.multi:
+            found, maps = self._stack_maps(i, j)
+            lmap = None
+            found.seconds["split"] = split
         else:
             t = time.perf_counter()
-            parent, child = (i, j) if orient(self.scores(i, j)) else (j, i)
+            parent, child = (i, j) if orient(self.scores(i, j)[self._key()]) else (j, i)
             scored = time.perf_counter() - t
             fit = self._fit([parent], child)
             found, lmap = fit.found, to_record(fit, child, [parent], self.given, self.depths)
             found.seconds.update(split=split, layers=scored)
         found.seconds["total"] = time.perf_counter() - start
-        return _record(i, j, found, lmap, list(self.given))
+        return _record(i, j, found, lmap, list(self.given), maps)
+
+    def _stack_maps(self, i: int, j: int) -> tuple[PairLineage, list[LayerMap]]:
+        """An encoder-decoder pair of other depths: the model mapped (one for every stack), each
+        stack's layer map, and the comparison under all of them."""
+        t = time.perf_counter()
+        parent, child = (i, j) if orient_stacks(self.scores(i, j)) else (j, i)
+        scored = time.perf_counter() - t
+        parent_side, child_side = self.side(parent)[0], self.side(child)[0]
+        fits = fit_stacks(parent_side, self.scores(parent, child), child_side, null=self.null, say=self.say)
+        depths = zip(*self.stack_depths, strict=True)  # each stack's depth in every model
+        maps = [to_record(fit, child, [parent], self.given, d) for fit, d in zip(fits, depths, strict=True)]
+        fits[0].found.seconds["layers"] = scored
+        return fits[0].found, maps
 
     def _fit(self, parents: list[int], child: int) -> LayerFit:
-        scores = [self.scores(p, child) for p in parents]
+        scores = [self.scores(p, child)[self._key()] for p in parents]
         sides = [self.side(p)[0] for p in parents]
         return fit_layers(sides, scores, self.side(child)[0], self._key(), null=self.null, say=self.say)
 
     def _moved_layers(self, i: int, j: int, found: PairLineage) -> LayerMap | None:
         """At one depth, where the pair is related but some layer is not kin to its namesake: the
         best layer map, reported (never used for the verdict) when it is not the identity."""
-        if found.verdict == "independent" or not self._key() or not _unkin_layers(found):
-            return None
-        chosen, _ = best_map(self.scores(i, j))
+        if self.multi or found.verdict == "independent" or not self._key() or not _unkin_layers(found):
+            return None  # an encoder-decoder at one depth keeps each stack's layers
+        chosen, _ = best_map(self.scores(i, j)[self._key()])
         if chosen == list(range(self.depths[j])):
             return None
         return to_record(self._fit([i], j), j, [i], self.given, self.depths)
@@ -125,7 +161,9 @@ class PairRun:
         each layer mapped to its best match among the related models, kept where it uses two of them,
         every layer is kin to its source, and it beats the best single parent by more than chance
         on the layers where they differ."""
-        out = []
+        out: list[LayerMap] = []
+        if self.multi:  # a passthrough slices one stack of layers: no encoder-decoder is stacked so
+            return out
         for c in range(len(self.models)):
             single = self._single_parents(pairs, c)
             if len(single) < 2:
@@ -177,11 +215,15 @@ def _unkin_layers(found: PairLineage) -> bool:
     return any(stat.log10_p >= math.log10(ALPHA) for stat in layer_stats(found.spaces).values())
 
 
-def _record(i: int, j: int, found: PairLineage, lmap: LayerMap | None, given: list[str]) -> PairRecord:
+def _record(
+    i: int, j: int, found: PairLineage, lmap: LayerMap | None, given: list[str], maps: list[LayerMap]
+) -> PairRecord:
     moved = moved_spaces(found.spaces)
     step = next_step(found.verdict, [e.map for e in found.spaces], moved)
     if lmap is not None and lmap.kind != "identity":
         step = map_step(found.verdict, lmap, given, step)
+    if maps:
+        step = stacks_step(found.verdict, maps, given, step)
     return PairRecord(
         a=i,
         b=j,
@@ -196,6 +238,7 @@ def _record(i: int, j: int, found: PairLineage, lmap: LayerMap | None, given: li
         moved=moved,
         spaces=found.spaces,
         layer_map=lmap,
+        stack_maps=maps,
         seconds=found.seconds,
         passes=found.passes,
     )

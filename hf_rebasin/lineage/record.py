@@ -4,6 +4,8 @@ Torch-free: the CLI, the job and the card read it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import BaseModel, Field
 
 from hf_rebasin import __version__
@@ -16,9 +18,11 @@ __all__ = [
     "PairRecord",
     "SpaceRecord",
     "describe_layers",
+    "describe_stacks",
     "map_step",
     "moved_spaces",
     "next_step",
+    "stacks_step",
 ]
 
 
@@ -59,7 +63,13 @@ class LayerMap(BaseModel):
     kind: str
     layers: list[LayerMatch]
     increasing: bool = Field(description="whether the sources keep their order (pruning does)")
-    mergekit: str = Field(description="a mergekit passthrough config that builds the parents' layers at its depth")
+    mergekit: str = Field(
+        description="a mergekit passthrough config that builds the parents' layers at its depth (empty for an "
+        "encoder-decoder's stack: passthrough slices one stack of layers)"
+    )
+    stack: str | None = Field(
+        default=None, description="an encoder-decoder's stack mapped: its module list (`model.decoder.layers`)"
+    )
 
 
 class PairRecord(BaseModel):
@@ -78,6 +88,10 @@ class PairRecord(BaseModel):
     moved: str | None = Field(default=None, description="spaces not in place and those in place, where both are")
     spaces: list[SpaceRecord]
     layer_map: LayerMap | None = Field(default=None, description="where depths differ, or layers moved at one depth")
+    stack_maps: list[LayerMap] = Field(
+        default_factory=list,
+        description="encoder-decoders of other depths: one layer map per stack (encoder, decoder), in their order",
+    )
     seconds: dict[str, float] = Field(default_factory=dict)
     passes: dict[str, int] = Field(
         default_factory=dict, description="passes of the alignment of the signals: permutations, rotations"
@@ -90,6 +104,7 @@ class ModelRef(BaseModel):
     model_type: str
     layers: int
     embedded: str | None = None  # narrower than the widest model: written into its shape (what grew)
+    stacks: dict[str, int] | None = None  # an encoder-decoder's layers per stack, by module list
 
 
 class LineageRecord(BaseModel):
@@ -143,6 +158,52 @@ def map_step(verdict: str, lmap: LayerMap, given: list[str] | tuple[str, ...], s
         "models of one depth and refuse others: build the parents' layers at its depth with mergekit's passthrough "
         "(the `mergekit` config of this layer map in lineage.json), then compare or merge that with it: " + step
     )
+
+
+def stacks_step(verdict: str, maps: list[LayerMap], given: list[str] | tuple[str, ...], step: str) -> str:
+    """The next step for an encoder-decoder whose stacks map onto its parent's other than one to
+    one: the map of each stack, and that merge, align and transport need one depth in each."""
+    if verdict == "independent":
+        return step
+    kinds = sorted({m.kind for m in maps if m.kind != "identity"}) or ["identity"]
+    return (
+        f"{given[maps[0].model]} is {' and '.join(kinds)} from {given[maps[0].parents[0]]}, a layer map per stack "
+        f"({describe_stacks(maps, given)}). `hf-rebasin merge`, `align` and `transport` take encoder-decoders of "
+        "one depth in each stack and refuse others: copy the parent's layers named here into a model of the other's "
+        "depths, then compare or merge that with it: " + step
+    )
+
+
+def describe_stacks(maps: list[LayerMap], given: list[str] | tuple[str, ...]) -> str:
+    """``decoder: layers 0, 2, 4 of A are layers 0–2 of B; encoder: one depth, every layer kin``:
+    each stack's map in words, the stacks whose layers moved first."""
+    parts = []
+    for m in sorted(maps, key=lambda m: m.kind == "identity"):
+        label = m.stack.split(".")[-2] if m.stack and "." in m.stack else m.stack or "layers"  # encoder, decoder
+        kin = [x for x in m.layers if x.source is not None]
+        none = [x.layer for x in m.layers if x.source is None]
+        if m.kind == "identity" and not none:
+            parts.append(f"{label}: one depth, every layer kin")
+            continue
+        words = []
+        if kin:
+            words.append(
+                f"layer{'s' * (len(kin) > 1)} {_listed([x.source for x in kin])} of {given[m.parents[0]]} "
+                f"{'are' if len(kin) > 1 else 'is'} layer{'s' * (len(kin) > 1)} {_listed([x.layer for x in kin])} "
+                f"of {given[m.model]}"
+            )
+        if none:
+            words.append(f"layer{'s' * (len(none) > 1)} {_listed(none)} of {given[m.model]} without a kin layer")
+        parts.append(f"{label}: {', '.join(words)}")
+    return "; ".join(parts)
+
+
+def _listed(xs: Sequence[int | None]) -> str:
+    """``0–2`` for a run of consecutive layers, else ``0, 2, 4`` in order (repeats kept)."""
+    known = [x for x in xs if x is not None]
+    if len(known) > 1 and known == list(range(known[0], known[0] + len(known))):
+        return f"{known[0]}–{known[-1]}"
+    return ", ".join(str(x) for x in known)
 
 
 def describe_layers(lmap: LayerMap, given: list[str] | tuple[str, ...]) -> str:

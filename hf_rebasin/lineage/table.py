@@ -57,7 +57,8 @@ def layer_map_table(record: LineageRecord, lmap: LayerMap) -> Table:
     """One row per layer of the mapped model: the parent layer it descends from and the evidence."""
     names = [m.given for m in record.models]
     parents = " + ".join(names[p] for p in lmap.parents)
-    table = Table(title=f"layer map: {names[lmap.model]} from {parents} ({lmap.kind})", title_justify="left")
+    stack = f", {lmap.stack}" if lmap.stack else ""  # an encoder-decoder: one map per stack
+    table = Table(title=f"layer map: {names[lmap.model]} from {parents} ({lmap.kind}{stack})", title_justify="left")
     for column in ("layer", "from", "circuits alike", "bulk aligned", "p (kin)"):
         table.add_column(column, justify="left" if column == "from" else "right")
     for m in lmap.layers:

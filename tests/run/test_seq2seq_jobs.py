@@ -254,16 +254,21 @@ def test_lineage_tells_a_barts_fine_tune_from_a_bart_trained_apart(tmp_path: Pat
 @pytest.mark.parametrize(
     ("stack", "said"), [("decoder_layers", "2 encoder and 3 decoder"), ("encoder_layers", "3 encoder and 2 decoder")]
 )
-def test_barts_of_other_depths_are_refused_with_the_reason(
+def test_barts_of_other_depths_are_mapped_per_stack_by_lineage_and_refused_by_align(
     tmp_path: Path, barts: list[Path], stack: str, said: str
 ) -> None:
     config = tiny.bart(0).config
     setattr(config, stack, 3)
     deeper = tmp_path / "deeper"
     T.BartForConditionalGeneration(config).save_pretrained(str(deeper))
-    proc = run_cli("lineage", str(barts[0]), str(deeper))
+    proc = run_cli("lineage", str(barts[0]), str(deeper), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pair = json.loads(proc.stdout)["pairs"][0]
+    assert pair["verdict"] == "independent"  # a fresh model: no kin layer in either stack
+    assert [m["stack"] for m in pair["stack_maps"]] == ["model.encoder.layers", "model.decoder.layers"]
+    proc = run_cli("align", str(barts[0]), str(deeper), "--output", str(tmp_path / "aligned"))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"has {said} layers" in flat(proc.stderr) and "not built for them yet" in flat(proc.stderr)
+    assert f"has {said} layers" in flat(proc.stderr) and "hf-rebasin lineage A B" in flat(proc.stderr)
 
 
 def test_lineage_with_data_fits_its_maps_on_a_barts_activations(

@@ -260,15 +260,21 @@ def test_per_sublayer_residual_maps_fall_back_to_one_map_for_t5_and_say_so(strat
 
 
 @pytest.mark.slow  # lineage of encoder-decoders: covered fast by their adapter tests
-def test_a_t5_of_another_decoder_depth_is_refused_with_both_stacks_depths(tmp_path: Path, t5s: list[Path]) -> None:
+def test_a_t5_of_another_decoder_depth_is_mapped_by_lineage_and_refused_by_align(
+    tmp_path: Path, t5s: list[Path]
+) -> None:
     config = tiny.t5(0).config
     config.num_decoder_layers = 2
     shallower = tmp_path / "shallower"
     T.T5ForConditionalGeneration(config).save_pretrained(str(shallower))
-    proc = run_cli("lineage", str(t5s[0]), str(shallower))
+    proc = run_cli("lineage", str(t5s[0]), str(shallower), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pair = json.loads(proc.stdout)["pairs"][0]
+    assert [m["stack"] for m in pair["stack_maps"]] == ["encoder.block", "decoder.block"]
+    proc = run_cli("align", str(t5s[0]), str(shallower), "--output", str(tmp_path / "aligned"))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     said = flat(proc.stderr)
-    assert f"has {config.num_layers} encoder and 2 decoder layers" in said and "not built for them yet" in said
+    assert f"has {config.num_layers} encoder and 2 decoder layers" in said and "hf-rebasin lineage A B" in said
 
 
 def test_a_t5s_memory_footprint_counts_the_layers_of_both_stacks(t5s: list[Path]) -> None:
