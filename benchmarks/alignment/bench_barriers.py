@@ -59,6 +59,9 @@ STRATEGIES: list[tuple[str, str, dict[str, Any]]] = [
     ("generalized-orthogonal", "generalized-orthogonal", {}),
     ("generalized-orthogonal + learned", "generalized-orthogonal", {"learned": True, "steps": 150, "lr": 0.01}),
 ]
+# --random N: B under N random permutations (seeds 0 … N−1), the barrier no matching should exceed
+RANDOM = "random permutation"
+
 # --learned: learned matching with its defaults, and with other rates and step counts
 LEARNED: list[tuple[str, str, dict[str, Any]]] = [
     ("learned, defaults", "generalized-orthogonal", {"learned": True}),
@@ -191,10 +194,15 @@ def barrier_table(
     for label, name, options in strategies:
         start = time.perf_counter()
         graph = unsigned(a.graph) if label in plain else a.graph
-        alignment = align(name, Pair(graph, sd_a, sd_b, a.model, b.model, data), options)
-        seconds = time.perf_counter() - start
-        model = rebuild(a.model, dict(alignment.sd_a), untie=bool(alignment.untied))
-        curve = loss_curve(model, alignment.sd_a, alignment.aligned_b(), evaluation, task, lambdas(points))
+        if name == RANDOM:  # the baseline no matching should fall below: B under an arbitrary permutation
+            t = graph.random_transform("permutation", torch.Generator().manual_seed(options["seed"]))
+            ends, seconds, exact = (dict(sd_a), graph.apply(sd_b, t), False), 0.0, True
+        else:
+            alignment = align(name, Pair(graph, sd_a, sd_b, a.model, b.model, data), options)
+            ends, exact = (alignment.sd_a, alignment.aligned_b(), bool(alignment.untied)), alignment.exact
+            seconds = time.perf_counter() - start
+        model = rebuild(a.model, dict(ends[0]), untie=ends[2])
+        curve = loss_curve(model, ends[0], ends[1], evaluation, task, lambdas(points))
         rows.append(
             {
                 "strategy": label,
@@ -206,7 +214,7 @@ def barrier_table(
                 "lambdas": list(curve.lambdas),
                 "losses": list(curve.losses),
                 "seconds": seconds,
-                "exact": alignment.exact,
+                "exact": exact,
             }
         )
     return rows
@@ -306,6 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-perm", action="store_true", help="add a head-perm row per `residual` option")
     parser.add_argument("--learned", action="store_true", help="add learned-matching rows (defaults, other lr/steps)")
     parser.add_argument(
+        "--random", type=int, default=0, metavar="N", help="add N rows of B under a random permutation (a baseline)"
+    )
+    parser.add_argument(
         "--budget", type=int, nargs="+", default=[], help="add a learned row per budget (tokens or images to train on)"
     )
     parser.add_argument(
@@ -322,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = STRATEGIES + (HEAD_PERM_RESIDUALS if args.head_perm else []) + (LEARNED if args.learned else [])
     rows += [(f"learned, budget {n:,}", "generalized-orthogonal", {"learned": True, "budget": n}) for n in args.budget]
+    rows += [(f"{RANDOM}, seed {k}", RANDOM, {"seed": k}) for k in range(args.random)]
     rows += [(f"learned, {json.dumps(v)}", "generalized-orthogonal", {"learned": True, **v}) for v in args.variant]
     unknown = set(args.skip) - {label for label, _, _ in rows}
     if unknown:
