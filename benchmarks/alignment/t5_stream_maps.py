@@ -4,6 +4,7 @@ and what a map per stream would buy.
 
     python benchmarks/alignment/t5_stream_maps.py              # a minute on one core, once the pair is trained
     python benchmarks/alignment/t5_stream_maps.py --apart      # + barriers with a map per stream (≈ 5 min)
+    python benchmarks/alignment/t5_stream_maps.py --parts      # + each matching's parts alone (≈ 8 min)
 
 First the linear CKA of the two seeds' input tables (``shared``) and heads (``lm_head``): how far the
 vocabulary each learned is one vocabulary up to a rotation.
@@ -19,6 +20,9 @@ both stacks and by the head's rotation. One map serves both stacks (one table fe
 stacks want different permutations, no permutation fits both, though one rotation may. ``--apart`` then measures that: the encoder's stream given a space of its own
 (its table stored apart from ``shared``, as transformers 5 reads a checkpoint whose two tables differ),
 and the midpoint barrier of each data-free strategy and head-perm, as ``bench_barriers.py`` measures it.
+``--parts`` takes weight matching's, head-perm's and generalized-orthogonal's transforms apart: the
+midpoint barrier (3 λ) with the whole transform, with its residual map alone and with its heads and
+units alone, each a transform of B that keeps its function.
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ from hf_rebasin.alignment.strategies import Pair, align
 from hf_rebasin.evaluation.evaluate import barrier, lambdas, loss_curve, task_of
 from hf_rebasin.evaluation.zoo.train import cached_model, held_out_batches
 from hf_rebasin.io.models import load_model
+from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters.base import ArchitectureSpec, SpaceT
 from hf_rebasin.symmetry.adapters.t5 import T5
+from hf_rebasin.symmetry.spaces import Space
 
 ENCODER_SIDE = ("encoder.", "EncDecAttention.k.", "EncDecAttention.v.")  # tensors reading the encoder's stream
 
@@ -180,9 +186,41 @@ def _apart_table(a: Any, b: Any, data: Any, folder: Path, tokens: int = 16384) -
     return "\n".join(lines)
 
 
+def _parts_table(a: Any, b: Any, data: Any, folder: Path, tokens: int = 16384) -> str:
+    """Each strategy's transform whole, its residual map alone (heads and units left as stored) and its
+    heads and units alone (the stream left as stored): every one a transform of B that keeps its function,
+    so the barriers say which part of a matching helps and which hurts."""
+    sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
+    evaluation = bench_barriers.first_tokens(held_out_batches(folder), tokens)
+    lines = ["| strategy | whole | residual map alone | heads and units alone |", "|---|---:|---:|---:|"]
+    for name, options in _STRATEGIES:
+        alignment = align(name, Pair(a.graph, sd_a, sd_b, a.model, b.model, data), options)
+        graph, ident = alignment.graph, alignment.graph.identity()
+        streams = {n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"}
+        parts = (
+            alignment.transform,
+            {n: (m if n in streams else ident[n]) for n, m in alignment.transform.items()},
+            {n: (ident[n] if n in streams else m) for n, m in alignment.transform.items()},
+        )
+        model = rebuild(a.model, dict(alignment.sd_a), untie=bool(alignment.untied))
+        got = []
+        for t in parts:
+            curve = loss_curve(
+                model, alignment.sd_a, graph.apply(alignment.sd_b, t), evaluation, task_of(model), lambdas(3)
+            )
+            got.append(barrier(curve.lambdas, curve.losses)["midpoint"])
+        lines.append(f"| {name} | " + " | ".join(f"{g:.3f}" for g in got) + " |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines)
+
+
+_STRATEGIES = (("weight-matching", {}), ("head-perm", {"residual": "all"}), ("generalized-orthogonal", {}))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--apart", action="store_true", help="also measure barriers with a map per stream")
+    parser.add_argument("--parts", action="store_true", help="also: barriers of each matching's parts (≈ 8 min)")
     parser.add_argument("--kind", default="bench-t5", choices=("bench-t5", "bench-t5-long"), help="the zoo pair")
     args = parser.parse_args(argv)
     folders = cached_model(args.kind, 0), cached_model(args.kind, 1)
@@ -197,7 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     print(_sites_table(a, b, acts), end="\n\n")
     print(_rotations_table(a, acts, b), end="\n\n")
     if args.apart:
-        print(_apart_table(a, b, data, folders[0]))
+        print(_apart_table(a, b, data, folders[0]), end="\n\n")
+    if args.parts:
+        print(_parts_table(a, b, data, folders[0]))
 
 
 if __name__ == "__main__":
