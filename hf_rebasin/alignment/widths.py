@@ -116,7 +116,7 @@ def widened_config(narrow: Any, like: Any) -> Any:
 
 def _check_fixed_widths(narrow: Any, like: Any) -> None:
     """Refuse a width the family's adapter cannot embed at another value (T5's ``d_kv``), by name."""
-    spec = get_adapter(getattr(narrow, "model_type", None))
+    spec = get_adapter(getattr(narrow, "model_type", None)).for_config(narrow)
     for name, why in spec.fixed_widths.items():
         a, b = getattr(narrow, name, None), getattr(like, name, None)
         if a != b:

@@ -282,3 +282,31 @@ def test_rotary_heads_do_not_widen(models: dict[str, Any], family: str) -> None:
     like.head_dim = model.config.head_dim * 2
     with pytest.raises(IncompatibleModelsError, match="rotary"):
         embed_model(model, like)
+
+
+@pytest.mark.parametrize("family", ["t5", "mt5"])
+def test_a_t5_without_a_rescale_before_its_head_grows_its_stream_exactly(models: dict[str, Any], family: str) -> None:
+    """T5 v1.1 and mT5 (no d_model**-0.5 before the head): the stream and the feed-forward units grow,
+    zeros in the new features and each RMSNorm's γ rescaled; the original T5 (below) is refused."""
+    model = _model(models, family)
+    like = copy.deepcopy(model.config)
+    like.d_model, like.d_ff = like.d_model + 16, like.d_ff + 16
+    wide, report = embed_model(model, like)
+    assert wide.config.d_model == like.d_model and any("res" in k for k in report.grown)
+    assert _gap(model, wide) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("family", "field", "why"),
+    [
+        ("t5-relu", "d_model", "d_model\\*\\*-0.5 rescale"),
+        ("t5", "d_kv", "does not divide its scores"),
+        ("t5", "num_heads", "relative position bias"),
+    ],
+)
+def test_the_t5_widths_not_built_are_refused_by_name(models: dict[str, Any], family: str, field: str, why: str) -> None:
+    model = _model(models, family)
+    like = copy.deepcopy(model.config)
+    setattr(like, field, getattr(like, field) * 2)
+    with pytest.raises(IncompatibleModelsError, match=f"`{field}` is .*{why}"):
+        embed_model(model, like)

@@ -220,10 +220,13 @@ class ArchitectureSpec:
     # (``embed`` and runs of models of different widths refuse them by name)
     fixed_widths: Mapping[str, str] = field(default_factory=dict)
 
+    def for_config(self, config: Any) -> ArchitectureSpec:
+        """The spec as one model's config settles it (``configured``'s fields)."""
+        return dataclasses.replace(self, **self.configured(config)) if self.configured is not None else self
+
     def graph(self, config: Any, keys: Collection[str]) -> SymmetryGraph:
         """The symmetry graph of a concrete model (its config and state-dict keys)."""
-        spec = dataclasses.replace(self, **self.configured(config)) if self.configured is not None else self
-        return _build(spec, config, set(keys))
+        return _build(self.for_config(config), config, set(keys))
 
 
 def _expansions(strings: list[str], loops: Mapping[str, str], dims: Mapping[str, int]) -> list[dict[str, str]]:

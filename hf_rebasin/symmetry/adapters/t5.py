@@ -154,6 +154,24 @@ def _dims(c: Any) -> dict[str, int]:
     }
 
 
+# the feed-forward units (d_ff) grow, and the stream (d_model) where no rescale reads it: the rest is
+# not built for T5 yet
+_FIXED = {
+    "d_model": "the head's d_model**-0.5 rescale (scale_decoder_outputs) changes with it",
+    "d_kv": "T5 does not divide its scores by √d_kv, so the query rescaling a wider head gets elsewhere "
+    "would change them",
+    "num_heads": "each stack's relative position bias holds one column per head, shared by all its layers",
+}
+
+
+def _configured(config: Any) -> dict[str, Any]:
+    """T5 v1.1, Flan-T5 and mT5 put no rescale before the head: their stream can grow (zeros, each
+    RMSNorm's γ rescaled); the original T5's tied head reads the stream times d_model**-0.5."""
+    if getattr(config, "scale_decoder_outputs", False):
+        return {}
+    return {"fixed_widths": {k: v for k, v in _FIXED.items() if k != "d_model"}}
+
+
 T5 = ArchitectureSpec(
     family="t5",
     model_types=("t5",),
@@ -176,13 +194,8 @@ T5 = ArchitectureSpec(
     stacks=("{base}encoder", "{base}decoder"),
     glus=(_glu(f"{ENC}.layer.1", ENC_MLP), _glu(f"{DEC}.layer.2", DEC_MLP)),
     head_tensors=("lm_head.weight", "classification_head.dense.weight"),
-    # only the feed-forward units (d_ff) grow: the rest is not built for T5 yet
-    fixed_widths={
-        "d_model": "the head's d_model**-0.5 rescale (scale_decoder_outputs) changes with it",
-        "d_kv": "T5 does not divide its scores by √d_kv, so the query rescaling a wider head gets elsewhere "
-        "would change them",
-        "num_heads": "each stack's relative position bias holds one column per head, shared by all its layers",
-    },
+    fixed_widths=_FIXED,
+    configured=_configured,
 )
 
 # mT5: T5 v1.1's layout under its own model type (MT5Config forces the tie; it never rescales)
