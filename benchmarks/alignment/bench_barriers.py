@@ -220,6 +220,44 @@ def barrier_table(
     return rows
 
 
+PARTS = (("weight-matching", {}), ("head-perm", {"residual": "all"}), ("generalized-orthogonal", {}))
+
+
+def parts_table(kind: str, tokens: int = 16384, batches: int = 8) -> str:
+    """Each of `PARTS`' transforms whole, its residual maps alone (heads and units as stored) and its
+    heads and units alone (the streams as stored), seeds 0 → 1: each a transform of B that keeps its
+    function, so the midpoint barriers (3 λ) say which part of a matching helps and which hurts."""
+    folders = cached_model(kind, 0), cached_model(kind, 1)  # type: ignore[arg-type]
+    a, b = load_model(folders[0]), load_model(folders[1])
+    sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
+    evaluation, data = first_tokens(held_out_batches(folders[0]), tokens), alignment_data(kind, folders[0], batches)
+    lines = [
+        f"**{kind}**",
+        "",
+        "| strategy | whole | residual maps alone | heads and units alone |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, options in PARTS:
+        alignment = align(name, Pair(a.graph, sd_a, sd_b, a.model, b.model, data), options)
+        graph, ident = alignment.graph, alignment.graph.identity()
+        streams = {n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"}
+        parts = (
+            alignment.transform,
+            {n: (m if n in streams else ident[n]) for n, m in alignment.transform.items()},
+            {n: (ident[n] if n in streams else m) for n, m in alignment.transform.items()},
+        )
+        model = rebuild(a.model, dict(alignment.sd_a), untie=bool(alignment.untied))
+        got = []
+        for t in parts:
+            curve = loss_curve(
+                model, alignment.sd_a, graph.apply(alignment.sd_b, t), evaluation, task_of(model), lambdas(3)
+            )
+            got.append(barrier(curve.lambdas, curve.losses)["midpoint"])
+        lines.append(f"| {name} | " + " | ".join(f"{g:.3f}" for g in got) + " |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def markdown(kind: str, rows: list[dict[str, Any]]) -> str:
     metric = next(iter(rows[0]["metric_mid"]), None)
     head = "| strategy | midpoint barrier | linear barrier | loss at λ=½ |" + (f" {metric} at λ=½ |" if metric else "")
@@ -314,6 +352,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-perm", action="store_true", help="add a head-perm row per `residual` option")
     parser.add_argument("--learned", action="store_true", help="add learned-matching rows (defaults, other lr/steps)")
     parser.add_argument(
+        "--parts", action="store_true", help="instead: each matching's residual maps and its heads and units apart"
+    )
+    parser.add_argument(
         "--random", type=int, default=0, metavar="N", help="add N rows of B under a random permutation (a baseline)"
     )
     parser.add_argument(
@@ -341,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     strategies = [s for s in rows if s[0] not in args.skip]
     torch.manual_seed(0)
     for kind in ("gpt2", "vit") if args.kind == "both" else (args.kind,):
+        if args.parts:
+            print(parts_table(kind, args.tokens or 16384, args.batches) + "\n")
+            continue
         if args.pairs:
             pairs = [(int(a), int(b)) for a, b in (p.split(":") for p in args.pairs)]
             print(pair_table(kind, pairs, strategies, args.tokens, args.batches) + "\n")

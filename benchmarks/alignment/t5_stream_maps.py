@@ -20,7 +20,7 @@ both stacks and by the head's rotation. One map serves both stacks (one table fe
 stacks want different permutations, no permutation fits both, though one rotation may. ``--apart`` then measures that: the encoder's stream given a space of its own
 (its table stored apart from ``shared``, as transformers 5 reads a checkpoint whose two tables differ),
 and the midpoint barrier of each data-free strategy and head-perm, as ``bench_barriers.py`` measures it.
-``--parts`` takes weight matching's, head-perm's and generalized-orthogonal's transforms apart: the
+``--parts`` (`bench_barriers.py --parts`) takes weight matching's, head-perm's and generalized-orthogonal's transforms apart: the
 midpoint barrier (3 λ) with the whole transform, with its residual map alone and with its heads and
 units alone, each a transform of B that keeps its function.
 """
@@ -44,10 +44,8 @@ from hf_rebasin.alignment.strategies import Pair, align
 from hf_rebasin.evaluation.evaluate import barrier, lambdas, loss_curve, task_of
 from hf_rebasin.evaluation.zoo.train import cached_model, held_out_batches
 from hf_rebasin.io.models import load_model
-from hf_rebasin.io.rebuild import rebuild
 from hf_rebasin.symmetry.adapters.base import ArchitectureSpec, SpaceT
 from hf_rebasin.symmetry.adapters.t5 import T5
-from hf_rebasin.symmetry.spaces import Space
 
 ENCODER_SIDE = ("encoder.", "EncDecAttention.k.", "EncDecAttention.v.")  # tensors reading the encoder's stream
 
@@ -186,37 +184,6 @@ def _apart_table(a: Any, b: Any, data: Any, folder: Path, tokens: int = 16384) -
     return "\n".join(lines)
 
 
-def _parts_table(a: Any, b: Any, data: Any, folder: Path, tokens: int = 16384) -> str:
-    """Each strategy's transform whole, its residual map alone (heads and units left as stored) and its
-    heads and units alone (the stream left as stored): every one a transform of B that keeps its function,
-    so the barriers say which part of a matching helps and which hurts."""
-    sd_a, sd_b = a.model.state_dict(), b.model.state_dict()
-    evaluation = bench_barriers.first_tokens(held_out_batches(folder), tokens)
-    lines = ["| strategy | whole | residual map alone | heads and units alone |", "|---|---:|---:|---:|"]
-    for name, options in _STRATEGIES:
-        alignment = align(name, Pair(a.graph, sd_a, sd_b, a.model, b.model, data), options)
-        graph, ident = alignment.graph, alignment.graph.identity()
-        streams = {n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"}
-        parts = (
-            alignment.transform,
-            {n: (m if n in streams else ident[n]) for n, m in alignment.transform.items()},
-            {n: (ident[n] if n in streams else m) for n, m in alignment.transform.items()},
-        )
-        model = rebuild(a.model, dict(alignment.sd_a), untie=bool(alignment.untied))
-        got = []
-        for t in parts:
-            curve = loss_curve(
-                model, alignment.sd_a, graph.apply(alignment.sd_b, t), evaluation, task_of(model), lambdas(3)
-            )
-            got.append(barrier(curve.lambdas, curve.losses)["midpoint"])
-        lines.append(f"| {name} | " + " | ".join(f"{g:.3f}" for g in got) + " |")
-        print(lines[-1], file=sys.stderr, flush=True)
-    return "\n".join(lines)
-
-
-_STRATEGIES = (("weight-matching", {}), ("head-perm", {"residual": "all"}), ("generalized-orthogonal", {}))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--apart", action="store_true", help="also measure barriers with a map per stream")
@@ -237,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.apart:
         print(_apart_table(a, b, data, folders[0]), end="\n\n")
     if args.parts:
-        print(_parts_table(a, b, data, folders[0]))
+        print(bench_barriers.parts_table(args.kind))
 
 
 if __name__ == "__main__":
