@@ -23,8 +23,18 @@ from hf_rebasin.lineage.record import LineageRecord
 from hf_rebasin.symmetry.adapters import graph_for
 from hf_rebasin.symmetry.canonical import canonicalize
 
-LAYERS = {"gpt2": "n_layer", "llama-gqa": "num_hidden_layers"}
-KEYS = {"gpt2": "transformer.h", "llama-gqa": "model.layers"}
+LAYERS = {
+    "gpt2": "n_layer",
+    "llama-gqa": "num_hidden_layers",
+    "dinov2-cls": "num_hidden_layers",
+    "t5-encoder": "num_layers",
+}
+KEYS = {
+    "gpt2": "transformer.h",
+    "llama-gqa": "model.layers",
+    "dinov2-cls": "dinov2.encoder.layer",
+    "t5-encoder": "encoder.block",
+}
 
 
 def _deep(family: str, seed: int, layers: int = 4) -> torch.nn.Module:
@@ -72,7 +82,8 @@ def _sources(record: LineageRecord, pair: int = 0) -> list[int | None]:
     return [m.source for m in lmap.layers]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
+# DINOv2 and a T5 encoder name their spaces apart from their tensors (``enc.*``, ``layer.{i}``)
+@pytest.mark.parametrize("family", ["gpt2", "llama-gqa", "dinov2-cls", "t5-encoder"])
 @pytest.mark.parametrize(
     ("kept", "kind"),
     [([0, 2, 4], "depth-pruned"), ([0, 1, 2, 3], "depth-pruned"), ([0, 1, 2, 3, 2, 3, 4, 5], "depth up-scaled")],
