@@ -90,53 +90,32 @@ def bert_base(seed: int = 0) -> torch.nn.Module:
     )
 
 
-def roberta_mlm(seed: int = 0) -> torch.nn.Module:
-    _seed(seed)
-    return _randomize_norms(
-        T.RobertaForMaskedLM(
-            T.RobertaConfig(
-                vocab_size=V,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=48,
-                max_position_embeddings=64,
-            )
-        ),
-        seed,
-    )
-
-
-def roberta_mc(seed: int = 0) -> torch.nn.Module:
-    """Multiple choice: RoBERTa's pooler (its sequence classifier has none) to one score."""
-    _seed(seed)
-    config = T.RobertaConfig(
+def _roberta_config(**kw: object) -> T.RobertaConfig:
+    return T.RobertaConfig(
         vocab_size=V,
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=48,
         max_position_embeddings=64,
+        **kw,
     )
-    return _randomize_norms(T.RobertaForMultipleChoice(config), seed)
+
+
+def roberta_mlm(seed: int = 0) -> torch.nn.Module:
+    _seed(seed)
+    return _randomize_norms(T.RobertaForMaskedLM(_roberta_config()), seed)
+
+
+def roberta_mc(seed: int = 0) -> torch.nn.Module:
+    """Multiple choice: RoBERTa's pooler (its sequence classifier has none) to one score."""
+    _seed(seed)
+    return _randomize_norms(T.RobertaForMultipleChoice(_roberta_config()), seed)
 
 
 def roberta_cls(seed: int = 0) -> torch.nn.Module:
     _seed(seed)
-    return _randomize_norms(
-        T.RobertaForSequenceClassification(
-            T.RobertaConfig(
-                vocab_size=V,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=48,
-                max_position_embeddings=64,
-                num_labels=3,
-            )
-        ),
-        seed,
-    )
+    return _randomize_norms(T.RobertaForSequenceClassification(_roberta_config(num_labels=3)), seed)
 
 
 def gpt2(seed: int = 0, tied: bool = True) -> torch.nn.Module:
