@@ -102,6 +102,7 @@ def _quick_vits(tmp_path: Path) -> list[str]:
     return [str(train.cached_model("vit", seed, tmp_path / "zoo", config=TINY_VIT)) for seed in (0, 1)]
 
 
+@pytest.mark.slow  # trains two ViTs for a few steps and runs the CLI in a process of its own (8 s)
 def test_metric_that_fails_on_the_predictions_is_a_user_error(tmp_path: Path, env: dict[str, str]) -> None:
     evaluate = {"task": "image-classification", "data": {"dataset": "digits", "split": "test"}, "points": 2}
     recipe = _recipe(tmp_path, {**evaluate, "metrics": [str(METRIC)]}, models=_quick_vits(tmp_path))

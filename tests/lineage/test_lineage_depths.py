@@ -82,12 +82,22 @@ def _sources(record: LineageRecord, pair: int = 0) -> list[int | None]:
     return [m.source for m in lmap.layers]
 
 
-# DINOv2 and a T5 encoder name their spaces apart from their tensors (``enc.*``, ``layer.{i}``)
-@pytest.mark.parametrize("family", ["gpt2", "llama-gqa", "dinov2-cls", "t5-encoder"])
+# DINOv2 and a T5 encoder name their spaces apart from their tensors (``enc.*``, ``layer.{i}``): one case each
 @pytest.mark.parametrize(
-    ("kept", "kind"),
-    [([0, 2, 4], "depth-pruned"), ([0, 1, 2, 3], "depth-pruned"), ([0, 1, 2, 3, 2, 3, 4, 5], "depth up-scaled")],
-    ids=["every-second", "last-two-dropped", "solar-like"],
+    ("family", "kept", "kind"),
+    [
+        *(
+            (family, kept, kind)
+            for family in ("gpt2", "llama-gqa")
+            for kept, kind in (
+                ([0, 2, 4], "depth-pruned"),
+                ([0, 1, 2, 3], "depth-pruned"),
+                ([0, 1, 2, 3, 2, 3, 4, 5], "depth up-scaled"),
+            )
+        ),
+        ("dinov2-cls", [0, 2, 4], "depth-pruned"),
+        ("t5-encoder", [0, 1, 2, 3, 2, 3, 4, 5], "depth up-scaled"),
+    ],
 )
 def test_a_pruned_or_up_scaled_fine_tune_is_mapped_layer_by_layer(family: str, kept: list[int], kind: str, tmp_path):
     parent = _deep(family, 0, 6)

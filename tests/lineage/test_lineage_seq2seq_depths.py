@@ -135,6 +135,7 @@ def test_a_pruned_encoder_decoder_is_mapped_stack_by_stack(family: str, saved_mo
     assert record.models[0].stacks == dict(zip(STACKS[family], depths, strict=True))
 
 
+@pytest.mark.slow  # BART, Whisper and T5 are mapped in the fast suite; their relatives' layouts here
 @pytest.mark.parametrize("family", ["mbart", "marian", "m2m100", "mt5"])
 def test_every_other_encoder_decoder_family_is_mapped_stack_by_stack(family: str, saved_model) -> None:
     kept = ([0, 2, 3], [0, 3])

@@ -77,9 +77,8 @@ def test_a_random_transform_keeps_every_logit_of_the_stock_class(tmp_path: Path,
         pytest.skip("transformers gives ModernBERT no pre-training class")
     model = _model(family, head).eval()
     names = sorted(_logits(model, _inputs(model.config, head)))
-    for transform_class in ("permutation", "orthogonal"):
-        report = verify_model(model, transform_class, seed=3)
-        assert report.compared == names and report.max_abs_diff <= TOLERANCE
+    report = verify_model(model, "orthogonal", seed=3)  # permutations where a LayerNorm stream allows no more
+    assert report.compared == names and report.max_abs_diff <= TOLERANCE
     sd = model.state_dict()
     graph = graph_for(model.config, sd.keys())
     moved = graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(4)))
