@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hf_rebasin.alignment.strategies import AlignmentData, Pair, align
+from hf_rebasin.alignment.strategies import Alignment, AlignmentData, Pair, align
 from hf_rebasin.evaluation import data as hdata
 from hf_rebasin.evaluation.evaluate import barrier, lambdas, loss_curve, task_of
 from hf_rebasin.evaluation.zoo import catalogue as zoo
@@ -194,15 +194,14 @@ def barrier_table(
     for label, name, options in strategies:
         start = time.perf_counter()
         graph = unsigned(a.graph) if label in plain else a.graph
-        if name == RANDOM:  # the baseline no matching should fall below: B under an arbitrary permutation
+        if name == RANDOM:  # the baseline a matching should stay below: B under an arbitrary permutation
             t = graph.random_transform("permutation", torch.Generator().manual_seed(options["seed"]))
-            ends, seconds, exact = (dict(sd_a), graph.apply(sd_b, t), False), 0.0, True
+            alignment = Alignment(RANDOM, graph, sd_a, sd_b, t)
         else:
             alignment = align(name, Pair(graph, sd_a, sd_b, a.model, b.model, data), options)
-            ends, exact = (alignment.sd_a, alignment.aligned_b(), bool(alignment.untied)), alignment.exact
-            seconds = time.perf_counter() - start
-        model = rebuild(a.model, dict(ends[0]), untie=ends[2])
-        curve = loss_curve(model, ends[0], ends[1], evaluation, task, lambdas(points))
+        seconds = time.perf_counter() - start
+        model = rebuild(a.model, dict(alignment.sd_a), untie=bool(alignment.untied))
+        curve = loss_curve(model, alignment.sd_a, alignment.aligned_b(), evaluation, task, lambdas(points))
         rows.append(
             {
                 "strategy": label,
@@ -214,7 +213,7 @@ def barrier_table(
                 "lambdas": list(curve.lambdas),
                 "losses": list(curve.losses),
                 "seconds": seconds,
-                "exact": exact,
+                "exact": alignment.exact,
             }
         )
     return rows
