@@ -22,6 +22,32 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def drifted(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:
+    """``model`` with a rank-2 change of every linear layer but the token tables and the head (in
+    place): a fine-tune or a target trained apart a little, what a low-rank correction can undo."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name and "shared" not in name and "lm_head" not in name:
+                a, b = torch.randn(p.shape[0], 2, generator=g), torch.randn(2, p.shape[1], generator=g)
+                p.add_(scale * p.std() * (a @ b) / 2)
+    return model
+
+
+def bart_lora(base: str, std: float) -> torch.nn.Module:
+    """A PEFT LoRA adapter (rank 4 on q, v and fc1) on the BART in folder ``base``, its B factors
+    drawn with ``std`` (seeded) so that it changes the model."""
+    import peft
+
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "fc1"], task_type="SEQ_2_SEQ_LM")
+    tuned = peft.get_peft_model(T.AutoModelForSeq2SeqLM.from_pretrained(base), config)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std, generator=torch.Generator().manual_seed(1))
+    return tuned
+
+
 def _randomize_norms(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Fresh models have γ = 1, β = 0 and tiny weights (near-uniform attention), which would hide
     norm- and head-handling bugs: give every parameter an O(1) effect."""

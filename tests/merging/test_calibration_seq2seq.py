@@ -33,14 +33,7 @@ def _sources(n: int, seed: int, width: int = 10) -> Sources:
 
 def _perturbed(teacher: torch.nn.Module, scale: float = 0.3) -> torch.nn.Module:
     """The teacher with a rank-2 change of every linear layer (what a rank-4 correction can undo)."""
-    student = copy.deepcopy(teacher)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in student.named_parameters():
-            if p.dim() == 2 and "shared" not in name and "embed" not in name and "lm_head" not in name:
-                a, b = torch.randn(p.shape[0], 2, generator=g), torch.randn(2, p.shape[1], generator=g)
-                p.add_(scale * p.std() * (a @ b) / 2)
-    return student
+    return tiny.drifted(copy.deepcopy(teacher), 3, scale)
 
 
 def _ids(model: torch.nn.Module) -> tuple[int, int, int]:

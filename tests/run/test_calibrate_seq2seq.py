@@ -33,22 +33,12 @@ ENV = {"HF_HUB_OFFLINE": "1", "HF_REBASIN_NO_CACHE": "1"}
 SMALL = {"steps": 24, "samples": 16, "held_out": 0.25, "block_size": 16, "batch_size": 4, "learning_rate": 1e-2}
 
 
-def _perturb(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name and "shared" not in name and "lm_head" not in name:
-                a, b = torch.randn(p.shape[0], 2, generator=g), torch.randn(2, p.shape[1], generator=g)
-                p.add_(scale * p.std() * (a @ b) / 2)
-    return model
-
-
 def _folders(root: Path, family: str) -> dict[str, Path]:
     """Base, a fine-tune of it (a rank-2 change of every linear layer) and a target that is the
     base trained apart a little: the moved model is the fine-tune plus the target's drift."""
     make = {"t5": tiny.t5, "bart": tiny.bart}[family]
     tokenizer = char_tokenizer(TEXT, mask=family == "bart")
-    models = {"base": make(0), "ft": _perturb(make(0), 1, 0.4), "target": _perturb(make(0), 2, 0.3)}
+    models = {"base": make(0), "ft": tiny.drifted(make(0), 1, 0.4), "target": tiny.drifted(make(0), 2, 0.3)}
     out = {}
     for name, model in models.items():
         out[name] = root / f"{family}-{name}"
@@ -196,12 +186,7 @@ def test_a_calibrated_bart_lora_adapter_stays_an_adapter_peft_loads(tmp_path: Pa
     import peft
 
     folders = _folders(tmp_path, "bart")
-    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "fc1"], task_type="SEQ_2_SEQ_LM")
-    tuned = peft.get_peft_model(T.AutoModelForSeq2SeqLM.from_pretrained(str(folders["base"])), config)
-    with torch.no_grad():
-        for name, p in tuned.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
+    tuned = tiny.bart_lora(str(folders["base"]), 0.2)
     adapter = tmp_path / "lora"
     tuned.save_pretrained(str(adapter))
     data = {"dataset": "json", "data_files": str(_pairs(tmp_path))}
