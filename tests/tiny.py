@@ -8,6 +8,15 @@ import torch
 import transformers as T
 
 V = 64  # vocabulary of every tiny text model
+# the tiny encoders' sizes (BERT's field names): 2 layers of width 32, 4 heads, 48 MLP units
+ENCODER_SIZES = {
+    "vocab_size": V,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 48,
+    "max_position_embeddings": 64,
+}
 # the text of the character-level tests (its characters fit in V with room for <mask> and specials)
 HAMLET = (
     "to be, or not to be, that is the question:\n"
@@ -69,12 +78,7 @@ def bert_mlm(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(
         T.BertForMaskedLM(
             T.BertConfig(
-                vocab_size=V,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=48,
-                max_position_embeddings=64,
+                **ENCODER_SIZES,
             )
         ),
         seed,
@@ -86,12 +90,7 @@ def bert_cls(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(
         T.BertForSequenceClassification(
             T.BertConfig(
-                vocab_size=V,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=48,
-                max_position_embeddings=64,
+                **ENCODER_SIZES,
                 num_labels=3,
             )
         ),
@@ -104,12 +103,7 @@ def bert_base(seed: int = 0) -> torch.nn.Module:
     return _randomize_norms(
         T.BertModel(
             T.BertConfig(
-                vocab_size=V,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=48,
-                max_position_embeddings=64,
+                **ENCODER_SIZES,
             )
         ),
         seed,
@@ -118,12 +112,7 @@ def bert_base(seed: int = 0) -> torch.nn.Module:
 
 def _roberta_config(**kw: object) -> T.RobertaConfig:
     return T.RobertaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=64,
+        **ENCODER_SIZES,
         **kw,
     )
 
@@ -284,12 +273,7 @@ def clip(seed: int = 0) -> torch.nn.Module:
 
 def _xlm_roberta_config(**kw: object) -> T.XLMRobertaConfig:
     return T.XLMRobertaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=64,
+        **ENCODER_SIZES,
         **kw,
     )
 
@@ -328,12 +312,7 @@ def distilbert_base(seed: int = 0) -> torch.nn.Module:
 def _modernbert_config(**kw: object) -> T.ModernBertConfig:
     # layer 0 global, layer 1 sliding-window attention; a 4-token window so it bites on 12 tokens
     return T.ModernBertConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=64,
+        **ENCODER_SIZES,
         local_attention=4,
         pad_token_id=0,
         bos_token_id=1,
@@ -456,12 +435,7 @@ def gpt_neox(seed: int = 0, parallel: bool = True, tied: bool = False) -> torch.
     """Pythia's layout: parallel residual, rotary_pct 0.25 (2 of 8 features per head), biases."""
     _seed(seed)
     cfg = T.GPTNeoXConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=64,
+        **ENCODER_SIZES,
         use_parallel_residual=parallel,
         tie_word_embeddings=tied,
     )
@@ -1242,12 +1216,7 @@ def albert_groups(seed: int = 0) -> torch.nn.Module:
 
 def _mpnet_config(**kw: object) -> T.MPNetConfig:
     return T.MPNetConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=64,
+        **ENCODER_SIZES,
         **kw,
     )
 
