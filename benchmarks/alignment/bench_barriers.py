@@ -368,6 +368,14 @@ def main(argv: list[str] | None = None) -> None:
         help='add a learned row per set of options, e.g. \'{"rotations": "polar"}\'',
     )
     parser.add_argument(
+        "--row",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("STRATEGY", "JSON"),
+        help='add a row of this strategy and options, e.g. generalized-orthogonal \'{"glu": "balance"}\' (repeatable)',
+    )
+    parser.add_argument(
         "--batches", type=int, default=8, help="alignment data: this many × 1,024 training tokens (or 64 images)"
     )
     args = parser.parse_args(argv)
@@ -375,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     rows += [(f"learned, budget {n:,}", "generalized-orthogonal", {"learned": True, "budget": n}) for n in args.budget]
     rows += [(f"{RANDOM}, seed {k}", RANDOM, {"seed": k}) for k in range(args.random)]
     rows += [(f"learned, {json.dumps(v)}", "generalized-orthogonal", {"learned": True, **v}) for v in args.variant]
+    rows += [(f"{name}, {text}", name, json.loads(text)) for name, text in args.row]
     unknown = set(args.skip) - {label for label, _, _ in rows}
     if unknown:
         parser.error(f"--skip: no row {', '.join(sorted(unknown))}; rows: {', '.join(s[0] for s in rows)}")

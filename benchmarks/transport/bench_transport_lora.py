@@ -92,7 +92,7 @@ def pair_rows(kind: str, seeds: tuple[int, int], tokens: int, calibrate: bool = 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", default="bench-t5", choices=["bench-t5", "bench-gpt2"])
+    parser.add_argument("--kind", default="bench-t5", choices=["bench-t5", "bench-t5-long", "bench-gpt2"])
     parser.add_argument("--pairs", nargs="+", default=["0:1"], help="A:B seed pairs (A's adapter moves)")
     parser.add_argument("--tokens", type=int, default=32768, help="held-out tokens scored per data set")
     parser.add_argument(

@@ -209,7 +209,9 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", default="bench-gpt2", choices=["bench-gpt2", "bench-t5"], help="the base pair's kind")
+    parser.add_argument(
+        "--kind", default="bench-gpt2", choices=["bench-gpt2", "bench-t5", "bench-t5-long"], help="the base pair's kind"
+    )
     parser.add_argument("--pairs", nargs="+", default=["0:1", "0:2"], help="A:B seed pairs (A's fine-tune moves)")
     parser.add_argument("--tokens", type=int, default=32768, help="held-out tokens scored per data set")
     parser.add_argument("--budget", type=float, default=0.1, help="support budget (nats) of the capped choice")
@@ -220,8 +222,10 @@ def main() -> None:
         help="bench-t5: also the calibrated transport at α = 1 of each global method",
     )
     args = parser.parse_args()
-    if args.calibrate and args.kind != "bench-t5":
-        parser.error("--calibrate is for --kind bench-t5 (bench_calibration.py calibrates the causal zoo)")
+    if args.calibrate and not args.kind.startswith("bench-t5"):
+        parser.error(
+            "--calibrate is for --kind bench-t5 / bench-t5-long (bench_calibration.py calibrates the causal zoo)"
+        )
     torch.set_num_threads(args.threads)
     rows = []
     for pair in args.pairs:

@@ -149,6 +149,9 @@ Kind = Literal[
     # bench-t5 of a seed fine-tuned on the King James Bible (full, and as a LoRA adapter)
     "bench-t5-ft",
     "bench-t5-ft-lora",
+    # the same fine-tunes of bench-t5-long
+    "bench-t5-long-ft",
+    "bench-t5-long-ft-lora",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 

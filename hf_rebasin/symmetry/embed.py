@@ -87,7 +87,8 @@ def _head_dim_refusal(small: HeadSpace, big: HeadSpace) -> str | None:
     """Why a head space's head_dim cannot grow from ``small`` to ``big`` (None: it can, or it stays).
 
     Without rotary embeddings a head pads exactly: zero features add nothing to a score, and the
-    queries scaled by √(head_dim′/head_dim) undo the wider 1/√head_dim′ (`_query_scales`)."""
+    queries scaled by √(head_dim′/head_dim) undo the wider 1/√head_dim′ (`_query_scales`; T5 divides
+    by nothing, so its queries stay)."""
     if big.head_dim == small.head_dim:
         return None
     if small.rotary:
@@ -110,7 +111,7 @@ def _query_scales(graph: SymmetryGraph, ref: AxisRef, wide: SymmetryGraph) -> Te
         name, role = split_ref(part)
         small, big = graph.spaces[name], wide.spaces[name]
         factor = 1.0
-        if role == "q" and isinstance(small, HeadSpace) and isinstance(big, HeadSpace):
+        if role == "q" and isinstance(small, HeadSpace) and isinstance(big, HeadSpace) and small.scores_scaled:
             factor = math.sqrt(big.head_dim / small.head_dim)
         scaled = scaled or factor != 1.0
         pieces.append(torch.full((graph.ref_size(part),), factor, dtype=torch.float64))
@@ -362,7 +363,8 @@ def grown(narrow: SymmetryGraph, wide: SymmetryGraph) -> dict[str, tuple[int, in
         if a != b:
             out[f"{LAYER.sub('.*.', name)} ({what})"] = (a, b)
         if isinstance(small, HeadSpace) and isinstance(big, HeadSpace) and small.head_dim != big.head_dim:
-            out[f"{LAYER.sub('.*.', name)} (head_dim: queries × √({big.head_dim}/{small.head_dim}))"] = (
+            scale = f": queries × √({big.head_dim}/{small.head_dim})" if small.scores_scaled else ""
+            out[f"{LAYER.sub('.*.', name)} (head_dim{scale})"] = (
                 small.head_dim,
                 big.head_dim,
             )

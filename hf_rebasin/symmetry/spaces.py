@@ -79,7 +79,8 @@ class HeadSpace:
       ``k_norm``) or partial rotary embeddings (rotated and pass-through features in one head).
 
     ``rotary`` records that the layer has rotary position embeddings; ``reason`` says why Q/K are
-    fixed, for messages. Role ``h`` has one feature per query head (a per-head tensor: T5's
+    fixed, for messages. ``scores_scaled``: the model divides its scores by √head_dim (T5 does
+    not), so a wider head's queries must be rescaled to keep them. Role ``h`` has one feature per query head (a per-head tensor: T5's
     relative position bias); it takes the head order only, no inner map.
     """
 
@@ -91,6 +92,7 @@ class HeadSpace:
     kind: str = "attention"
     qk: QKMode = "free"
     reason: str = ""
+    scores_scaled: bool = True
 
     def __post_init__(self) -> None:
         if self.qk not in QK_MODES:

@@ -179,33 +179,22 @@ def test_a_calibrated_t5_transport_without_data_refuses_naming_calibrate_data(tm
 
 
 @pytest.mark.slow  # lineage and embed of encoder-decoders: covered fast by their adapter tests
-def test_embed_writes_a_t5_into_a_wider_stream_and_feed_forwards_computing_the_same_logits(
+def test_embed_writes_a_t5_into_a_wider_stream_feed_forwards_and_heads_computing_the_same_logits(
     tmp_path: Path, t5s: list[Path]
 ) -> None:
     wide = tmp_path / "wide"
     config = tiny.t5(0).config
     config.d_ff, config.d_model = 64, 48  # v1.1: no rescale before the head, so the stream grows too
+    config.d_kv, config.num_heads = config.d_kv + 4, config.num_heads + 2
     T.T5ForConditionalGeneration(config).save_pretrained(str(wide))
     proc = run_cli("embed", str(t5s[0]), "--like", str(wide), "--output", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     written = T.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "out"))
-    assert (written.config.d_ff, written.config.d_model) == (64, 48)
+    got = (written.config.d_ff, written.config.d_model, written.config.d_kv, written.config.num_heads)
+    assert got == (64, 48, config.d_kv, config.num_heads)
     ids = torch.randint(3, tiny.V, (2, 12), generator=torch.Generator().manual_seed(0))
     assert (_logits(t5s[0], ids) - _logits(tmp_path / "out", ids)).abs().max() <= 1e-4
     assert set(_stored(tmp_path / "out")) == set(_stored(t5s[0]))
-
-
-@pytest.mark.slow  # lineage and embed of encoder-decoders: covered fast by their adapter tests
-@pytest.mark.parametrize(("field", "value"), [("d_kv", 8), ("num_heads", 8)])
-def test_embed_refuses_the_t5_widths_it_does_not_build(tmp_path: Path, t5s: list[Path], field: str, value: int) -> None:
-    wide = tmp_path / "wide"
-    config = tiny.t5(0).config
-    setattr(config, field, value)
-    T.T5ForConditionalGeneration(config).save_pretrained(str(wide))
-    proc = run_cli("embed", str(t5s[0]), "--like", str(wide), "--output", str(tmp_path / "out"))
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"`{field}` is" in flat(proc.stderr) and "a t5 model is not embedded" in flat(proc.stderr)
-    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow  # lineage and embed of encoder-decoders: covered fast by their adapter tests

@@ -296,17 +296,28 @@ def test_a_t5_without_a_rescale_before_its_head_grows_its_stream_exactly(models:
     assert _gap(model, wide) <= 1e-4
 
 
-@pytest.mark.parametrize(
-    ("family", "field", "why"),
-    [
-        ("t5-relu", "d_model", "d_model\\*\\*-0.5 rescale"),
-        ("t5", "d_kv", "does not divide its scores"),
-        ("t5", "num_heads", "relative position bias"),
-    ],
-)
-def test_the_t5_widths_not_built_are_refused_by_name(models: dict[str, Any], family: str, field: str, why: str) -> None:
+@pytest.mark.parametrize("family", ["t5", "mt5", "t5-relu"])
+def test_t5_heads_grow_in_number_and_width_exactly(models: dict[str, Any], family: str) -> None:
+    """T5 divides its scores by nothing, so a wider head keeps its queries as they are (other families
+    scale them by √(head_dim′/head_dim)); an added head's position-bias column is read by nothing, its
+    output projection being zero. The original T5 (its tied head rescaled) takes both too."""
     model = _model(models, family)
     like = copy.deepcopy(model.config)
-    setattr(like, field, getattr(like, field) * 2)
-    with pytest.raises(IncompatibleModelsError, match=f"`{field}` is .*{why}"):
+    like.d_kv, like.num_heads = like.d_kv + 8, like.num_heads + 2
+    wide, _ = embed_model(model, like)
+    assert (wide.config.d_kv, wide.config.num_heads) == (like.d_kv, like.num_heads)
+    assert _gap(model, wide) <= 1e-4
+    narrow_q = model.encoder.block[0].layer[0].SelfAttention.q.weight.detach()
+    wide_q = wide.encoder.block[0].layer[0].SelfAttention.q.weight.detach()
+    dh, heads = model.config.d_kv, model.config.num_heads
+    kept = wide_q.reshape(like.num_heads, like.d_kv, -1)[:heads, :dh].reshape(heads * dh, -1)
+    assert torch.equal(kept, narrow_q)  # the same queries, not rescaled
+    assert wide_q.reshape(like.num_heads, like.d_kv, -1)[:, dh:].abs().max() == 0  # added features read nothing
+
+
+def test_the_original_t5_stream_is_refused_by_name(models: dict[str, Any]) -> None:
+    model = _model(models, "t5-relu")
+    like = copy.deepcopy(model.config)
+    like.d_model *= 2
+    with pytest.raises(IncompatibleModelsError, match=r"`d_model` is .*d_model\*\*-0\.5 rescale"):
         embed_model(model, like)

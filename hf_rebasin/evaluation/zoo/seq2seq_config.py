@@ -116,10 +116,13 @@ class Seq2SeqFineTuneConfig:
     eval_tokens: int = 131072
 
 
+# the same as a rank-16 LoRA adapter on every projection (bench-gpt2-ft-lora's rank and rate)
+_T5_LORA: dict[str, Any] = {"lr": 1e-3, "rank": 16, "target_modules": ("q", "k", "v", "o", "wi_0", "wi_1", "wo")}
+
 SEQ2SEQ_TUNED: dict[Kind, Seq2SeqFineTuneConfig] = {
     "bench-t5-ft": Seq2SeqFineTuneConfig(),
-    # the same as a rank-16 LoRA adapter on every projection (bench-gpt2-ft-lora's rank and rate)
-    "bench-t5-ft-lora": Seq2SeqFineTuneConfig(
-        lr=1e-3, rank=16, target_modules=("q", "k", "v", "o", "wi_0", "wi_1", "wo")
-    ),
+    "bench-t5-ft-lora": Seq2SeqFineTuneConfig(**_T5_LORA),
+    # the same fine-tunes of the pair trained three times as long
+    "bench-t5-long-ft": Seq2SeqFineTuneConfig(base="bench-t5-long"),
+    "bench-t5-long-ft-lora": Seq2SeqFineTuneConfig(base="bench-t5-long", **_T5_LORA),
 }

@@ -66,6 +66,8 @@ class HeadsT:
     reason: str = ""
     # dims key of the features per head that rotate (partial rotary: fewer than head_dim fixes Q/K)
     rotary_dim: str | None = None
+    # the model divides its scores by √head_dim (T5 does not)
+    scores_scaled: bool = True
 
 
 @dataclass(frozen=True)
@@ -458,7 +460,9 @@ def _head_space(st: HeadsT, name: str, dims: Mapping[str, int]) -> HeadSpace:
     if st.rotary_dim is not None and dims[st.rotary_dim] < dh:
         qk = "fixed"
         reason = reason or f"partial rotary embeddings: {dims[st.rotary_dim]} of {dh} features per head rotate"
-    return HeadSpace(name, dims[st.heads], dims[st.kv_heads], dh, st.rotary, qk=qk, reason=reason)
+    return HeadSpace(
+        name, dims[st.heads], dims[st.kv_heads], dh, st.rotary, qk=qk, reason=reason, scores_scaled=st.scores_scaled
+    )
 
 
 def _sublayers(spec: ArchitectureSpec, dims: Mapping[str, int], env0: Mapping[str, str]) -> tuple[Sublayer, ...]:

@@ -48,9 +48,9 @@ _FF = ("wi", "wi_0", "wi_1")
 
 _SPACES = (
     SpaceT("res", "d", "orthogonal", kind="residual"),
-    HeadsT(ENC_SELF, kv_heads="heads", head_dim="d_kv"),
-    HeadsT(DEC_SELF, kv_heads="heads", head_dim="d_kv"),
-    HeadsT(DEC_CROSS, kv_heads="heads", head_dim="d_kv"),
+    HeadsT(ENC_SELF, kv_heads="heads", head_dim="d_kv", scores_scaled=False),
+    HeadsT(DEC_SELF, kv_heads="heads", head_dim="d_kv", scores_scaled=False),
+    HeadsT(DEC_CROSS, kv_heads="heads", head_dim="d_kv", scores_scaled=False),
     SpaceT(ENC_MLP, "ff", kind="mlp"),
     SpaceT(DEC_MLP, "ff", kind="mlp"),
     SpaceT("head", "d", kind="pooler"),
@@ -154,14 +154,10 @@ def _dims(c: Any) -> dict[str, int]:
     }
 
 
-# the feed-forward units (d_ff) grow, and the stream (d_model) where no rescale reads it: the rest is
-# not built for T5 yet
-_FIXED = {
-    "d_model": "the head's d_model**-0.5 rescale (scale_decoder_outputs) changes with it",
-    "d_kv": "T5 does not divide its scores by √d_kv, so the query rescaling a wider head gets elsewhere "
-    "would change them",
-    "num_heads": "each stack's relative position bias holds one column per head, shared by all its layers",
-}
+# units (d_ff), heads (num_heads: an added head's position-bias column is read by nothing its zero
+# output projection passes on) and head widths (d_kv: T5 divides its scores by nothing) grow; the
+# stream (d_model) only where no rescale reads it
+_FIXED = {"d_model": "the head's d_model**-0.5 rescale (scale_decoder_outputs) changes with it"}
 
 
 def _configured(config: Any) -> dict[str, Any]:
@@ -169,7 +165,7 @@ def _configured(config: Any) -> dict[str, Any]:
     RMSNorm's γ rescaled); the original T5's tied head reads the stream times d_model**-0.5."""
     if getattr(config, "scale_decoder_outputs", False):
         return {}
-    return {"fixed_widths": {k: v for k, v in _FIXED.items() if k != "d_model"}}
+    return {"fixed_widths": {}}
 
 
 T5 = ArchitectureSpec(
