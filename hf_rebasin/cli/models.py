@@ -258,7 +258,7 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     if args.output and alignment.exact:
         with console.status("checking that both models compute what they did…"):
             gaps = {"A": function_gap(a.model, alignment.sd_a, bool(alignment.untied))}
-            gaps["B"] = function_gap(b.model, aligned, bool(alignment.untied))
+            gaps["B"] = function_gap(b.model, aligned, bool(alignment.untied), (alignment.graph, alignment.transform))
     console.print(_align_table(strategy, alignment, distance, gaps))
     for note in alignment.notes:
         console.print(f"note: {escape(note)}", soft_wrap=True)
