@@ -369,6 +369,7 @@ def _lineage_models(folders: list[str], allow_pickle: bool, stream: bool) -> tup
     from pathlib import Path
 
     from hf_rebasin.io.models import load_model
+    from hf_rebasin.merging.initialised import initialised_note
     from hf_rebasin.run.adapter_models import is_bare_adapter, merged_adapter
 
     loaded, notes = [], []
@@ -382,6 +383,8 @@ def _lineage_models(folders: list[str], allow_pickle: bool, stream: bool) -> tup
                 notes.append(note)
             else:
                 loaded.append(load_model(folder, allow_pickle=allow_pickle, stream=stream))
+        if loaded[-1].initialised:
+            notes.append(initialised_note(where, loaded[-1].initialised))
     return loaded, notes
 
 

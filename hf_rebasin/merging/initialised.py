@@ -62,5 +62,6 @@ def initialised_note(model: str, initialised: Mapping[str, str]) -> str:
     parts = "; ".join(f"{why}: {', '.join(names)}" for why, names in by_why.items())
     return (
         f"{model}: its files lack tensors that transformers initialises at random when it loads them ({parts}); "
-        "they are not compared, and a merge takes them from the models that have them"
+        "they are read as zeros: no alignment or lineage compares them, and a merge takes them from the models "
+        "that have them"
     )

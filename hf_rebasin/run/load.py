@@ -183,7 +183,7 @@ def _loading_notes(
 
 
 # jobs that take a model whose files lack tensors transformers initialises (`merging.initialised`)
-TAKE_INITIALISED = ("merge", "barrier", "align")
+TAKE_INITIALISED = ("merge", "barrier", "align", "lineage")
 
 
 def _check_initialised(job: str, inputs: Roles[PlannedModel], models: Roles[LoadedModel]) -> None:

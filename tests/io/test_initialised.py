@@ -137,11 +137,37 @@ def test_an_aligned_model_is_written_without_what_its_files_lacked(tmp_path: Pat
     assert _stock_missing(T.BertModel, folders[1]) == POOLER
 
 
-def test_a_job_that_does_not_take_such_a_model_names_the_tensor_and_writes_nothing(tmp_path: Path) -> None:
-    a = _saved(tiny.bert_base(0), tmp_path / "a")
-    b = _saved(tiny.bert_base(1), tmp_path / "b", POOLER)
-    body = {"job": "lineage", "models": [str(a), str(b)], "output": {"dir": "out"}}
+def test_a_transport_names_the_tensor_and_writes_nothing(tmp_path: Path) -> None:
+    base = _saved(tiny.bert_base(0), tmp_path / "base")
+    tuned = _saved(tiny.bert_base(0), tmp_path / "tuned", POOLER)
+    target = _saved(tiny.bert_base(1), tmp_path / "target")
+    body = {"job": "transport", "base": str(base), "finetuned": str(tuned), "target": str(target)}
+    body |= {"strategy": "weight-matching", "calibrate": False, "output": {"dir": "out"}}
     proc = run_main(str(write_recipe(tmp_path, body)))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "pooler.dense" in flat(proc.stderr) and "job: lineage" in flat(proc.stderr)
+    assert "pooler.dense" in flat(proc.stderr) and "job: transport" in flat(proc.stderr)
     assert not (tmp_path / "out").exists()
+
+
+def test_lineage_compares_what_both_have(tmp_path: Path) -> None:
+    """A model and its copy saved without the pooler are one model: no space in the evidence is the
+    pooler (all zeros on one side: nothing to compare), and no alignment is needed."""
+    model = tiny.bert_base(0)
+    a, b = _saved(model, tmp_path / "a"), _saved(model, tmp_path / "b", POOLER)
+    proc = run_main("lineage", str(a), str(b), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pair = json.loads(proc.stdout)["pairs"][0]
+    assert "pooler" not in {s["space"] for s in pair["spaces"]}
+    assert pair["next_step"].startswith("no alignment needed"), pair["next_step"]
+    assert "pooler.dense.weight" in flat(proc.stderr)  # the note: what MODEL 2's files lack
+
+
+def test_job_lineage_takes_such_a_model(tmp_path: Path) -> None:
+    a = _saved(tiny.bert_base(0), tmp_path / "a")
+    b = _saved(tiny.bert_base(1), tmp_path / "b", POOLER)
+    proc = run_main(
+        str(write_recipe(tmp_path, {"job": "lineage", "models": [str(a), str(b)], "output": {"dir": "out"}}))
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((tmp_path / "out" / "lineage.json").read_text())
+    assert "pooler" not in {s["space"] for s in record["pairs"][0]["spaces"]}
