@@ -80,13 +80,15 @@ def logits_gap(
     return gap, scale
 
 
-def example_gap(model: PreTrainedModel, rewritten: PreTrainedModel) -> tuple[float, float]:
-    """`logits_gap` of ``model`` and ``rewritten`` on `example_inputs` of ``model``'s family (seed 0),
-    on ``model``'s device: the fixed check of a rewrite when no data is at hand."""
+def example_gap(
+    model: PreTrainedModel, rewritten: PreTrainedModel, basis: tuple[SymmetryGraph, Transform] | None = None
+) -> tuple[float, float]:
+    """`logits_gap` of ``model`` and ``rewritten`` (in ``basis``) on `example_inputs` of ``model``'s
+    family (seed 0), on ``model``'s device: the fixed check of a rewrite when no data is at hand."""
     spec = get_adapter(model.config.model_type)
     device = next(model.parameters()).device
     inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(0))
-    return logits_gap(model, rewritten, {k: v.to(device) for k, v in inputs.items()})
+    return logits_gap(model, rewritten, {k: v.to(device) for k, v in inputs.items()}, basis)
 
 
 def check_preserved(gap: float, scale: float, what: str) -> None:

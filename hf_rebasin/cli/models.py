@@ -258,7 +258,7 @@ def cmd_align(args: argparse.Namespace, console: Console) -> int:
     if args.output and alignment.exact:
         with console.status("checking that both models compute what they did…"):
             gaps = {"A": function_gap(a.model, alignment.sd_a, bool(alignment.untied))}
-            gaps["B"] = function_gap(b.model, aligned, bool(alignment.untied))
+            gaps["B"] = function_gap(b.model, aligned, bool(alignment.untied), (alignment.graph, alignment.transform))
     console.print(_align_table(strategy, alignment, distance, gaps))
     for note in alignment.notes:
         console.print(f"note: {escape(note)}", soft_wrap=True)
@@ -369,6 +369,7 @@ def _lineage_models(folders: list[str], allow_pickle: bool, stream: bool) -> tup
     from pathlib import Path
 
     from hf_rebasin.io.models import load_model
+    from hf_rebasin.merging.initialised import initialised_note
     from hf_rebasin.run.adapter_models import is_bare_adapter, merged_adapter
 
     loaded, notes = [], []
@@ -382,6 +383,8 @@ def _lineage_models(folders: list[str], allow_pickle: bool, stream: bool) -> tup
                 notes.append(note)
             else:
                 loaded.append(load_model(folder, allow_pickle=allow_pickle, stream=stream))
+        if loaded[-1].initialised:
+            notes.append(initialised_note(where, loaded[-1].initialised))
     return loaded, notes
 
 

@@ -301,3 +301,18 @@ def _runs(ids: Tensor) -> list[tuple[int, int]]:
         last = i
     out.append((lo, last + 1))
     return out
+
+
+def zeroed(state: Mapping[str, Tensor], names: Collection[str]) -> Mapping[str, Tensor]:
+    """``state`` with the tensors ``names`` read as zeros (no tensor copied; a lazy state stays
+    lazy): what a comparison must not read as evidence, on both sides alike."""
+    names = {n for n in names if n in state}
+    if not names:
+        return state
+    if isinstance(state, LazyState):
+        rows = state.rows
+        return state.derive(
+            lambda n: torch.zeros(state.shape(n), dtype=state.dtype(n)) if n in names else state[n],
+            rows=lambda n: None if n in names else rows(n),
+        )
+    return {k: (torch.zeros_like(v) if k in names else v) for k, v in state.items()}

@@ -46,6 +46,8 @@ class Checkpoint:
     fused: set[str] = field(default_factory=set)  # model names of expert tensors stored stacked
     # model names of tensors the files lack and the class makes on load (Marian's sinusoidal tables)
     made: set[str] = field(default_factory=set)
+    # model names of tensors the files lack that transformers initialises (a pooler, a task head), with why
+    initialised: dict[str, str] = field(default_factory=dict)
 
     @property
     def expert_layout(self) -> str | None:

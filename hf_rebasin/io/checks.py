@@ -18,7 +18,7 @@ from torch import Tensor
 from hf_rebasin.core.errors import CheckpointError, ConfigError, IncompatibleModelsError
 from hf_rebasin.core.lazy import shape_of
 from hf_rebasin.io.checkpoint import Checkpoint, dtype_name
-from hf_rebasin.io.renames import Piece, Renamer, dropped_on_load, made_on_load
+from hf_rebasin.io.renames import Piece, Renamer, dropped_on_load, initialised_on_load, made_on_load
 from hf_rebasin.io.tensors import CheckpointSource, StackedKeys
 
 if TYPE_CHECKING:
@@ -122,8 +122,10 @@ def check_checkpoint(
             )
         checkpoint.stacks[name] = _check_experts(folder, cls, checkpoint, name, expected[name], found)
         names[name] = checkpoint.stacks[name].parts[0][0]
-    checkpoint.made = made_on_load(skeleton, (n for n in expected if n not in names and n not in tied))
-    _check_stored(folder, cls, checkpoint, names, meta, expected, tied | checkpoint.made)
+    absent = [n for n in expected if n not in names and n not in tied]
+    checkpoint.made = made_on_load(skeleton, absent)
+    checkpoint.initialised = initialised_on_load(skeleton, (n for n in absent if n not in checkpoint.made))
+    _check_stored(folder, cls, checkpoint, names, meta, expected, tied | checkpoint.made | set(checkpoint.initialised))
     return names, ignored
 
 
@@ -174,7 +176,11 @@ def _check_stored(
         if stored is None:
             if name in tied:
                 continue
-            raise CheckpointError(f"{str(folder)!r}: tensor {name!r} (shape {want}) is missing from the checkpoint")
+            raise CheckpointError(
+                f"{str(folder)!r}: tensor {name!r} (shape {want}) is missing from the checkpoint; transformers would "
+                "initialise it at random and only warn, which would change what the model computes (a shard is "
+                "missing, or the weights come from another model)"
+            )
         got = checkpoint.shapes[stored]
         if name in checkpoint.stacks:
             continue  # each expert checked by _check_experts

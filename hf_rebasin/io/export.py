@@ -85,6 +85,7 @@ def save_merged_model(
     dtypes: Mapping[str, torch.dtype] | None = None,
     progress: Callable[[int, int], None] | None = None,
     expert_layout: str | None = None,
+    leave_out: Collection[str] = (),
 ) -> None:
     """``state_dict`` saved as a standard folder of ``template``'s class and config (safetensors).
 
@@ -98,9 +99,12 @@ def save_merged_model(
     written: ``fused`` as the model holds them (``mlp.experts.gate_up_proj`` [E, 2f, d]), else one
     tensor per expert and projection as ``save_pretrained`` writes them (the layout of the input,
     `LoadedModel.expert_layout`). A `LazyState` is written tensor by tensor (`save_streamed`),
-    with ``progress(tensors written, total)``.
+    with ``progress(tensors written, total)``. ``leave_out``: tensors not written, which loading
+    initialises (no input held them: `merging.initialised`).
     """
     if isinstance(state_dict, LazyState):
+        if leave_out:  # pragma: no cover - a model whose files lack a tensor is loaded whole, never streamed
+            raise ValueError("a streamed state cannot leave tensors out")
         save_streamed(
             template,
             state_dict,
@@ -122,8 +126,9 @@ def save_merged_model(
         if target is not None and tensor.is_floating_point() and id(tensor) not in cast:
             tensor.data = tensor.data.to(target)
             cast.add(id(tensor))
+    kept = {k: v for k, v in model.state_dict().items() if k not in leave_out} if leave_out else None
     model.save_pretrained(  # safetensors, sharded past the size
-        str(dest), max_shard_size=max_shard_size, save_original_format=expert_layout != FUSED
+        str(dest), max_shard_size=max_shard_size, save_original_format=expert_layout != FUSED, state_dict=kept
     )
 
 

@@ -59,6 +59,9 @@ class LoadedModel:
     expert_layout: str | None = None  # a mixture of experts' files: "per-expert" or "fused" (None: no experts)
     embedded: str | None = None  # written into a wider model's shape for this run: what grew (`run.widths`)
     untied: dict[str, str] = field(default_factory=dict)  # tied by config.json, stored apart: alias -> source
+    # tensors its files lack that transformers initialises on load (a pooler, a task head): name -> what;
+    # they are zeros here, so that weight-based matching reads nothing from them
+    initialised: dict[str, str] = field(default_factory=dict)
 
     def own_dtypes(self, main: torch.dtype) -> dict[str, torch.dtype]:
         """The tensors stored in a dtype other than ``main`` (that hf-rebasin writes), to write them as stored."""
@@ -110,6 +113,7 @@ def load_model(
         stream
         and checkpoint.files
         and not checkpoint.made
+        and not checkpoint.initialised
         and all(f.endswith(".safetensors") for f in checkpoint.files.values())
     ):
         streamed = _streamed(folder, cls, config, checkpoint, names, device)
@@ -120,6 +124,9 @@ def load_model(
     model = _from_pretrained(folder, cls, dtype, checkpoint)
     check_finite(folder, model.state_dict(), names, checkpoint)
     state_dict = model.state_dict()
+    with torch.no_grad():  # random values carry nothing: as zeros no matching reads them as evidence
+        for name in checkpoint.initialised:
+            state_dict[name].zero_()
     untied = read_ties(model, names, state_dict)  # before the graph: it reads the ties from the config
     graph = spec.graph(model.config, state_dict.keys())
     graph.check(state_dict, source=str(folder))
@@ -142,7 +149,8 @@ def _from_pretrained(
     finally:
         logging.getLogger("transformers").setLevel(prev)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    missing = [k for k in info.get("missing_keys", ()) if k not in tied and k not in checkpoint.made]
+    allowed = tied | checkpoint.made | set(checkpoint.initialised)
+    missing = [k for k in info.get("missing_keys", ()) if k not in allowed]
     if missing or info.get("mismatched_keys"):
         first = missing[0] if missing else info["mismatched_keys"][0]
         raise CheckpointError(
@@ -175,6 +183,7 @@ def _loaded(
         stored,
         stored_dtypes=checkpoint.floating(names),
         expert_layout=checkpoint.expert_layout,
+        initialised=dict(checkpoint.initialised),
         **extra,
     )
 

@@ -186,6 +186,23 @@ def dropped_on_load(skeleton: PreTrainedModel, keys: Iterable[str]) -> dict[str,
     return out
 
 
+def initialised_on_load(skeleton: PreTrainedModel, keys: Iterable[str]) -> dict[str, str]:
+    """Which of ``keys`` (tensors the model has and the files lack, none made on load) stock
+    ``from_pretrained`` initialises with a warning and no harm to the rest, with the reason: a
+    pooler (a checkpoint saved without it, as sentence-embedding models often are) or a task head
+    outside the base model (a classifier over a bare model's weights). A missing tensor of the body
+    is not among them: initialised at random, it would silently change what the model computes."""
+    prefix = getattr(skeleton, "base_model_prefix", "") or ""
+    has_base = bool(prefix) and getattr(skeleton, prefix, None) is not None
+    out = {}
+    for key in sorted(set(keys)):
+        if "pooler" in key.split("."):
+            out[key] = "a pooler"
+        elif has_base and not key.startswith(f"{prefix}."):
+            out[key] = f"the {type(skeleton).__name__} task head"
+    return out
+
+
 def made_on_load(skeleton: PreTrainedModel, keys: Iterable[str]) -> set[str]:
     """Which of ``keys`` (tensors the model has and the files lack) stock ``from_pretrained`` lets be
     missing and makes itself, by the class's ``_keys_to_ignore_on_load_missing``: MarianMTModel's

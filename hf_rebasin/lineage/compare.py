@@ -446,6 +446,8 @@ def _evidence(
     out = []
     stream = next((n for n, s in graph.spaces.items() if isinstance(s, Space) and s.kind == "residual"), None)
     for space, sums in aligned.items():
+        if sums.norm_a == 0 or sums.norm_b == 0:  # nothing to compare (a pooler its files lacked): no evidence
+            continue
         counted = space != RESIDUAL
         m = transform.get(space) if counted else (transform.get(stream) if stream is not None else None)
         moved, words = describe_map(m)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from scipy.stats import norm
 from torch import Tensor
 
+from hf_rebasin.core.lazy import zeroed
 from hf_rebasin.io.models import LoadedModel, depth_of, stack_depths
 from hf_rebasin.lineage.compare import ALPHA, NULL_SIMILARITY, PairLineage, Side, judge, prepare_side
 from hf_rebasin.lineage.datamaps import LineageData
@@ -57,6 +58,9 @@ class PairRun:
         self._sides: dict[int, Side] = {}
         self._scores: dict[tuple[int, int], dict[str, Tensor]] = {}  # (parent, child): per stack, parent × child
         self._streams: dict[tuple[int, int], dict[str, Tensor]] = {}  # (i, j): j's streams in i's basis, aligned
+        # tensors some model's files lacked (transformers initialised them): zeros in every model, so no
+        # pair compares them and the spaces only they make up carry no evidence
+        self.unread: set[str] = set().union(*(lm.initialised for lm in models))
 
     @property
     def multi(self) -> bool:
@@ -73,7 +77,8 @@ class PairRun:
             return self._sides[k], 0.0
         start = time.perf_counter()
         lm = self.models[k]
-        self._sides[k] = prepare_side(lm.graph, lm.weights, self.given[k], self.say, share=self.share, cap=self.cap)
+        weights = zeroed(lm.weights, self.unread)
+        self._sides[k] = prepare_side(lm.graph, weights, self.given[k], self.say, share=self.share, cap=self.cap)
         return self._sides[k], time.perf_counter() - start
 
     def scores(self, parent: int, child: int) -> dict[str, Tensor]:

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from hf_rebasin.alignment.strategies import Alignment
+    from hf_rebasin.symmetry.graph import SymmetryGraph
+    from hf_rebasin.symmetry.transforms import Transform
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,15 @@ class Gap:
         return tolerance(self.scale)
 
 
-def function_gap(original: PreTrainedModel, state_dict: Mapping[str, Tensor], untie: bool) -> Gap:
-    """How far ``original`` rebuilt from ``state_dict`` moves its logits on `verify`'s example inputs."""
-    return Gap(*example_gap(original, rebuilt(original, state_dict, untie)))
+def function_gap(
+    original: PreTrainedModel,
+    state_dict: Mapping[str, Tensor],
+    untie: bool,
+    basis: tuple[SymmetryGraph, Transform] | None = None,
+) -> Gap:
+    """How far ``original`` rebuilt from ``state_dict`` moves its logits on `verify`'s example inputs;
+    a model without a head compares its hidden states, carried into the rebuilt one's ``basis``."""
+    return Gap(*example_gap(original, rebuilt(original, state_dict, untie), basis))
 
 
 def check_gaps(gaps: Mapping[str, Gap]) -> None:
@@ -97,6 +105,7 @@ def write_pair(
                 dtype=dtype,
                 dtypes=loaded.own_dtypes(dtype),
                 expert_layout=loaded.expert_layout,
+                leave_out=set(loaded.initialised),  # as its files did: loading initialises them again
             )
             copy_support_files(loaded.path, tmp / sub)
         write_json(tmp / "alignment.json", record)

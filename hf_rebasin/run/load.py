@@ -19,13 +19,14 @@ from torch import Tensor
 
 from hf_rebasin.alignment.strategies import AlignmentData
 from hf_rebasin.alignment.widths import to_widest, widths
-from hf_rebasin.core.errors import IncompatibleModelsError, named
+from hf_rebasin.core.errors import CheckpointError, IncompatibleModelsError, named
 from hf_rebasin.core.roles import MergeRoles, Roles, TransportRoles
 from hf_rebasin.evaluation.evaluate import Task
 from hf_rebasin.evaluation.record import DtypeEntry
 from hf_rebasin.io.checks import check_same_shapes
 from hf_rebasin.io.models import LoadedModel, check_compatible, load_model, resolve_device, to_device
 from hf_rebasin.io.ties import untied_note
+from hf_rebasin.merging.initialised import initialised_note
 from hf_rebasin.merging.lora import LoraAdapter, is_adapter
 from hf_rebasin.merging.transport import check_shared
 from hf_rebasin.merging.vocabulary.output import RunVocabulary, to_rows
@@ -119,6 +120,7 @@ def load_workspace(plan: Plan, *, progress: Progress | None = None) -> Workspace
     with clock.stage("load"):
         notes.extend(plan.checks.adapter or ())
         models, adapter, rows = _load_models(plan, dev, report)
+        _check_initialised(recipe.job, inputs, models)
         notes.extend(_loading_notes(recipe, inputs, models, dev))
         notes.extend(rows.notes() if rows is not None else [])
         written, dtype_entry = output_dtype(recipe, models, adapter, notes)
@@ -154,6 +156,11 @@ def _loading_notes(
     full fine-tune, weights streamed."""
     notes = [ignored_note(str(m.ref), lm.ignored) for m, lm in zip(inputs.all, models.all, strict=True) if lm.ignored]
     notes.extend(untied_note(str(m.ref), lm.untied) for m, lm in zip(inputs.all, models.all, strict=True) if lm.untied)
+    notes.extend(
+        initialised_note(str(m.ref), lm.initialised)
+        for m, lm in zip(inputs.all, models.all, strict=True)
+        if lm.initialised
+    )
     notes.extend(lm.embedded for lm in models.all if lm.embedded)
     if isinstance(models, TransportRoles) and models.finetune.embedded and is_adapter(models.finetune.path):
         notes.append(
@@ -173,6 +180,24 @@ def _loading_notes(
             f"weights streamed: read from the safetensors files one tensor at a time and written the same way ({why}){where}"
         )
     return notes
+
+
+# jobs that take a model whose files lack tensors transformers initialises (`merging.initialised`)
+TAKE_INITIALISED = ("merge", "barrier", "align", "lineage")
+
+
+def _check_initialised(job: str, inputs: Roles[PlannedModel], models: Roles[LoadedModel]) -> None:
+    """A job that would read the random values of such tensors as the model's stops, naming one."""
+    if job in TAKE_INITIALISED:
+        return
+    for m, lm in zip(inputs.all, models.all, strict=True):
+        if lm.initialised:
+            name, why = next(iter(lm.initialised.items()))
+            raise CheckpointError(
+                f"{m.named}: tensor {name!r} ({why}) is missing from its files, and transformers "
+                f"initialises it at random when it loads the model; `job: {job}` does not take such a model yet "
+                f"(`job: {', '.join(TAKE_INITIALISED)}` and `hf-rebasin verify` do). Save the model with the tensor"
+            )
 
 
 def ignored_note(model: str, ignored: Mapping[str, str]) -> str:

@@ -21,6 +21,7 @@ from hf_rebasin.evaluation.record import Findings
 from hf_rebasin.evaluation.scores import Preservation
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.rebuild import rebuilt, running
+from hf_rebasin.merging.initialised import fill_initialised
 from hf_rebasin.run.alignment_cache import CacheUse
 from hf_rebasin.run.clock import Progress
 from hf_rebasin.run.load import Workspace, weights
@@ -38,6 +39,7 @@ __all__ = [
     "curves",
     "function_gap",
     "job_result",
+    "merge_fill",
     "preservation",
     "timed_align",
     "writing",
@@ -244,12 +246,22 @@ def filled(
     ws: Workspace, primary: Alignment, aligned: Sequence[Mapping[str, Tensor]]
 ) -> tuple[Alignment, list[Mapping[str, Tensor]]]:
     """A and the aligned models with the rows each lacks filled in A's basis, where the models'
-    vocabularies differ (`merging.vocabulary.fill`); as they are otherwise. After the preservation
-    check: that compares each model with itself, its own rows only."""
-    if ws.rows is None:
-        return primary, list(aligned)
-    states = ws.rows.fill_merge([primary.sd_a, *aligned])
-    return dataclasses.replace(primary, sd_a=states[0]), states[1:]
+    vocabularies differ (`merging.vocabulary.fill`), and the tensors transformers initialised on
+    load taken from the models that have them (`merging.initialised`); as they are otherwise. After
+    the preservation check: that compares each model with itself, its own rows only."""
+    states = merge_fill(ws)([primary.sd_a, *aligned])
+    return dataclasses.replace(primary, sd_a=states[0]), list(states[1:])
+
+
+def merge_fill(ws: Workspace) -> Callable[[Sequence[Mapping[str, Tensor]]], list[Mapping[str, Tensor]]]:
+    """What `filled` does to the states of every model of a merge (A first), for a universe merge too."""
+    initialised = [set(lm.initialised) for lm in ws.models.all]
+
+    def fill(states: Sequence[Mapping[str, Tensor]]) -> list[Mapping[str, Tensor]]:
+        states = ws.rows.fill_merge(states) if ws.rows is not None else list(states)
+        return fill_initialised(states, initialised[: len(states)]) if any(initialised) else list(states)
+
+    return fill
 
 
 def job_result(

@@ -152,3 +152,31 @@ def test_zoo_names_resolve_to_the_zoo_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(train, "cached_model", lambda kind, seed: asked.append((kind, seed)) or tmp_path)
     assert _model_folder("zoo:gpt2-seed3", allow_pickle=False) == str(tmp_path)
     assert asked == [("gpt2", 3)]
+
+
+def _hidden(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return T.BertModel.from_pretrained(str(folder)).eval()(ids).last_hidden_state
+
+
+@pytest.mark.parametrize("how", ["command", "recipe"])
+def test_a_bare_encoder_is_written_in_as_basis_with_its_hidden_states_permuted(tmp_path: Path, how: str) -> None:
+    """A model without a head (a sentence encoder) has no logits: its written hidden states are its
+    own with the features permuted, found here from the two folders alone (they used to be compared
+    unmapped, and the run stopped with an internal error)."""
+    for name, seed in (("a", 0), ("b", 1)):
+        tiny.bert_base(seed).save_pretrained(str(tmp_path / name))
+    if how == "command":
+        proc = run_main("align", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "out"))
+        written = tmp_path / "out" / "b"
+    else:
+        body = {"job": "align", "models": ["./a", "./b"], "strategy": {"name": "weight-matching"}}
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump({**body, "output": {"dir": "out"}, "device": "cpu"}))
+        proc = run_main(str(tmp_path / "r.yaml"), "--output", str(tmp_path / "out"))
+        written = next(p for p in sorted((tmp_path / "out").iterdir()) if p.is_dir() and p.name != "a")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ids = torch.randint(0, tiny.V, (2, 9), generator=torch.Generator().manual_seed(0))
+    before, after = _hidden(tmp_path / "b", ids).flatten(0, 1), _hidden(written, ids).flatten(0, 1)
+    order = torch.cdist(after.T, before.T).argmin(1)  # each written feature's source in B
+    assert sorted(order.tolist()) == list(range(before.shape[1]))
+    assert (after - before[:, order]).abs().max() < 1e-4

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from hf_rebasin.alignment.strategies.base import relative_distance
+from hf_rebasin.alignment.strategies.base import Alignment, relative_distance
 from hf_rebasin.core.roles import MergeRoles
 from hf_rebasin.evaluation.record import Findings
 from hf_rebasin.evaluation.scores import WrittenGap
@@ -36,7 +36,7 @@ def run(ws: Workspace) -> JobOutput:
     states = [dict(primary.sd_a), *(al.aligned_b() for al in alignments)]
     preserved = aligned_preservation(ws, models, alignments, states[1:])
     with ws.clock.stage("check"):  # A too, in the form written (canonical or not)
-        gaps = _written_gaps(models, states, untie) if primary.exact else {}
+        gaps = _written_gaps(models, states, alignments, untie) if primary.exact else {}
     check_gaps(gaps)
     limit = mergekit_limit(models.reference.model.config)
     if limit is not None:
@@ -77,11 +77,15 @@ def run(ws: Workspace) -> JobOutput:
     return JobOutput(result, save)
 
 
-def _written_gaps(models: MergeRoles[LoadedModel], states: list[dict[str, Tensor]], untie: bool) -> dict[str, Gap]:
-    """max |Δ logits| of every model as it is written against the model as it was given."""
+def _written_gaps(
+    models: MergeRoles[LoadedModel], states: list[dict[str, Tensor]], alignments: list[Alignment], untie: bool
+) -> dict[str, Gap]:
+    """max |Δ logits| of every model as it is written against the model as it was given (a model
+    without a head: its hidden states, carried into A's basis by its map)."""
+    bases = [None, *((al.graph, al.transform) for al in alignments)]
     return {
-        name: function_gap(loaded.model, state, untie)
-        for name, loaded, state in zip(models.names, models.all, states, strict=True)
+        name: function_gap(loaded.model, state, untie, basis)
+        for name, loaded, state, basis in zip(models.names, models.all, states, bases, strict=True)
     }
 
 
@@ -101,6 +105,7 @@ def _save_model(loaded: LoadedModel, state: dict[str, Tensor], untie: bool, fold
         dtype=dtype,
         dtypes=loaded.own_dtypes(dtype),
         expert_layout=loaded.expert_layout,
+        leave_out=set(loaded.initialised),  # as its files did: loading initialises them again
     )
     copy_support_files(loaded.path, folder)
 

@@ -14,13 +14,23 @@ from hf_rebasin.core.roles import MergeRoles
 from hf_rebasin.evaluation.scores import Preservation, Score, Universe
 from hf_rebasin.io.export import copy_support_files, save_merged_model
 from hf_rebasin.io.models import LoadedModel
+from hf_rebasin.merging.initialised import left_out
 from hf_rebasin.merging.interpolate import merge_state_dicts
 from hf_rebasin.merging.universe import universe_merge
 from hf_rebasin.recipe.jobs.merge import MergeRecipe
 from hf_rebasin.run.jobs.barrier import aligned_preservation, findings_of, save_curves
 from hf_rebasin.run.load import Workspace, weights
 from hf_rebasin.run.result import JobOutput
-from hf_rebasin.run.stages import align_others, check_inputs, curves, filled, job_result, preservation, writing
+from hf_rebasin.run.stages import (
+    align_others,
+    check_inputs,
+    curves,
+    filled,
+    job_result,
+    merge_fill,
+    preservation,
+    writing,
+)
 
 __all__ = ["run"]
 
@@ -118,7 +128,7 @@ def _universe(
             leave_one_out=settings.leave_one_out,
             initial=alignments,
             progress=ws.progress,
-            fill=ws.rows.fill_merge if ws.rows is not None else None,
+            fill=merge_fill(ws),
         )
     ws.notes.extend(n for n in result.notes if n not in ws.notes)
     if preserved.max_abs_diff is not None:
@@ -149,6 +159,7 @@ def _save_model(ws: Workspace, a: LoadedModel, merged: dict[str, Tensor], untie:
         dtypes=ws.output_dtype.kept,
         progress=writing(ws.progress),
         expert_layout=a.expert_layout,
+        leave_out=left_out([lm.initialised for lm in ws.models.all]),
     )
     copy_support_files(ws.inputs.reference.path, folder)  # after save_pretrained
     if rows is not None:

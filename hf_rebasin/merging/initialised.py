@@ -1,0 +1,67 @@
+"""Tensors that a model's files lacked and transformers initialised when it loaded: a pooler
+(sentence-embedding checkpoints are often saved without it) or a task head over a bare model's
+weights. Their values are random. A merge must not average them with trained ones, so each takes
+the value of the models that have it, in the merge's basis. A tensor that every model lacked is
+left out of the written folder, so that loading it initialises that tensor again and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from hf_rebasin.core.lazy import LazyState
+
+__all__ = ["fill_initialised", "initialised_note", "left_out"]
+
+
+def fill_initialised(
+    states: Sequence[Mapping[str, Tensor]], initialised: Sequence[Collection[str]]
+) -> list[Mapping[str, Tensor]]:
+    """``states`` (every model in one basis, in the order of ``initialised``) with each tensor a
+    model initialised replaced by the mean of the models that have it (two models: the other one's).
+    A tensor no model has stays as it is; a lazy state stays lazy."""
+    if len(states) != len(initialised):
+        raise ValueError(f"{len(states)} states but {len(initialised)} sets of initialised tensors")
+    out: list[Mapping[str, Tensor]] = list(states)
+    for name in sorted(set().union(*initialised)):
+        present = [s[name] for s, init in zip(states, initialised, strict=True) if name not in init]
+        if not present:
+            continue
+        mean = (
+            present[0] if len(present) == 1 else torch.stack([p.double() for p in present]).mean(0).to(present[0].dtype)
+        )
+        for i, init in enumerate(initialised):
+            if name in init:
+                out[i] = _with(out[i], name, mean)
+    return out
+
+
+def _with(state: Mapping[str, Tensor], name: str, value: Tensor) -> Mapping[str, Tensor]:
+    """``state`` with tensor ``name`` replaced by ``value`` (a lazy state: read through)."""
+    if isinstance(state, LazyState):
+        rows = state.rows
+        return state.derive(
+            lambda n: value.clone() if n == name else state[n], rows=lambda n: None if n == name else rows(n)
+        )
+    return {**state, name: value}
+
+
+def left_out(initialised: Sequence[Collection[str]]) -> set[str]:
+    """The tensors every model initialised: what no model's files hold, so no output should either."""
+    return set.intersection(*(set(i) for i in initialised)) if initialised else set()
+
+
+def initialised_note(model: str, initialised: Mapping[str, str]) -> str:
+    """The record's line for one model: what its files lacked and what transformers made of it."""
+    by_why: dict[str, list[str]] = {}
+    for name, why in initialised.items():
+        by_why.setdefault(why, []).append(name)
+    parts = "; ".join(f"{why}: {', '.join(names)}" for why, names in by_why.items())
+    return (
+        f"{model}: its files lack tensors that transformers initialises at random when it loads them ({parts}); "
+        "they are read as zeros: no alignment or lineage compares them, and a merge takes them from the models "
+        "that have them"
+    )

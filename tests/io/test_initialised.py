@@ -1,0 +1,173 @@
+"""Checkpoints whose files lack tensors that transformers initialises on load (a pooler, a task
+head), with stock ``from_pretrained`` as the oracle: what it loads, we load; a missing tensor of the
+body, which it would fill with random values, is refused with that reason. A merge takes such a
+tensor from the model that has it and leaves out one that no model has."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import tiny
+from helpers import flat, run_main
+from hf_rebasin.core.errors import CheckpointError
+from hf_rebasin.io.models import load_model
+from hf_rebasin.symmetry.adapters import get_adapter
+from lm_folders import write_recipe
+
+POOLER = {"pooler.dense.weight", "pooler.dense.bias"}
+
+
+def _drop(folder: Path, names: set[str]) -> None:
+    """``folder``'s weights rewritten without ``names`` (as a tool that saved it without them would)."""
+    path = folder / "model.safetensors"
+    kept = {k: v for k, v in load_file(str(path)).items() if k not in names}
+    save_file(kept, str(path), metadata={"format": "pt"})
+
+
+def _stored(folder: Path) -> set[str]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def _saved(model: torch.nn.Module, folder: Path, drop: set[str] = frozenset()) -> Path:
+    model.save_pretrained(str(folder))
+    if drop:
+        _drop(folder, set(drop))
+    return folder
+
+
+def _stock_missing(cls: type, folder: Path) -> set[str]:
+    _, info = cls.from_pretrained(str(folder), output_loading_info=True)
+    return set(info["missing_keys"])
+
+
+def test_a_bert_saved_without_its_pooler_loads_as_transformers_loads_it(tmp_path: Path) -> None:
+    folder = _saved(tiny.bert_base(0), tmp_path / "m", POOLER)
+    assert _stock_missing(T.BertModel, folder) == POOLER  # the oracle: transformers loads it
+    loaded = load_model(folder)
+    assert loaded.initialised == dict.fromkeys(sorted(POOLER), "a pooler")
+    proc = run_main("verify", str(folder))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_classifier_over_a_bare_models_weights_loads_with_its_head_initialised(tmp_path: Path) -> None:
+    folder = _saved(tiny.bert_base(0), tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["BertForSequenceClassification"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert _stock_missing(T.BertForSequenceClassification, folder) == {"classifier.weight", "classifier.bias"}
+    loaded = load_model(folder)
+    assert set(loaded.initialised) == {"classifier.weight", "classifier.bias"}
+    assert loaded.initialised["classifier.weight"] == "the BertForSequenceClassification task head"
+
+
+def test_a_missing_body_tensor_is_refused_though_transformers_would_load_it(tmp_path: Path) -> None:
+    name = "encoder.layer.0.attention.self.query.weight"
+    folder = _saved(tiny.bert_base(0), tmp_path / "m", {name})
+    assert name in _stock_missing(T.BertModel, folder)  # transformers loads it, random
+    with pytest.raises(CheckpointError, match="initialise it at random") as e:
+        load_model(folder)
+    assert name in str(e.value)
+
+
+def _permuted_twin(model: torch.nn.Module, folder: Path) -> Path:
+    """``model`` under a random permutation of its heads, units and stream: the same function."""
+    spec = get_adapter(model.config.model_type)
+    sd = model.state_dict()
+    graph = spec.graph(model.config, sd.keys())
+    twin = type(model)(model.config)
+    twin.load_state_dict(graph.apply(sd, graph.random_transform("permutation", torch.Generator().manual_seed(3))))
+    twin.save_pretrained(str(folder))
+    return folder
+
+
+def _merge(tmp_path: Path, a: Path, b: Path, job: str = "merge") -> Path:
+    body = {"job": job, "models": [str(a), str(b)], "strategy": {"name": "weight-matching"}, "output": {"dir": "out"}}
+    proc = run_main(str(write_recipe(tmp_path, body)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return tmp_path / "out"
+
+
+def test_a_merge_takes_the_pooler_from_the_model_that_has_it(tmp_path: Path) -> None:
+    """A lacks its pooler, B is A permuted with one: aligned B is A, so the merged body is A's, and
+    its pooler is B's (its input carried into A's basis): the merged model computes A's hidden states
+    and B's pooled output, run with the stock class. The record says what A's files lacked."""
+    model = tiny.bert_base(0)
+    b = _permuted_twin(model, tmp_path / "b")
+    a = _saved(model, tmp_path / "a", POOLER)
+    out = _merge(tmp_path, a, b)
+    merged, twin = T.BertModel.from_pretrained(str(out)).eval(), T.BertModel.from_pretrained(str(b)).eval()
+    ids = torch.randint(0, tiny.V, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want_hidden, want_pooled = merged(ids), model.eval()(ids).last_hidden_state, twin(ids).pooler_output
+    assert (got.last_hidden_state - want_hidden).abs().max() < 1e-4
+    assert (got.pooler_output - want_pooled).abs().max() < 1e-4
+    assert got.pooler_output.abs().max() > 1e-2  # a real pooler, not the zeros a lacking model holds
+    record = json.loads((out / "rebasin.json").read_text())
+    assert any("pooler.dense.weight" in n and "initialises at random" in n for n in record["notes"])
+
+
+def test_a_tensor_no_model_has_is_left_out_of_the_output(tmp_path: Path) -> None:
+    a = _saved(tiny.bert_base(0), tmp_path / "a", POOLER)
+    b = _saved(tiny.bert_base(1), tmp_path / "b", POOLER)
+    out = _merge(tmp_path, a, b)
+    assert not POOLER & _stored(out)
+    assert _stock_missing(T.BertModel, out) == POOLER  # loading initialises it again, as for the inputs
+
+
+@pytest.mark.parametrize("how", ["recipe", "command"])
+def test_an_aligned_model_is_written_without_what_its_files_lacked(tmp_path: Path, how: str) -> None:
+    a = _saved(tiny.bert_base(0), tmp_path / "a")
+    b = _saved(tiny.bert_base(1), tmp_path / "b", POOLER)
+    if how == "recipe":
+        out = _merge(tmp_path, a, b, job="align")
+    else:
+        out = tmp_path / "out"
+        proc = run_main("align", str(a), str(b), "--output", str(out))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    folders = sorted(p for p in out.iterdir() if p.is_dir())
+    assert POOLER <= _stored(folders[0]) and not POOLER & _stored(folders[1])
+    assert _stock_missing(T.BertModel, folders[1]) == POOLER
+
+
+def test_a_transport_names_the_tensor_and_writes_nothing(tmp_path: Path) -> None:
+    base = _saved(tiny.bert_base(0), tmp_path / "base")
+    tuned = _saved(tiny.bert_base(0), tmp_path / "tuned", POOLER)
+    target = _saved(tiny.bert_base(1), tmp_path / "target")
+    body = {"job": "transport", "base": str(base), "finetuned": str(tuned), "target": str(target)}
+    body |= {"strategy": "weight-matching", "calibrate": False, "output": {"dir": "out"}}
+    proc = run_main(str(write_recipe(tmp_path, body)))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "pooler.dense" in flat(proc.stderr) and "job: transport" in flat(proc.stderr)
+    assert not (tmp_path / "out").exists()
+
+
+def test_lineage_compares_what_both_have(tmp_path: Path) -> None:
+    """A model and its copy saved without the pooler are one model: no space in the evidence is the
+    pooler (all zeros on one side: nothing to compare), and no alignment is needed."""
+    model = tiny.bert_base(0)
+    a, b = _saved(model, tmp_path / "a"), _saved(model, tmp_path / "b", POOLER)
+    proc = run_main("lineage", str(a), str(b), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pair = json.loads(proc.stdout)["pairs"][0]
+    assert "pooler" not in {s["space"] for s in pair["spaces"]}
+    assert pair["next_step"].startswith("no alignment needed"), pair["next_step"]
+    assert "pooler.dense.weight" in flat(proc.stderr)  # the note: what MODEL 2's files lack
+
+
+def test_job_lineage_takes_such_a_model(tmp_path: Path) -> None:
+    a = _saved(tiny.bert_base(0), tmp_path / "a")
+    b = _saved(tiny.bert_base(1), tmp_path / "b", POOLER)
+    proc = run_main(
+        str(write_recipe(tmp_path, {"job": "lineage", "models": [str(a), str(b)], "output": {"dir": "out"}}))
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((tmp_path / "out" / "lineage.json").read_text())
+    assert "pooler" not in {s["space"] for s in record["pairs"][0]["spaces"]}
