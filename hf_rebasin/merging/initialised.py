@@ -14,7 +14,7 @@ from torch import Tensor
 
 from hf_rebasin.core.lazy import LazyState
 
-__all__ = ["fill_initialised", "initialised_note", "left_out"]
+__all__ = ["fill_initialised", "fill_transport", "initialised_note", "left_out"]
 
 
 def fill_initialised(
@@ -47,6 +47,27 @@ def _with(state: Mapping[str, Tensor], name: str, value: Tensor) -> Mapping[str,
             lambda n: value.clone() if n == name else state[n], rows=lambda n: None if n == name else rows(n)
         )
     return {**state, name: value}
+
+
+def fill_transport(
+    target: Mapping[str, Tensor],
+    tau: Mapping[str, Tensor],
+    moved_base: Mapping[str, Tensor],
+    initialised: tuple[Collection[str], Collection[str], Collection[str]],
+) -> tuple[Mapping[str, Tensor], Mapping[str, Tensor]]:
+    """B and π(τ) for ``B + α·π(τ)`` with the tensors a model's files lacked settled, in B's basis
+    (``initialised``: the target's, the base's, the fine-tune's). The target's missing tensor starts
+    from the moved base's; a fine-tune that lacks it moves nothing there (τ = 0); one whose base
+    lacks it brings its own whole (π of the fine-tune's tensor, α = 1 or not)."""
+    in_target, in_base, in_ft = (set(i) for i in initialised)
+    for name in sorted(in_target | in_base | in_ft):
+        if name in in_target and name not in in_base:
+            target = _with(target, name, moved_base[name])
+        if name in in_ft:
+            tau = _with(tau, name, torch.zeros_like(tau[name]))
+        elif name in in_base:  # the base's is zeros, so π(τ) there is the fine-tune's own tensor
+            target, tau = _with(target, name, tau[name]), _with(tau, name, torch.zeros_like(tau[name]))
+    return target, tau
 
 
 def left_out(initialised: Sequence[Collection[str]]) -> set[str]:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from hf_rebasin.alignment.strategies import AlignmentData
 from hf_rebasin.alignment.widths import to_widest, widths
-from hf_rebasin.core.errors import CheckpointError, IncompatibleModelsError, named
+from hf_rebasin.core.errors import IncompatibleModelsError, named
 from hf_rebasin.core.roles import MergeRoles, Roles, TransportRoles
 from hf_rebasin.evaluation.evaluate import Task
 from hf_rebasin.evaluation.record import DtypeEntry
@@ -120,7 +120,6 @@ def load_workspace(plan: Plan, *, progress: Progress | None = None) -> Workspace
     with clock.stage("load"):
         notes.extend(plan.checks.adapter or ())
         models, adapter, rows = _load_models(plan, dev, report)
-        _check_initialised(recipe.job, inputs, models)
         notes.extend(_loading_notes(recipe, inputs, models, dev))
         notes.extend(rows.notes() if rows is not None else [])
         written, dtype_entry = output_dtype(recipe, models, adapter, notes)
@@ -180,24 +179,6 @@ def _loading_notes(
             f"weights streamed: read from the safetensors files one tensor at a time and written the same way ({why}){where}"
         )
     return notes
-
-
-# jobs that take a model whose files lack tensors transformers initialises (`merging.initialised`)
-TAKE_INITIALISED = ("merge", "barrier", "align", "lineage")
-
-
-def _check_initialised(job: str, inputs: Roles[PlannedModel], models: Roles[LoadedModel]) -> None:
-    """A job that would read the random values of such tensors as the model's stops, naming one."""
-    if job in TAKE_INITIALISED:
-        return
-    for m, lm in zip(inputs.all, models.all, strict=True):
-        if lm.initialised:
-            name, why = next(iter(lm.initialised.items()))
-            raise CheckpointError(
-                f"{m.named}: tensor {name!r} ({why}) is missing from its files, and transformers "
-                f"initialises it at random when it loads the model; `job: {job}` does not take such a model yet "
-                f"(`job: {', '.join(TAKE_INITIALISED)}` and `hf-rebasin verify` do). Save the model with the tensor"
-            )
 
 
 def ignored_note(model: str, ignored: Mapping[str, str]) -> str:

