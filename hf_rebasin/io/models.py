@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from hf_rebasin.core.errors import CheckpointError, ConfigError, IncompatibleModelsError, RebasinUserError
-from hf_rebasin.core.lazy import LazyState
+from hf_rebasin.core.lazy import LazyState, shape_of
 from hf_rebasin.core.names import DEVICE_PATTERN
 from hf_rebasin.io.checkpoint import Checkpoint, checkpoint_shapes
 from hf_rebasin.io.checks import check_checkpoint, check_finite, check_same_shapes
@@ -281,6 +281,23 @@ def check_stack_depths(a: LoadedModel, b: LoadedModel) -> None:
         )
 
 
+def _check_labels(a: LoadedModel, b: LoadedModel) -> None:
+    """Two classifiers of other label counts: what differs is the task, not the size (each loads)."""
+    labels = [getattr(lm.model.config, "num_labels", None) for lm in (a, b)]
+    prefix = f"{getattr(a.model, 'base_model_prefix', '')}."
+    if labels[0] == labels[1] or prefix == "." or a.model.base_model is a.model:
+        return
+    head = [n for n in a.weights if not n.startswith(prefix) and n in b.weights]
+    if all(shape_of(a.weights, n) == shape_of(b.weights, n) for n in head):
+        return
+    raise IncompatibleModelsError(
+        f"the task heads differ: {str(a.path)!r} has {labels[0]} labels and {str(b.path)!r} has {labels[1]}. Heads "
+        f"over other label sets cannot be averaged, moved onto each other or compared; align, merge or compare their "
+        f"bodies instead (each loaded as the bare model: `architectures: [{type(a.model.base_model).__name__}]` in a "
+        "copy of its config.json)"
+    )
+
+
 def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
     """``b`` can be aligned to ``a``: same model type, class and tensor shapes."""
     type_a, type_b = a.model.config.model_type, b.model.config.model_type
@@ -299,6 +316,7 @@ def check_compatible(a: LoadedModel, b: LoadedModel) -> None:
             "descend from which (pruned, up-scaled, stacked) and prints a mergekit passthrough config that builds "
             "the parent's layers at the other's depth; merge or transport that model instead"
         )
+    _check_labels(a, b)
     check_same_shapes(a.weights, b.weights, repr(str(a.path)), repr(str(b.path)))
     tied_a = dict(getattr(a.model, "all_tied_weights_keys", None) or {})
     tied_b = dict(getattr(b.model, "all_tied_weights_keys", None) or {})

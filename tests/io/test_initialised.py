@@ -200,3 +200,24 @@ def test_job_lineage_takes_such_a_model(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = json.loads((tmp_path / "out" / "lineage.json").read_text())
     assert "pooler" not in {s["space"] for s in record["pairs"][0]["spaces"]}
+
+
+def test_classifiers_of_other_label_counts_are_refused_for_the_true_reason(tmp_path: Path) -> None:
+    """Each loads with the stock class; what differs is the task, and the message says so and how to
+    work on the bodies."""
+    a = _saved(tiny.bert_cls(0), tmp_path / "a")
+    config = tiny.bert_cls(0).config
+    config.num_labels = 2
+    b = _saved(T.BertForSequenceClassification(config), tmp_path / "b")
+    assert not _stock_missing(T.BertForSequenceClassification, b)
+    body = {
+        "job": "merge",
+        "models": [str(a), str(b)],
+        "strategy": {"name": "weight-matching"},
+        "output": {"dir": "out"},
+    }
+    proc = run_main(str(write_recipe(tmp_path, body)))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    text = flat(proc.stderr)
+    assert "task heads differ" in text and "3 labels" in text and "architectures: [BertModel]" in text
+    assert not (tmp_path / "out").exists()
