@@ -194,13 +194,26 @@ def initialised_on_load(skeleton: PreTrainedModel, keys: Iterable[str]) -> dict[
     is not among them: initialised at random, it would silently change what the model computes."""
     prefix = getattr(skeleton, "base_model_prefix", "") or ""
     has_base = bool(prefix) and getattr(skeleton, prefix, None) is not None
+    lm_head = _output_embedding_names(skeleton)  # a language model's head is what it computes with
     out = {}
-    for key in sorted(set(keys)):
+    for key in sorted(set(keys) - lm_head):
         if "pooler" in key.split("."):
             out[key] = "a pooler"
         elif has_base and not key.startswith(f"{prefix}."):
             out[key] = f"the {type(skeleton).__name__} task head"
     return out
+
+
+def _output_embedding_names(skeleton: PreTrainedModel) -> set[str]:
+    """The parameter names of the model's output embeddings (an LM head), if it has any."""
+    try:
+        head = skeleton.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return set()
+    if head is None:
+        return set()
+    ids = {id(p) for p in head.parameters()}
+    return {name for name, p in skeleton.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
 def made_on_load(skeleton: PreTrainedModel, keys: Iterable[str]) -> set[str]:

@@ -221,3 +221,12 @@ def test_classifiers_of_other_label_counts_are_refused_for_the_true_reason(tmp_p
     text = flat(proc.stderr)
     assert "task heads differ" in text and "3 labels" in text and "architectures: [BertModel]" in text
     assert not (tmp_path / "out").exists()
+
+
+def test_a_language_models_missing_head_is_refused(tmp_path: Path) -> None:
+    """An untied LM head is what a language model computes its logits with: transformers would load it
+    random and warn; that is a broken checkpoint, not a fresh task head."""
+    folder = _saved(tiny.gpt2_untied(0), tmp_path / "m", {"lm_head.weight"})
+    assert "lm_head.weight" in _stock_missing(T.GPT2LMHeadModel, folder)
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight.*initialise it at random"):
+        load_model(folder)
