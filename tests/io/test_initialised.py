@@ -230,3 +230,14 @@ def test_a_language_models_missing_head_is_refused(tmp_path: Path) -> None:
     assert "lm_head.weight" in _stock_missing(T.GPT2LMHeadModel, folder)
     with pytest.raises(CheckpointError, match=r"lm_head\.weight.*initialise it at random"):
         load_model(folder)
+
+
+@pytest.mark.parametrize("case", ["vit-base", "albert-base", "mpnet-base", "roberta-mc", "deberta-v2-cls"])
+def test_every_family_saved_without_its_pooler_loads_as_transformers_loads_it(tmp_path: Path, case: str) -> None:
+    model = tiny.FACTORIES[case](0)
+    pooler = {n for n in model.state_dict() if "pooler" in n.split(".")}
+    folder = _saved(model, tmp_path / "m", pooler)
+    assert _stock_missing(type(model), folder) == pooler  # the oracle
+    assert set(load_model(folder).initialised) == pooler
+    proc = run_main("verify", str(folder))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
