@@ -227,6 +227,10 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         console.print(f"ignored as stock transformers ignores them when loading (legacy buffers): {names}")
     if loaded.untied:  # the transform ran on the model transformers loads: the head apart from the embeddings
         console.print(f"note: {escape(untied_note(str(loaded.path), loaded.untied))}", soft_wrap=True)
+    if loaded.initialised:
+        from hf_rebasin.merging.initialised import initialised_note
+
+        console.print(f"note: {escape(initialised_note(str(loaded.path), loaded.initialised))}", soft_wrap=True)
     return EXIT_OK if report.ok else EXIT_INTERNAL
 
 

@@ -55,6 +55,7 @@ def test_a_bert_saved_without_its_pooler_loads_as_transformers_loads_it(tmp_path
     assert loaded.initialised == dict.fromkeys(sorted(POOLER), "a pooler")
     proc = run_main("verify", str(folder))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "a pooler: pooler.dense.bias, pooler.dense.weight" in flat(proc.stdout)
 
 
 def test_a_classifier_over_a_bare_models_weights_loads_with_its_head_initialised(tmp_path: Path) -> None:
