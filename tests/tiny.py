@@ -1102,12 +1102,7 @@ def _deberta_config(**kw: object) -> T.DebertaV2Config:
     projections, log buckets (4 buckets, so the 12-token inputs reach the log range), the table
     LayerNorm'd, no absolute positions."""
     settings: dict[str, object] = {
-        "vocab_size": V,
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "intermediate_size": 48,
-        "max_position_embeddings": 64,
+        **ENCODER_SIZES,
         "relative_attention": True,
         "pos_att_type": ["p2c", "c2p"],
         "share_att_key": True,
