@@ -45,7 +45,7 @@ class _Entry(Part):
 class ModelEntry(_Entry):
     """One input model: reference, revision asked for, commit found, where it came from."""
 
-    _omit_none = frozenset({"role", "license", "label", "embedded"})
+    _omit_none = frozenset({"role", "license", "label", "embedded", "initialised_tensors"})
 
     model: str = "?"  # a damaged record still renders a card
     revision: str | None = None
@@ -59,6 +59,8 @@ class ModelEntry(_Entry):
     label: str | None = None  # the recipe's name for it, shown instead of ``model`` when given
     # models of different widths: how this one was written into the widest one's shape (absent: as it is)
     embedded: str | None = None
+    # tensors its files lack that transformers initialises on load (a pooler, a task head) -> what (absent: none)
+    initialised_tensors: dict[str, str] | None = None
 
     @property
     def shown(self) -> str:

@@ -110,7 +110,11 @@ def _write(run: Run) -> None:
         record = RunRecord(
             recipe=recipe_record(ws.recipe, ws.output),
             models=model_entries(
-                ws.recipe, ws.inputs, [lm.ignored for lm in ws.models.all], [lm.embedded for lm in ws.models.all]
+                ws.recipe,
+                ws.inputs,
+                [lm.ignored for lm in ws.models.all],
+                [lm.embedded for lm in ws.models.all],
+                [lm.initialised for lm in ws.models.all],
             ),
             datasets=dataset_entries(ws.recipe),
             findings=done.result.findings,

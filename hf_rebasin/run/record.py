@@ -116,14 +116,16 @@ def model_entries(
     models: Roles[PlannedModel],
     ignored: Sequence[Mapping[str, str]] = (),
     embedded: Sequence[str | None] = (),
+    initialised: Sequence[Mapping[str, str]] = (),
 ) -> list[ModelEntry]:
     """The input models in the recipe's order, with their roles in a transport, the tensors
-    loading dropped from each (``ignored``, in the same order) and how each was embedded into a
-    wider model's shape (``embedded``)."""
+    loading dropped from each (``ignored``, in the same order), how each was embedded into a
+    wider model's shape (``embedded``) and the tensors its files lacked (``initialised``)."""
     base = recipe_dir(recipe)
     roles = models.names if isinstance(models, TransportRoles) else (None,) * len(models.all)
     dropped = [*ignored, *[{}] * (len(models.all) - len(ignored))]
     grown = [*embedded, *[None] * (len(models.all) - len(embedded))]
+    lacked = [*initialised, *[{}] * (len(models.all) - len(initialised))]
     return [
         ModelEntry(
             model=_relative(m.ref.model, base),
@@ -136,8 +138,11 @@ def model_entries(
             ignored_tensors=dict(dropped_here),
             label=m.ref.label,
             embedded=grown_here,
+            initialised_tensors=dict(lacked_here) or None,
         )
-        for m, role, dropped_here, grown_here in zip(models.all, roles, dropped, grown, strict=True)
+        for m, role, dropped_here, grown_here, lacked_here in zip(
+            models.all, roles, dropped, grown, lacked, strict=True
+        )
     ]
 
 

@@ -113,6 +113,8 @@ def test_a_merge_takes_the_pooler_from_the_model_that_has_it(tmp_path: Path) -> 
     assert got.pooler_output.abs().max() > 1e-2  # a real pooler, not the zeros a lacking model holds
     record = json.loads((out / "rebasin.json").read_text())
     assert any("pooler.dense.weight" in n and "initialises at random" in n for n in record["notes"])
+    assert record["models"][0]["initialised_tensors"] == dict.fromkeys(sorted(POOLER), "a pooler")
+    assert "initialised_tensors" not in record["models"][1]
 
 
 def test_a_tensor_no_model_has_is_left_out_of_the_output(tmp_path: Path) -> None:
