@@ -1,11 +1,12 @@
 """The bad-input corpus: what an attacker or a careless user hands hf-rebasin, one row per case.
 
 Each row (`Case`) builds its input in a fresh folder (`Workspace`), runs the real CLI (in process by
-default, in a subprocess when the case needs signals, a terminal or the local Hub), and states the
-outcome it must have: the exit code, words the message must contain, and a check of what is on disk
-afterwards (inputs untouched, no output, no leftovers). Rows live in the ``bad_cases_*`` modules by
-area; ``test_bad_input.py`` runs them all. A case that already passed when the corpus was written
-stays a row, so that it cannot come back.
+default, in a subprocess when the case needs signals, a terminal or the local Hub: forked from a
+helper that has imported torch, tests/warm_cli.py), and states the outcome it must have: the exit
+code, words the message must contain, and a check of what is on disk afterwards (inputs untouched,
+no output, no leftovers). Rows live in the ``bad_cases_*`` modules by area; ``test_bad_input.py``
+runs them all. A case that already passed when the corpus was written stays a row, so that it
+cannot come back.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any
 import yaml
 
 import tiny
+import warm_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = tiny.HAMLET * 6
@@ -191,15 +191,6 @@ def offline_env(ws: Workspace) -> dict[str, str]:
     }
 
 
-def _limit_file_size(size: int | None) -> None:
-    """In the child: writes past ``size`` bytes fail with EFBIG, as on a full disk (SIGXFSZ ignored)."""
-    import resource
-    import signal
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-
-
 def run_case(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
     """Run the CLI with ``argv`` from ``ws.root`` as the case asks (in process or in a subprocess)."""
     start = time.perf_counter()
@@ -213,15 +204,8 @@ def _run(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
         environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG"}
         environ.update(env)
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [sys.executable, "-m", "hf_rebasin", *argv],
-            cwd=ws.root,
-            env=environ,
-            capture_output=True,
-            text=True,
-            timeout=case.timeout,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=(lambda: _limit_file_size(case.max_file_bytes)) if case.max_file_bytes else None,
+        proc = warm_cli.run_module(
+            argv, env=environ, cwd=ws.root, timeout=case.timeout, max_file_bytes=case.max_file_bytes
         )
         return Outcome(proc.returncode, proc.stdout, proc.stderr)
     from helpers import run_main

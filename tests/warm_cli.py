@@ -1,0 +1,190 @@
+"""``python -m hf_rebasin`` in a fresh process, without paying torch's import (1–2 s) on every run.
+
+A helper process imports the heavy libraries that read no per-run setting at import (torch, numpy,
+jinja2, ...) and forks one child per run. It never imports huggingface_hub, transformers, datasets
+or hf_rebasin: they read HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and the like at import, so the child
+imports them after it has taken the run's environment. Before that, the child also takes the run's
+folder, stdin (/dev/null), output files and file-size limit, as `subprocess.run` would give them;
+signals are Python's defaults, as the helper never changes them. A fork is only safe while one thread
+runs: the helper checks that after its imports (OpenMP/BLAS pools start no thread with
+``OMP_NUM_THREADS=1``, as tests/conftest.py sets) and, if not, says so and every run falls back to a
+plain subprocess.
+
+Run as a script, this file is the helper: one JSON request a line on stdin, one JSON answer a line.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import locale
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# libraries that read nothing a case sets at import and start no thread; never pandas or pyarrow
+# (jemalloc's background thread) nor anything that imports huggingface_hub
+PRELOAD = ("torch", "numpy", "scipy", "safetensors", "tokenizers", "regex", "yaml", "jinja2", "pydantic", "dill")
+FORBIDDEN = ("huggingface_hub", "transformers", "datasets", "hf_rebasin")
+
+ROOT = Path(__file__).resolve().parent.parent
+_PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+_helper: subprocess.Popen[bytes] | None = None
+_ready: bool | None = None
+
+
+def run_module(
+    argv: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float, max_file_bytes: int | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m hf_rebasin ARGV`` with exactly ``env`` in ``cwd``, stdin from /dev/null; raises
+    `subprocess.TimeoutExpired` (the child killed) past ``timeout`` seconds, as `subprocess.run` does."""
+    cmd = [sys.executable, "-m", "hf_rebasin", *argv]
+    if not _start() or env.get("PYTHONPATH") != _PYTHONPATH:  # sys.path is the helper's
+        return _plain(cmd, env=env, cwd=cwd, timeout=timeout, max_file_bytes=max_file_bytes)
+    with tempfile.TemporaryDirectory(prefix="warm-cli-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        request = {"argv": argv, "env": dict(env), "cwd": str(cwd), "timeout": timeout}
+        answer = _ask({**request, "max_file_bytes": max_file_bytes, "stdout": str(out), "stderr": str(err)})
+        if answer.get("timeout"):
+            raise subprocess.TimeoutExpired(cmd, timeout, _text(out.read_bytes()), _text(err.read_bytes()))
+        return subprocess.CompletedProcess(cmd, answer["code"], _text(out.read_bytes()), _text(err.read_bytes()))
+
+
+def _plain(cmd: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float, max_file_bytes: int | None) -> Any:
+    """The same run as a plain subprocess (the helper could not fork safely)."""
+    return subprocess.run(
+        cmd,
+        cwd=cwd,
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=(lambda: limit_file_size(max_file_bytes)) if max_file_bytes else None,
+    )
+
+
+def _text(data: bytes) -> str:
+    """Bytes decoded as `subprocess.run(text=True)` decodes them (locale encoding, universal newlines)."""
+    return data.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
+
+
+def limit_file_size(size: int | None) -> None:
+    """In the child: writes past ``size`` bytes fail with EFBIG, as on a full disk (SIGXFSZ ignored)."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+
+def _start() -> bool:
+    """The helper of this test process, started on first use; False where it cannot fork safely."""
+    global _helper, _ready
+    if _ready is None:
+        environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG"}
+        environ["PYTHONPATH"] = _PYTHONPATH
+        _helper = subprocess.Popen(
+            [sys.executable, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=environ,
+            cwd=Path(__file__).parent,
+        )
+        atexit.register(_stop)
+        _ready = bool(_read().get("ready"))
+    return _ready
+
+
+def _stop() -> None:
+    if _helper is not None and _helper.poll() is None:
+        _helper.stdin.close()  # type: ignore[union-attr]
+        _helper.wait(timeout=30)
+
+
+def _read() -> dict[str, Any]:
+    line = _helper.stdout.readline()  # type: ignore[union-attr]
+    if not line:
+        raise RuntimeError(f"the warm CLI helper stopped (exit {_helper.wait()})")  # type: ignore[union-attr]
+    return json.loads(line)
+
+
+def _ask(request: dict[str, Any]) -> dict[str, Any]:
+    _helper.stdin.write(json.dumps(request).encode() + b"\n")  # type: ignore[union-attr]
+    _helper.stdin.flush()  # type: ignore[union-attr]
+    return _read()
+
+
+# -- the helper -----------------------------------------------------------------------------------
+
+
+def _serve() -> dict[str, Any]:
+    """Preload, then fork a child per request and answer its exit code; returns only in a child."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    loaded = sorted({m.split(".")[0] for m in sys.modules} & set(FORBIDDEN))
+    threads = len(os.listdir("/proc/self/task"))
+    _answer({"ready": threads == 1 and not loaded, "threads": threads, "loaded": loaded})
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            return request
+        _answer(_wait(pid, request["timeout"]))
+    sys.exit(0)
+
+
+def _answer(answer: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
+
+
+def _wait(pid: int, timeout: float) -> dict[str, Any]:
+    """The child's exit code (negative: killed by that signal), or ``timeout`` once it was killed."""
+    import select
+    import signal
+
+    pidfd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    return {"timeout": True} if not ready else {"code": os.waitstatus_to_exitcode(status)}
+
+
+def _enter(request: dict[str, Any]) -> None:
+    """In the child: the run's stdin, output files, folder, environment, file-size limit and argv."""
+    for fd, path, flags in (
+        (0, os.devnull, os.O_RDONLY),
+        (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+    ):
+        opened = os.open(path, flags, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if request["max_file_bytes"]:
+        limit_file_size(request["max_file_bytes"])
+    sys.argv = ["-m", *request["argv"]]
+    sys.path[0] = os.getcwd()  # as `python -m` has it (here it was this file's folder)
+
+
+if __name__ == "__main__":
+    _enter(_serve())
+    import runpy
+
+    runpy.run_module("hf_rebasin", run_name="__main__", alter_sys=True)
