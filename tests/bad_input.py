@@ -11,13 +11,16 @@ cannot come back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
+import signal
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,8 +162,10 @@ class Case:
     ``build`` makes the inputs and returns the CLI arguments; the run must exit ``code`` with every
     ``needles`` string in its stderr (exit 2: an ``error:`` paragraph, never a traceback), and then
     ``check`` (if any) inspects the disk. ``subprocess``: run as a separate process (signals, a
-    terminal, the local Hub, environment read at import). ``before`` says what the code did when
-    the corpus was written (the issue's table).
+    terminal, the local Hub, environment read at import). A run in process that is still going
+    after ``timeout`` seconds (a FIFO opened by a regression blocks forever) is interrupted and
+    fails (`Hung`), as a subprocess would be killed. ``before`` says what the code did when the
+    corpus was written (the issue's table).
     """
 
     id: str
@@ -213,10 +218,40 @@ def _run(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
     cwd = Path.cwd()
     os.chdir(ws.root)
     try:
-        done = run_main(*argv, env=env)
+        with _interrupted_after(case.timeout):
+            done = run_main(*argv, env=env)
     finally:
         os.chdir(cwd)
     return Outcome(done.returncode, done.stdout, done.stderr)
+
+
+class Hung(BaseException):
+    """An in-process run past its case's timeout (a BaseException: the CLI's own handler for
+    internal errors must not turn it into an exit code)."""
+
+
+@contextlib.contextmanager
+def _interrupted_after(seconds: float) -> Iterator[None]:
+    """Raise `Hung` in this (the main) thread after ``seconds``, even inside a blocking ``open()``
+    of a FIFO: a timer thread sends SIGUSR1, whose handler raises (SIGALRM is pytest-timeout's)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def hung(signum: int, frame: Any) -> None:
+        raise Hung(f"the CLI was still running after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGUSR1, hung)
+    main = threading.main_thread().ident
+    timer = threading.Timer(seconds, lambda: signal.pthread_kill(main, signal.SIGUSR1))  # type: ignore[arg-type]
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGUSR1, previous)
 
 
 # a ``str.format``/f-string placeholder left in a message (``{s!r}``, ``{name}``, ``{0}``,
