@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 
@@ -374,7 +377,14 @@ def _fitted(case: str, data: AlignmentData, steps: int = 150) -> torch.nn.Module
 
 def _learned_pair(case: str = "gpt2", n: int = 4):
     """A fitted tiny model A and B = A with three heads of every layer cycled, everything else as
-    is: a known transform only a learned head pairing can find from an identity start."""
+    is: a known transform only a learned head pairing can find from an identity start. Fitted once
+    per test process (the fit is seeded, so every call would fit the same model); each caller gets
+    its own copy."""
+    return copy.deepcopy(_learned_pair_once(case, n))
+
+
+@functools.cache
+def _learned_pair_once(case: str, n: int):
     data = _text_data(n)
     a = _fitted(case, data)
     sd = a.state_dict()
