@@ -1,9 +1,9 @@
-"""``python -m hf_rebasin`` in a fresh process, without paying torch's import (1–2 s) on every run.
+"""``python -m hf_rebasin`` in a fresh process, without paying torch's import (1–3 s) on every run.
 
-A helper process imports the heavy libraries that read no per-run setting at import (torch, numpy,
-jinja2, ...) and forks one child per run. It never imports huggingface_hub, transformers, datasets
-or hf_rebasin: they read HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and the like at import, so the child
-imports them after it has taken the run's environment. Before that, the child also takes the run's
+A helper process imports the heavy libraries that read no per-run setting at import (`PRELOAD`:
+torch, numpy, ...) and forks one child per run. It never imports huggingface_hub, transformers,
+datasets or hf_rebasin: they read HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and the like at import, so
+the child imports them after it has taken the run's environment. Before that, the child also takes the run's
 folder, stdin (/dev/null), output files and file-size limit, as `subprocess.run` would give them;
 signals are Python's defaults, as the helper never changes them. A fork is only safe while one thread
 runs: the helper checks that after its imports (OpenMP/BLAS pools start no thread with
@@ -26,13 +26,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-# libraries that read nothing a case sets at import and start no thread; never pandas or pyarrow
-# (jemalloc's background thread) nor anything that imports huggingface_hub
-PRELOAD = ("torch", "numpy", "scipy", "safetensors", "tokenizers", "regex", "yaml", "jinja2", "pydantic", "dill")
+# libraries that read nothing a case sets at import and start no thread, among them what
+# transformers' model classes pull in (dynamo, DTensor, scipy.optimize, the HTTP stack); never pandas
+# or pyarrow (jemalloc's background thread) nor anything that imports huggingface_hub
+PRELOAD = (
+    *("torch", "torch._dynamo", "torch._inductor", "torch.distributed.tensor", "torch.onnx"),
+    *("numpy", "scipy", "scipy.linalg", "scipy.optimize", "sympy", "safetensors", "tokenizers"),
+    *("regex", "yaml", "jinja2", "pydantic", "dill", "httpcore2", "httpx2", "trio"),
+)
 FORBIDDEN = ("huggingface_hub", "transformers", "datasets", "hf_rebasin")
 
 ROOT = Path(__file__).resolve().parent.parent
-_PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 _helper: subprocess.Popen[bytes] | None = None
 _ready: bool | None = None
 
@@ -43,7 +48,7 @@ def run_module(
     """``python -m hf_rebasin ARGV`` with exactly ``env`` in ``cwd``, stdin from /dev/null; raises
     `subprocess.TimeoutExpired` (the child killed) past ``timeout`` seconds, as `subprocess.run` does."""
     cmd = [sys.executable, "-m", "hf_rebasin", *argv]
-    if not _start() or env.get("PYTHONPATH") != _PYTHONPATH:  # sys.path is the helper's
+    if not _start() or env.get("PYTHONPATH") != PYTHONPATH:  # sys.path is the helper's
         return _plain(cmd, env=env, cwd=cwd, timeout=timeout, max_file_bytes=max_file_bytes)
     with tempfile.TemporaryDirectory(prefix="warm-cli-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
@@ -87,7 +92,7 @@ def _start() -> bool:
     global _helper, _ready
     if _ready is None:
         environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG"}
-        environ["PYTHONPATH"] = _PYTHONPATH
+        environ["PYTHONPATH"] = PYTHONPATH
         _helper = subprocess.Popen(
             [sys.executable, __file__],
             stdin=subprocess.PIPE,
@@ -125,12 +130,17 @@ def _ask(request: dict[str, Any]) -> dict[str, Any]:
 
 def _serve() -> dict[str, Any]:
     """Preload, then fork a child per request and answer its exit code; returns only in a child."""
+    import gc
     import importlib
 
     for name in PRELOAD:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not installed here: the child imports what it needs
+            pass
     loaded = sorted({m.split(".")[0] for m in sys.modules} & set(FORBIDDEN))
     threads = len(os.listdir("/proc/self/task"))
+    gc.freeze()  # a child's collections skip what was preloaded: its exit copies 0.3 s fewer pages
     _answer({"ready": threads == 1 and not loaded, "threads": threads, "loaded": loaded})
     for line in sys.stdin.buffer:
         request = json.loads(line)
