@@ -53,14 +53,18 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @functools.cache
-def _built(family: str) -> torch.nn.Module:
-    return C.FAMILIES[family](0)
+def _built(family: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The family's model and the global RNG state its seeded build leaves."""
+    return C.FAMILIES[family](0), torch.get_rng_state()
 
 
 def _written(root: Path, family: str, layout: str, permuted: bool = False) -> tuple[torch.nn.Module, Path]:
     """The family's model (or its MLP-permuted copy) written in ``layout``, once per module. The model
-    is built once per process and copied for each caller (a layout may convert it in place)."""
-    model = copy.deepcopy(_built(family))
+    is built once per process and copied for each caller (a layout may convert it in place), the
+    global RNG set as a build would leave it."""
+    built, rng = _built(family)
+    torch.set_rng_state(rng)
+    model = copy.deepcopy(built)
     if permuted:
         model = C.permuted_mlp(model)
     folder = root / f"{family}--{layout}{'--permuted' if permuted else ''}"
