@@ -1,12 +1,15 @@
-"""``python -m hf_rebasin`` in a fresh process, without paying torch's import (1–3 s) on every run.
+"""``python -m hf_rebasin`` (or ``python -c CODE``) in a fresh process, without paying the imports of
+torch (1–3 s) or the HTTP stack (0.3 s) on every run.
 
 A helper process imports the heavy libraries that read no per-run setting at import (`PRELOAD`:
-torch, numpy, ...) and forks one child per run. It never imports huggingface_hub, transformers,
-datasets or hf_rebasin: they read HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and the like at import, so
-the child imports them after it has taken the run's environment. Before that, the child also takes the run's
-folder, stdin (/dev/null), output files and file-size limit, as `subprocess.run` would give them;
-signals are Python's defaults, as the helper never changes them. A fork is only safe while one thread
-runs: the helper checks that after its imports (OpenMP/BLAS pools start no thread with
+torch, numpy, ...; `LIGHT` for code that never imports torch) and forks one child per run. It never
+imports huggingface_hub, transformers, datasets or hf_rebasin: they read HF_ENDPOINT,
+HF_HUB_OFFLINE, HF_HOME and the like at import, so the child imports them after it has taken the
+run's environment. Before that, the child also takes the run's folder, stdin (/dev/null), output
+files and file-size limit, as `subprocess.run` would give them; signals are Python's defaults, as
+the helper never changes them. What the interpreter reads at start-up (``PYTHON*``: the path, the
+buffering) is the helper's: one helper per kind and per such setting. A fork is only safe while one
+thread runs: the helper checks that after its imports (OpenMP/BLAS pools start no thread with
 ``OMP_NUM_THREADS=1``, as tests/conftest.py sets) and, if not, says so and every run falls back to a
 plain subprocess.
 
@@ -27,19 +30,20 @@ from pathlib import Path
 from typing import Any
 
 # libraries that read nothing a case sets at import and start no thread, among them what
-# transformers' model classes pull in (dynamo, DTensor, scipy.optimize, the HTTP stack); never pandas
-# or pyarrow (jemalloc's background thread) nor anything that imports huggingface_hub
+# transformers' model classes pull in (dynamo, DTensor, scipy.optimize); never pandas or pyarrow
+# (jemalloc's background thread) nor anything that imports huggingface_hub
+LIGHT = ("regex", "yaml", "jinja2", "pydantic", "httpcore2", "httpx2", "trio", "requests", "filelock", "fsspec", "tqdm")
 PRELOAD = (
     *("torch", "torch._dynamo", "torch._inductor", "torch.distributed.tensor", "torch.onnx"),
-    *("numpy", "scipy", "scipy.linalg", "scipy.optimize", "sympy", "safetensors", "tokenizers"),
-    *("regex", "yaml", "jinja2", "pydantic", "dill", "httpcore2", "httpx2", "trio"),
+    *("numpy", "scipy", "scipy.linalg", "scipy.optimize", "sympy", "safetensors", "tokenizers", "dill"),
+    *LIGHT,
 )
+KINDS = {"torch": PRELOAD, "light": LIGHT}
 FORBIDDEN = ("huggingface_hub", "transformers", "datasets", "hf_rebasin")
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-_helper: subprocess.Popen[bytes] | None = None
-_ready: bool | None = None
+_helpers: dict[tuple[str, ...], subprocess.Popen[bytes] | None] = {}  # None: it cannot fork safely
 
 
 def run_module(
@@ -48,12 +52,24 @@ def run_module(
     """``python -m hf_rebasin ARGV`` with exactly ``env`` in ``cwd``, stdin from /dev/null; raises
     `subprocess.TimeoutExpired` (the child killed) past ``timeout`` seconds, as `subprocess.run` does."""
     cmd = [sys.executable, "-m", "hf_rebasin", *argv]
-    if not _start() or env.get("PYTHONPATH") != PYTHONPATH:  # sys.path is the helper's
-        return _plain(cmd, env=env, cwd=cwd, timeout=timeout, max_file_bytes=max_file_bytes)
+    return _run("torch", cmd, {"argv": argv}, env=env, cwd=cwd, timeout=timeout, max_file_bytes=max_file_bytes)
+
+
+def run_code(code: str, *, env: Mapping[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE`` (code that needs no torch) as `run_module` runs the CLI."""
+    return _run("light", [sys.executable, "-c", code], {"code": code}, env=env, cwd=cwd, timeout=timeout)
+
+
+def _run(
+    kind: str, cmd: list[str], what: dict[str, Any], *, env: Mapping[str, str], cwd: Path, timeout: float, **more: Any
+) -> subprocess.CompletedProcess[str]:
+    helper = _helper(kind, {k: v for k, v in env.items() if k.startswith("PYTHON")})
+    if helper is None:
+        return _plain(cmd, env=env, cwd=cwd, timeout=timeout, max_file_bytes=more.get("max_file_bytes"))
     with tempfile.TemporaryDirectory(prefix="warm-cli-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        request = {"argv": argv, "env": dict(env), "cwd": str(cwd), "timeout": timeout}
-        answer = _ask({**request, "max_file_bytes": max_file_bytes, "stdout": str(out), "stderr": str(err)})
+        request = {**what, **more, "env": dict(env), "cwd": str(cwd), "timeout": timeout}
+        answer = _ask(helper, {**request, "stdout": str(out), "stderr": str(err)})
         if answer.get("timeout"):
             raise subprocess.TimeoutExpired(cmd, timeout, _text(out.read_bytes()), _text(err.read_bytes()))
         return subprocess.CompletedProcess(cmd, answer["code"], _text(out.read_bytes()), _text(err.read_bytes()))
@@ -87,53 +103,53 @@ def limit_file_size(size: int | None) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
 
 
-def _start() -> bool:
-    """The helper of this test process, started on first use; False where it cannot fork safely."""
-    global _helper, _ready
-    if _ready is None:
-        environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG"}
-        environ["PYTHONPATH"] = PYTHONPATH
-        _helper = subprocess.Popen(
-            [sys.executable, __file__],
+def _helper(kind: str, startup: dict[str, str]) -> subprocess.Popen[bytes] | None:
+    """The helper of this test process for ``kind`` and these ``PYTHON*`` settings, started on first
+    use; None where it cannot fork safely."""
+    key = (kind, *sorted(f"{k}={v}" for k, v in startup.items()))
+    if key not in _helpers:
+        environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG" and not k.startswith("PYTHON")}
+        helper = subprocess.Popen(
+            [sys.executable, __file__, kind],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            env=environ,
+            env={**environ, **startup},
             cwd=Path(__file__).parent,
         )
-        atexit.register(_stop)
-        _ready = bool(_read().get("ready"))
-    return _ready
+        atexit.register(_stop, helper)
+        _helpers[key] = helper if _read(helper).get("ready") else None
+    return _helpers[key]
 
 
-def _stop() -> None:
-    if _helper is not None and _helper.poll() is None:
-        _helper.stdin.close()  # type: ignore[union-attr]
-        _helper.wait(timeout=30)
+def _stop(helper: subprocess.Popen[bytes]) -> None:
+    if helper.poll() is None:
+        helper.stdin.close()  # type: ignore[union-attr]
+        helper.wait(timeout=30)
 
 
-def _read() -> dict[str, Any]:
-    line = _helper.stdout.readline()  # type: ignore[union-attr]
+def _read(helper: subprocess.Popen[bytes]) -> dict[str, Any]:
+    line = helper.stdout.readline()  # type: ignore[union-attr]
     if not line:
-        raise RuntimeError(f"the warm CLI helper stopped (exit {_helper.wait()})")  # type: ignore[union-attr]
+        raise RuntimeError(f"the warm CLI helper stopped (exit {helper.wait()})")
     return json.loads(line)
 
 
-def _ask(request: dict[str, Any]) -> dict[str, Any]:
-    _helper.stdin.write(json.dumps(request).encode() + b"\n")  # type: ignore[union-attr]
-    _helper.stdin.flush()  # type: ignore[union-attr]
-    return _read()
+def _ask(helper: subprocess.Popen[bytes], request: dict[str, Any]) -> dict[str, Any]:
+    helper.stdin.write(json.dumps(request).encode() + b"\n")  # type: ignore[union-attr]
+    helper.stdin.flush()  # type: ignore[union-attr]
+    return _read(helper)
 
 
 # -- the helper -----------------------------------------------------------------------------------
 
 
-def _serve() -> dict[str, Any]:
+def _serve(kind: str) -> dict[str, Any]:
     """Preload, then fork a child per request and answer its exit code; returns only in a child."""
     import gc
     import importlib
 
-    for name in PRELOAD:
+    for name in KINDS[kind]:
         try:
             importlib.import_module(name)
         except ImportError:  # not installed here: the child imports what it needs
@@ -175,7 +191,8 @@ def _wait(pid: int, timeout: float) -> dict[str, Any]:
 
 
 def _enter(request: dict[str, Any]) -> None:
-    """In the child: the run's stdin, output files, folder, environment, file-size limit and argv."""
+    """In the child: the run's stdin, output files, folder, environment, file-size limit, argv and
+    ``sys.path[0]`` (the folder for ``-m``, '' for ``-c``, where it was this file's folder)."""
     for fd, path, flags in (
         (0, os.devnull, os.O_RDONLY),
         (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
@@ -187,14 +204,23 @@ def _enter(request: dict[str, Any]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    if request["max_file_bytes"]:
+    if request.get("max_file_bytes"):
         limit_file_size(request["max_file_bytes"])
-    sys.argv = ["-m", *request["argv"]]
-    sys.path[0] = os.getcwd()  # as `python -m` has it (here it was this file's folder)
+    code = request.get("code")
+    sys.argv = ["-c"] if code is not None else ["-m", *request["argv"]]
+    sys.path[0] = "" if code is not None else os.getcwd()
 
 
 if __name__ == "__main__":
-    _enter(_serve())
-    import runpy
+    _REQUEST = _serve(sys.argv[1])
+    _enter(_REQUEST)
+    if _REQUEST.get("code") is None:
+        import runpy
 
-    runpy.run_module("hf_rebasin", run_name="__main__", alter_sys=True)
+        runpy.run_module("hf_rebasin", run_name="__main__", alter_sys=True)
+    else:
+        import types
+
+        _main = types.ModuleType("__main__")
+        sys.modules["__main__"] = _main
+        exec(compile(_REQUEST["code"], "<string>", "exec"), _main.__dict__)
