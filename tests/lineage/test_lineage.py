@@ -158,7 +158,8 @@ def test_bad_input_exits_2_and_writes_nothing(saved_model, tmp_path):
 
 
 def test_a_hub_id_that_does_not_exist_exits_2(hub, saved_model, tmp_path):
-    """A subprocess (the client reads HF_ENDPOINT at import), forked from the warm helper."""
+    """A subprocess (the client reads HF_ENDPOINT at import), forked from the warm helper that the
+    other CLI subprocesses share (the same PYTHONPATH: the repository first)."""
     env = {**client_env(hub, None, tmp_path), "PYTHONPATH": warm_cli.PYTHONPATH}
     argv = ["lineage", str(saved_model("gpt2")), "alice/no-such-model"]
     proc = warm_cli.run_module(argv, env=env, cwd=Path.cwd(), timeout=300)
