@@ -218,7 +218,7 @@ def _run(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
     cwd = Path.cwd()
     os.chdir(ws.root)
     try:
-        with _interrupted_after(case.timeout):
+        with interrupted_after(case.timeout):
             done = run_main(*argv, env=env)
     finally:
         os.chdir(cwd)
@@ -231,7 +231,7 @@ class Hung(BaseException):
 
 
 @contextlib.contextmanager
-def _interrupted_after(seconds: float) -> Iterator[None]:
+def interrupted_after(seconds: float) -> Iterator[None]:
     """Raise `Hung` in this (the main) thread after ``seconds``, even inside a blocking ``open()``
     of a FIFO: a timer thread sends SIGUSR1, whose handler raises (SIGALRM is pytest-timeout's)."""
     if threading.current_thread() is not threading.main_thread():

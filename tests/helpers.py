@@ -52,7 +52,8 @@ def run_cli(*args: str, code: str | None = None, env: dict[str, str] | None = No
     process all the same, without the second or so of torch's import."""
     if code is not None:
         return finish(start_cli(*args, code=code, env=env))
-    return warm_cli.run_module(list(args), env=_environ(env), cwd=ROOT, timeout=300)
+    light = not args or args[0].startswith("-")  # --help, --version, no command: no torch to import
+    return warm_cli.run_module(list(args), env=_environ(env), cwd=ROOT, timeout=300, kind="light" if light else "torch")
 
 
 def run_main(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -47,12 +47,19 @@ _helpers: dict[tuple[str, ...], subprocess.Popen[bytes] | None] = {}  # None: it
 
 
 def run_module(
-    argv: list[str], *, env: Mapping[str, str], cwd: Path, timeout: float, max_file_bytes: int | None = None
+    argv: list[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path,
+    timeout: float,
+    max_file_bytes: int | None = None,
+    kind: str = "torch",
 ) -> subprocess.CompletedProcess[str]:
     """``python -m hf_rebasin ARGV`` with exactly ``env`` in ``cwd``, stdin from /dev/null; raises
-    `subprocess.TimeoutExpired` (the child killed) past ``timeout`` seconds, as `subprocess.run` does."""
+    `subprocess.TimeoutExpired` (the child killed) past ``timeout`` seconds, as `subprocess.run` does.
+    ``kind="light"`` for a run that imports no torch (``--help``): its child exits sooner."""
     cmd = [sys.executable, "-m", "hf_rebasin", *argv]
-    return _run("torch", cmd, {"argv": argv}, env=env, cwd=cwd, timeout=timeout, max_file_bytes=max_file_bytes)
+    return _run(kind, cmd, {"argv": argv}, env=env, cwd=cwd, timeout=timeout, max_file_bytes=max_file_bytes)
 
 
 def run_code(code: str, *, env: Mapping[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,7 @@ from bad_cases_loading import CASES as LOADING_CASES
 from bad_cases_output import CASES as OUTPUT_CASES
 from bad_cases_recipes import CASES as RECIPE_CASES
 from bad_cases_tokenizers import CASES as TOKENIZER_CASES
-from bad_input import Case, Hung, Workspace, _interrupted_after, assert_outcome, run_case
+from bad_input import Case, Hung, Workspace, assert_outcome, interrupted_after, run_case
 
 CASES: list[Case] = [*OUTPUT_CASES, *LOADING_CASES, *INPUT_CASES, *FILE_CASES, *TOKENIZER_CASES, *RECIPE_CASES]
 
@@ -36,7 +36,7 @@ def test_a_run_in_process_that_blocks_on_a_fifo_is_interrupted(tmp_path: Path) -
     """The guard of the FIFO rows run in process: a regression that opens the FIFO fails, not hangs."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    with pytest.raises(Hung), _interrupted_after(0.2):
+    with pytest.raises(Hung), interrupted_after(0.2):
         fifo.read_bytes()  # blocks: no writer
 
 
