@@ -114,6 +114,8 @@ def _helper(kind: str, startup: dict[str, str]) -> subprocess.Popen[bytes] | Non
     """The helper of this test process for ``kind`` and these ``PYTHON*`` settings, started on first
     use; None where it cannot fork safely."""
     key = (kind, *sorted(f"{k}={v}" for k, v in startup.items()))
+    if not sys.platform.startswith("linux"):  # it counts threads in /proc and waits on a pidfd
+        return None
     if key not in _helpers:
         environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG" and not k.startswith("PYTHON")}
         helper = subprocess.Popen(
