@@ -250,8 +250,7 @@ CASES: list[Case] = [
         2,
         needles=("pipe.yaml", "FIFO", "not a regular file"),
         check=_untouched,
-        subprocess=True,
-        timeout=60,
+        timeout=60,  # a regression blocks on the FIFO: interrupted then (bad_input.Hung), and fails
         before="hung (stopped after 200 s): opening a FIFO waits for a writer",
     ),
     Case(

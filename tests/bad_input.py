@@ -1,24 +1,26 @@
 """The bad-input corpus: what an attacker or a careless user hands hf-rebasin, one row per case.
 
 Each row (`Case`) builds its input in a fresh folder (`Workspace`), runs the real CLI (in process by
-default, in a subprocess when the case needs signals, a terminal or the local Hub), and states the
-outcome it must have: the exit code, words the message must contain, and a check of what is on disk
-afterwards (inputs untouched, no output, no leftovers). Rows live in the ``bad_cases_*`` modules by
-area; ``test_bad_input.py`` runs them all. A case that already passed when the corpus was written
-stays a row, so that it cannot come back.
+default, in a subprocess when the case needs signals, a terminal or the local Hub: forked from a
+helper that has imported torch, tests/warm_cli.py), and states the outcome it must have: the exit
+code, words the message must contain, and a check of what is on disk afterwards (inputs untouched,
+no output, no leftovers). Rows live in the ``bad_cases_*`` modules by area; ``test_bad_input.py``
+runs them all. A case that already passed when the corpus was written stays a row, so that it
+cannot come back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import re
-import subprocess
-import sys
+import signal
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from typing import Any
 import yaml
 
 import tiny
+import warm_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = tiny.HAMLET * 6
@@ -159,8 +162,10 @@ class Case:
     ``build`` makes the inputs and returns the CLI arguments; the run must exit ``code`` with every
     ``needles`` string in its stderr (exit 2: an ``error:`` paragraph, never a traceback), and then
     ``check`` (if any) inspects the disk. ``subprocess``: run as a separate process (signals, a
-    terminal, the local Hub, environment read at import). ``before`` says what the code did when
-    the corpus was written (the issue's table).
+    terminal, the local Hub, environment read at import). A run in process that is still going
+    after ``timeout`` seconds (a FIFO opened by a regression blocks forever) is interrupted and
+    fails (`Hung`), as a subprocess would be killed. ``before`` says what the code did when the
+    corpus was written (the issue's table).
     """
 
     id: str
@@ -191,15 +196,6 @@ def offline_env(ws: Workspace) -> dict[str, str]:
     }
 
 
-def _limit_file_size(size: int | None) -> None:
-    """In the child: writes past ``size`` bytes fail with EFBIG, as on a full disk (SIGXFSZ ignored)."""
-    import resource
-    import signal
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-
-
 def run_case(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
     """Run the CLI with ``argv`` from ``ws.root`` as the case asks (in process or in a subprocess)."""
     start = time.perf_counter()
@@ -213,15 +209,8 @@ def _run(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
         environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG"}
         environ.update(env)
         environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [sys.executable, "-m", "hf_rebasin", *argv],
-            cwd=ws.root,
-            env=environ,
-            capture_output=True,
-            text=True,
-            timeout=case.timeout,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=(lambda: _limit_file_size(case.max_file_bytes)) if case.max_file_bytes else None,
+        proc = warm_cli.run_module(
+            argv, env=environ, cwd=ws.root, timeout=case.timeout, max_file_bytes=case.max_file_bytes
         )
         return Outcome(proc.returncode, proc.stdout, proc.stderr)
     from helpers import run_main
@@ -229,10 +218,40 @@ def _run(case: Case, ws: Workspace, argv: list[str]) -> Outcome:
     cwd = Path.cwd()
     os.chdir(ws.root)
     try:
-        done = run_main(*argv, env=env)
+        with interrupted_after(case.timeout):
+            done = run_main(*argv, env=env)
     finally:
         os.chdir(cwd)
     return Outcome(done.returncode, done.stdout, done.stderr)
+
+
+class Hung(BaseException):
+    """An in-process run past its case's timeout (a BaseException: the CLI's own handler for
+    internal errors must not turn it into an exit code)."""
+
+
+@contextlib.contextmanager
+def interrupted_after(seconds: float) -> Iterator[None]:
+    """Raise `Hung` in this (the main) thread after ``seconds``, even inside a blocking ``open()``
+    of a FIFO: a timer thread sends SIGUSR1, whose handler raises (SIGALRM is pytest-timeout's)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def hung(signum: int, frame: Any) -> None:
+        raise Hung(f"the CLI was still running after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGUSR1, hung)
+    main = threading.main_thread().ident
+    timer = threading.Timer(seconds, lambda: signal.pthread_kill(main, signal.SIGUSR1))  # type: ignore[arg-type]
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGUSR1, previous)
 
 
 # a ``str.format``/f-string placeholder left in a message (``{s!r}``, ``{name}``, ``{0}``,

@@ -11,11 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warm_cli
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def start_cli(*args: str, code: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """Start ``python -m hf_rebasin ARGS`` (or ``python -c CODE ARGS``) from the repo root, offline."""
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "hf_rebasin", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_environ(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _environ(env: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment, offline, with ``env`` on top (it may turn downloads back on,
+    for tests against the local Hub)."""
     environ = {k: v for k, v in os.environ.items() if k != "HF_REBASIN_DEBUG"}
     environ.update(
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -23,9 +32,8 @@ def start_cli(*args: str, code: str | None = None, env: dict[str, str] | None = 
         TRANSFORMERS_OFFLINE="1",
         COLUMNS="200",
     )
-    environ.update(env or {})  # may turn downloads back on (tests against the local Hub)
-    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "hf_rebasin", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    environ.update(env or {})
+    return environ
 
 
 def finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
@@ -39,8 +47,13 @@ def finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
 
 
 def run_cli(*args: str, code: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the CLI to completion (see :func:`start_cli`)."""
-    return finish(start_cli(*args, code=code, env=env))
+    """Run the CLI to completion (see :func:`start_cli`), stdin from /dev/null. ``python -m
+    hf_rebasin`` is forked from a helper that has imported torch (tests/warm_cli.py): a fresh
+    process all the same, without the second or so of torch's import."""
+    if code is not None:
+        return finish(start_cli(*args, code=code, env=env))
+    light = not args or args[0].startswith("-")  # --help, --version, no command: no torch to import
+    return warm_cli.run_module(list(args), env=_environ(env), cwd=ROOT, timeout=300, kind="light" if light else "torch")
 
 
 def run_main(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

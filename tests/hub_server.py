@@ -28,7 +28,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +37,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
+
+import warm_cli
 
 try:  # only to fill `cardData` in repo info from README.md front matter; optional
     import yaml
@@ -1016,15 +1017,10 @@ def run_client(
     timeout: float = 120,
     check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -c code`` (cwd `tmp`) against `server`; raise with its output when it fails and `check`."""
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=client_env(server, token, tmp, xet=xet),
-        cwd=str(tmp),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Run ``python -c code`` (cwd `tmp`, stdin from /dev/null) against `server`, forked from a helper
+    that has imported the HTTP stack but not the client (tests/warm_cli.py); raise with its output
+    when it fails and `check`."""
+    proc = warm_cli.run_code(code, env=client_env(server, token, tmp, xet=xet), cwd=Path(tmp), timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"client failed ({proc.returncode}):\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"

@@ -4,6 +4,8 @@ projection), the identity straight-through gradient for permutations, and a line
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 
 import pytest
@@ -12,7 +14,7 @@ from scipy.optimize import linear_sum_assignment
 
 import tiny
 from hf_rebasin.alignment.solvers import polar
-from hf_rebasin.alignment.strategies import AlignmentData, Pair
+from hf_rebasin.alignment.strategies import Pair
 from hf_rebasin.alignment.strategies.engines.learned import _lr_factor, refine
 from hf_rebasin.alignment.strategies.engines.maps import LearnedMaps, LearnedSettings
 from hf_rebasin.io.rebuild import rebuild
@@ -81,11 +83,21 @@ def test_warm_up_rises_linearly_then_decays_on_the_cosine():
 ANGLE = 1.5
 
 
-def _rotated_pair(data: AlignmentData):
-    """A fitted tiny GPT-2 A and B = A with its residual stream rotated (in canonical form): a known
-    transform that a learned residual map must undo from the identity."""
-    from test_strategies import _fitted
+def _rotated_pair() -> tuple:
+    """One batch of text, a tiny GPT-2 A fitted on it and B = A with its residual stream rotated (in
+    canonical form): a known transform that a learned residual map must undo from the identity.
+    Fitted once per test process (the fit is seeded, so every call would fit the same model); each
+    caller gets its own copy, and the global RNG as the fit leaves it (for what the caller draws next)."""
+    pair, rng = _rotated_pair_once()
+    torch.set_rng_state(rng)
+    return copy.deepcopy(pair)
 
+
+@functools.cache
+def _rotated_pair_once() -> tuple:
+    from test_strategies import _fitted, _text_data
+
+    data = _text_data(1)  # one batch, fitted and scored on: the search is tested, not generalisation
     a = _fitted("gpt2", data)
     cref, cgraph, untied = canonicalize(graph_for(a.config, a.state_dict().keys()), a.state_dict())
     n = cgraph.ref_size("res")
@@ -93,15 +105,12 @@ def _rotated_pair(data: AlignmentData):
     turn = q @ _skew_exp(n - 1, ANGLE, 2) @ q.T + torch.full((n, n), 1.0 / n, dtype=torch.float64)
     planted = {**cgraph.identity(), "res": AxisMap(n, blocks=turn[None])}
     cb = cgraph.apply(cref, planted)
-    return a, rebuild(a, cb, untie=bool(untied)), cgraph, cref, cb, untied
+    return (data, a, rebuild(a, cb, untie=bool(untied)), cgraph, cref, cb, untied), torch.get_rng_state()
 
 
 @pytest.mark.parametrize("variant", [{}, {"rotations": "polar"}, {"warmup": 0.2}])
 def test_each_variant_undoes_a_planted_residual_rotation(variant):
-    from test_strategies import _text_data
-
-    data = _text_data(1)  # one batch, fitted and scored on: the search is tested, not generalisation
-    a, model_b, cgraph, cref, cb, untied = _rotated_pair(data)
+    data, a, model_b, cgraph, cref, cb, untied = _rotated_pair()
     n = cgraph.ref_size("res")  # learn the residual map only, from the identity (dense: a rotation)
     start = {"res": AxisMap(n, blocks=torch.eye(n, dtype=torch.float64)[None])}
     pair = Pair(cgraph, cref, cb, a, model_b, data)

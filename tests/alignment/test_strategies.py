@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 
@@ -398,7 +401,16 @@ def _fitted(case: str, data: AlignmentData, steps: int = 150) -> torch.nn.Module
 
 def _learned_pair(case: str = "gpt2", n: int = 4):
     """A fitted tiny model A and B = A with three heads of every layer cycled, everything else as
-    is: a known transform only a learned head pairing can find from an identity start."""
+    is: a known transform only a learned head pairing can find from an identity start. Fitted once
+    per test process (the fit is seeded, so every call would fit the same model); each caller gets
+    its own copy, and the global RNG as the fit leaves it (for what the caller draws next)."""
+    pair, rng = _learned_pair_once(case, n)
+    torch.set_rng_state(rng)
+    return copy.deepcopy(pair)
+
+
+@functools.cache
+def _learned_pair_once(case: str, n: int):
     data = _text_data(n)
     a = _fitted(case, data)
     sd = a.state_dict()
@@ -413,7 +425,7 @@ def _learned_pair(case: str = "gpt2", n: int = 4):
             swap[name] = HeadMap(kv, m.q_perm, m.qk, m.vo)
     cb = cgraph.apply(cref, swap)
     model_b = rebuild(a, cb, untie=bool(untied))
-    return a, model_b, cgraph, cref, cb, untied, data
+    return (a, model_b, cgraph, cref, cb, untied, data), torch.get_rng_state()
 
 
 def _refine(options: dict, case: str = "gpt2"):

@@ -11,6 +11,8 @@ default run takes each family in its oldest layout and each layout once.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -50,9 +52,19 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("corpus")
 
 
+@functools.cache
+def _built(family: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The family's model and the global RNG state its seeded build leaves."""
+    return C.FAMILIES[family](0), torch.get_rng_state()
+
+
 def _written(root: Path, family: str, layout: str, permuted: bool = False) -> tuple[torch.nn.Module, Path]:
-    """The family's model (or its MLP-permuted copy) written in ``layout``, once per module."""
-    model = C.FAMILIES[family](0)
+    """The family's model (or its MLP-permuted copy) written in ``layout``, once per module. The model
+    is built once per process and copied for each caller (a layout may convert it in place), the
+    global RNG set as a build would leave it."""
+    built, rng = _built(family)
+    torch.set_rng_state(rng)
+    model = copy.deepcopy(built)
     if permuted:
         model = C.permuted_mlp(model)
     folder = root / f"{family}--{layout}{'--permuted' if permuted else ''}"
@@ -70,10 +82,21 @@ def _stock(model: torch.nn.Module, folder: Path) -> dict[str, torch.Tensor]:
     return dict(loaded.state_dict())
 
 
+_INPUTS: dict[Path, dict[str, torch.Tensor]] = {}
+
+
+def _stock_input(model: torch.nn.Module, folder: Path) -> dict[str, torch.Tensor]:
+    """`_stock` of a folder `_written` made: loaded once per process (never changed after it was
+    written; both tests read it, one of them twice); the tests only read the tensors."""
+    if folder not in _INPUTS:
+        _INPUTS[folder] = _stock(model, folder)
+    return _INPUTS[folder]
+
+
 @pytest.mark.parametrize(("family", "layout"), MERGES)
 def test_loads_like_stock_transformers(root: Path, family: str, layout: str) -> None:
     model, folder = _written(root, family, layout)
-    stock = _stock(model, folder)
+    stock = _stock_input(model, folder)
 
     ours = load_model(folder, allow_pickle=True)
     mine = ours.model.state_dict()
@@ -109,7 +132,7 @@ def test_weight_matching_gives_the_checkpoint_back(root: Path, family: str, layo
     """A merge with an MLP-permuted copy of itself (same layout) is the model again, as the stock class reads it."""
     model, a = _written(root, family, layout)
     _, b = _written(root, family, layout, permuted=True)
-    assert not torch.equal(_stock(model, a)[_first_mlp(model)], _stock(model, b)[_first_mlp(model)])
+    assert not torch.equal(_stock_input(model, a)[_first_mlp(model)], _stock_input(model, b)[_first_mlp(model)])
     out = root / "out" / f"{family}--{layout}"
     recipe = root / f"{family}--{layout}.yaml"
     body = {
@@ -125,7 +148,7 @@ def test_weight_matching_gives_the_checkpoint_back(root: Path, family: str, layo
     code = main([str(recipe)])
     err = capsys.readouterr().err
     assert code == 0, err
-    original, merged = _stock(model, a), _stock(model, out)
+    original, merged = _stock_input(model, a), _stock(model, out)
     assert merged.keys() == original.keys()
     worst = max(float((merged[k] - original[k]).abs().max()) for k in original if original[k].numel())
     assert worst <= 1e-5, worst

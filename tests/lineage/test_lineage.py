@@ -6,8 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from scipy.stats import norm
 from test_glu import random_scales
 
 import tiny
+import warm_cli
 from helpers import assert_user_error, flat, run_main
 from hf_rebasin.alignment.widths import embed_model
 from hf_rebasin.io.models import LoadedModel
@@ -159,14 +158,11 @@ def test_bad_input_exits_2_and_writes_nothing(saved_model, tmp_path):
 
 
 def test_a_hub_id_that_does_not_exist_exits_2(hub, saved_model, tmp_path):
-    env = client_env(hub, None, tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "hf_rebasin", "lineage", str(saved_model("gpt2")), "alice/no-such-model"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """A subprocess (the client reads HF_ENDPOINT at import), forked from the warm helper that the
+    other CLI subprocesses share (the same PYTHONPATH: the repository first)."""
+    env = {**client_env(hub, None, tmp_path), "PYTHONPATH": warm_cli.PYTHONPATH}
+    argv = ["lineage", str(saved_model("gpt2")), "alice/no-such-model"]
+    proc = warm_cli.run_module(argv, env=env, cwd=Path.cwd(), timeout=300)
     assert_user_error(proc, "alice/no-such-model")
 
 
