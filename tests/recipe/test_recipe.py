@@ -228,7 +228,7 @@ def test_unknown_strategy_option_names_the_allowed_options(tmp_path: Path) -> No
     err = problems(MERGE.replace("  residual: first\n", "  residual: first\n  max_iter: 3\n"), tmp_path)
     assert paths(err) == ["strategy.max_iter"] and err.problems[0].line == 9
     assert "not an option of strategy 'head-perm'" in str(err)
-    assert "allowed: components, heads, name, qk, residual, special_tokens" in str(err)
+    assert "allowed: components, form, heads, name, qk, residual, special_tokens" in str(err)
 
 
 def test_nested_options_key_is_explained(tmp_path: Path) -> None:
