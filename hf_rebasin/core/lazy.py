@@ -303,16 +303,27 @@ def _runs(ids: Tensor) -> list[tuple[int, int]]:
     return out
 
 
-def zeroed(state: Mapping[str, Tensor], names: Collection[str]) -> Mapping[str, Tensor]:
-    """``state`` with the tensors ``names`` read as zeros (no tensor copied; a lazy state stays
-    lazy): what a comparison must not read as evidence, on both sides alike."""
-    names = {n for n in names if n in state}
-    if not names:
+def replaced(state: Mapping[str, Tensor], values: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """``state`` with the tensors of ``values`` in place of its own (no other tensor copied; a lazy
+    state stays lazy, and reads a replaced tensor whole)."""
+    if not values:
         return state
     if isinstance(state, LazyState):
         rows = state.rows
         return state.derive(
-            lambda n: torch.zeros(state.shape(n), dtype=state.dtype(n)) if n in names else state[n],
-            rows=lambda n: None if n in names else rows(n),
+            lambda n: values[n].clone() if n in values else state[n],
+            rows=lambda n: None if n in values else rows(n),
         )
-    return {k: (torch.zeros_like(v) if k in names else v) for k, v in state.items()}
+    return {**state, **values}
+
+
+def zeroed(state: Mapping[str, Tensor], names: Collection[str]) -> Mapping[str, Tensor]:
+    """``state`` with the tensors ``names`` read as zeros: what a comparison must not read as
+    evidence, on both sides alike."""
+
+    def zeros(n: str) -> Tensor:  # on the device the state's tensors are read onto
+        if isinstance(state, LazyState):
+            return torch.zeros(state.shape(n), dtype=state.dtype(n), device=state.device)
+        return torch.zeros_like(state[n])
+
+    return replaced(state, {n: zeros(n) for n in names if n in state})

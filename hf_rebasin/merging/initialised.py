@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from hf_rebasin.core.lazy import LazyState
+from hf_rebasin.core.lazy import replaced
 
 __all__ = ["fill_initialised", "fill_transport", "initialised_note", "left_out"]
 
@@ -25,7 +25,7 @@ def fill_initialised(
     A tensor no model has stays as it is; a lazy state stays lazy."""
     if len(states) != len(initialised):
         raise ValueError(f"{len(states)} states but {len(initialised)} sets of initialised tensors")
-    out: list[Mapping[str, Tensor]] = list(states)
+    values: list[dict[str, Tensor]] = [{} for _ in states]
     for name in sorted(set().union(*initialised)):
         present = [s[name] for s, init in zip(states, initialised, strict=True) if name not in init]
         if not present:
@@ -35,18 +35,8 @@ def fill_initialised(
         )
         for i, init in enumerate(initialised):
             if name in init:
-                out[i] = _with(out[i], name, mean)
-    return out
-
-
-def _with(state: Mapping[str, Tensor], name: str, value: Tensor) -> Mapping[str, Tensor]:
-    """``state`` with tensor ``name`` replaced by ``value`` (a lazy state: read through)."""
-    if isinstance(state, LazyState):
-        rows = state.rows
-        return state.derive(
-            lambda n: value.clone() if n == name else state[n], rows=lambda n: None if n == name else rows(n)
-        )
-    return {**state, name: value}
+                values[i][name] = mean
+    return [replaced(s, v) for s, v in zip(states, values, strict=True)]
 
 
 def fill_transport(
@@ -60,14 +50,16 @@ def fill_transport(
     from the moved base's; a fine-tune that lacks it moves nothing there (τ = 0); one whose base
     lacks it brings its own whole (π of the fine-tune's tensor, α = 1 or not)."""
     in_target, in_base, in_ft = (set(i) for i in initialised)
+    new_target: dict[str, Tensor] = {}
+    new_tau: dict[str, Tensor] = {}
     for name in sorted(in_target | in_base | in_ft):
         if name in in_target and name not in in_base:
-            target = _with(target, name, moved_base[name])
+            new_target[name] = moved_base[name]
         if name in in_ft:
-            tau = _with(tau, name, torch.zeros_like(tau[name]))
+            new_tau[name] = torch.zeros_like(tau[name])
         elif name in in_base:  # the base's is zeros, so π(τ) there is the fine-tune's own tensor
-            target, tau = _with(target, name, tau[name]), _with(tau, name, torch.zeros_like(tau[name]))
-    return target, tau
+            new_target[name], new_tau[name] = tau[name], torch.zeros_like(tau[name])
+    return replaced(target, new_target), replaced(tau, new_tau)
 
 
 def left_out(initialised: Sequence[Collection[str]]) -> set[str]:

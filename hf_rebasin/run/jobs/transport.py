@@ -230,11 +230,11 @@ def filled(ws: Workspace, moved: Moved, alignment: Alignment) -> Moved:
     lacked = tuple(set(lm.initialised) for lm in (models.target, models.base, models.finetune))
     if ws.rows is None and not any(lacked):
         return moved
-    target, tau = moved.target, moved.tau
+    target, tau, moved_base = moved.target, moved.tau, alignment.aligned_b()
     if ws.rows is not None:
-        target, tau = ws.rows.fill_transport(target, tau, alignment.aligned_b())
+        target, tau = ws.rows.fill_transport(target, tau, moved_base)
     if any(lacked):  # tensors transformers initialised on load: from the models that have them
-        target, tau = fill_transport(target, tau, alignment.aligned_b(), (lacked[0], lacked[1], lacked[2]))
+        target, tau = fill_transport(target, tau, moved_base, (lacked[0], lacked[1], lacked[2]))
     return dataclasses.replace(moved, target=target, tau=tau)
 
 
