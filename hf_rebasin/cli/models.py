@@ -134,8 +134,9 @@ def add_lineage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="are these models related (a fine-tune, continued pretraining, a merge), up to every symmetry?",
         description=(
             "For every pair of the models (one family and depth): same basis (a plain average or naive transport "
-            "is right), related up to symmetry (B is A's kin, permuted, rotated, rescaled or widened: align first) "
-            "or independent (trained apart), with a p-value and the evidence per layer. Data-free: the weights' "
+            "is right), related up to symmetry (B is A's kin, permuted, rotated, rescaled or widened: align first), "
+            "shared embeddings (one origin, no layer in common: align as for independent models) or independent "
+            "(trained apart), with a p-value and the evidence per layer. Data-free: the weights' "
             "bulk (what is left of each matrix past its top singular directions) is compared after aligning the "
             "signals. A recipe (`job: lineage` with `data`) starts each alignment from maps fitted on the models' "
             "activations instead. Exit 0 with any verdict, 2 on bad input."
@@ -406,6 +407,7 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     from hf_rebasin.alignment.widths import differ_in_width
     from hf_rebasin.io.output import check_output
     from hf_rebasin.lineage.pairs import check_count, lineage_of
+    from hf_rebasin.lineage.record import KIN
     from hf_rebasin.lineage.table import evidence_table, layer_map_table, verdict_table
 
     check_count(len(args.models))
@@ -434,10 +436,11 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
         console.print(verdict_table(record))
         for pair in record.pairs:
             console.print(evidence_table(record, pair))
-            if pair.layer_map is not None and pair.verdict != "independent":
+            if pair.layer_map is not None and pair.verdict in KIN:
                 console.print(layer_map_table(record, pair.layer_map))
-            for lmap in pair.stack_maps if pair.verdict != "independent" else []:
+            for lmap in pair.stack_maps if pair.verdict in KIN else []:
                 console.print(layer_map_table(record, lmap))
+            console.print(f"shared: {escape(pair.origin)}", soft_wrap=True)
             console.print(f"next: {escape(pair.next_step)}", soft_wrap=True)
         for stack in record.layer_maps:
             console.print(layer_map_table(record, stack))

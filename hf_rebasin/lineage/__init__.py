@@ -1,6 +1,7 @@
 """Lineage: are two models of one family related, up to every symmetry hf-rebasin models?
 
-`compare` gives one pair's verdict (same basis, related up to symmetry, independent) with its
+`compare` gives one pair's verdict (same basis, related up to symmetry, shared embeddings,
+independent) with its
 statistic, p-value and the evidence per layer and space; `pairs.lineage_of` every pair of several
 models, as ``lineage.json`` holds it (`record`); `table` and `plot` show it. Models of other depths
 (pruned, up-scaled, stacked from two parents; an encoder-decoder stack by stack) are mapped layer by

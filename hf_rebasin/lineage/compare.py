@@ -16,8 +16,10 @@ The test: under the null, B was trained apart from A, and a space's bulk similar
 `NULL_SIMILARITY` (models trained apart on the same data share far less bulk than that: see the
 docs' lineage page for the testbed it was read from). Each space gives a z-score against that level
 in units of the spread of the cosine of two independent bulks (1/√entries); Stouffer's sum over the
-layers' spaces is the pair's statistic, and its normal tail the p-value. Embeddings are reported
-but not counted: models trained on one text share much of them.
+layers' spaces is the pair's statistic, and its normal tail the p-value. The token and position
+tables are tested apart, each against `SHARED_NULL`: models trained apart on one tokenizer and one
+text share more of them than of any layer, and a pair whose tables pass while no layer does
+shares an origin without a layer in common (students of one teacher that kept other layers).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,9 +45,9 @@ from hf_rebasin.alignment.strategies.engines.descent import view_graph
 from hf_rebasin.alignment.strategies.engines.orthogonal import permutation_start, rotate, space_order
 from hf_rebasin.core.lazy import LazyState, shape_of
 from hf_rebasin.lineage.datamaps import LineageData, data_maps
-from hf_rebasin.lineage.record import SpaceRecord
+from hf_rebasin.lineage.record import KIN, SpaceRecord
 from hf_rebasin.lineage.stats import (
-    RESIDUAL,
+    SHARED_ORIGIN,
     SIGNAL_CAP,
     SIGNAL_SHARE,
     Signals,
@@ -65,7 +67,9 @@ from hf_rebasin.symmetry.transforms import AxisMap, ExpertMap, HeadMap, SpaceMap
 
 __all__ = [
     "ALPHA",
+    "KIN",
     "NULL_SIMILARITY",
+    "SHARED_NULL",
     "PairLineage",
     "Side",
     "Verdict",
@@ -73,11 +77,15 @@ __all__ = [
     "describe_map",
     "judge",
     "prepare_side",
+    "shared_tables",
     "threads_for",
 ]
 
-Verdict = Literal["same basis", "related up to symmetry", "independent"]
+Verdict = Literal["same basis", "related up to symmetry", "shared embeddings", "independent"]
 NULL_SIMILARITY = 0.2  # a space's bulk similarity the null allows (trained apart: ≤ 0.057 on the testbed)
+# the token and position tables' bulk similarity the null allows: models trained apart on one
+# tokenizer and one text agree up to 0.19 there on the zoo, layers never past 0.06 (docs: lineage)
+SHARED_NULL = 0.5
 ALPHA = 1e-3  # a pair is related when its p-value is below this
 # the alignment stops a stage once a pass adds less than 0.1 % of what its passes added, and after
 # 4 passes at most: the bulk similarity needs the maps, not their last digits. On the testbed every
@@ -112,6 +120,7 @@ class PairLineage:
     passes: dict[str, int] = field(default_factory=dict)  # of the alignment: permutations, rotations
     tokens: int = 0  # read by both models to start the alignment (0: data-free)
     transform: Transform | None = None  # B into A's basis (not recorded: a layer map reads its residual map)
+    shared: tuple[str, ...] = ()  # the token and position tables kin beyond `SHARED_NULL` (embeddings, positions)
 
     @property
     def p_value(self) -> float:
@@ -377,7 +386,7 @@ def _bulk_sums(
             last[name] = b[name] - sig_b.dense(name)
         return last[name]
 
-    names = list(sig_a.ranks)
+    names = [n for n in sig_a.ranks if n not in graph.invariant]  # a fixed table (sinusoids) tells no origin
     shapes = {n: tuple(sig_b.factors[n].shape) for n in names}
     moved = graph.apply(LazyState(shapes, {n: torch.float32 for n in names}, bulk_b), transform)
     aligned: dict[str, SpaceSums] = {}
@@ -448,7 +457,8 @@ def _evidence(
     for space, sums in aligned.items():
         if sums.norm_a == 0 or sums.norm_b == 0:  # nothing to compare (a pooler its files lacked): no evidence
             continue
-        counted = space != RESIDUAL
+        counted = space not in SHARED_ORIGIN
+        level = null if counted else SHARED_NULL
         m = transform.get(space) if counted else (transform.get(stream) if stream is not None else None)
         moved, words = describe_map(m)
         out.append(
@@ -458,8 +468,8 @@ def _evidence(
                 similarity=sums.similarity,
                 raw_similarity=raw[space].similarity,
                 entries=int(sums.dof),
-                z=z_score(sums.similarity, sums.dof, null),
-                raw_z=z_score(raw[space].similarity, sums.dof, null),
+                z=z_score(sums.similarity, sums.dof, level),
+                raw_z=z_score(raw[space].similarity, sums.dof, level),
                 moved=moved,
                 map=words,
                 counted=counted,
@@ -474,13 +484,15 @@ def _verdict(spaces: list[SpaceRecord]) -> PairLineage:
     """Related when Stouffer's sum over the counted spaces passes (aligned, or as stored); *same
     basis* only when every counted space is in place on its own test (`_in_place`): a claim about
     every space is an intersection-union test, each space tested at ``ALPHA``, so the claim's
-    error rate is at most ``ALPHA`` without a correction for their number."""
+    error rate is at most ``ALPHA`` without a correction for their number. Where no layer is kin,
+    *shared embeddings* when a token or position table passes its own test (`shared_tables`)."""
     counted = [e for e in spaces if e.counted] or spaces
     z = combined_z([e.z for e in counted])
     raw_z = combined_z([e.raw_z for e in counted])
     log10_p, raw_log10_p = log10_sf(z), log10_sf(raw_z)
     alpha = math.log10(ALPHA)
-    verdict: Verdict = "independent"
+    shared = shared_tables(spaces)
+    verdict: Verdict = "shared embeddings" if shared else "independent"
     if raw_log10_p < alpha or log10_p < alpha:
         verdict = "same basis" if all(e.in_place for e in counted) else "related up to symmetry"
     return PairLineage(
@@ -492,7 +504,16 @@ def _verdict(spaces: list[SpaceRecord]) -> PairLineage:
         raw_z=raw_z,
         raw_log10_p=raw_log10_p,
         spaces=spaces,
+        shared=shared,
     )
+
+
+def shared_tables(spaces: Sequence[SpaceRecord]) -> tuple[str, ...]:
+    """The token and position tables whose bulks are kin beyond `SHARED_NULL`, aligned or as
+    stored, each tested at ``ALPHA`` over the tables compared (Bonferroni)."""
+    tables = [e for e in spaces if e.space in SHARED_ORIGIN and not e.counted]
+    alpha = math.log10(ALPHA / max(len(tables), 1))
+    return tuple(e.space for e in tables if min(log10_sf(e.z), log10_sf(e.raw_z)) < alpha)
 
 
 def _in_place(records: list[SpaceRecord]) -> list[SpaceRecord]:

@@ -157,8 +157,10 @@ def fit_stacks(
 
 @dataclass(frozen=True)
 class LayerStat:
-    """One layer's evidence from its counted spaces: their mean bulk similarity (aligned), log10 p
-    of 'kin' (Stouffer over them) and their bulk entries."""
+    """One layer's evidence from its counted spaces: their mean bulk similarity, log10 p of 'kin'
+    (Stouffer over them) and their bulk entries; aligned, or as stored where that is stronger (as
+    the pair's test: a layer in place can read less aligned, where a rotation fitted to the other
+    layers' signals moved the stream)."""
 
     similarity: float = 0.0
     log10_p: float = log10_sf(0.0)
@@ -172,12 +174,15 @@ def layer_stats(spaces: Sequence[SpaceRecord], stack: str | None = None) -> dict
     for e in spaces:
         if e.counted and e.layer is not None and (stack is None or layer_of(e.space, stack) is not None):
             by.setdefault(e.layer, []).append(e)
-    return {
-        j: LayerStat(
-            sum(e.similarity for e in es) / len(es), log10_sf(combined_z([e.z for e in es])), sum(e.entries for e in es)
-        )
-        for j, es in by.items()
-    }
+    return {j: _layer_stat(es) for j, es in by.items()}
+
+
+def _layer_stat(spaces: list[SpaceRecord]) -> LayerStat:
+    aligned, stored = combined_z([e.z for e in spaces]), combined_z([e.raw_z for e in spaces])
+    pick = (lambda e: e.similarity) if aligned >= stored else (lambda e: e.raw_similarity)
+    return LayerStat(
+        sum(pick(e) for e in spaces) / len(spaces), log10_sf(max(aligned, stored)), sum(e.entries for e in spaces)
+    )
 
 
 def per_layer(fit: LayerFit) -> list[tuple[float, float]]:
@@ -232,6 +237,8 @@ def _kind(layers: list[LayerMatch], depth: int, parent_depths: list[int]) -> str
     if len({p for p, _ in sources}) > 1:
         return "stacked from several parents"
     known = [s for _, s in sources if s is not None]
+    if known and len(known) < len(sources):
+        return "layers in common"  # students of one teacher that kept other layers, or layers trained anew
     if depth == parent_depths[0]:
         return "identity" if known == list(range(depth)) else "layers moved"
     if depth < parent_depths[0]:

@@ -20,6 +20,7 @@ from hf_rebasin.lineage.compare import (
     MATCHING_ROUNDS,
     MATCHING_TOL,
     NULL_SIMILARITY,
+    SHARED_NULL,
     threads_for,
 )
 from hf_rebasin.lineage.datamaps import LineageData, data_bytes, data_tokens
@@ -218,6 +219,7 @@ def _settings(
         "signal_share": share,
         "signal_cap": cap,
         "null_similarity": null,
+        "shared_null": SHARED_NULL,
         "alpha": ALPHA,
         "strategy": DEFAULT_LINEAGE_STRATEGY,
         "tol": MATCHING_TOL,

@@ -27,7 +27,18 @@ from hf_rebasin.lineage.layermap import (
     to_record,
     unexplained,
 )
-from hf_rebasin.lineage.record import LayerMap, PairRecord, map_step, moved_spaces, next_step, stacks_step
+from hf_rebasin.lineage.record import (
+    KIN,
+    LayerMap,
+    PairRecord,
+    describe_stacks,
+    kin_words,
+    map_step,
+    moved_spaces,
+    next_step,
+    origin,
+    stacks_step,
+)
 from hf_rebasin.lineage.stats import SIGNAL_CAP, SIGNAL_SHARE
 
 __all__ = ["PairRun"]
@@ -154,7 +165,7 @@ class PairRun:
     def _moved_layers(self, i: int, j: int, found: PairLineage) -> LayerMap | None:
         """At one depth, where the pair is related but some layer is not kin to its namesake: the
         best layer map, reported (never used for the verdict) when it is not the identity."""
-        if self.multi or found.verdict == "independent" or not self._key() or not _unkin_layers(found):
+        if self.multi or found.verdict not in KIN or not self._key() or not _unkin_layers(found):
             return None  # an encoder-decoder at one depth keeps each stack's layers
         chosen, _ = best_map(self.scores(i, j)[self._key()])
         if chosen == list(range(self.depths[j])):
@@ -187,7 +198,7 @@ class PairRun:
     def _single_parents(self, pairs: Sequence[PairRecord], c: int) -> dict[int, list[float]]:
         """Each model related to model c (and not mapped as its child): the similarity of each of c's
         layers to it, aligned (under the pair's layer map where depths differ)."""
-        related = [pr for pr in pairs if c in (pr.a, pr.b) and pr.verdict != "independent"]
+        related = [pr for pr in pairs if c in (pr.a, pr.b) and pr.verdict in KIN]
         if len(related) < 2:  # one related model is no stack: nothing more to compare
             return {}
         out: dict[int, list[float]] = {}
@@ -230,6 +241,9 @@ def _record(
     if maps:
         step = stacks_step(found.verdict, maps, given, step)
     return PairRecord(
+        shared=list(found.shared),
+        origin=origin(found.verdict, found.shared, _kin_layers(i, j, found, lmap, maps, given)),
+        merge_as=found.verdict if found.verdict in KIN else "independent",
         a=i,
         b=j,
         verdict=found.verdict,
@@ -247,3 +261,20 @@ def _record(
         seconds=found.seconds,
         passes=found.passes,
     )
+
+
+def _kin_layers(
+    i: int, j: int, found: PairLineage, lmap: LayerMap | None, maps: list[LayerMap], given: list[str]
+) -> str | None:
+    """Which layers are kin, in words, where not every layer is kin to its namesake (None there)."""
+    if maps:
+        return describe_stacks(maps, given)
+    if lmap is not None:
+        return kin_words(lmap, given)
+    stats = layer_stats(found.spaces)
+    alpha = math.log10(ALPHA)
+    kin = sorted(n for n, stat in stats.items() if stat.log10_p < alpha)
+    if len(kin) == len(stats):
+        return None
+    mine = ", ".join(map(str, kin)) or "none"
+    return f"layers {mine} of {given[i]} and {given[j]} kin, the others not"

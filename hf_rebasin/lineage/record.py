@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 from hf_rebasin import __version__
 
 __all__ = [
+    "KIN",
     "LayerMap",
     "LayerMatch",
     "LineageRecord",
@@ -19,15 +20,21 @@ __all__ = [
     "SpaceRecord",
     "describe_layers",
     "describe_stacks",
+    "kin_words",
     "map_step",
     "moved_spaces",
     "next_step",
+    "origin",
     "stacks_step",
 ]
 
 
+KIN = ("same basis", "related up to symmetry")  # the verdicts whose layers descend
+
+
 class SpaceRecord(BaseModel):
-    """One space's evidence (a layer's heads, units or experts; ``embeddings``: not counted)."""
+    """One space's evidence (a layer's heads, units or experts; ``embeddings``, ``positions``: the
+    token and position tables, outside the layers' sum and tested on their own)."""
 
     space: str
     layer: int | None
@@ -85,6 +92,14 @@ class PairRecord(BaseModel):
     raw_z: float
     raw_log10_p: float = Field(description="log10 of the p-value of 'same basis' under the null")
     next_step: str
+    shared: list[str] = Field(
+        default_factory=list, description="the token and position tables kin beyond their null (embeddings, positions)"
+    )
+    origin: str = Field(default="", description="what the pair shares, in words")
+    merge_as: str = Field(
+        default="",
+        description="the verdict that decides a merge: 'independent' for models sharing only embeddings, else the verdict",
+    )
     moved: str | None = Field(default=None, description="spaces not in place and those in place, where both are")
     spaces: list[SpaceRecord]
     layer_map: LayerMap | None = Field(default=None, description="where depths differ, or layers moved at one depth")
@@ -139,22 +154,40 @@ def next_step(verdict: str, maps: list[str], moved: str | None = None) -> str:
             "(`hf-rebasin align A B --strategy generalized-orthogonal`), after which a plain average or naive "
             "transport is right"
         )
-    return (
-        "trained apart: align before any merge (job: merge with generalized-orthogonal; `learned: true` with "
+    apart = (
+        "align before any merge (job: merge with generalized-orthogonal; `learned: true` with "
         "alignment data lowers the barrier most) and expect a barrier a plain average would not have between kin; "
         "transport of a task vector needs an alignment too"
     )
+    if verdict == "shared embeddings":
+        return (
+            "one origin, no layer in common (siblings distilled from one teacher that kept other layers, or a model "
+            f"trained anew on another's embeddings): for a merge they are independent models: {apart}; their "
+            "provenance is not independent: credit the common ancestor (licence, attribution)"
+        )
+    return f"trained apart: {apart}"
+
+
+def origin(verdict: str, shared: Sequence[str], layers: str | None = None) -> str:
+    """What a pair shares, in words (``layers``: the kin layers, where not every layer is kin):
+    ``embeddings and positions shared, no layer in common``, ``every layer kin``, or both."""
+    tables = " and ".join(shared)
+    if verdict not in KIN:
+        return f"{tables} shared, no layer in common" if tables else "nothing shared: trained apart"
+    kin = layers or "every layer kin"
+    return f"{tables} shared; {kin}" if tables else kin
 
 
 def map_step(verdict: str, lmap: LayerMap, given: list[str] | tuple[str, ...], step: str) -> str:
     """The next step for a model whose layers map onto its parents' other than one to one: what
     the map is, that merge and transport need one depth, and how to get there."""
-    if verdict == "independent":
+    if verdict not in KIN:
         return step
     parents = " and ".join(given[p] for p in lmap.parents)
     where = describe_layers(lmap, given)
+    how = f"shares layers with {parents}" if lmap.kind == "layers in common" else f"is {lmap.kind} from {parents}"
     return (
-        f"{given[lmap.model]} is {lmap.kind} from {parents} ({where}). `hf-rebasin merge` and `transport` take "
+        f"{given[lmap.model]} {how} ({where}). `hf-rebasin merge` and `transport` take "
         "models of one depth and refuse others: build the parents' layers at its depth with mergekit's passthrough "
         "(the `mergekit` config of this layer map in lineage.json), then compare or merge that with it: " + step
     )
@@ -163,7 +196,7 @@ def map_step(verdict: str, lmap: LayerMap, given: list[str] | tuple[str, ...], s
 def stacks_step(verdict: str, maps: list[LayerMap], given: list[str] | tuple[str, ...], step: str) -> str:
     """The next step for an encoder-decoder whose stacks map onto its parent's other than one to
     one: the map of each stack, and that merge, align and transport need one depth in each."""
-    if verdict == "independent":
+    if verdict not in KIN:
         return step
     kinds = sorted({m.kind for m in maps if m.kind != "identity"}) or ["identity"]
     return (
@@ -180,22 +213,27 @@ def describe_stacks(maps: list[LayerMap], given: list[str] | tuple[str, ...]) ->
     parts = []
     for m in sorted(maps, key=lambda m: m.kind == "identity"):
         label = m.stack.split(".")[-2] if m.stack and "." in m.stack else m.stack or "layers"  # encoder, decoder
-        kin = [x for x in m.layers if x.source is not None]
-        none = [x.layer for x in m.layers if x.source is None]
-        if m.kind == "identity" and not none:
+        if m.kind == "identity" and all(x.source is not None for x in m.layers):
             parts.append(f"{label}: one depth, every layer kin")
             continue
-        words = []
-        if kin:
-            words.append(
-                f"layer{'s' * (len(kin) > 1)} {_listed([x.source for x in kin])} of {given[m.parents[0]]} "
-                f"{'are' if len(kin) > 1 else 'is'} layer{'s' * (len(kin) > 1)} {_listed([x.layer for x in kin])} "
-                f"of {given[m.model]}"
-            )
-        if none:
-            words.append(f"layer{'s' * (len(none) > 1)} {_listed(none)} of {given[m.model]} without a kin layer")
-        parts.append(f"{label}: {', '.join(words)}")
+        parts.append(f"{label}: {kin_words(m, given)}")
     return "; ".join(parts)
+
+
+def kin_words(m: LayerMap, given: list[str] | tuple[str, ...]) -> str:
+    """``layers 3, 7, 11 of A are layers 0–2 of B, layers 3–5 of B without a kin layer`` (one parent)."""
+    kin = [x for x in m.layers if x.source is not None]
+    none = [x.layer for x in m.layers if x.source is None]
+    words = []
+    if kin:
+        words.append(
+            f"layer{'s' * (len(kin) > 1)} {_listed([x.source for x in kin])} of {given[m.parents[0]]} "
+            f"{'are' if len(kin) > 1 else 'is'} layer{'s' * (len(kin) > 1)} {_listed([x.layer for x in kin])} "
+            f"of {given[m.model]}"
+        )
+    if none:
+        words.append(f"layer{'s' * (len(none) > 1)} {_listed(none)} of {given[m.model]} without a kin layer")
+    return ", ".join(words)
 
 
 def _listed(xs: Sequence[int | None]) -> str:

@@ -16,6 +16,7 @@ each side), so the split of a transformed model is the transformed split.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,9 @@ from hf_rebasin.symmetry.graph import SymmetryGraph
 from hf_rebasin.symmetry.spaces import Fused, Space, split_ref
 
 __all__ = [
+    "POSITIONS",
     "RESIDUAL",
+    "SHARED_ORIGIN",
     "SIGNAL_CAP",
     "SIGNAL_SHARE",
     "Signals",
@@ -49,7 +52,10 @@ SIGNAL_CAP = 64  # at most this many directions per matrix (a 7B MLP's 4,096: th
 EXACT_SVD = 1 << 20  # matrices with fewer entries take a full SVD; larger ones a randomized one
 OVERSAMPLE = 2  # the randomized SVD carries this many times the rank (top 64 of a flat spectrum: 0.2 %)
 POWER_ITERATIONS = 8  # 3 left a flat spectrum's top 64 unlike in a model and its moved copy (docs: lineage, At scale)
-RESIDUAL = "embeddings"  # the evidence of tensors bound to the residual stream alone
+RESIDUAL = "embeddings"  # the evidence of tensors bound to the residual stream alone (token tables, LM head)
+POSITIONS = "positions"  # of learned position tables, also bound to the stream alone
+SHARED_ORIGIN = (RESIDUAL, POSITIONS)  # outside the layers: each tested against its own null
+_POSITION_TABLE = re.compile(r"(^|\.)(wpe|position_embeddings|embed_positions)(\.|$)")
 
 
 def signal_rank(shape: tuple[int, ...], share: float = SIGNAL_SHARE, cap: int = SIGNAL_CAP) -> int:
@@ -146,8 +152,8 @@ def signals(
 
 def space_of(graph: SymmetryGraph, name: str) -> str:
     """The space a tensor is evidence for: the first space it is bound to other than the residual
-    stream (a layer's heads, units or experts); `RESIDUAL` for the tensors that only read or write
-    the stream (embeddings, the output head)."""
+    stream (a layer's heads, units or experts); for the tensors that only read or write the stream,
+    `POSITIONS` (learned position tables) or `RESIDUAL` (token tables, the output head)."""
     binding = graph.bindings.get(name)
     for ref in binding.axes if binding is not None else ():
         if ref is None:
@@ -157,7 +163,7 @@ def space_of(graph: SymmetryGraph, name: str) -> str:
             sp = graph.spaces.get(space)
             if not (isinstance(sp, Space) and sp.kind == "residual"):
                 return space
-    return RESIDUAL
+    return POSITIONS if _POSITION_TABLE.search(name) else RESIDUAL
 
 
 @dataclass

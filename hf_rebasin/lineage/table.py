@@ -8,7 +8,12 @@ from hf_rebasin.lineage.record import LayerMap, LineageRecord, PairRecord
 
 __all__ = ["evidence_table", "layer_map_table", "p_text", "verdict_table"]
 
-_COLOURS = {"same basis": "green", "related up to symmetry": "yellow", "independent": "cyan"}
+_COLOURS = {
+    "same basis": "green",
+    "related up to symmetry": "yellow",
+    "shared embeddings": "magenta",
+    "independent": "cyan",
+}
 
 
 def p_text(log10_p: float) -> str:
@@ -47,8 +52,10 @@ def evidence_table(record: LineageRecord, pair: PairRecord) -> Table:
     for column in ("space", "aligned", "as stored", "z", "in place", "map (B → A)"):
         table.add_column(column, justify="left" if column in ("space", "map (B → A)") else "right")
     for s in pair.spaces:
-        label = s.space if s.counted else f"{s.space} (not counted)"
-        place = ("yes" if s.in_place else "[yellow]no[/]") if s.counted else ""
+        label = s.space if s.counted else f"{s.space} (tested apart)"
+        place = (
+            ("yes" if s.in_place else "[yellow]no[/]") if s.counted else ("shared" if s.space in pair.shared else "")
+        )
         table.add_row(label, f"{s.similarity:.3f}", f"{s.raw_similarity:.3f}", f"{s.z:.0f}", place, s.map)
     return table
 

@@ -131,10 +131,11 @@ def _advice(
             f"warning: kin in another basis, and {strategy} aligns nothing: {target} of them mixes two bases; "
             f"use {IDENTITY_ADVICE}"
         ]
+    apart = "trained apart" if verdict == "independent" else "one origin but no layer in common (embeddings shared)"
     if aligns:
-        return [f"trained apart: {strategy} aligns them; expect a barrier (`job: barrier` measures it)"]
+        return [f"{apart}: {strategy} aligns them; expect a barrier (`job: barrier` measures it)"]
     return [
-        f"warning: trained apart, and {strategy} aligns nothing: {target} of models in two bases is a baseline "
+        f"warning: {apart}, and {strategy} aligns nothing: {target} of models in two bases is a baseline "
         f"at best; {IDENTITY_ADVICE} aligns them first"
     ]
 
@@ -148,7 +149,8 @@ def _finetune_advice(verdict: str) -> list[str]:
             "warning: the fine-tune is `base`'s kin in another basis, so fine-tune − base mixes the task with that "
             "change of basis: align the fine-tune to `base` first (`hf-rebasin align`) and transport that"
         ]
+    apart = "trained apart" if verdict == "independent" else "no layer in common, only its embeddings"
     return [
-        "warning: the fine-tune does not descend from `base` (trained apart): fine-tune − base is no task vector; "
+        f"warning: the fine-tune does not descend from `base` ({apart}): fine-tune − base is no task vector; "
         "check `base`, it should be the model the fine-tune was trained from"
     ]

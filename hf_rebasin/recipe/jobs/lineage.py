@@ -21,7 +21,8 @@ STRATEGY = DEFAULT_LINEAGE_STRATEGY
 
 
 class LineageRecipe(ModelsRecipe, AlignedRecipe):
-    """`job: lineage`: a verdict per pair of models (same basis, related up to symmetry, independent)."""
+    """`job: lineage`: a verdict per pair of models (same basis, related up to symmetry, shared embeddings,
+    independent)."""
 
     job: Literal["lineage"] = Field(
         "lineage", description="are the models related, up to every symmetry? a verdict per pair, no weights"
@@ -62,7 +63,8 @@ def _title(names: Sequence[str]) -> str:
 
 JOB = Job(
     name="lineage",
-    summary="a verdict per pair of models: same basis, related up to symmetry, or independent (no weights)",
+    summary="a verdict per pair of models: same basis, related up to symmetry, shared embeddings or independent "
+    "(no weights)",
     recipe=LineageRecipe,
     writes_model=False,
     streams=lambda _recipe: True,  # tensor by tensor from the files: two passes, the signals kept as factors
@@ -73,8 +75,9 @@ JOB = Job(
         title=_title,
         intro="""This folder is a report, not a model. For every pair of the models below it says whether they
 share a basis (a plain average or a naive task vector is right), are related up to symmetry (one
-descends from the other but its heads, units or residual stream were moved: align first), or were
-trained independently, with a p-value and the evidence per layer (`lineage.json`, `lineage.png`).""",
+descends from the other but its heads, units or residual stream were moved: align first), share only
+their token and position tables (one origin, no layer in common: merged as independent models), or
+were trained independently, with a p-value and the evidence per layer (`lineage.json`, `lineage.png`).""",
         why="""Training keeps most of a weight matrix's random initialisation outside its few learned
 directions. Models trained apart learn alike directions but keep different bulks; a fine-tune,
 continued pretraining or a merge keeps its parent's. hf-rebasin aligns the learned directions under

@@ -39,7 +39,7 @@ def run(ws: Workspace) -> JobOutput:
         )
     if "vocabulary" in record.settings:
         ws.notes.append(f"vocabularies differ: {record.settings['vocabulary']}")
-    ws.notes.extend(f"{given[p.a]} vs {given[p.b]}: {p.verdict} ({p.next_step})" for p in record.pairs)
+    ws.notes.extend(f"{given[p.a]} vs {given[p.b]}: {p.verdict}, {p.origin} ({p.next_step})" for p in record.pairs)
     ws.notes.extend(
         f"{given[s.model]} is stacked from {' and '.join(given[p] for p in s.parents)}: {describe_layers(s, given)}"
         for s in record.layer_maps
