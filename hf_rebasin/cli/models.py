@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from hf_rebasin.alignment.strategies import Alignment, Strategy
     from hf_rebasin.alignment.verify import VerifyReport
     from hf_rebasin.io.models import LoadedModel
+    from hf_rebasin.lineage.record import LineageRecord
     from hf_rebasin.merging.basis import Gap
 
 from hf_rebasin.cli.common import EXIT_INTERNAL, EXIT_OK, _model_folder, _parse_options, quiet_libraries
@@ -407,8 +408,6 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     from hf_rebasin.alignment.widths import differ_in_width
     from hf_rebasin.io.output import check_output
     from hf_rebasin.lineage.pairs import check_count, lineage_of
-    from hf_rebasin.lineage.record import KIN
-    from hf_rebasin.lineage.table import evidence_table, layer_map_table, verdict_table
 
     check_count(len(args.models))
     named_inputs = [(f"MODEL {i + 1}", Path(m)) for i, m in enumerate(args.models)]
@@ -433,22 +432,7 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         console.print_json(record.model_dump_json())
     else:
-        console.print(verdict_table(record))
-        for pair in record.pairs:
-            console.print(evidence_table(record, pair))
-            if pair.layer_map is not None and pair.verdict in KIN:
-                console.print(layer_map_table(record, pair.layer_map))
-            for lmap in pair.stack_maps if pair.verdict in KIN else []:
-                console.print(layer_map_table(record, lmap))
-            console.print(f"shared: {escape(pair.origin)}", soft_wrap=True)
-            console.print(f"next: {escape(pair.next_step)}", soft_wrap=True)
-        for stack in record.layer_maps:
-            console.print(layer_map_table(record, stack))
-            console.print(
-                f"mergekit config that rebuilds it from its parents:\n{escape(stack.mergekit)}", soft_wrap=True
-            )
-        if "vocabulary" in record.settings:
-            console.print(f"vocabularies differ: {escape(str(record.settings['vocabulary']))}", soft_wrap=True)
+        _print_lineage(record, console)
     if args.output:
         from hf_rebasin.io.output import output_folder, write_text
         from hf_rebasin.lineage.plot import plot_lineage
@@ -460,6 +444,27 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
         if not args.json:
             console.print(f"written to {escape(args.output)}: lineage.json and lineage.png", soft_wrap=True)
     return EXIT_OK
+
+
+def _print_lineage(record: LineageRecord, console: Console) -> None:
+    """The verdicts, each pair's evidence, layer maps, what it shares and the next step."""
+    from hf_rebasin.lineage.record import KIN
+    from hf_rebasin.lineage.table import evidence_table, layer_map_table, verdict_table
+
+    console.print(verdict_table(record))
+    for pair in record.pairs:
+        console.print(evidence_table(record, pair))
+        if pair.layer_map is not None and pair.verdict in KIN:
+            console.print(layer_map_table(record, pair.layer_map))
+        for lmap in pair.stack_maps if pair.verdict in KIN else []:
+            console.print(layer_map_table(record, lmap))
+        console.print(f"shared: {escape(pair.origin)}", soft_wrap=True)
+        console.print(f"next: {escape(pair.next_step)}", soft_wrap=True)
+    for stack in record.layer_maps:
+        console.print(layer_map_table(record, stack))
+        console.print(f"mergekit config that rebuilds it from its parents:\n{escape(stack.mergekit)}", soft_wrap=True)
+    if "vocabulary" in record.settings:
+        console.print(f"vocabularies differ: {escape(str(record.settings['vocabulary']))}", soft_wrap=True)
 
 
 def cmd_embed(args: argparse.Namespace, console: Console) -> int:
