@@ -56,7 +56,8 @@ def evidence_table(record: LineageRecord, pair: PairRecord) -> Table:
         place = (
             ("yes" if s.in_place else "[yellow]no[/]") if s.counted else ("shared" if s.space in pair.shared else "")
         )
-        table.add_row(label, f"{s.similarity:.3f}", f"{s.raw_similarity:.3f}", f"{s.z:.0f}", place, s.map)
+        z = s.z if s.counted else max(s.z, s.raw_z)  # a table is shared aligned or as stored
+        table.add_row(label, f"{s.similarity:.3f}", f"{s.raw_similarity:.3f}", f"{z:.0f}", place, s.map)
     return table
 
 

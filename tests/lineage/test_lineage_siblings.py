@@ -103,3 +103,13 @@ def test_students_with_overlapping_layers_are_mapped_at_their_offsets(students: 
         assert sources == {0: None, 1: 0, 2: 2}, sources
         assert "layers 0, 2 of " in pair.origin and "are layers 1–2 of" in pair.origin
     assert pair.origin.startswith("embeddings and positions shared; ")
+
+
+def test_the_terminal_says_what_siblings_share(students: dict[str, Path]) -> None:
+    proc = run_main("lineage", str(students["even"]), str(students["odd"]), env={"COLUMNS": "250"})
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "shared embeddings" in text and "shared: embeddings and positions shared, no layer in common" in text
+    assert "credit the common ancestor" in text
+    rows = [line for line in proc.stdout.splitlines() if "(tested apart)" in line]
+    assert len(rows) == 2 and all("shared" in row for row in rows), rows
