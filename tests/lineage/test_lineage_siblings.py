@@ -13,7 +13,7 @@ import torch
 import transformers as T
 
 from helpers import run_main
-from hf_rebasin.lineage.record import LineageRecord
+from hf_rebasin.lineage.record import LineageRecord, PairRecord
 
 NOISE = 0.3  # of each tensor's RMS: the students' training apart
 
@@ -52,7 +52,7 @@ def _lineage(*folders: Path) -> LineageRecord:
     return LineageRecord.model_validate_json(proc.stdout)
 
 
-def _pair(record: LineageRecord, a: int, b: int):  # noqa: ANN202
+def _pair(record: LineageRecord, a: int, b: int) -> PairRecord:
     return next(p for p in record.pairs if (p.a, p.b) == (a, b))
 
 
