@@ -449,6 +449,8 @@ def cmd_lineage(args: argparse.Namespace, console: Console) -> int:
             )
         if "vocabulary" in record.settings:
             console.print(f"vocabularies differ: {escape(str(record.settings['vocabulary']))}", soft_wrap=True)
+        if "heads" in record.settings:
+            console.print(f"label counts differ: {escape(str(record.settings['heads']))}", soft_wrap=True)
     if args.output:
         from hf_rebasin.io.output import output_folder, write_text
         from hf_rebasin.lineage.plot import plot_lineage

@@ -52,7 +52,7 @@ def _lineage(*folders: Path) -> LineageRecord:
     return LineageRecord.model_validate_json(proc.stdout)
 
 
-def _pair(record: LineageRecord, a: int, b: int):  # noqa: ANN202
+def _pair(record: LineageRecord, a: int, b: int):
     return next(p for p in record.pairs if (p.a, p.b) == (a, b))
 
 
