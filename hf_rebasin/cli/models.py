@@ -465,6 +465,8 @@ def _print_lineage(record: LineageRecord, console: Console) -> None:
         console.print(f"mergekit config that rebuilds it from its parents:\n{escape(stack.mergekit)}", soft_wrap=True)
     if "vocabulary" in record.settings:
         console.print(f"vocabularies differ: {escape(str(record.settings['vocabulary']))}", soft_wrap=True)
+    if "heads" in record.settings:
+        console.print(f"label counts differ: {escape(str(record.settings['heads']))}", soft_wrap=True)
 
 
 def cmd_embed(args: argparse.Namespace, console: Console) -> int:

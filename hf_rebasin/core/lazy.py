@@ -13,6 +13,7 @@ import ctypes
 import functools
 import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import overload
 
 import torch
 from torch import Tensor
@@ -31,6 +32,7 @@ __all__ = [
     "row_blocks",
     "rowwise",
     "shape_of",
+    "under",
 ]
 
 WORK_DTYPE = torch.float32  # what floating tensors are read as: every computation runs in float32
@@ -327,3 +329,34 @@ def zeroed(state: Mapping[str, Tensor], names: Collection[str]) -> Mapping[str, 
         return torch.zeros_like(state[n])
 
     return replaced(state, {n: zeros(n) for n in names if n in state})
+
+
+@overload
+def under(state: LazyState, prefix: str) -> LazyState: ...
+
+
+@overload
+def under(state: Mapping[str, Tensor], prefix: str) -> Mapping[str, Tensor]: ...
+
+
+def under(state: Mapping[str, Tensor], prefix: str) -> Mapping[str, Tensor]:
+    """The tensors of ``state`` named ``prefix…``, named without it: a classifier's body as the
+    bare model names it, so that two classifiers with other heads are compared on what both have.
+    A lazy state stays lazy (nothing read; shapes, dtypes and row blocks from ``state``)."""
+    names = {n[len(prefix) :]: n for n in state if n.startswith(prefix)}
+    if not isinstance(state, LazyState):
+        return {short: state[n] for short, n in names.items()}
+    aliases = {
+        a[len(prefix) :]: s[len(prefix) :]
+        for a, s in state.aliases.items()
+        if a.startswith(prefix) and s.startswith(prefix)
+    }
+    out = LazyState(
+        {short: tuple(state.shape(n)) for short, n in names.items()},
+        {short: state.dtype(n) for short, n in names.items()},
+        lambda short: state[names[short]],
+        aliases=aliases,
+        rows=lambda short: state.rows(names[short]),
+    )
+    out.device = state.device
+    return out

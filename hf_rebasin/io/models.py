@@ -281,20 +281,32 @@ def check_stack_depths(a: LoadedModel, b: LoadedModel) -> None:
         )
 
 
-def _check_labels(a: LoadedModel, b: LoadedModel) -> None:
-    """Two classifiers of other label counts: what differs is the task, not the size (each loads)."""
+def label_counts(a: LoadedModel, b: LoadedModel) -> tuple[int, int] | None:
+    """The label counts of two classifiers whose task heads differ in shape (a head over 2 labels,
+    one over 5), or None: what differs is the task, not the size, so only their bodies (the tensors
+    under ``base_model_prefix``) can be compared; each loads with its stock class."""
     labels = [getattr(lm.model.config, "num_labels", None) for lm in (a, b)]
     prefix = f"{getattr(a.model, 'base_model_prefix', '')}."
-    if labels[0] == labels[1] or prefix == "." or a.model.base_model is a.model:
-        return
+    if labels[0] == labels[1] or prefix == "." or a.model.base_model is a.model or b.model.base_model is b.model:
+        return None
+    if prefix != f"{getattr(b.model, 'base_model_prefix', '')}.":
+        return None
     head = [n for n in a.weights if not n.startswith(prefix) and n in b.weights]
     if all(shape_of(a.weights, n) == shape_of(b.weights, n) for n in head):
+        return None
+    return int(labels[0] or 0), int(labels[1] or 0)
+
+
+def _check_labels(a: LoadedModel, b: LoadedModel) -> None:
+    """Heads over other label sets cannot be averaged nor moved onto each other: refused, saying why."""
+    labels = label_counts(a, b)
+    if labels is None:
         return
     raise IncompatibleModelsError(
         f"the task heads differ: {str(a.path)!r} has {labels[0]} labels and {str(b.path)!r} has {labels[1]}. Heads "
-        f"over other label sets cannot be averaged, moved onto each other or compared; align, merge or compare their "
-        f"bodies instead (each loaded as the bare model: `architectures: [{type(a.model.base_model).__name__}]` in a "
-        "copy of its config.json)"
+        f"over other label sets cannot be averaged nor moved onto each other; align or merge their bodies instead "
+        f"(each loaded as the bare model: `architectures: [{type(a.model.base_model).__name__}]` in a copy of its "
+        "config.json). `hf-rebasin lineage` compares such classifiers on their bodies as they are"
     )
 
 

@@ -13,6 +13,7 @@ from hf_rebasin.core.errors import IncompatibleModelsError, RebasinUserError
 from hf_rebasin.core.lazy import shape_of
 from hf_rebasin.core.memory import OVERHEAD, InsufficientMemoryError, available_memory
 from hf_rebasin.core.names import DEFAULT_LINEAGE_STRATEGY
+from hf_rebasin.io.bodies import compared_bodies
 from hf_rebasin.io.models import LoadedModel, check_compatible, stack_depths
 from hf_rebasin.lineage.compare import (
     ALPHA,
@@ -169,11 +170,13 @@ def lineage_of(
     """Every pair's verdict (A against B, A against C, B against C, …), as ``lineage.json`` holds it.
     Models of different widths are first written into the widest one's shape (exactly), models
     whose vocabularies differ (added tokens, an extended release) compared on the tokens they all
-    have (``settings["vocabulary"]`` says so). With
+    have (``settings["vocabulary"]`` says so), classifiers whose task heads are over other label
+    sets on their bodies (``settings["heads"]``). With
     ``data`` (batches every model reads), each alignment starts from maps fitted on activations."""
     start = time.perf_counter()
     names = [f"model {i + 1} ({g})" for i, g in enumerate(given)]
     check_comparable(models, names)
+    models, heads = compared_bodies(models)  # classifiers over other label sets: their bodies
     check_memory(models, data_tokens=0 if data is None else data_tokens(data.batches, models[0].model.config))
     rows, vocabulary = to_shared_rows(list(models))  # a new release is judged on the tokens it shares
     same, embedded = to_widest(rows, names)
@@ -206,6 +209,8 @@ def lineage_of(
     settings = _settings(share, cap, null, data, run.tokens)
     if vocabulary is not None:
         settings["vocabulary"] = vocabulary
+    if heads is not None:
+        settings["heads"] = heads
     if keys is not None and data is not None:
         settings["data_note"] = "pairs of other depths than the first model's are compared data-free"
     seconds = {"total": time.perf_counter() - start}

@@ -39,6 +39,8 @@ def run(ws: Workspace) -> JobOutput:
         )
     if "vocabulary" in record.settings:
         ws.notes.append(f"vocabularies differ: {record.settings['vocabulary']}")
+    if "heads" in record.settings:
+        ws.notes.append(f"label counts differ: {record.settings['heads']}")
     ws.notes.extend(f"{given[p.a]} vs {given[p.b]}: {p.verdict}, {p.origin} ({p.next_step})" for p in record.pairs)
     ws.notes.extend(
         f"{given[s.model]} is stacked from {' and '.join(given[p] for p in s.parents)}: {describe_layers(s, given)}"
