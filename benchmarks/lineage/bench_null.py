@@ -55,7 +55,7 @@ def relative_pairs(related: bool) -> Iterator[tuple[str, str, Path, Path]]:
     related (students that kept no layer in common: by their embeddings only); the MiniLM family,
     as float32 and as bf16."""
     teachers = sorted(p.name for p in RELATIVES.glob("teacher-s*") if p.name.count("-") == 1)
-    group = {t: [RELATIVES / t, *sorted(RELATIVES.glob(f"{t}-s[0-9]*[0-9]"))] for t in teachers}
+    group = {t: [RELATIVES / t, *sorted(RELATIVES.glob(f"{t}-s[0-9][0-9][0-9]"))] for t in teachers}
     for t, u in itertools.combinations(teachers, 2):
         for a, b in itertools.product(group[t], group[u]):
             yield "independent", f"{a.name}, {b.name}", a, b

@@ -277,4 +277,4 @@ def _kin_layers(
     if len(kin) == len(stats):
         return None
     mine = ", ".join(map(str, kin)) or "none"
-    return f"layers {mine} of {given[i]} and {given[j]} kin, the others not"
+    return f"layer{'s' * (len(kin) != 1)} {mine} of {given[i]} and {given[j]} kin, the others not"
