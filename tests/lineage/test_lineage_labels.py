@@ -101,6 +101,7 @@ def test_labels_alike_keep_the_heads(tmp_path: Path) -> None:
     assert "heads" not in record.settings
 
 
+@pytest.mark.slow  # the refusal and the job's notes: also checked in tests/io/test_initialised.py and the CLI
 def test_a_merge_and_an_alignment_are_still_refused(folders: dict[str, Path], tmp_path: Path) -> None:
     a, b = str(folders["two"]), str(folders["five"])
     assert_user_error(run_main("align", a, b, "--strategy", "weight-matching"), "task heads differ", "2 labels")
@@ -135,6 +136,7 @@ def test_the_body_view_reads_what_the_bare_model_holds(folders: dict[str, Path],
     assert bodies(a, same) is None  # one label count: compared as they are
 
 
+@pytest.mark.slow  # the refusal and the job's notes: also checked in tests/io/test_initialised.py and the CLI
 def test_job_lineage_notes_the_heads_left_out(folders: dict[str, Path], tmp_path: Path) -> None:
     body = {"job": "lineage", "models": [str(folders["two"]), str(folders["five"])], "output": {"dir": "out"}}
     proc = run_main(str(write_recipe(tmp_path, body)))
