@@ -267,7 +267,7 @@ def _moved(lm: LoadedModel, seed: int) -> LoadedModel:
     return LoadedModel(model=model, graph=lm.graph, path=lm.path)
 
 
-def vocabulary_cases(seeds: list[int], data: AlignmentData | None = None) -> Iterator[Case]:
+def vocabulary_cases(seeds: list[int], data: AlignmentData | None = None, *, bench: bool = True) -> Iterator[Case]:
     """Pairs whose vocabularies differ, judged on the tokens both have (`lineage_of`): a chat
     fine-tune (ChatML added) and a release with 4 more tokens against their base (plain, and the
     chat fine-tune permuted), and chat fine-tunes against other seeds' bases."""
@@ -294,6 +294,8 @@ def vocabulary_cases(seeds: list[int], data: AlignmentData | None = None) -> Ite
                 "independent",
                 data,
             )
+    if not bench:  # the benchmark GPT-2 and its chat fine-tune: about 45 minutes to train on first use
+        return
     bench, bench_chat = _load("bench-gpt2", 0), _load("bench-gpt2-chat", 0)
     how = "seed 0, ChatML added, KJV exchange"
     yield _pair(bench, bench_chat, "related", "chat fine-tune", "bench-gpt2", how, "same basis", data)
@@ -477,7 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     cases: list[Case] = []
     made: dict[str, AlignmentData] = {}
     if args.vocabularies:
-        for case in vocabulary_cases(args.seeds, probe_data("gpt2", args.data, made) if args.data else None):
+        probe = probe_data("gpt2", args.data, made) if args.data else None
+        for case in vocabulary_cases(args.seeds, probe, bench=not args.tiny_only):
             cases.append(case)
             print(
                 f"{case.label:11s} {case.kind:12s} {case.how:50s} {case.verdict:24s} {case.statistic:6.3f}", flush=True
@@ -495,7 +498,8 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     cases.extend(widened_cases(args.seeds, probe_data("gpt2", args.data, made) if args.data else None))
-    cases.extend(vocabulary_cases(args.seeds, probe_data("gpt2", args.data, made) if args.data else None))
+    probe = probe_data("gpt2", args.data, made) if args.data else None
+    cases.extend(vocabulary_cases(args.seeds, probe, bench=not args.tiny_only))
     out = args.out or cache_root() / "lineage-bench" / ("results-data.json" if args.data else "results.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([asdict(c) for c in cases], indent=1))
