@@ -495,6 +495,7 @@ def test_learned_options_are_checked_before_anything_runs(options, match):
     assert get_strategy("generalized-orthogonal").parse({"learned": True, "sampler": " fixed( 0.5 ) "})
 
 
+@pytest.mark.slow  # 4.2 s; learned matching's fast tests cover the engine
 def test_multi_model_learned_matching_with_dirichlet_weights_finds_a_common_head_order():
     """Three copies of one fitted model with their heads in three different orders, every map
     starting at the identity: refined together on merges with Dirichlet(0.1) weights, the three

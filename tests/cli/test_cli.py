@@ -47,6 +47,7 @@ def test_no_command_is_a_usage_error() -> None:
     assert "verify" in proc.stderr
 
 
+@pytest.mark.slow  # 5.5 s; the other verify tests cover the command fast
 def test_verify_gpt2_permutation(saved_model) -> None:
     folder = saved_model("gpt2")
     proc = run_cli("verify", str(folder), "--seed", "3")
