@@ -28,6 +28,11 @@ CASES = sorted(tiny.FACTORIES)
 # seed 0 in the fast suite, the other draws with the slow tests (and in the preservation matrix,
 # `benchmarks/symmetry/preservation_matrix.py`, every model and class under 3 seeds)
 SEEDS = (0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow))
+# the round trip through save_pretrained in the fast suite with the orthogonal class, which changes
+# the most tensors (and unties what canonical form makes apart); the others with the slow tests
+ROUND_TRIP_CLASSES = tuple(
+    cls if cls == "orthogonal" else pytest.param(cls, marks=pytest.mark.slow) for cls in TRANSFORM_CLASSES
+)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +165,7 @@ def test_canonical_form_is_exact_and_idempotent(models, case):
         torch.testing.assert_close(sd2[k], sd[k])
 
 
-@pytest.mark.parametrize("cls", TRANSFORM_CLASSES)
+@pytest.mark.parametrize("cls", ROUND_TRIP_CLASSES)
 @pytest.mark.parametrize("case", CASES)
 def test_transformed_model_round_trips_through_save_pretrained(models, case, cls, tmp_path):
     model = models[case]
