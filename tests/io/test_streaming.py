@@ -159,8 +159,16 @@ def _recipe(root: Path, name: str, models: tuple[Path, Path], strategy: str, **o
     return path
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("arch", ARCHS)
+# every strategy on Llama and the rotation on every architecture in the fast suite; the rest slow
+STREAMED_MERGES = [
+    pytest.param(arch, strategy, id=f"{arch}-{strategy}", marks=() if fast else pytest.mark.slow)
+    for arch in ARCHS
+    for strategy in STRATEGIES
+    for fast in [arch == "llama" or strategy == "generalized-orthogonal"]
+]
+
+
+@pytest.mark.parametrize(("arch", "strategy"), STREAMED_MERGES)
 def test_streamed_merge_writes_what_the_in_memory_merge_writes(
     arch: str, strategy: str, pairs: dict[str, tuple[Path, Path]], tmp_path: Path, capsys: Any, monkeypatch: Any
 ) -> None:

@@ -164,12 +164,18 @@ def _check_stack(record: LineageRecord, sources: list[tuple[int, int]]) -> None:
     assert built == [(record.models[p].given, i) for p, i in sources]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
-@pytest.mark.parametrize(
-    "sources",
-    [[(0, 0), (0, 1), (1, 2), (1, 3)], [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 3)]],
-    ids=["same", "deeper"],
-)
+# each family and each depth once in the fast suite (the same-depth Llama, the deeper GPT-2); the
+# other two with the slow tests
+_SAME, _DEEPER = [(0, 0), (0, 1), (1, 2), (1, 3)], [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 3)]
+PASSTHROUGHS = [
+    pytest.param("llama-gqa", _SAME, id="same-llama-gqa"),
+    pytest.param("gpt2", _DEEPER, id="deeper-gpt2"),
+    pytest.param("gpt2", _SAME, id="same-gpt2", marks=pytest.mark.slow),
+    pytest.param("llama-gqa", _DEEPER, id="deeper-llama-gqa", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("family", "sources"), PASSTHROUGHS)
 def test_a_passthrough_stack_of_two_models_trained_apart_is_mapped_to_both(family, sources, tmp_path: Path) -> None:
     p1, p2 = _deep(family, 0, 4), _deep(family, 1, 4)
     record = _lineage([p1, p2, _stacked(family, [p1, p2], sources)], tmp_path)
